@@ -1,0 +1,24 @@
+# The two set-up commands of the README. Both work on a fresh machine: they create .venv and
+# install the project with the pinned versions of constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+demo: $(STAMP)
+	$(BIN)/rosetta check --preset tiny
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

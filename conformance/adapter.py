@@ -1,0 +1,101 @@
+"""The backend adapter protocol and the registry the harness finds backends in.
+
+A backend is registered by name with the dotted path of a factory ("module:attribute"), so the
+harness imports it (and its framework) only when asked to. A backend whose import fails is
+reported as unavailable with the reason, never as a crash and never as passed.
+
+To be driven by the harness a backend implements:
+
+    class MyBackend:
+        name: str
+        def availability(self) -> str | None        # None when usable, else why not
+        def devices(self) -> list[str]              # devices present here: "cpu", "cuda", ...
+        def supports(self, dtype, device) -> str | None   # None when supported, else why not
+        def load(self, cfg, params, dtype, device) -> Runner
+
+    class Runner:
+        def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py
+
+``params`` are the canonical float32 NumPy parameters (spec.param_shapes); a runner raises
+``NotSupported`` for a sublayer it does not implement (reported as skipped, with the reason).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from spec import ModelConfig
+
+
+class NotSupported(Exception):
+    """Raised by a runner for a sublayer or input it does not implement."""
+
+
+class Runner(Protocol):
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def availability(self) -> str | None: ...
+
+    def devices(self) -> list[str]: ...
+
+    def supports(self, dtype: str, device: str) -> str | None: ...
+
+    def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> Runner: ...
+
+
+@dataclass
+class _Entry:
+    target: str | Callable[[], Backend]
+    instance: Backend | None = None
+    error: str | None = None
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "numpy-float32": _Entry("conformance.backends.numpy_backend:NumpyFloat32Backend"),
+}
+
+
+def register_backend(name: str, factory: str | Callable[[], Backend]) -> None:
+    """Add a backend: a factory callable, or "module:attribute" imported on first use."""
+    if not isinstance(name, str) or not name or any(c in name for c in " ,/"):
+        raise ValueError(f"backend name must be a non-empty string without spaces, commas or slashes: {name!r}")
+    _REGISTRY[name] = _Entry(factory)
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> tuple[Backend | None, str | None]:
+    """(backend, None) when it can be used, (None, reason) when not. Unknown names raise KeyError."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
+    entry = _REGISTRY[name]
+    if entry.instance is None and entry.error is None:
+        try:
+            factory = entry.target
+            if isinstance(factory, str):
+                module_name, _, attribute = factory.partition(":")
+                factory = getattr(importlib.import_module(module_name), attribute)
+            entry.instance = factory()
+        except ImportError as error:
+            entry.error = f"not installed: {error}"
+        except Exception as error:  # noqa: BLE001 - a broken plugin is reported, not raised
+            entry.error = f"failed to load: {type(error).__name__}: {error}"
+    if entry.error is not None:
+        return None, entry.error
+    reason = entry.instance.availability()
+    return (None, reason) if reason else (entry.instance, None)

@@ -1,0 +1,312 @@
+"""The case catalogue: named, seeded, deterministic inputs for every sublayer and mask case.
+
+A case is (sublayer, mask_case). Its inputs depend only on the config and the case's name
+(the seed is a hash of the name), so every backend, every run and every machine sees the same
+numbers. Activations are float32-representable; the golden reads them upcast to float64.
+
+Sublayers and the inputs each receives (the adapter protocol's contract, see adapter.py):
+
+    embedding      ids [B,T] int64, side 'src'|'tgt', offset          -> [B,T,d]
+    positional     length, side, offset                               -> [T,d]
+    attention      q [B,H,Q,dk], k, v [B,H,K,dk], mask                -> [B,H,Q,dk]
+    mha            module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (self-attention)
+    mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
+    ffn            module, x [B,T,d]                                  -> [B,T,d]
+    norm           module, x [B,T,d]                                  -> [B,T,d]
+    ffn_block      layer, x [B,T,d]        (residual/norm around the FFN)  -> [B,T,d]
+    encoder_layer  index, x [B,S,d], mask                             -> [B,S,d]
+    decoder_layer  index, y [B,T,d], memory [B,S,d]|None, self_mask, cross_mask -> [B,T,d]
+    encoder        src_ids [B,S]                                      -> memory [B,S,d]
+    decoder        tgt_ids [B,T], memory [B,S,d]|None, src_keep [B,S]|None -> [B,T,d]
+    logits         h [B,T,d]                                          -> [B,T,V]
+    log_probs      h [B,T,d]                                          -> [B,T,V]
+    forward        src_ids [B,S]|None, tgt_ids [B,T]                  -> [B,T,V]
+    decode         src_ids|None, tgt_ids [B,T], prefix               -> [B,T-prefix,V]
+                   (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step)
+    generate       src_ids|None, prompt_ids|None, bos_id, eos_id, max_new_tokens -> tokens [B,N]
+
+Masks are boolean keep-masks in any shape the spec accepts ([K], [Q,K], [B,Q,K], [B,H,Q,K]
+with size-1 axes broadcasting) or None; a backend must normalize them (spec.inputs.mask_shape_4d).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spec import ModelConfig
+from spec.masks import causal_mask, combine_masks, key_mask
+
+BATCH = 3
+SRC_LEN = 7
+TGT_LEN = 6
+PAST_LEN = 4  # cached positions before the query in the 'incremental' mask case
+BOS_ID = 1
+EOS_ID = 2
+MAX_NEW_TOKENS = 5
+
+MASK_CASES: dict[str, str] = {
+    "none": "no mask, no padding",
+    "pad_right": "mixed lengths, padding at the end",
+    "pad_left": "mixed lengths, padding at the start",
+    "pad_middle": "padding tokens inside the sequences",
+    "causal": "causal self-attention (query t sees keys <= t)",
+    "causal_pad": "causal AND key padding",
+    "cross_pad": "cross-attention to a padded source (Lq != Lk)",
+    "lq_ne_lk": "queries and keys of different lengths, no mask",
+    "single_token": "one query, one key",
+    "all_pad": "one sequence entirely padding: its rows have no key to attend to",
+    "incremental": "queries after a cache: Q new positions against P+Q keys",
+    "mask_k": "explicit mask of shape [K]",
+    "mask_qk": "explicit mask of shape [Q, K] with a fully masked row",
+    "mask_b1qk": "explicit mask of shape [B, 1, Q, K] with a fully masked row",
+    "mask_bhqk": "explicit mask of shape [B, H, Q, K] with fully masked rows",
+}
+
+_ATTENTION_CASES = ("none", "pad_right", "pad_left", "pad_middle", "causal", "causal_pad", "lq_ne_lk",
+                    "single_token", "all_pad", "incremental", "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
+_CROSS_CASES = ("cross_pad", "lq_ne_lk", "single_token", "all_pad")
+_ENCODER_LAYER_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "all_pad",
+                        "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
+_DECODER_LAYER_CASES = ("causal", "causal_pad", "cross_pad", "lq_ne_lk", "single_token", "all_pad")
+_STACK_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "all_pad")
+_MODEL_CASES = ("none", "pad_right", "pad_left", "pad_middle", "cross_pad", "lq_ne_lk", "single_token", "all_pad")
+_NEEDS_SOURCE = {"cross_pad", "lq_ne_lk"}  # meaningless without an encoder (for model-level cases)
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    name: str
+    doc: str
+    mask_cases: tuple[str, ...]
+    depth: Callable[[ModelConfig], int]  # sublayers chained, for the tolerance
+    needs_encoder: bool = False
+
+
+def _layers_depth(cfg: ModelConfig) -> int:
+    decoder_blocks = 3 if cfg.has_encoder else 2
+    return 2 * cfg.n_encoder_layers + decoder_blocks * cfg.n_decoder_layers + 2
+
+
+SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
+    Sublayer("embedding", "token embedding (x sqrt(d)) plus positional encoding", ("none",), lambda c: 1),
+    Sublayer("positional", "positional encoding table rows", ("none",), lambda c: 1),
+    Sublayer("attention", "scaled dot-product attention with a mask", _ATTENTION_CASES, lambda c: 1),
+    Sublayer("mha", "multi-head self-attention (encoder layer 0, or decoder layer 0)", _ATTENTION_CASES, lambda c: 1),
+    Sublayer("mha_cross", "multi-head cross-attention (decoder layer 0)", _CROSS_CASES, lambda c: 1, True),
+    Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
+    Sublayer("norm", "the config's norm (layernorm or std)", ("none",), lambda c: 1),
+    Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
+    Sublayer("encoder_layer", "encoder layer 0", _ENCODER_LAYER_CASES, lambda c: 4, True),
+    Sublayer("decoder_layer", "decoder layer 0", _DECODER_LAYER_CASES, lambda c: 6),
+    Sublayer("encoder", "embedding, every encoder layer, final norm", _STACK_CASES,
+             lambda c: 2 * c.n_encoder_layers + 2, True),
+    Sublayer("decoder", "embedding, every decoder layer, final norm", _MODEL_CASES,
+             lambda c: (3 if c.has_encoder else 2) * c.n_decoder_layers + 2),
+    Sublayer("logits", "output projection (tied or not)", ("none",), lambda c: 1),
+    Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
+    Sublayer("forward", "the whole model, teacher-forced", _MODEL_CASES, _layers_depth),
+    Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
+             ("incremental", "pad_right", "pad_left"), _layers_depth),
+    Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
+             ("none", "pad_right", "pad_left"), _layers_depth),
+]}
+
+
+@dataclass(frozen=True)
+class Case:
+    sublayer: str
+    mask_case: str
+    inputs: dict[str, Any] = field(compare=False, repr=False)
+    reduction_length: int = 1  # the longest inner product or sum in the case
+
+    @property
+    def name(self) -> str:
+        return f"{self.sublayer}-{self.mask_case}"
+
+
+def case_seed(sublayer: str, mask_case: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{sublayer}-{mask_case}".encode()).digest()[:8], "little")
+
+
+# ---- input makers -----------------------------------------------------------------------------
+
+def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _keep(batch: int, length: int, padding: str) -> np.ndarray:
+    """Which positions hold real tokens [B, L] under a padding pattern. Rows get lengths L, L-2,
+    L/2 (so the batch mixes lengths); 'all_pad' empties row 1 entirely."""
+    keep = np.ones((batch, length), dtype=bool)
+    real_lengths = [length, max(1, length - 2), max(1, length // 2)]
+    for row in range(batch):
+        real = real_lengths[row % 3]
+        if padding == "pad_right":
+            keep[row, real:] = False
+        elif padding == "pad_left":
+            keep[row, :length - real] = False
+        elif padding == "pad_middle" and length >= 3 and row % 3 < 2:
+            keep[row, 1:length - 1:2] = False
+        elif padding == "all_pad" and row == 1:
+            keep[row, :] = False
+    return keep
+
+
+def _token_ids(rng: np.random.Generator, batch: int, length: int, vocab: int, pad_id: int,
+               padding: str) -> np.ndarray:
+    """Random real tokens (never pad_id) with pad_id where the padding pattern says."""
+    if vocab < 2:
+        return np.full((batch, length), pad_id, dtype=np.int64)
+    ids = rng.integers(0, vocab - 1, size=(batch, length))
+    ids = np.where(ids >= pad_id, ids + 1, ids)  # every id but pad_id
+    return np.where(_keep(batch, length, padding), ids, pad_id).astype(np.int64)
+
+
+def _explicit_mask(rng: np.random.Generator, mask_case: str, batch: int, heads: int, q_len: int, k_len: int) -> np.ndarray | None:
+    """Masks for the attention-level mask cases (None = no mask)."""
+    if mask_case in ("none", "lq_ne_lk", "single_token"):
+        return None
+    if mask_case in ("pad_right", "pad_left", "pad_middle", "all_pad", "cross_pad"):
+        padding = "pad_right" if mask_case == "cross_pad" else mask_case
+        return key_mask(_keep(batch, k_len, padding))
+    if mask_case == "causal":
+        return causal_mask(q_len, k_len)
+    if mask_case == "causal_pad":
+        return combine_masks(causal_mask(q_len, k_len), key_mask(_keep(batch, k_len, "pad_left")))
+    if mask_case == "incremental":
+        return combine_masks(causal_mask(q_len, k_len), key_mask(_keep(batch, k_len, "pad_right")))
+    if mask_case == "mask_k":
+        keep = rng.random(k_len) < 0.7
+        keep[0] = True
+        return keep
+    shapes = {"mask_qk": (q_len, k_len), "mask_b1qk": (batch, 1, q_len, k_len), "mask_bhqk": (batch, heads, q_len, k_len)}
+    mask = rng.random(shapes[mask_case]) < 0.7
+    mask[..., 0, :] = False  # a fully masked row in every (batch, head)
+    return mask
+
+
+def _lengths(cfg: ModelConfig, mask_case: str) -> tuple[int, int]:
+    """(query length, key length) of an attention-level case, capped by learned positions."""
+    q_len, k_len = TGT_LEN, TGT_LEN
+    if mask_case in ("lq_ne_lk", "cross_pad"):
+        k_len = SRC_LEN
+    elif mask_case == "single_token":
+        q_len = k_len = 1
+    elif mask_case == "incremental":
+        q_len, k_len = 1, PAST_LEN + 1
+    return q_len, k_len
+
+
+def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
+    """(src_ids, tgt_ids) for a model-level case; lengths capped at max_len."""
+    src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
+    if mask_case == "single_token":
+        src_len = tgt_len = 1
+    elif mask_case == "lq_ne_lk":
+        src_len = min(SRC_LEN + 3, cfg.max_len)
+    target_padding = "none" if mask_case in ("cross_pad", "lq_ne_lk") else mask_case
+    source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
+    tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
+    if not cfg.has_encoder:
+        return None, tgt
+    return _token_ids(rng, BATCH, src_len, cfg.src_vocab_size, cfg.pad_id, source_padding), tgt
+
+
+def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Generator) -> tuple[dict[str, Any], int]:
+    """(inputs, reduction length) for one case."""
+    d, d_ff, heads = cfg.d_model, cfg.d_ff, cfg.n_heads
+    stack = "encoder" if cfg.has_encoder else "decoder"
+    if sublayer in ("embedding", "positional"):
+        side = "src" if cfg.has_encoder else "tgt"
+        length, offset = min(TGT_LEN, cfg.max_len), min(3, cfg.max_len - min(TGT_LEN, cfg.max_len))
+        if sublayer == "positional":
+            return {"length": length, "side": side, "offset": offset}, 1
+        vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
+        return {"ids": _token_ids(rng, BATCH, length, vocab, cfg.pad_id, "pad_right"), "side": side, "offset": offset}, 1
+    if sublayer == "attention":
+        q_len, k_len = _lengths(cfg, mask_case)
+        return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head), "k": _normal(rng, BATCH, heads, k_len, cfg.d_head),
+                "v": _normal(rng, BATCH, heads, k_len, cfg.d_head),
+                "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(cfg.d_head, k_len)
+    if sublayer in ("mha", "mha_cross"):
+        q_len, k_len = _lengths(cfg, mask_case)
+        x = _normal(rng, BATCH, q_len, d)
+        self_attention = sublayer == "mha" and q_len == k_len
+        context = x if self_attention else _normal(rng, BATCH, k_len, d)
+        module = f"{stack}.layers.0.self_attn" if sublayer == "mha" else "decoder.layers.0.cross_attn"
+        return {"module": module, "x": x, "context": context,
+                "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(d, k_len)
+    if sublayer in ("ffn", "norm", "ffn_block"):
+        module = {"ffn": f"{stack}.layers.0.ffn", "norm": f"{stack}.layers.0.ffn_norm", "ffn_block": f"{stack}.layers.0"}[sublayer]
+        key = "layer" if sublayer == "ffn_block" else "module"
+        return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, d if sublayer == "norm" else max(d, d_ff)
+    if sublayer == "encoder_layer":
+        length = 1 if mask_case == "single_token" else SRC_LEN
+        return {"index": 0, "x": _normal(rng, BATCH, length, d),
+                "mask": _explicit_mask(rng, mask_case, BATCH, heads, length, length)}, max(d, d_ff, length)
+    if sublayer == "decoder_layer":
+        t_len, s_len = (1, 1) if mask_case == "single_token" else (TGT_LEN, SRC_LEN)
+        if mask_case == "lq_ne_lk":
+            s_len = SRC_LEN + 3
+        self_mask = _explicit_mask(rng, "causal_pad" if mask_case in ("causal_pad", "all_pad") else "causal",
+                                   BATCH, heads, t_len, t_len)
+        if mask_case == "all_pad":
+            self_mask = combine_masks(self_mask, key_mask(_keep(BATCH, t_len, "all_pad")))
+        memory = _normal(rng, BATCH, s_len, d) if cfg.has_encoder else None
+        cross = None
+        if cfg.has_encoder and mask_case in ("cross_pad", "all_pad"):
+            cross = key_mask(_keep(BATCH, s_len, "pad_right" if mask_case == "cross_pad" else "all_pad"))
+        return {"index": 0, "y": _normal(rng, BATCH, t_len, d), "memory": memory, "self_mask": self_mask,
+                "cross_mask": cross}, max(d, d_ff, s_len)
+    src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
+    reduction = max(d, d_ff, SRC_LEN + 3)
+    if sublayer == "encoder":
+        return {"src_ids": src_ids}, reduction
+    if sublayer == "decoder":
+        memory = _normal(rng, BATCH, src_ids.shape[1], d) if cfg.has_encoder else None
+        src_keep = (src_ids != cfg.pad_id) if cfg.has_encoder else None
+        return {"tgt_ids": tgt_ids, "memory": memory, "src_keep": src_keep}, reduction
+    if sublayer in ("logits", "log_probs"):
+        return {"h": _normal(rng, BATCH, TGT_LEN, d)}, max(d, cfg.tgt_vocab_size if sublayer == "log_probs" else 1)
+    if sublayer == "forward":
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids}, reduction
+    if sublayer == "decode":
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": min(2, tgt_ids.shape[1] - 1)}, reduction
+    if sublayer == "generate":
+        prompt = None
+        if not cfg.has_encoder:
+            prompt = _token_ids(rng, BATCH, 3, cfg.tgt_vocab_size, cfg.pad_id, "pad_left" if mask_case != "none" else "none")
+        new_tokens = max(1, min(MAX_NEW_TOKENS, cfg.max_len - (1 if prompt is None else 3)))
+        return {"src_ids": src_ids, "prompt_ids": prompt, "bos_id": min(BOS_ID, cfg.tgt_vocab_size - 1),
+                "eos_id": min(EOS_ID, cfg.tgt_vocab_size - 1), "max_new_tokens": new_tokens}, reduction
+    raise KeyError(f"unknown sublayer {sublayer!r}")
+
+
+def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
+    """The mask cases of a sublayer that make sense for this config."""
+    spec_ = SUBLAYERS[sublayer]
+    if spec_.needs_encoder and not cfg.has_encoder:
+        return ()
+    cases = spec_.mask_cases
+    if not cfg.has_encoder:
+        if sublayer == "decoder_layer":
+            cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")
+        elif sublayer in ("decoder", "forward"):
+            cases = tuple(c for c in cases if c not in _NEEDS_SOURCE)
+    return cases
+
+
+def catalogue(cfg: ModelConfig) -> list[Case]:
+    """Every applicable (sublayer, mask case) of the config, inputs built."""
+    cases = []
+    for sublayer in SUBLAYERS:
+        for mask_case in applicable_cases(cfg, sublayer):
+            rng = np.random.default_rng(case_seed(sublayer, mask_case))
+            inputs, reduction = _build(cfg, sublayer, mask_case, rng)
+            cases.append(Case(sublayer, mask_case, inputs, reduction))
+    return cases

@@ -1,0 +1,155 @@
+"""The conformance matrix: every case × dtype × backend × device against the golden."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from conformance.adapter import NotSupported, backend_names, get_backend
+from conformance.backends.numpy_backend import NumpyRunner, golden_output
+from conformance.cases import SUBLAYERS, Case, catalogue
+from conformance.tolerance import DTYPES, compare, tolerance
+from spec import ModelConfig
+from spec.errors import SpecError
+
+PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    backend: str
+    device: str
+    dtype: str
+    sublayer: str
+    mask_case: str
+    status: str  # pass | fail | skip | error
+    max_abs_err: float | None = None
+    rel_err: float | None = None
+    tol: float | None = None
+    worst_index: tuple[int, ...] | None = None
+    reason: str = ""
+    seconds: float = 0.0
+
+    @property
+    def test_id(self) -> str:
+        return cell_id(self.sublayer, self.mask_case, self.dtype, self.backend, self.device)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.max_abs_err is None or self.tol is None:
+            return None
+        return self.max_abs_err / self.tol if self.tol > 0 else (0.0 if self.max_abs_err == 0 else math.inf)
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        for key in ("max_abs_err", "rel_err", "tol"):
+            if record[key] is not None and not math.isfinite(record[key]):
+                record[key] = str(record[key])  # JSON has no inf
+        return record
+
+
+def cell_id(sublayer: str, mask_case: str, dtype: str, backend: str, device: str) -> str:
+    """The id a cell has in reports and under pytest: mha-causal_pad-float32-torch-cpu."""
+    return f"{sublayer}-{mask_case}-{dtype}-{backend}-{device}"
+
+
+def matches(test_id: str, pattern: str | None) -> bool:
+    """-k filter: a substring, or a glob when it holds * ? or [."""
+    if not pattern:
+        return True
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(test_id, pattern)
+    return pattern in test_id
+
+
+@dataclass
+class Plan:
+    """What a matrix run will do: the cells to run and the ones skipped up front."""
+
+    cfg: ModelConfig
+    cases: list[Case]
+    columns: list[tuple[str, str, str]]  # (backend, dtype, device) that can run
+    skipped_columns: dict[tuple[str, str, str], str]  # (backend, dtype, device) -> reason
+
+
+def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
+                devices: Iterable[str] | None = None) -> Plan:
+    """Resolve the backends, dtypes and devices asked for into runnable and skipped columns."""
+    names = list(backends) if backends is not None else backend_names()
+    wanted_dtypes = list(dtypes) if dtypes is not None else list(DTYPES)
+    for dtype in wanted_dtypes:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    columns, skipped = [], {}
+    for name in names:
+        backend, reason = get_backend(name)
+        present = backend.devices() if backend else ["cpu"]
+        wanted_devices = list(devices) if devices is not None else present
+        for device in wanted_devices:
+            for dtype in wanted_dtypes:
+                key = (name, dtype, device)
+                if backend is None:
+                    skipped[key] = reason
+                elif device not in present:
+                    skipped[key] = f"device {device} not present for {name}"
+                elif (why := backend.supports(dtype, device)) is not None:
+                    skipped[key] = why
+                else:
+                    columns.append(key)
+    return Plan(cfg, catalogue(cfg), columns, skipped)
+
+
+def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
+               pattern: str | None = None, fail_fast: bool = False,
+               progress: Callable[[CellResult, int, int], None] | None = None) -> list[CellResult]:
+    """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells."""
+    plan = plan or plan_matrix(cfg)
+    results: list[CellResult] = []
+    for (name, dtype, device), reason in plan.skipped_columns.items():
+        for case in plan.cases:
+            if matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
+                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason))
+    work = [(case, column) for column in plan.columns for case in plan.cases
+            if matches(cell_id(case.sublayer, case.mask_case, column[1], column[0], column[2]), pattern)]
+    golden_runner = NumpyRunner(cfg, params, "float64")
+    references: dict[str, np.ndarray] = {}
+    runners: dict[tuple[str, str, str], object] = {}
+    for done, (case, (name, dtype, device)) in enumerate(work, start=1):
+        if case.name not in references:
+            references[case.name] = golden_output(cfg, params, case.sublayer, case.inputs, golden_runner)
+        result = _run_cell(cfg, params, case, name, dtype, device, references[case.name], runners)
+        results.append(result)
+        if progress:
+            progress(result, done, len(work))
+        if fail_fast and result.status in (FAIL, ERROR):
+            break
+    return results
+
+
+def _run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference: np.ndarray,
+              runners: dict) -> CellResult:
+    base = dict(backend=name, device=device, dtype=dtype, sublayer=case.sublayer, mask_case=case.mask_case)
+    start = time.perf_counter()
+    try:
+        key = (name, dtype, device)
+        if key not in runners:
+            backend, _ = get_backend(name)
+            runners[key] = backend.load(cfg, params, dtype, device)
+        output = runners[key].run(case.sublayer, case.inputs)
+    except NotSupported as reason:
+        return CellResult(**base, status=SKIP, reason=f"not supported: {reason}")
+    except (SpecError, Exception) as error:  # noqa: BLE001 - any backend failure is a reported error
+        return CellResult(**base, status=ERROR, reason=f"{type(error).__name__}: {error}",
+                          seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    relative = tolerance(dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(cfg))
+    result = compare(output, reference, relative)
+    return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
+                      rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
+                      reason=result.reason, seconds=seconds)

@@ -1,0 +1,429 @@
+"""The golden reference: the Transformer of "Attention Is All You Need" in plain NumPy.
+
+One short function per piece of the paper, the equation in its docstring, shapes in comments
+(B batch, S source length, T target length, Q queries, K keys, H heads, d d_model, d_k head
+size, V vocabulary). Every function computes in the dtype of its inputs: the golden runs at
+float64 (``forward(..., dtype=np.float64)``, from the float32 shared weights upcast), and the
+same code at float32 is the ``numpy-float32`` backend. Scalars are Python floats so that
+NumPy never promotes a float32 computation to float64 behind our back.
+
+Parameters ``p`` are flat dicts of canonical names (spec.param_shapes) relative to a module,
+as ``spec.params_under`` gives them: multi_head_attention(p) reads p["q.weight"], ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec import ModelConfig, check_params, params_under
+from spec.errors import InputError
+from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+from spec.masks import causal_mask, combine_masks, key_mask
+
+Params = Mapping[str, np.ndarray]
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x W + b, W stored [in, out] as in the paper."""
+    y = x @ weight
+    return y if bias is None else y + bias
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    """max(0, x)"""
+    return np.maximum(x, 0)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # NumPy has no erf; math.erf is exact to ~1 ulp
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """x Φ(x) = x (1 + erf(x / √2)) / 2, the exact form."""
+    return (0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))).astype(x.dtype)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """x (1 + tanh(√(2/π) (x + 0.044715 x³))) / 2, the tanh approximation."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def swish(x: np.ndarray) -> np.ndarray:
+    """x σ(x), written as x (1 + tanh(x/2)) / 2, which cannot overflow."""
+    return 0.5 * x * (1.0 + np.tanh(0.5 * x))
+
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relu": relu, "gelu": gelu, "gelu-tanh": gelu_tanh, "swish": swish,
+}
+
+
+def softmax(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """softmax(x)_j = exp(x_j - max x) / Σ_k exp(x_k - max x) over the last axis, keeping only
+    entries where mask is True. A row with nothing kept is all zeros (SPEC.md §6), not NaN."""
+    if mask is not None:
+        x = np.where(mask, x, -np.inf)
+    row_max = x.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0)  # fully masked row: max is -inf
+    e = np.exp(x - row_max)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log softmax(x) = x - max x - log Σ exp(x - max x)"""
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+# ---- embeddings and positions ---------------------------------------------------------------
+
+def token_embedding(ids: np.ndarray, weight: np.ndarray, scale: bool) -> np.ndarray:
+    """E[ids] · √d_model (the scale when cfg.embed_scale). ids [B, T] -> [B, T, d]"""
+    x = weight[ids]
+    return x * math.sqrt(weight.shape[1]) if scale else x
+
+
+def sinusoidal_table(positions: np.ndarray, d_model: int, layout: str) -> np.ndarray:
+    """angle(pos, i) = pos / 10000^(2i/d), i = 0..d/2-1, evaluated in float64.
+    'sinusoidal': PE[pos, 2i] = sin, PE[pos, 2i+1] = cos (the paper, interleaved).
+    'sinusoidal-concat': PE[pos, :d/2] = sin, PE[pos, d/2:] = cos (fairseq/Marian halves)."""
+    inverse_frequency = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)  # [d/2]
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inverse_frequency[None, :]  # [T, d/2]
+    if layout == "sinusoidal":
+        return np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(len(positions), d_model)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+def positional_encoding(cfg: ModelConfig, params: Params, side: str, length: int, offset: int = 0,
+                        dtype: np.dtype = np.float64) -> np.ndarray:
+    """The encoding of positions offset..offset+length-1 for side 'src' or 'tgt'. -> [T, d]"""
+    positions = np.arange(offset, offset + length)
+    if cfg.positional == "learned":
+        return params[f"{side}_pos.weight"][positions]
+    return sinusoidal_table(positions, cfg.d_model, cfg.positional).astype(dtype)
+
+
+def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: int = 0) -> np.ndarray:
+    """x = E[ids] (· √d) + PE[positions]. ids [B, T] -> [B, T, d]"""
+    table = params["tgt_embed.weight"] if side == "tgt" or cfg.share_src_tgt_embed else params["src_embed.weight"]
+    x = token_embedding(ids, table, cfg.embed_scale)
+    return x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None]
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """[B, T, d] -> [B, H, T, d_k]; head h owns columns h·d_k .. (h+1)·d_k - 1."""
+    batch, length, d_model = x.shape
+    return x.reshape(batch, length, n_heads, d_model // n_heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """[B, H, T, d_k] -> [B, T, d] (Concat(head_1, ..., head_h))."""
+    batch, n_heads, length, d_head = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
+
+
+def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                 mask: np.ndarray | None = None) -> np.ndarray:
+    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V.
+    q [B, H, Q, d_k], k and v [B, H, K, d_k], mask keep [.., Q, K] -> [B, H, Q, d_k]"""
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+    return softmax(scores, mask) @ v
+
+
+def key_value_heads(p: Params, context: np.ndarray, n_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """K = c W^K + b, V = c W^V + b, split into heads. context [B, K, d] -> 2 × [B, H, K, d_k]"""
+    k = split_heads(linear(context, p["k.weight"], p.get("k.bias")), n_heads)
+    v = split_heads(linear(context, p["v.weight"], p.get("v.bias")), n_heads)
+    return k, v
+
+
+def attend(p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+           n_heads: int) -> np.ndarray:
+    """Concat(head_1..head_h) W^O + b, head_i = Attention(x W_i^Q, K_i, V_i). x [B, Q, d] -> [B, Q, d]"""
+    q = split_heads(linear(x, p["q.weight"], p.get("q.bias")), n_heads)
+    heads = scaled_dot_product_attention(q, k, v, mask)  # [B, H, Q, d_k]
+    return linear(merge_heads(heads), p["o.weight"], p.get("o.bias"))
+
+
+def multi_head_attention(p: Params, x: np.ndarray, context: np.ndarray, mask: np.ndarray | None,
+                         n_heads: int) -> np.ndarray:
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V).
+    Self-attention: context is x. x [B, Q, d], context [B, K, d] -> [B, Q, d]"""
+    return attend(p, x, *key_value_heads(p, context, n_heads), mask, n_heads)
+
+
+# ---- feed-forward, norms, residual ----------------------------------------------------------
+
+def feed_forward(p: Params, x: np.ndarray, activation: str) -> np.ndarray:
+    """FFN(x) = act(x W1 + b1) W2 + b2. [B, T, d] -> [B, T, d]"""
+    hidden = ACTIVATIONS[activation](linear(x, p["w1.weight"], p.get("w1.bias")))  # [B, T, d_ff]
+    return linear(hidden, p["w2.weight"], p.get("w2.bias"))
+
+
+def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """γ (x - μ) / √(σ² + ε) + β, σ² the biased variance over d (two passes)."""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    variance = (centered * centered).mean(axis=-1, keepdims=True)
+    return centered / np.sqrt(variance + eps) * scale + bias
+
+
+def std_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """γ (x - μ) / (s + ε) + β, s the unbiased standard deviation (divides by d - 1)."""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    std = np.sqrt((centered * centered).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1))
+    return scale * centered / (std + eps) + bias
+
+
+def norm(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """The config's norm with parameters p["scale"], p["bias"]."""
+    kind = layer_norm if cfg.norm == "layernorm" else std_norm
+    return kind(x, p["scale"], p["bias"], float(cfg.norm_eps))
+
+
+def residual(cfg: ModelConfig, norm_p: Params, x: np.ndarray,
+             sublayer: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """post-LN: Norm(x + Sublayer(x))  (the paper);  pre-LN: x + Sublayer(Norm(x))."""
+    if cfg.norm_position == "post":
+        return norm(cfg, norm_p, x + sublayer(x))
+    return x + sublayer(norm(cfg, norm_p, x))
+
+
+def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """The residual/norm block around a layer's FFN. p: the layer's parameters."""
+    return residual(cfg, params_under(p, "ffn_norm"), x,
+                    lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation))
+
+
+# ---- layers and stacks ----------------------------------------------------------------------
+
+def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
+    attention = params_under(p, "self_attn")
+    x = residual(cfg, params_under(p, "self_attn_norm"), x,
+                 lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads))
+    return ffn_block(cfg, p, x)
+
+
+def decoder_layer(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray | None,
+                  self_mask: np.ndarray | None, cross_mask: np.ndarray | None) -> np.ndarray:
+    """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention to memory) [encoder-decoder
+    only]; y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
+    self_attention = params_under(p, "self_attn")
+    y = residual(cfg, params_under(p, "self_attn_norm"), y,
+                 lambda h: multi_head_attention(self_attention, h, h, self_mask, cfg.n_heads))
+    if memory is not None:
+        cross_attention = params_under(p, "cross_attn")
+        y = residual(cfg, params_under(p, "cross_attn_norm"), y,
+                     lambda h: multi_head_attention(cross_attention, h, memory, cross_mask, cfg.n_heads))
+    return ffn_block(cfg, p, y)
+
+
+def final_norm(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray) -> np.ndarray:
+    """The norm after a stack (cfg.final_norm), else x unchanged."""
+    return norm(cfg, params_under(params, f"{stack}.norm"), x) if cfg.final_norm else x
+
+
+def encoder(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep: np.ndarray) -> np.ndarray:
+    """memory = Norm?(Layer_N(...Layer_1(Embed(src)))). src_ids [B, S] -> [B, S, d]"""
+    x = embed(cfg, params, src_ids, "src")
+    mask = key_mask(src_keep)  # [B, 1, 1, S]
+    for i in range(cfg.n_encoder_layers):
+        x = encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), x, mask)
+    return final_norm(cfg, params, "encoder", x)
+
+
+def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.ndarray,
+            memory: np.ndarray | None = None, src_keep: np.ndarray | None = None) -> np.ndarray:
+    """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))). tgt_ids [B, T] -> [B, T, d]"""
+    y = embed(cfg, params, tgt_ids, "tgt")
+    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
+    cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
+    for i in range(cfg.n_decoder_layers):
+        y = decoder_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, memory, self_mask, cross_mask)
+    return final_norm(cfg, params, "decoder", y)
+
+
+def output_logits(cfg: ModelConfig, params: Params, h: np.ndarray) -> np.ndarray:
+    """logits = h W_head + b; tied: W_head = E_tgtᵀ. [B, T, d] -> [B, T, V]"""
+    weight = params["tgt_embed.weight"].T if cfg.tie_head else params["head.weight"]
+    return linear(h, weight, params.get("head.bias"))
+
+
+def log_probs(cfg: ModelConfig, params: Params, h: np.ndarray) -> np.ndarray:
+    """log p(token) = log_softmax(logits). [B, T, d] -> [B, T, V]"""
+    return log_softmax(output_logits(cfg, params, h))
+
+
+# ---- the whole model ------------------------------------------------------------------------
+
+def cast_params(cfg: ModelConfig, params: Params, dtype: np.dtype = np.float64) -> dict[str, np.ndarray]:
+    """Check the canonical float32 parameters and cast them to the computation dtype."""
+    check_params(cfg, params)
+    return {name: value.astype(dtype) for name, value in params.items()}
+
+
+def token_keep(ids: np.ndarray, pad_id: int, keep: np.ndarray | None, name: str) -> np.ndarray:
+    """Which tokens are real: the given keep-vector [B, T], else ids != pad_id."""
+    if keep is None:
+        return ids != pad_id
+    keep = np.asarray(keep)
+    if keep.dtype != bool or keep.shape != ids.shape:
+        raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
+                         f"{keep.dtype} {list(keep.shape)}")
+    return keep
+
+
+def check_model_inputs(cfg: ModelConfig, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
+    """The spec's input rules (spec.inputs) for one call of the model."""
+    if cfg.has_encoder:
+        if src_ids is None:
+            raise InputError("an encoder-decoder model needs src_ids")
+        src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+        check_positions(cfg, src_length, 0, "src_ids")
+    elif src_ids is not None:
+        raise InputError("a decoder-only model takes no src_ids (pass None)")
+    tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
+    if cfg.has_encoder:
+        check_same_batch(src_batch, tgt_batch)
+
+
+def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
+            dtype: np.dtype = np.float64, src_keep: np.ndarray | None = None,
+            tgt_keep: np.ndarray | None = None) -> np.ndarray:
+    """Teacher-forced logits [B, T, V]. Decoder-only: src_ids=None. Padding comes from pad_id
+    unless keep-vectors (True = real token) are given."""
+    check_model_inputs(cfg, src_ids, tgt_ids)
+    p = cast_params(cfg, params, dtype)
+    tgt_ids = np.asarray(tgt_ids)
+    tgt_keep = token_keep(tgt_ids, cfg.pad_id, tgt_keep, "tgt_keep")
+    memory = None
+    if cfg.has_encoder:
+        src_ids = np.asarray(src_ids)
+        src_keep = token_keep(src_ids, cfg.pad_id, src_keep, "src_keep")
+        memory = encoder(cfg, p, src_ids, src_keep)
+    return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep))
+
+
+# ---- incremental decoding with a KV cache ---------------------------------------------------
+
+@dataclass(frozen=True)
+class KVCache:
+    """What the decoder keeps between steps. L decoder layers; P positions decoded so far."""
+
+    self_keys: tuple[np.ndarray, ...]  # L × [B, H, P, d_k]
+    self_values: tuple[np.ndarray, ...]  # L × [B, H, P, d_k]
+    tgt_keep: np.ndarray  # [B, P] which decoded positions are real tokens
+    cross_keys: tuple[np.ndarray, ...] | None = None  # L × [B, H, S, d_k], computed once
+    cross_values: tuple[np.ndarray, ...] | None = None
+    src_keep: np.ndarray | None = None  # [B, S]
+
+    @property
+    def length(self) -> int:
+        return self.tgt_keep.shape[1]
+
+
+def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | None = None,
+                src_keep: np.ndarray | None = None) -> KVCache:
+    """An empty cache; for an encoder-decoder, run the encoder once and keep each layer's
+    cross-attention K and V of the memory. p: parameters already in the computation dtype."""
+    dtype = p["tgt_embed.weight"].dtype
+    empty = np.zeros((batch, cfg.n_heads, 0, cfg.d_head), dtype)
+    layers = range(cfg.n_decoder_layers)
+    cache = KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), np.zeros((batch, 0), bool))
+    if not cfg.has_encoder:
+        return cache
+    src_ids = np.asarray(src_ids)
+    src_keep = token_keep(src_ids, cfg.pad_id, src_keep, "src_keep")
+    memory = encoder(cfg, p, src_ids, src_keep)
+    cross = [key_value_heads(params_under(p, f"decoder.layers.{i}.cross_attn"), memory, cfg.n_heads) for i in layers]
+    return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep,
+                   tuple(k for k, _ in cross), tuple(v for _, v in cross), src_keep)
+
+
+def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray,
+                tgt_keep: np.ndarray | None = None) -> tuple[np.ndarray, KVCache]:
+    """Feed the next n target tokens [B, n] (n = 1 for a step, more for a prompt) after the cached
+    ones; return their logits [B, n, V] and the extended cache. Equals the full forward."""
+    tgt_ids = np.asarray(tgt_ids)
+    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, tgt_ids.shape[1], cache.length, "tgt_ids")
+    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
+        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
+    keep = np.concatenate([cache.tgt_keep, token_keep(tgt_ids, cfg.pad_id, tgt_keep, "tgt_keep")], axis=1)
+    n_new, n_all = tgt_ids.shape[1], keep.shape[1]
+    self_mask = combine_masks(causal_mask(n_new, n_all), key_mask(keep))  # [B, 1, n, P + n]
+    cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)
+    y = embed(cfg, p, tgt_ids, "tgt", offset=cache.length)
+    keys, values = [], []
+    for i in range(cfg.n_decoder_layers):
+        layer = params_under(p, f"decoder.layers.{i}")
+        self_attention = params_under(layer, "self_attn")
+
+        def cached_self_attention(h: np.ndarray) -> np.ndarray:
+            # K, V of the new positions joined to the cached ones: [B, H, P + n, d_k]
+            k, v = key_value_heads(self_attention, h, cfg.n_heads)
+            keys.append(np.concatenate([cache.self_keys[i], k], axis=2))
+            values.append(np.concatenate([cache.self_values[i], v], axis=2))
+            return attend(self_attention, h, keys[-1], values[-1], self_mask, cfg.n_heads)
+
+        y = residual(cfg, params_under(layer, "self_attn_norm"), y, cached_self_attention)
+        if cache.cross_keys is not None:
+            cross_attention = params_under(layer, "cross_attn")
+            y = residual(cfg, params_under(layer, "cross_attn_norm"), y,
+                         lambda h: attend(cross_attention, h, cache.cross_keys[i], cache.cross_values[i],
+                                          cross_mask, cfg.n_heads))
+        y = ffn_block(cfg, layer, y)
+    logits = output_logits(cfg, p, final_norm(cfg, p, "decoder", y))
+    new_cache = KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)
+    return logits, new_cache
+
+
+def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None = None, *,
+                    prompt_ids: np.ndarray | None = None, bos_id: int | None = None,
+                    eos_id: int | None = None, max_new_tokens: int, dtype: np.dtype = np.float64) -> np.ndarray:
+    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens].
+
+    Encoder-decoder: decoding starts from bos_id. Decoder-only: from prompt_ids [B, P] (pad_id
+    marks prompt padding). Each step takes the arg-max token (ties go to the lowest id); after a
+    sequence emits eos_id its remaining tokens are pad_id. Generated tokens always count as real
+    tokens, even if an id equals pad_id."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    p = cast_params(cfg, params, dtype)
+    if cfg.has_encoder:
+        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
+            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
+        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+        check_positions(cfg, np.shape(src_ids)[1], 0, "src_ids")
+        first = np.full((batch, 1), bos_id, dtype=np.int64)
+        first_keep = np.ones_like(first, dtype=bool)
+    else:
+        if prompt_ids is None or src_ids is not None:
+            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
+        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
+        first = np.asarray(prompt_ids)
+        first_keep = first != cfg.pad_id
+    check_positions(cfg, first.shape[1] + max_new_tokens - 1, 0, "generated sequence")
+    cache = start_cache(cfg, p, batch, src_ids)
+    tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
+    finished = np.zeros(batch, dtype=bool)
+    step_ids, step_keep = first, first_keep
+    for t in range(max_new_tokens):
+        logits, cache = decode_step(cfg, p, cache, step_ids, step_keep)
+        next_token = np.where(finished, cfg.pad_id, logits[:, -1].argmax(axis=-1))
+        tokens[:, t] = next_token
+        if eos_id is not None:
+            finished |= next_token == eos_id
+        if finished.all():
+            break
+        step_ids, step_keep = next_token[:, None], np.ones((batch, 1), dtype=bool)
+    return tokens

@@ -1,0 +1,178 @@
+"""ModelConfig: every architectural choice of the Transformer, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from spec.errors import ConfigError
+
+ARCHS = ("encoder-decoder", "decoder-only")
+NORM_POSITIONS = ("post", "pre")
+NORMS = ("layernorm", "std")
+POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned")
+ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
+
+_CHOICES = {
+    "arch": ARCHS,
+    "norm_position": NORM_POSITIONS,
+    "norm": NORMS,
+    "positional": POSITIONALS,
+    "activation": ACTIVATIONS,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The whole architecture of one Transformer. See spec/SPEC.md §1 for each field's meaning.
+
+    Sizes have no defaults; the options default to the paper's base model. Construction
+    validates every field and raises ConfigError naming the offending field.
+    """
+
+    arch: str = "encoder-decoder"
+    d_model: int
+    n_heads: int
+    d_ff: int
+    n_encoder_layers: int = 0  # must be 0 for decoder-only, >= 1 for encoder-decoder
+    n_decoder_layers: int
+    src_vocab_size: int = 0  # must be 0 for decoder-only (there is no source)
+    tgt_vocab_size: int
+    max_len: int
+    pad_id: int = 0
+    norm_position: str = "post"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-6
+    final_norm: bool = False
+    positional: str = "sinusoidal"
+    embed_scale: bool = True
+    activation: str = "relu"
+    qkv_bias: bool = True
+    bias: bool = True
+    head_bias: bool = False
+    share_src_tgt_embed: bool = False
+    tie_head: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def d_head(self) -> int:
+        """d_k = d_v = d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def has_encoder(self) -> bool:
+        return self.arch == "encoder-decoder"
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Canonical JSON: keys sorted, no whitespace, so equal configs give equal strings."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls)
+            if f.name not in data and f.default is dataclasses.MISSING
+        )
+        if missing:
+            raise ConfigError(f"missing config field(s): {', '.join(missing)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise ConfigError(f"config is not valid JSON: {error}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+_INT_FIELDS = (
+    "d_model", "n_heads", "d_ff", "n_encoder_layers", "n_decoder_layers",
+    "src_vocab_size", "tgt_vocab_size", "max_len", "pad_id",
+)
+_BOOL_FIELDS = (
+    "final_norm", "embed_scale", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
+)
+
+
+def _validate(cfg: ModelConfig) -> None:
+    # Types first: bool is an int subclass in Python, so it is refused explicitly.
+    for name in _INT_FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+    for name in _BOOL_FIELDS:
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+    for name, choices in _CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    for name in ("norm_eps", "dropout"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+
+    for name in ("d_model", "n_heads", "d_ff", "n_decoder_layers", "tgt_vocab_size", "max_len"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(
+            f"d_model ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})"
+        )
+    if cfg.positional != "learned" and cfg.d_model % 2:
+        raise ConfigError(
+            f"d_model must be even for {cfg.positional} positions (sin/cos pairs), got {cfg.d_model}"
+        )
+    if cfg.norm == "std" and cfg.d_model < 2:
+        raise ConfigError("d_model must be at least 2 for norm='std' (unbiased std divides by d-1)")
+    if not cfg.norm_eps > 0:
+        raise ConfigError(f"norm_eps must be positive, got {cfg.norm_eps}")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+
+    if cfg.arch == "encoder-decoder":
+        for name in ("n_encoder_layers", "src_vocab_size"):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"{name} must be positive for an encoder-decoder, got {getattr(cfg, name)}")
+        if cfg.share_src_tgt_embed and cfg.src_vocab_size != cfg.tgt_vocab_size:
+            raise ConfigError(
+                "share_src_tgt_embed needs src_vocab_size == tgt_vocab_size, got "
+                f"{cfg.src_vocab_size} and {cfg.tgt_vocab_size}"
+            )
+    else:
+        for name in ("n_encoder_layers", "src_vocab_size"):
+            if getattr(cfg, name) != 0:
+                raise ConfigError(f"{name} must be 0 for a decoder-only model (it has no source), got {getattr(cfg, name)}")
+        if cfg.share_src_tgt_embed:
+            raise ConfigError("share_src_tgt_embed must be false for a decoder-only model (it has no source)")
+
+    vocabularies = [("tgt_vocab_size", cfg.tgt_vocab_size)]
+    if cfg.has_encoder:
+        vocabularies.append(("src_vocab_size", cfg.src_vocab_size))
+    for name, size in vocabularies:
+        if not 0 <= cfg.pad_id < size:
+            raise ConfigError(f"pad_id ({cfg.pad_id}) must lie inside the vocabulary: 0 <= pad_id < {name} ({size})")

@@ -1,0 +1,110 @@
+"""Validation of what callers hand a model: token ids, masks, activations, lengths.
+
+Every backend calls these before its framework sees the input, so the same bad input gets the
+same InputError and message everywhere. They only read ``.shape``, ``.dtype`` and min/max, so
+they accept NumPy, PyTorch and JAX arrays alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spec.config import ModelConfig
+from spec.errors import InputError
+
+
+def dtype_name(x: Any) -> str:
+    """'int64', 'bool', 'float32', 'bfloat16'... for a NumPy, PyTorch or JAX array."""
+    return str(getattr(x, "dtype", type(x).__name__)).rsplit(".", 1)[-1]
+
+
+def is_integer_dtype(name: str) -> bool:
+    return name.startswith(("int", "uint"))
+
+
+def is_float_dtype(name: str) -> bool:
+    return name.startswith(("float", "bfloat"))
+
+
+def _shape(x: Any, name: str) -> tuple[int, ...]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise InputError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(int(n) for n in x.shape)
+
+
+def check_token_ids(ids: Any, vocab_size: int, name: str = "ids") -> tuple[int, int]:
+    """Token ids must be an integer array [batch, length], batch >= 1, length >= 1, every id in
+    [0, vocab_size). Returns (batch, length)."""
+    shape = _shape(ids, name)
+    kind = dtype_name(ids)
+    if not is_integer_dtype(kind):
+        raise InputError(f"{name} must hold integer token ids, got dtype {kind}")
+    if len(shape) != 2:
+        raise InputError(f"{name} must have shape [batch, length] (rank 2), got shape {list(shape)}")
+    if shape[0] == 0:
+        raise InputError(f"{name} is an empty batch (shape {list(shape)}); batch must be at least 1")
+    if shape[1] == 0:
+        raise InputError(f"{name} has zero-length sequences (shape {list(shape)}); length must be at least 1")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InputError(f"{name} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+    return shape[0], shape[1]
+
+
+def check_positions(cfg: ModelConfig, length: int, offset: int = 0, name: str = "ids") -> None:
+    """Learned positions exist for 0..max_len-1 only; sinusoidal positions are defined for any
+    position (SPEC.md §5), so only learned positions limit the length."""
+    if offset < 0:
+        raise InputError(f"{name}: position offset must be non-negative, got {offset}")
+    if cfg.positional == "learned" and offset + length > cfg.max_len:
+        raise InputError(
+            f"{name} reaches position {offset + length - 1}, past the learned position table "
+            f"(max_len {cfg.max_len}: positions 0..{cfg.max_len - 1})"
+        )
+
+
+def check_same_batch(src_batch: int, tgt_batch: int) -> None:
+    if src_batch != tgt_batch:
+        raise InputError(f"src_ids and tgt_ids batch sizes differ: {src_batch} vs {tgt_batch}")
+
+
+def check_activations(x: Any, name: str, d_model: int, rank: int = 3) -> tuple[int, ...]:
+    """A float array whose last axis is d_model, e.g. [batch, length, d_model]."""
+    shape = _shape(x, name)
+    kind = dtype_name(x)
+    if not is_float_dtype(kind):
+        raise InputError(f"{name} must be a floating-point array, got dtype {kind}")
+    if len(shape) != rank or shape[-1] != d_model:
+        raise InputError(f"{name} must have shape [batch, length, {d_model}], got {list(shape)}")
+    return shape
+
+
+def mask_shape_4d(
+    mask: Any, batch: int, heads: int, q_len: int, k_len: int, name: str = "mask"
+) -> tuple[int, int, int, int]:
+    """Check a boolean keep-mask (True = may attend) and give the 4-D shape to view it as.
+
+    Accepted (SPEC.md §6): [K], [Q, K], [B, Q, K], [B, H, Q, K]; any axis but K may be 1 and
+    then broadcasts. The result is [B|1, H|1, Q|1, K].
+    """
+    shape = _shape(mask, name)
+    kind = dtype_name(mask)
+    if kind != "bool":
+        raise InputError(
+            f"{name} must be a boolean keep-mask (True = may attend), got dtype {kind}; "
+            "additive float masks are not accepted because their polarity is ambiguous"
+        )
+    if not 1 <= len(shape) <= 4:
+        raise InputError(f"{name} must have rank 1 to 4 ([K], [Q,K], [B,Q,K], [B,H,Q,K]), got shape {list(shape)}")
+    full = (1,) * (4 - len(shape)) + shape
+    if len(shape) == 3:  # [B, Q, K]: no head axis
+        full = (shape[0], 1, shape[1], shape[2])
+    wanted = (batch, heads, q_len, k_len)
+    for axis, (got, want) in enumerate(zip(full, wanted)):
+        if got != want and not (got == 1 and axis < 3):
+            raise InputError(
+                f"{name} of shape {list(shape)} does not fit attention of shape "
+                f"[batch {batch}, heads {heads}, queries {q_len}, keys {k_len}]"
+            )
+    return full  # type: ignore[return-value]

@@ -1,0 +1,187 @@
+"""Canonical parameter names and shapes, the deterministic init, and parameter-set checks.
+
+Matrices use the paper's layout, y = x @ W + b, so every weight is [in, out].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from spec.config import ModelConfig
+from spec.errors import WeightsError
+
+PARAM_DTYPE = np.dtype("float32")  # the dtype of canonical parameters and of weight files
+
+
+def _attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d = cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {}
+    for projection in ("q", "k", "v", "o"):
+        shapes[f"{prefix}.{projection}.weight"] = (d, d)
+        has_bias = cfg.bias if projection == "o" else cfg.qkv_bias
+        if has_bias:
+            shapes[f"{prefix}.{projection}.bias"] = (d,)
+    return shapes
+
+
+def _norm_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.scale": (cfg.d_model,), f"{prefix}.bias": (cfg.d_model,)}
+
+
+def _ffn_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.w1.weight": (cfg.d_model, cfg.d_ff)}
+    if cfg.bias:
+        shapes[f"{prefix}.w1.bias"] = (cfg.d_ff,)
+    shapes[f"{prefix}.w2.weight"] = (cfg.d_ff, cfg.d_model)
+    if cfg.bias:
+        shapes[f"{prefix}.w2.bias"] = (cfg.d_model,)
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical parameter name of the config and its shape, in canonical order."""
+    d = cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.has_encoder and not cfg.share_src_tgt_embed:
+        shapes["src_embed.weight"] = (cfg.src_vocab_size, d)
+    shapes["tgt_embed.weight"] = (cfg.tgt_vocab_size, d)
+    if cfg.positional == "learned":
+        if cfg.has_encoder:
+            shapes["src_pos.weight"] = (cfg.max_len, d)
+        shapes["tgt_pos.weight"] = (cfg.max_len, d)
+    for i in range(cfg.n_encoder_layers):
+        layer = f"encoder.layers.{i}"
+        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))
+        shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
+        shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
+        shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
+    if cfg.has_encoder and cfg.final_norm:
+        shapes.update(_norm_shapes("encoder.norm", cfg))
+    for i in range(cfg.n_decoder_layers):
+        layer = f"decoder.layers.{i}"
+        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))
+        shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
+        if cfg.has_encoder:
+            shapes.update(_attention_shapes(f"{layer}.cross_attn", cfg))
+            shapes.update(_norm_shapes(f"{layer}.cross_attn_norm", cfg))
+        shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
+        shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
+    if cfg.final_norm:
+        shapes.update(_norm_shapes("decoder.norm", cfg))
+    if not cfg.tie_head:
+        shapes["head.weight"] = (d, cfg.tgt_vocab_size)
+    if cfg.head_bias:
+        shapes["head.bias"] = (cfg.tgt_vocab_size,)
+    return shapes
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of scalar parameters (shared and tied tensors counted once)."""
+    return sum(math.prod(shape) for shape in param_shapes(cfg).values())
+
+
+# ---- deterministic init -------------------------------------------------------------------
+
+def _name_stream(seed: int, name: str) -> np.random.Generator:
+    """An independent PCG64 stream per (seed, parameter name); see SPEC.md §4."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 32, 4)]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *words])))
+
+
+def _uniform(stream: np.random.Generator, shape: tuple[int, ...], limit: float) -> np.ndarray:
+    return limit * (2.0 * stream.random(shape) - 1.0)  # U(-limit, limit), float64
+
+
+def _normal(stream: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    # Box-Muller from the generator's doubles: documented and portable, unlike a library's
+    # normal sampler whose algorithm may change between NumPy versions.
+    count = math.prod(shape)
+    u1 = stream.random(count)
+    u2 = stream.random(count)
+    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 lies in (0, 1], so the log is finite
+    return (std * radius * np.cos(2.0 * math.pi * u2)).reshape(shape)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic float32 parameters: Xavier-uniform matrices, N(0, std=d^-0.5) embeddings
+    (token and learned-position tables), zero biases, unit norm scales."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
+    params: dict[str, np.ndarray] = {}
+    for name, shape in param_shapes(cfg).items():
+        stream = _name_stream(int(seed), name)
+        if name.endswith("embed.weight") or name.endswith("pos.weight"):
+            values = _normal(stream, shape, cfg.d_model ** -0.5)
+        elif name.endswith(".scale"):
+            values = np.ones(shape)
+        elif name.endswith(".bias"):
+            values = np.zeros(shape)
+        else:  # a [in, out] matrix
+            fan_in, fan_out = shape
+            values = _uniform(stream, shape, math.sqrt(6.0 / (fan_in + fan_out)))
+        params[name] = values.astype(PARAM_DTYPE)
+    return params
+
+
+# ---- parameter-set checks -----------------------------------------------------------------
+
+def check_params(
+    cfg: ModelConfig,
+    params: Mapping[str, object],
+    *,
+    dtype: np.dtype | None = PARAM_DTYPE,
+    where: str = "parameters",
+) -> None:
+    """Refuse a parameter set that does not match the config, listing every offender at once:
+    missing, unexpected, mis-shaped, wrong-dtype and non-finite tensors."""
+    if not isinstance(params, Mapping):
+        raise WeightsError(f"{where} must be a mapping of name -> array, got {type(params).__name__}")
+    expected = param_shapes(cfg)
+    problems: list[str] = []
+    missing = [name for name in expected if name not in params]
+    unexpected = sorted(name for name in params if name not in expected)
+    if missing:
+        problems.append("missing: " + ", ".join(missing))
+    if unexpected:
+        problems.append("unexpected: " + ", ".join(map(str, unexpected)))
+    for name, shape in expected.items():
+        if name not in params:
+            continue
+        value = params[name]
+        if not isinstance(value, np.ndarray):
+            problems.append(f"{name}: expected a numpy array, got {type(value).__name__}")
+            continue
+        if tuple(value.shape) != shape:
+            problems.append(f"{name}: shape {list(value.shape)}, expected {list(shape)}")
+        if dtype is not None and value.dtype != dtype:
+            problems.append(f"{name}: dtype {value.dtype}, expected {np.dtype(dtype)}")
+        elif not np.issubdtype(value.dtype, np.floating):
+            problems.append(f"{name}: dtype {value.dtype}, expected a floating dtype")
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            bad = int(value.size - np.isfinite(value).sum())
+            problems.append(f"{name}: {bad} non-finite value(s) (NaN or Inf)")
+    if problems:
+        raise WeightsError(f"{where} do not match the config:\n  " + "\n  ".join(problems))
+
+
+def params_digest(params: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over names, dtypes, shapes and little-endian bytes, in sorted name order."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        value = np.ascontiguousarray(params[name])
+        digest.update(name.encode("utf-8") + b"\0")
+        digest.update(f"{value.dtype.newbyteorder('<').str}{list(value.shape)}".encode() + b"\0")
+        digest.update(value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes())
+    return digest.hexdigest()
+
+
+def params_under(params: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The parameters below one module, names relative to it:
+    params_under(p, "encoder.layers.0.ffn") -> {"w1.weight": ..., "w1.bias": ..., ...}."""
+    start = prefix + "."
+    return {name[len(start):]: value for name, value in params.items() if name.startswith(start)}

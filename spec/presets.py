@@ -1,0 +1,97 @@
+"""Named configurations, each with a note on where it comes from (see SPEC.md §2 for counts)."""
+
+from __future__ import annotations
+
+from spec.config import ModelConfig
+from spec.errors import ConfigError
+
+_PRESETS: dict[str, tuple[str, ModelConfig]] = {
+    "tiny": (
+        "Small paper-style model for demos and CI: post-LN, sinusoidal, sqrt(d) scale, ReLU, "
+        "all biases; distinct source/target vocabularies so a swapped table shows up; tied head.",
+        ModelConfig(
+            d_model=64, n_heads=4, d_ff=256, n_encoder_layers=2, n_decoder_layers=2,
+            src_vocab_size=96, tgt_vocab_size=80, max_len=64, tie_head=True,
+        ),
+    ),
+    "paper-base": (
+        "Vaswani et al. 2017, Table 3 'base': d 512, 8 heads, d_ff 2048, 6+6 layers, shared "
+        "37000-token BPE vocabulary, embeddings shared with the pre-softmax linear, post-LN, "
+        "sinusoidal positions, embeddings x sqrt(d_model), ReLU, dropout 0.1.",
+        ModelConfig(
+            d_model=512, n_heads=8, d_ff=2048, n_encoder_layers=6, n_decoder_layers=6,
+            src_vocab_size=37000, tgt_vocab_size=37000, max_len=1024,
+            share_src_tgt_embed=True, tie_head=True, dropout=0.1,
+        ),
+    ),
+    "paper-big": (
+        "Vaswani et al. 2017, Table 3 'big': d 1024, 16 heads, d_ff 4096, 6+6 layers, otherwise "
+        "as paper-base (dropout 0.3 as in the table's EN-DE big model).",
+        ModelConfig(
+            d_model=1024, n_heads=16, d_ff=4096, n_encoder_layers=6, n_decoder_layers=6,
+            src_vocab_size=37000, tgt_vocab_size=37000, max_len=1024,
+            share_src_tgt_embed=True, tie_head=True, dropout=0.3,
+        ),
+    ),
+    "torch-nn": (
+        "Exactly torch.nn.Transformer's defaults (d 512, 8 heads, 6+6 layers, d_ff 2048, post-LN, "
+        "LayerNorm eps 1e-5, a final norm on both stacks, ReLU, every Linear with a bias), "
+        "wrapped as the PyTorch tutorials do: token embeddings x sqrt(d), interleaved sinusoidal "
+        "positions and an untied output Linear with a bias.",
+        ModelConfig(
+            d_model=512, n_heads=8, d_ff=2048, n_encoder_layers=6, n_decoder_layers=6,
+            src_vocab_size=1000, tgt_vocab_size=1000, max_len=512, norm_eps=1e-5,
+            final_norm=True, head_bias=True, dropout=0.1,
+        ),
+    ),
+    "annotated": (
+        "The Annotated Transformer's tutorial variant: post-LN with norm='std' "
+        "(a*(x-mean)/(std+eps)+b, unbiased std), eps 1e-6, no q/k/v bias, d 512, 8 heads, 8+8 "
+        "layers, d_ff 2048, vocabularies 1024/1024, max_len 2048, untied head with a bias, no "
+        "final norm. Each encoder layer has 3,150,848 parameters.",
+        ModelConfig(
+            d_model=512, n_heads=8, d_ff=2048, n_encoder_layers=8, n_decoder_layers=8,
+            src_vocab_size=1024, tgt_vocab_size=1024, max_len=2048, norm="std",
+            qkv_bias=False, head_bias=True, dropout=0.1,
+        ),
+    ),
+    "learned-pos": (
+        "Learned position embeddings instead of sinusoids and no sqrt(d) embedding scale (as "
+        "BERT/BART-style models do): d 256, 8 heads, 6+6 layers, d_ff 1024, max_len 128, exact "
+        "GELU, one shared 512-token vocabulary tied to the head.",
+        ModelConfig(
+            d_model=256, n_heads=8, d_ff=1024, n_encoder_layers=6, n_decoder_layers=6,
+            src_vocab_size=512, tgt_vocab_size=512, max_len=128, positional="learned",
+            embed_scale=False, activation="gelu", share_src_tgt_embed=True, tie_head=True,
+        ),
+    ),
+    "char-lm": (
+        "A small GPT-style character language model: decoder-only, pre-LN with a final norm, "
+        "learned positions, no embedding scale, tanh-approximated GELU, byte vocabulary (256), "
+        "tied head; d 128, 4 heads, 4 layers, d_ff 512, max_len 256.",
+        ModelConfig(
+            arch="decoder-only", d_model=128, n_heads=4, d_ff=512, n_decoder_layers=4,
+            tgt_vocab_size=256, max_len=256, norm_position="pre", norm_eps=1e-5, final_norm=True,
+            positional="learned", embed_scale=False, activation="gelu-tanh", tie_head=True,
+        ),
+    ),
+}
+
+
+def list_presets() -> list[str]:
+    """Names of the presets, in a stable order."""
+    return list(_PRESETS)
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset's ModelConfig; ConfigError (listing the known names) for an unknown name."""
+    try:
+        return _PRESETS[name][1]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(_PRESETS)}") from None
+
+
+def describe_preset(name: str) -> str:
+    """Where the preset comes from, in one paragraph."""
+    get_preset(name)
+    return _PRESETS[name][0]

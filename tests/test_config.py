@@ -1,0 +1,104 @@
+import dataclasses
+import json
+
+import pytest
+
+from spec import ConfigError, ModelConfig, get_preset, list_presets
+
+TINY = get_preset("tiny")
+
+
+def test_presets_are_listed_in_a_stable_order():
+    assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm"]
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_json_round_trip(name):
+    cfg = get_preset(name)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json()) == dataclasses.asdict(cfg)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TINY.d_model = 32
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"n_heads": 5}, "d_model"),
+        ({"d_model": 0}, "d_model"),
+        ({"d_ff": -1}, "d_ff"),
+        ({"n_decoder_layers": 0}, "n_decoder_layers"),
+        ({"n_encoder_layers": 0}, "n_encoder_layers"),
+        ({"max_len": 0}, "max_len"),
+        ({"tgt_vocab_size": 0}, "tgt_vocab_size"),
+        ({"pad_id": 80}, "pad_id"),
+        ({"pad_id": -1}, "pad_id"),
+        ({"arch": "encoder-only"}, "arch"),
+        ({"norm": "rmsnorm"}, "norm"),
+        ({"norm_position": "sandwich"}, "norm_position"),
+        ({"positional": "rope"}, "positional"),
+        ({"activation": "tanh"}, "activation"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+        ({"norm_eps": float("nan")}, "norm_eps"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"d_model": 64.0}, "d_model"),
+        ({"d_model": True}, "d_model"),
+        ({"tie_head": 1}, "tie_head"),
+        ({"share_src_tgt_embed": True}, "share_src_tgt_embed"),  # vocabularies differ in tiny
+        ({"d_model": 63, "n_heads": 3, "positional": "sinusoidal"}, "d_model must be even"),
+    ],
+)
+def test_invalid_configs_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        TINY.replace(**changes)
+
+
+def test_decoder_only_has_no_source():
+    cfg = get_preset("char-lm")
+    for changes in ({"n_encoder_layers": 1}, {"src_vocab_size": 10}):
+        with pytest.raises(ConfigError, match="decoder-only"):
+            cfg.replace(**changes)
+    with pytest.raises(ConfigError, match="share_src_tgt_embed"):
+        cfg.replace(share_src_tgt_embed=True)
+
+
+def test_std_norm_needs_two_features():
+    with pytest.raises(ConfigError, match="norm='std'"):
+        ModelConfig(d_model=1, n_heads=1, d_ff=4, n_encoder_layers=1, n_decoder_layers=1, src_vocab_size=4,
+                    tgt_vocab_size=4, max_len=8, positional="learned", norm="std")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"d_model": 64}', "missing config field"),
+        (json.dumps({**TINY.to_dict(), "colour": "red"}), "unknown config field.*colour"),
+        (json.dumps({**TINY.to_dict(), "d_model": "64"}), "d_model must be an integer"),
+    ],
+)
+def test_bad_json_is_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_json(text)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="tiny, paper-base"):
+        get_preset("gpt-5")
+
+
+def test_preset_contents():
+    annotated = get_preset("annotated")
+    assert (annotated.norm, annotated.norm_eps, annotated.qkv_bias, annotated.final_norm) == ("std", 1e-6, False, False)
+    assert (annotated.n_encoder_layers, annotated.src_vocab_size, annotated.max_len) == (8, 1024, 2048)
+    torch_nn = get_preset("torch-nn")
+    assert (torch_nn.norm_eps, torch_nn.final_norm, torch_nn.bias, torch_nn.qkv_bias, torch_nn.tie_head) == (1e-5, True, True, True, False)
+    base = get_preset("paper-base")
+    assert base.share_src_tgt_embed and base.tie_head and base.src_vocab_size == 37000
+    assert get_preset("learned-pos").positional == "learned" and not get_preset("learned-pos").embed_scale
+    char_lm = get_preset("char-lm")
+    assert char_lm.arch == "decoder-only" and char_lm.norm_position == "pre" and char_lm.final_norm

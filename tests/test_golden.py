@@ -1,0 +1,276 @@
+"""The golden against hand-computed examples and identities (float64 unless stated)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import impl_numpy as g
+from spec import InputError, get_preset, init_params, params_under
+
+TINY = get_preset("tiny")
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+def test_softmax_rows_sum_to_one_and_survive_huge_scores():
+    x = rng().standard_normal((4, 5, 9)) * 50
+    x[0, 0, 0] = 1e300
+    p = g.softmax(x)
+    assert np.allclose(p.sum(-1), 1, atol=1e-15) and np.isfinite(p).all()
+    assert p[0, 0, 0] == 1.0
+
+
+def test_softmax_mask_and_fully_masked_row():
+    x = np.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    mask = np.array([[True, False, True], [False, False, False]])
+    p = g.softmax(x, mask)
+    e1, e3 = math.exp(1 - 3), 1.0
+    assert np.allclose(p[0], [e1 / (e1 + e3), 0, e3 / (e1 + e3)], atol=1e-16)
+    assert (p[1] == 0).all()  # a row with no key gets zero weights, not NaN
+
+
+def test_log_softmax_matches_log_of_softmax():
+    x = rng().standard_normal((3, 11))
+    assert np.allclose(g.log_softmax(x), np.log(g.softmax(x)), atol=1e-14)
+
+
+@pytest.mark.parametrize("name, x, expected", [
+    ("relu", [-1.0, 0.0, 2.0], [0.0, 0.0, 2.0]),
+    ("gelu", [-1.0, 0.0, 1.0], [-0.15865525393145707, 0.0, 0.8413447460685429]),
+    ("gelu-tanh", [1.0], [0.8411919906082768]),
+    ("swish", [-800.0, 0.0, 1.0, 800.0], [-0.0, 0.0, 0.7310585786300049, 800.0]),
+])
+def test_activations_hand_values(name, x, expected):
+    out = g.ACTIVATIONS[name](np.array(x))
+    assert np.allclose(out, expected, rtol=1e-15, atol=1e-300) and np.isfinite(out).all()
+
+
+def test_activations_keep_float32():
+    x = np.linspace(-3, 3, 7, dtype=np.float32)
+    assert all(f(x).dtype == np.float32 for f in g.ACTIVATIONS.values())
+
+
+def test_layer_norm_normalizes_with_biased_variance():
+    x = np.array([[1.0, 2.0, 3.0, 6.0]])
+    out = g.layer_norm(x, np.ones(4), np.zeros(4), 0.0)
+    mean, variance = 3.0, np.mean((x - 3.0) ** 2)
+    assert np.allclose(out, (x - mean) / math.sqrt(variance), atol=1e-15)
+    assert abs(out.mean()) < 1e-15 and abs(out.var() - 1) < 1e-14
+    eps = 0.5
+    assert np.allclose(g.layer_norm(x, np.ones(4), np.zeros(4), eps), (x - mean) / math.sqrt(variance + eps))
+
+
+def test_std_norm_uses_unbiased_std_and_eps_outside_the_root():
+    x = np.array([[1.0, 2.0, 3.0, 6.0]])
+    std = np.std(x, ddof=1)
+    out = g.std_norm(x, np.full(4, 2.0), np.full(4, 0.5), 0.1)
+    assert np.allclose(out, 2.0 * (x - 3.0) / (std + 0.1) + 0.5, atol=1e-15)
+
+
+def test_sinusoidal_tables():
+    table = g.sinusoidal_table(np.arange(5), 8, "sinusoidal")
+    assert np.allclose(table[0], [0, 1] * 4)
+    pos, i = 3, 1
+    assert table[pos, 2 * i] == pytest.approx(math.sin(pos / 10000 ** (2 * i / 8)), abs=1e-16)
+    assert table[pos, 2 * i + 1] == pytest.approx(math.cos(pos / 10000 ** (2 * i / 8)), abs=1e-16)
+    concat = g.sinusoidal_table(np.arange(5), 8, "sinusoidal-concat")
+    # the same numbers, laid out [sin | cos] instead of interleaved
+    assert np.array_equal(concat, np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1))
+
+
+def test_scaled_dot_product_attention_hand_example():
+    q = np.array([[[[1.0, 0.0]]]])  # [1, 1, 1, 2]
+    k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
+    v = np.array([[[[10.0, 0.0], [0.0, 10.0]]]])
+    weights = np.exp([1 / math.sqrt(2), 0.0])
+    weights /= weights.sum()
+    assert np.allclose(g.scaled_dot_product_attention(q, k, v), [[[weights @ v[0, 0]]]], atol=1e-14)
+
+
+def test_split_and_merge_heads_are_inverse_and_contiguous():
+    x = np.arange(2 * 3 * 8, dtype=float).reshape(2, 3, 8)
+    heads = g.split_heads(x, 4)
+    assert heads.shape == (2, 4, 3, 2) and np.array_equal(heads[0, 1, 0], x[0, 0, 2:4])
+    assert np.array_equal(g.merge_heads(heads), x)
+
+
+def test_fully_masked_rows_output_the_o_bias():
+    cfg = TINY
+    p = g.cast_params(cfg, init_params(cfg))
+    attention = params_under(p, "encoder.layers.0.self_attn")
+    attention["o.bias"] = np.arange(64, dtype=float)
+    x = rng().standard_normal((2, 5, 64))
+    mask = np.ones((2, 1, 5, 5), bool)
+    mask[1, 0, 2] = False  # query 2 of sequence 1 sees nothing
+    out = g.multi_head_attention(attention, x, x, mask, cfg.n_heads)
+    assert np.array_equal(out[1, 2], np.arange(64, dtype=float))
+    assert np.isfinite(out).all()
+
+
+def test_causal_output_at_t_ignores_later_tokens():
+    cfg = TINY
+    params = init_params(cfg)
+    src = rng(1).integers(1, 96, (2, 6))
+    tgt = rng(2).integers(1, 80, (2, 7))
+    changed = tgt.copy()
+    changed[:, 4:] = rng(3).integers(1, 80, (2, 3))
+    a, b = g.forward(cfg, params, src, tgt), g.forward(cfg, params, src, changed)
+    assert np.array_equal(a[:, :4], b[:, :4]) and not np.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_padding_keys_do_not_matter():
+    params = init_params(TINY)
+    src = rng(1).integers(1, 96, (2, 6))
+    src[0, 4:] = 0
+    other = src.copy()
+    # a real token in a padded slot would change the output, but only if the mask failed
+    logits = g.forward(TINY, params, src, np.ones((2, 3), int))
+    keep = src != 0
+    other[0, 4:] = 7
+    same = g.forward(TINY, params, other, np.ones((2, 3), int), src_keep=keep)
+    assert np.allclose(logits, same, atol=1e-13, rtol=0)
+
+
+def test_embedding_scale_and_tied_head():
+    p = g.cast_params(TINY, init_params(TINY))
+    ids = np.array([[3, 5]])
+    x = g.token_embedding(ids, p["tgt_embed.weight"], True)
+    assert np.allclose(x[0, 1], p["tgt_embed.weight"][5] * 8.0)
+    h = rng().standard_normal((1, 2, 64))
+    assert np.allclose(g.output_logits(TINY, p, h), h @ p["tgt_embed.weight"].T)
+    assert np.allclose(np.exp(g.log_probs(TINY, p, h)).sum(-1), 1.0)
+
+
+def test_shared_source_and_target_embeddings():
+    cfg = get_preset("learned-pos").replace(n_encoder_layers=1, n_decoder_layers=1)
+    p = g.cast_params(cfg, init_params(cfg))
+    ids = np.array([[4, 9]])
+    assert np.array_equal(g.embed(cfg, p, ids, "src") - p["src_pos.weight"][:2],
+                          g.embed(cfg, p, ids, "tgt") - p["tgt_pos.weight"][:2])
+
+
+# ---- the cache equals the full forward -----------------------------------------------------
+
+CACHE_CONFIGS = {
+    "tiny": TINY,
+    "pre_final_norm": TINY.replace(norm_position="pre", final_norm=True, norm="std"),
+    "learned_untied": TINY.replace(positional="learned", embed_scale=False, tie_head=False, head_bias=True),
+    "char-lm": get_preset("char-lm").replace(n_decoder_layers=2),
+}
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("name", CACHE_CONFIGS)
+def test_kv_cache_decode_equals_full_forward(name, padding):
+    cfg = CACHE_CONFIGS[name]
+    params = init_params(cfg, seed=5)
+    src = None if not cfg.has_encoder else rng(1).integers(1, cfg.src_vocab_size, (3, 6))
+    tgt = rng(2).integers(1, cfg.tgt_vocab_size, (3, 7))
+    if padding == "right":
+        tgt[1, 4:] = cfg.pad_id
+        if src is not None:
+            src[2, 3:] = cfg.pad_id
+    elif padding == "left":
+        tgt[0, :3] = cfg.pad_id
+    full = g.forward(cfg, params, src, tgt)
+    p = g.cast_params(cfg, params)
+    cache = g.start_cache(cfg, p, 3, src)
+    prefill, cache = g.decode_step(cfg, p, cache, tgt[:, :2])
+    steps = [prefill]
+    for t in range(2, 7):
+        logits, cache = g.decode_step(cfg, p, cache, tgt[:, t:t + 1])
+        steps.append(logits)
+    assert cache.length == 7
+    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-12
+
+
+def test_greedy_generation_matches_argmax_of_full_forward():
+    params = init_params(TINY, seed=2)
+    src = rng(4).integers(3, 96, (2, 5))
+    src[1, 3:] = 0
+    tokens = g.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=6)
+    prefix = np.ones((2, 1), int)
+    for t in range(6):
+        next_token = g.forward(TINY, params, src, prefix)[:, -1].argmax(-1)
+        assert np.array_equal(tokens[:, t], next_token)
+        prefix = np.concatenate([prefix, next_token[:, None]], axis=1)
+
+
+def test_greedy_generation_pads_after_eos():
+    params = init_params(TINY, seed=2)
+    src = rng(4).integers(3, 96, (2, 5))
+    free = g.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=6)
+    eos = int(free[0, 1])
+    stopped = g.greedy_generate(TINY, params, src, bos_id=1, eos_id=eos, max_new_tokens=6)
+    for row in range(2):
+        hits = np.flatnonzero(free[row] == eos)
+        end = int(hits[0]) + 1 if hits.size else 6
+        assert np.array_equal(stopped[row, :end], free[row, :end])
+        assert (stopped[row, end:] == TINY.pad_id).all()
+    assert (stopped[0] == TINY.pad_id).any()
+
+
+def test_decoder_only_generation_from_a_padded_prompt():
+    cfg = get_preset("char-lm").replace(n_decoder_layers=2)
+    params = init_params(cfg)
+    prompt = np.array([[0, 0, 65, 66], [67, 68, 69, 70]])
+    tokens = g.greedy_generate(cfg, params, prompt_ids=prompt, max_new_tokens=4)
+    logits = g.forward(cfg, params, None, prompt)
+    assert np.array_equal(tokens[:, 0], logits[:, -1].argmax(-1))
+
+
+# ---- input rules ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src, tgt, message", [
+    (np.ones((2, 3), int), np.ones((3, 3), int), "batch sizes differ"),
+    (np.ones((2, 3), float), np.ones((2, 3), int), "integer token ids"),
+    (np.ones((2, 3), bool), np.ones((2, 3), int), "integer token ids"),
+    (np.ones(3, int), np.ones((2, 3), int), "rank 2"),
+    (np.ones((0, 3), int), np.ones((0, 3), int), "empty batch"),
+    (np.ones((2, 0), int), np.ones((2, 3), int), "zero-length"),
+    (np.full((2, 3), 96), np.ones((2, 3), int), "token id 96, outside the vocabulary \\[0, 96\\)"),
+    (np.ones((2, 3), int), np.full((2, 3), -1), "token id -1"),
+    (None, np.ones((2, 3), int), "needs src_ids"),
+    ([[1, 2]], np.ones((1, 3), int), "must be an array"),
+])
+def test_bad_inputs_are_refused(src, tgt, message):
+    with pytest.raises(InputError, match=message):
+        g.forward(TINY, init_params(TINY), src, tgt)
+
+
+def test_length_limits_depend_on_the_positional_kind():
+    learned = TINY.replace(positional="learned", max_len=8)
+    with pytest.raises(InputError, match="past the learned position table"):
+        g.forward(learned, init_params(learned), np.ones((1, 9), int), np.ones((1, 2), int))
+    short = TINY.replace(max_len=8)  # sinusoidal: defined for every position
+    assert np.isfinite(g.forward(short, init_params(short), np.ones((1, 20), int), np.ones((1, 12), int))).all()
+
+
+def test_decoder_only_refuses_a_source():
+    cfg = get_preset("char-lm")
+    with pytest.raises(InputError, match="takes no src_ids"):
+        g.forward(cfg, init_params(cfg), np.ones((1, 2), int), np.ones((1, 2), int))
+
+
+def test_bad_keep_vector():
+    with pytest.raises(InputError, match="tgt_keep must be a boolean array of shape \\[1, 3\\]"):
+        g.forward(TINY, init_params(TINY), np.ones((1, 2), int), np.ones((1, 3), int), tgt_keep=np.ones((1, 2), bool))
+
+
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_float32_golden_tracks_float64(batch, src_len, tgt_len, seed):
+    generator = np.random.default_rng(seed)
+    src = generator.integers(0, 96, (batch, src_len))
+    tgt = generator.integers(0, 80, (batch, tgt_len))
+    params = init_params(TINY)
+    reference = g.forward(TINY, params, src, tgt)
+    single = g.forward(TINY, params, src, tgt, dtype=np.float32)
+    assert single.dtype == np.float32 and np.isfinite(reference).all()
+    assert np.abs(single - reference).max() <= 1e-5 * max(1.0, np.abs(reference).max())

@@ -1,0 +1,107 @@
+import math
+
+import numpy as np
+import pytest
+
+from spec import count_params, get_preset, init_params, list_presets, param_shapes, params_digest, params_under
+
+# Pinned: any change to names, shapes, the init algorithm or the seeding changes this hash.
+TINY_SEED0_SHA256 = "6fedf5bd468d65e76508193f1fabb7e2800676df4db140547df9f80c18bfb9b4"
+
+EXPECTED_COUNTS = {
+    "tiny": 244_736,
+    "paper-base": 63_082_496,  # the paper reports 65M (see SPEC.md §2)
+    "paper-big": 214_245_376,  # the paper reports 213M
+    "torch-nn": 45_677_544,
+    "annotated": 60_388_352,
+    "learned-pos": 11_255_808,
+    "char-lm": 858_880,
+}
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_parameter_counts(name):
+    assert count_params(get_preset(name)) == EXPECTED_COUNTS[name]
+
+
+def test_annotated_encoder_layer_has_3150848_parameters():
+    shapes = param_shapes(get_preset("annotated"))
+    layer = {k: v for k, v in shapes.items() if k.startswith("encoder.layers.0.")}
+    assert sum(math.prod(v) for v in layer.values()) == 3_150_848
+    assert "encoder.layers.0.self_attn.q.bias" not in layer and "encoder.layers.0.self_attn.o.bias" in layer
+
+
+def test_tiny_names_and_shapes_exactly():
+    shapes = param_shapes(get_preset("tiny"))
+    layer0 = {
+        "q.weight": (64, 64), "q.bias": (64,), "k.weight": (64, 64), "k.bias": (64,),
+        "v.weight": (64, 64), "v.bias": (64,), "o.weight": (64, 64), "o.bias": (64,),
+    }
+    ffn = {"w1.weight": (64, 256), "w1.bias": (256,), "w2.weight": (256, 64), "w2.bias": (64,)}
+    norm = {"scale": (64,), "bias": (64,)}
+    expected = {"src_embed.weight": (96, 64), "tgt_embed.weight": (80, 64)}
+    for stack, blocks in (("encoder", ["self_attn"]), ("decoder", ["self_attn", "cross_attn"])):
+        for i in range(2):
+            for block in blocks:
+                expected.update({f"{stack}.layers.{i}.{block}.{k}": v for k, v in layer0.items()})
+                expected.update({f"{stack}.layers.{i}.{block}_norm.{k}": v for k, v in norm.items()})
+            expected.update({f"{stack}.layers.{i}.ffn.{k}": v for k, v in ffn.items()})
+            expected.update({f"{stack}.layers.{i}.ffn_norm.{k}": v for k, v in norm.items()})
+    assert shapes == expected  # tied head: no head.weight; no final norm
+
+
+def test_option_dependent_names():
+    tiny = get_preset("tiny")
+    shared = param_shapes(tiny.replace(src_vocab_size=80, share_src_tgt_embed=True, tie_head=False, head_bias=True,
+                                       final_norm=True, positional="learned", qkv_bias=False, bias=False))
+    assert "src_embed.weight" not in shared and shared["head.weight"] == (64, 80) and shared["head.bias"] == (80,)
+    assert shared["src_pos.weight"] == (64, 64) and shared["tgt_pos.weight"] == (64, 64)
+    assert "encoder.norm.scale" in shared and "decoder.norm.bias" in shared
+    assert not any(k.endswith(("q.bias", "o.bias", "w1.bias", "w2.bias")) for k in shared)
+    decoder_only = param_shapes(get_preset("char-lm"))
+    assert not any(k.startswith(("src_", "encoder.")) or "cross_attn" in k for k in decoder_only)
+
+
+def test_init_is_deterministic_and_pinned():
+    params = init_params(get_preset("tiny"), seed=0)
+    assert params_digest(params) == TINY_SEED0_SHA256
+    assert params_digest(init_params(get_preset("tiny"), seed=0)) == TINY_SEED0_SHA256
+    assert params_digest(init_params(get_preset("tiny"), seed=1)) != TINY_SEED0_SHA256
+
+
+def test_init_distributions():
+    cfg = get_preset("learned-pos")
+    params = init_params(cfg, seed=3)
+    assert all(v.dtype == np.float32 for v in params.values())
+    w1 = params["encoder.layers.0.ffn.w1.weight"]
+    limit = math.sqrt(6 / (256 + 1024))
+    assert np.abs(w1).max() <= limit and np.abs(w1).max() > 0.99 * limit
+    assert abs(w1.std() - limit / math.sqrt(3)) < 0.01 * limit  # U(-a, a) has std a/sqrt(3)
+    embedding = params["tgt_embed.weight"]
+    assert abs(embedding.std() - 256**-0.5) < 0.02 * 256**-0.5 and abs(embedding.mean()) < 0.01
+    assert abs(params["src_pos.weight"].std() - 256**-0.5) < 0.03 * 256**-0.5
+    assert all((v == 0).all() for k, v in params.items() if k.endswith(".bias"))
+    assert all((v == 1).all() for k, v in params.items() if k.endswith(".scale"))
+    # independent streams per parameter: q and k of one layer differ
+    assert not np.array_equal(params["encoder.layers.0.self_attn.q.weight"], params["encoder.layers.0.self_attn.k.weight"])
+
+
+def test_init_streams_do_not_shift_when_options_change():
+    tiny = get_preset("tiny")
+    a, b = init_params(tiny), init_params(tiny.replace(bias=False, qkv_bias=False))
+    assert np.array_equal(a["decoder.layers.1.ffn.w2.weight"], b["decoder.layers.1.ffn.w2.weight"])
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, 2**63])
+def test_bad_seed(seed):
+    with pytest.raises(ValueError, match="seed"):
+        init_params(get_preset("tiny"), seed)
+
+
+def test_params_under():
+    params = init_params(get_preset("tiny"))
+    ffn = params_under(params, "encoder.layers.0.ffn")
+    assert sorted(ffn) == ["w1.bias", "w1.weight", "w2.bias", "w2.weight"]
+    assert params_under(params, "encoder.layers.1") and not params_under(params, "encoder.layers.2")
+    assert "ffn.w1.weight" in params_under(params, "encoder.layers.1")
+    assert not any(k.startswith("0") for k in params_under(params, "encoder.layers.1"))  # .1 is not .10
