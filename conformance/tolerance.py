@@ -70,7 +70,8 @@ def compare(actual: object, expected: np.ndarray, relative_tol: float) -> Compar
     scale = max(1.0, float(np.abs(expected64[finite_golden]).max())) if finite_golden.any() else 1.0
     tol = relative_tol * scale
     same_special = ~finite_golden & ((actual64 == expected64) | (np.isnan(actual64) & np.isnan(expected64)))
-    difference = np.where(same_special, 0.0, np.abs(actual64 - expected64))
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is handled just below
+        difference = np.where(same_special, 0.0, np.abs(actual64 - expected64))
     difference = np.where(np.isnan(difference), np.inf, difference)  # NaN where a number was due
     if difference.size == 0:
         return Comparison(True, 0.0, 0.0, tol, None, None, None)

@@ -274,3 +274,59 @@ def test_float32_golden_tracks_float64(batch, src_len, tgt_len, seed):
     single = g.forward(TINY, params, src, tgt, dtype=np.float32)
     assert single.dtype == np.float32 and np.isfinite(reference).all()
     assert np.abs(single - reference).max() <= 1e-5 * max(1.0, np.abs(reference).max())
+
+
+def test_feed_forward_hand_example():
+    p = {"w1.weight": np.array([[1.0, -1.0]]), "w1.bias": np.array([0.0, 0.5]),
+         "w2.weight": np.array([[2.0], [3.0]]), "w2.bias": np.array([1.0])}
+    x = np.array([[[2.0]]])  # hidden = relu([2, -1.5]) = [2, 0]; out = 2*2 + 0*3 + 1
+    assert g.feed_forward(p, x, "relu").tolist() == [[[5.0]]]
+
+
+def test_residual_post_and_pre():
+    norm_p = {"scale": np.ones(4), "bias": np.zeros(4)}
+    x = np.array([[[1.0, 2.0, 3.0, 4.0]]])
+    double = lambda h: 2 * h  # noqa: E731
+    post = g.residual(TINY, norm_p, x, double)
+    pre = g.residual(TINY.replace(norm_position="pre"), norm_p, x, double)
+    assert np.allclose(post, g.layer_norm(3 * x, np.ones(4), np.zeros(4), TINY.norm_eps))
+    assert np.allclose(pre, x + 2 * g.layer_norm(x, np.ones(4), np.zeros(4), TINY.norm_eps))
+
+
+@st.composite
+def small_configs(draw):
+    heads = draw(st.sampled_from([1, 2, 4]))
+    d_model = heads * draw(st.sampled_from([2, 4, 8]))
+    decoder_only = draw(st.booleans())
+    vocab = draw(st.integers(3, 20))
+    positional = draw(st.sampled_from(["sinusoidal", "sinusoidal-concat", "learned"]))
+    share = (not decoder_only) and draw(st.booleans())
+    return TINY.replace(
+        arch="decoder-only" if decoder_only else "encoder-decoder", d_model=d_model, n_heads=heads,
+        d_ff=draw(st.integers(1, 24)), n_encoder_layers=0 if decoder_only else draw(st.integers(1, 2)),
+        n_decoder_layers=draw(st.integers(1, 2)), src_vocab_size=0 if decoder_only else (vocab if share else draw(st.integers(3, 20))),
+        tgt_vocab_size=vocab, max_len=draw(st.integers(8, 16)), pad_id=draw(st.integers(0, 2)),
+        norm_position=draw(st.sampled_from(["post", "pre"])), norm=draw(st.sampled_from(["layernorm", "std"])),
+        final_norm=draw(st.booleans()), positional=positional, embed_scale=draw(st.booleans()),
+        activation=draw(st.sampled_from(["relu", "gelu", "gelu-tanh", "swish"])), qkv_bias=draw(st.booleans()),
+        bias=draw(st.booleans()), head_bias=draw(st.booleans()), share_src_tgt_embed=share, tie_head=draw(st.booleans()))
+
+
+@given(small_configs(), st.integers(0, 2**31 - 1), st.data())
+def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data):
+    generator = np.random.default_rng(seed)
+    params = init_params(cfg, seed=seed % 7)
+    batch, length = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 8))
+    tgt = generator.integers(0, cfg.tgt_vocab_size, (batch, length))
+    src = None if not cfg.has_encoder else generator.integers(0, cfg.src_vocab_size, (batch, data.draw(st.integers(1, 8))))
+    full = g.forward(cfg, params, src, tgt)
+    assert np.isfinite(full).all()
+    p = g.cast_params(cfg, params)
+    cache = g.start_cache(cfg, p, batch, src)
+    steps = []
+    for t in range(length):
+        logits, cache = g.decode_step(cfg, p, cache, tgt[:, t:t + 1])
+        steps.append(logits)
+    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-12 * max(1.0, np.abs(full).max())
+    single = g.forward(cfg, params, src, tgt, dtype=np.float32)
+    assert np.abs(single - full).max() <= 1e-4 * max(1.0, np.abs(full).max())

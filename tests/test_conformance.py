@@ -1,0 +1,297 @@
+"""The case catalogue through the harness, and proof that the harness can fail."""
+
+import json
+import math
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+import impl_numpy
+import impl_numpy.model as golden_model
+from conformance.adapter import NotSupported, get_backend, register_backend, unregister_backend
+from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
+from conformance.cases import MASK_CASES, SUBLAYERS, catalogue
+from conformance.cli import main
+from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
+from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
+from spec import get_preset, init_params
+
+TINY = get_preset("tiny")
+
+# Option variants of tiny that together cover every ModelConfig choice.
+VARIANTS = {
+    "tiny": TINY,
+    "tiny.pre_std_final": TINY.replace(norm_position="pre", norm="std", final_norm=True),
+    "tiny.concat_gelu_untied": TINY.replace(positional="sinusoidal-concat", activation="gelu", tie_head=False,
+                                            head_bias=True),
+    "tiny.learned_swish_shared": TINY.replace(positional="learned", embed_scale=False, activation="swish",
+                                              src_vocab_size=80, share_src_tgt_embed=True, pad_id=3),
+    "tiny.nobias_gelutanh": TINY.replace(qkv_bias=False, bias=False, activation="gelu-tanh", max_len=6,
+                                         positional="learned"),
+    "char-lm": get_preset("char-lm").replace(n_decoder_layers=2),
+}
+
+
+def _cells(variant):
+    cfg = VARIANTS[variant]
+    prefix = "" if variant == "tiny" else f"{variant}:"
+    return [pytest.param(variant, case.sublayer, case.mask_case,
+                         id=f"{prefix}{case.sublayer}-{case.mask_case}-float32-numpy-float32-cpu")
+            for case in catalogue(cfg)]
+
+
+@pytest.fixture(scope="module")
+def matrices():
+    """Each variant's matrix, run once through the harness."""
+    results = {}
+    for variant, cfg in VARIANTS.items():
+        cells = run_matrix(cfg, init_params(cfg, seed=1), plan_matrix(cfg, ["numpy-float32"], ["float32"]))
+        results[variant] = {(r.sublayer, r.mask_case): r for r in cells}
+    return results
+
+
+@pytest.mark.parametrize("variant, sublayer, mask_case", [p for v in VARIANTS for p in _cells(v)])
+def test_catalogue_float32_against_golden(matrices, variant, sublayer, mask_case):
+    result = matrices[variant][(sublayer, mask_case)]
+    assert result.status == PASS, result.reason
+    assert result.max_abs_err <= result.tol
+
+
+def test_catalogue_covers_every_mask_case_and_sublayer():
+    cases = catalogue(TINY)
+    assert {c.mask_case for c in cases} == set(MASK_CASES)
+    assert {c.sublayer for c in cases} == set(SUBLAYERS)
+    decoder_only = catalogue(VARIANTS["char-lm"])
+    assert not any(c.sublayer in ("encoder", "encoder_layer", "mha_cross") for c in decoder_only)
+
+
+def test_catalogue_is_deterministic():
+    first, second = catalogue(TINY), catalogue(TINY)
+    for a, b in zip(first, second):
+        for key, value in a.inputs.items():
+            other = b.inputs[key]
+            assert type(value) is type(other) and (np.array_equal(value, other) if isinstance(value, np.ndarray) else value == other)
+
+
+def test_all_pad_cases_really_have_rows_with_no_key():
+    for case in catalogue(TINY):
+        if case.mask_case == "all_pad" and case.sublayer in ("attention", "mha"):
+            assert not case.inputs["mask"].any(axis=-1).all()
+        if case.mask_case == "all_pad" and case.sublayer == "forward":
+            assert (case.inputs["tgt_ids"] == TINY.pad_id).all(axis=1).any()
+
+
+# ---- the tolerance policy -----------------------------------------------------------------
+
+def test_tolerance_formula():
+    assert tolerance("float32", 256, 1) == pytest.approx(8 * 2**-24 * 16)
+    assert tolerance("float16", 64, 3) == pytest.approx(8 * 2**-11 * 8 * 3)
+    assert tolerance("float64", 1, 1) < tolerance("float32", 1, 1) < tolerance("float16", 1, 1) < tolerance("bfloat16", 1, 1)
+    assert set(UNIT_ROUNDOFF) == {"float64", "float32", "float16", "bfloat16"}
+    with pytest.raises(ValueError, match="unknown dtype"):
+        tolerance("int8", 1, 1)
+
+
+def test_compare_reports_the_worst_element():
+    expected = np.zeros((2, 3))
+    actual = expected.copy()
+    actual[1, 2] = 0.5
+    result = compare(actual, expected, 0.1)
+    assert not result.passed and result.worst_index == (1, 2) and result.max_abs_err == 0.5
+    assert "at [1, 2]" in result.reason
+    assert compare(expected + 0.05, expected, 0.1).passed
+
+
+def test_compare_scales_with_the_golden_magnitude():
+    expected = np.array([1000.0, 1.0])
+    assert compare(expected + [0.5, 0.0], expected, 1e-3).passed  # 0.5 <= 1e-3 * 1000
+    assert not compare(expected + [0.0, 1.5], expected, 1e-3).passed
+
+
+def test_compare_nan_and_inf():
+    expected = np.array([1.0, np.inf, np.nan])
+    assert compare(np.array([1.0, np.inf, np.nan]), expected, 1e-6).passed  # the same specials
+    assert not compare(np.array([np.nan, np.inf, np.nan]), expected, 1e-6).passed
+    assert not compare(np.array([1.0, -np.inf, np.nan]), expected, 1e-6).passed
+    nan_result = compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0)
+    assert not nan_result.passed and math.isinf(nan_result.max_abs_err) and "non-finite" in nan_result.reason
+
+
+def test_compare_shapes_and_integers():
+    assert "shape [2], expected [3]" in compare(np.zeros(2), np.zeros(3), 1.0).reason
+    assert compare(np.array([[1, 2]]), np.array([[1, 2]]), 0.0).passed
+    result = compare(np.array([[1, 3]]), np.array([[1, 2]]), 0.0)
+    assert not result.passed and "1 of 2 values differ" in result.reason
+
+
+# ---- the harness can fail -----------------------------------------------------------------
+
+@contextmanager
+def patched(name, replacement):
+    """Replace a golden function in impl_numpy.model and in the package namespace."""
+    modules = [golden_model, impl_numpy]
+    originals = [getattr(module, name) for module in modules]
+    for module in modules:
+        setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            setattr(module, name, original)
+
+
+class MutantBackend(NumpyFloat32Backend):
+    """numpy-float32 with one golden function replaced while the backend runs."""
+
+    def __init__(self, name, replacement):
+        self.function_name, self.replacement = name, replacement
+
+    def load(self, cfg, params, dtype, device):
+        runner = NumpyRunner(cfg, params, dtype)
+        backend = self
+
+        class Mutant:
+            def run(self, sublayer, inputs):
+                with patched(backend.function_name, backend.replacement):
+                    return runner.run(sublayer, inputs)
+
+        return Mutant()
+
+
+def _scaled_by_d_model(q, k, v, mask=None):
+    # the classic mistake: divide by sqrt(d_model) instead of sqrt(d_k)
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1] * q.shape[1])
+    return golden_model.softmax(scores, mask) @ v
+
+
+def _naive_masked_softmax(x, mask=None):
+    # -inf fill and a plain softmax: NaN on rows with no key
+    if mask is not None:
+        x = np.where(mask, x, -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def _run_mutant(name, replacement):
+    register_backend("mutant", lambda: MutantBackend(name, replacement))
+    try:
+        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["mutant"], ["float32"]))
+    finally:
+        unregister_backend("mutant")
+    return {f"{r.sublayer}-{r.mask_case}": r for r in results}
+
+
+def test_wrong_attention_scale_fails_every_attention_case():
+    results = _run_mutant("scaled_dot_product_attention", _scaled_by_d_model)
+    assert results["attention-none"].status == FAIL and results["forward-none"].status == FAIL
+    assert results["ffn-none"].status == PASS and results["norm-none"].status == PASS
+    assert results["attention-single_token"].status == PASS  # one key: the scale cannot matter
+
+
+def test_nan_on_fully_masked_rows_is_caught():
+    results = _run_mutant("softmax", _naive_masked_softmax)
+    for case in ("attention-all_pad", "mha-all_pad", "attention-mask_qk", "forward-all_pad", "decode-pad_left"):
+        assert results[case].status == FAIL and "non-finite" in results[case].reason, case
+    assert results["attention-causal"].status == PASS and results["forward-pad_right"].status == PASS
+
+
+def test_a_crashing_backend_is_an_error_not_a_pass():
+    class Broken(NumpyFloat32Backend):
+        def load(self, cfg, params, dtype, device):
+            class Runner:
+                def run(self, sublayer, inputs):
+                    if sublayer == "ffn":
+                        raise NotSupported("no FFN here")
+                    raise RuntimeError("kernel exploded")
+            return Runner()
+
+    register_backend("broken", Broken)
+    try:
+        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["broken"], ["float32"]))
+    finally:
+        unregister_backend("broken")
+    statuses = {r.sublayer: r.status for r in results}
+    assert statuses["ffn"] == SKIP and statuses["mha"] == ERROR
+    assert any("kernel exploded" in r.reason for r in results)
+
+
+def test_a_missing_framework_is_reported_unavailable():
+    register_backend("ghost", "no_such_framework_module:Backend")
+    try:
+        backend, reason = get_backend("ghost")
+        assert backend is None and "not installed" in reason
+        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["ghost"], ["float32"]))
+        assert results and all(r.status == SKIP and "not installed" in r.reason for r in results)
+    finally:
+        unregister_backend("ghost")
+
+
+def test_unsupported_dtypes_and_devices_are_skipped_with_a_reason():
+    results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["numpy-float32"], ["float16"], ["cpu", "cuda"]),
+                         pattern="ffn")
+    reasons = {(r.device, r.status, r.reason) for r in results}
+    assert ("cpu", SKIP, "numpy-float32 runs at float32 only (float64 is the golden itself)") in reasons
+    assert ("cuda", SKIP, "device cuda not present for numpy-float32") in reasons
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+def test_cli_check_passes_and_writes_a_report(tmp_path, capsys):
+    assert main(["check", "--preset", "tiny", "--dtypes", "float32", "--report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "numpy-float32/float32/cpu" in out and "mha-causal_pad" in out and " 0 failed" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] is True and report["config"]["d_model"] == 64
+    assert report["versions"]["numpy"] and report["spec_version"]
+    cell = report["cells"][0]
+    for key in ("backend", "device", "dtype", "sublayer", "mask_case", "passed" if "passed" in cell else "status",
+                "max_abs_err", "rel_err", "tol", "worst_index"):
+        assert key in cell
+    assert (tmp_path / "report.md").read_text().startswith("# Conformance report")
+
+
+def test_cli_filter_and_exit_codes(tmp_path, capsys):
+    assert main(["check", "-k", "attention-causal", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "attention-causal " in out and "mha-" not in out
+    assert main(["check", "-k", "no-such-cell"]) == 1
+    assert main(["check", "--backends", "nope"]) == 2
+    assert "unknown backend" in capsys.readouterr().err
+    assert main(["check", "--dtypes", "float8"]) == 2
+    assert main(["check", "--preset", "gpt-5"]) == 2
+    assert main(["check", "--weights", str(tmp_path / "missing.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_failing_backend_exits_1(capsys):
+    register_backend("mutant", lambda: MutantBackend("scaled_dot_product_attention", _scaled_by_d_model))
+    try:
+        assert main(["check", "--backends", "mutant", "--dtypes", "float32", "-k", "attention"]) == 1
+    finally:
+        unregister_backend("mutant")
+    assert "FAIL attention-none-float32-mutant-cpu" in capsys.readouterr().out
+
+
+def test_cli_init_info_and_check_weights(tmp_path, capsys):
+    path = tmp_path / "w.safetensors"
+    assert main(["init", "--preset", "char-lm", "--seed", "2", str(path)]) == 0
+    assert main(["info", str(path)]) == 0
+    assert '"arch": "decoder-only"' in capsys.readouterr().out
+    assert main(["check", "--weights", str(path), "--dtypes", "float32", "-k", "forward"]) == 0
+    assert main(["check", "--weights", str(path), "--preset", "tiny"]) == 2
+
+
+def test_python_dash_m_conformance():
+    done = subprocess.run([sys.executable, "-m", "conformance", "presets"], capture_output=True, text=True, check=True)
+    assert "paper-base" in done.stdout and "63,082,496" in done.stdout
+
+
+def test_float32_headroom_under_the_policy(matrices):
+    """A correct float32 implementation must sit well inside the tolerance (SPEC.md §8 says the
+    golden's own float32 uses at most ~0.14 of it); if this creeps up, the policy is too tight."""
+    worst = max(r.ratio for cells in matrices.values() for r in cells.values() if r.ratio is not None)
+    assert worst < 0.3
