@@ -61,6 +61,8 @@ class _Entry:
 
 _REGISTRY: dict[str, _Entry] = {
     "numpy-float32": _Entry("conformance.backends.numpy_backend:NumpyFloat32Backend"),
+    "torch": _Entry("conformance.backends.torch_backend:TorchBackend"),
+    "torch-math": _Entry("conformance.backends.torch_backend:TorchMathBackend"),
 }
 
 

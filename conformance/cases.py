@@ -224,10 +224,13 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
     if sublayer in ("embedding", "positional"):
         side = "src" if cfg.has_encoder else "tgt"
         length, offset = min(TGT_LEN, cfg.max_len), min(3, cfg.max_len - min(TGT_LEN, cfg.max_len))
+        # sin(p·ω) inherits the rounding of its angle times p: the position is its "reduction"
+        reduction = (offset + length) ** 2
         if sublayer == "positional":
-            return {"length": length, "side": side, "offset": offset}, 1
+            return {"length": length, "side": side, "offset": offset}, reduction
         vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
-        return {"ids": _token_ids(rng, BATCH, length, vocab, cfg.pad_id, "pad_right"), "side": side, "offset": offset}, 1
+        ids = _token_ids(rng, BATCH, length, vocab, cfg.pad_id, "pad_right")
+        return {"ids": ids, "side": side, "offset": offset}, reduction
     if sublayer == "attention":
         q_len, k_len = _lengths(cfg, mask_case)
         return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head), "k": _normal(rng, BATCH, heads, k_len, cfg.d_head),
@@ -264,7 +267,7 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         return {"index": 0, "y": _normal(rng, BATCH, t_len, d), "memory": memory, "self_mask": self_mask,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
-    reduction = max(d, d_ff, SRC_LEN + 3)
+    reduction = max(d, d_ff, SRC_LEN + 3, (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2)
     if sublayer == "encoder":
         return {"src_ids": src_ids}, reduction
     if sublayer == "decoder":

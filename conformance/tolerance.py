@@ -1,10 +1,13 @@
 """The tolerance policy (SPEC.md §8) and the comparison of one output against the golden.
 
-    tol = SAFETY · u(dtype) · √n · depth          pass iff  max|actual − golden| ≤ tol · max(1, max|golden|)
+    tol = SAFETY · √depth · (u_storage + u_accumulate · √n)
+    pass iff  max|actual − golden| ≤ tol · max(1, max|golden|)
 
-u is the dtype's unit roundoff (half its machine epsilon), n the longest reduction (inner
-product or sum) the case contains, depth the number of sublayers chained in it. The formula
-is the same for every case; no case has a hand-tuned tolerance.
+u_storage is the unit roundoff (half the machine epsilon) of the dtype values are stored in,
+u_accumulate that of the dtype sums are accumulated in (float32 for the half formats and TF32,
+as every framework's matmuls and softmax do; the dtype itself otherwise), n the longest
+reduction (inner product or sum) the case contains, depth the number of sublayers chained in
+it. The formula is the same for every case; no case has a hand-tuned tolerance.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ SAFETY = 8.0
 UNIT_ROUNDOFF = {
     "float64": 2.0**-53,
     "float32": 2.0**-24,
+    "tf32": 2.0**-11,  # float32 storage, matmul inputs rounded to TF32's 10-bit mantissa (CUDA)
     "float16": 2.0**-11,
     "bfloat16": 2.0**-8,
 }
+ACCUMULATE = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float32",
+              "bfloat16": "float32"}
 DTYPES = tuple(UNIT_ROUNDOFF)
 
 
@@ -29,7 +35,8 @@ def tolerance(dtype: str, reduction_length: int, depth: int) -> float:
     """The relative tolerance for a case computed in ``dtype``."""
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    return SAFETY * UNIT_ROUNDOFF[dtype] * math.sqrt(max(1, reduction_length)) * max(1, depth)
+    storage, accumulate = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
+    return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * math.sqrt(max(1, reduction_length)))
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,40 @@ def _describe(actual: np.ndarray, expected: np.ndarray, worst: tuple, max_abs: f
         return f"{count} non-finite value(s) where the golden is finite, first worst at {index}: {actual[worst]}"
     return (f"max |error| {max_abs:.3g} > tol {tol:.3g} at {index}: "
             f"got {actual[worst]:.6g}, golden {expected[worst]:.6g}")
+
+
+def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_logits: np.ndarray,
+                       relative_tol: float) -> Comparison:
+    """Greedy tokens must equal the golden's, except where the golden itself had a near-tie: at
+    the first step where a row differs, the golden's logit for the backend's token must be within
+    the logit tolerance of the golden's best. That row is not compared after it (the prefixes
+    differ from there on). golden_step_logits [B, N, V] are the golden's logits at each step."""
+    golden_tokens = np.asarray(golden_tokens)
+    try:
+        actual = np.asarray(actual)
+    except Exception as error:  # noqa: BLE001
+        return Comparison(False, math.inf, math.inf, 0.0, None, None, None, f"output is not an array: {error}")
+    if actual.shape != golden_tokens.shape:
+        return Comparison(False, math.inf, math.inf, 0.0, None, None, None,
+                          f"shape {list(actual.shape)}, expected {list(golden_tokens.shape)}")
+    tol = relative_tol * max(1.0, float(np.abs(golden_step_logits).max()))
+    worst_margin, ties = 0.0, []
+    for row in range(golden_tokens.shape[0]):
+        differ = np.flatnonzero(actual[row] != golden_tokens[row])
+        if differ.size == 0:
+            continue
+        step = int(differ[0])
+        token = int(actual[row, step])
+        logits = golden_step_logits[row, step]
+        margin = float(logits[golden_tokens[row, step]] - logits[token]) if 0 <= token < logits.shape[0] else math.inf
+        if not margin <= tol:
+            return Comparison(False, margin, math.inf, tol, (row, step), float(token), float(golden_tokens[row, step]),
+                              f"row {row} step {step}: got token {token}, golden {golden_tokens[row, step]}, whose "
+                              f"logit is higher by {margin:.3g} > tol {tol:.3g} (not a tie)")
+        worst_margin = max(worst_margin, margin)
+        ties.append(f"row {row} step {step}")
+    note = f"near-tie accepted at {', '.join(ties)} (margin {worst_margin:.3g} <= {tol:.3g})" if ties else ""
+    return Comparison(True, worst_margin, 0.0, tol, None, None, None, note)
 
 
 def _compare_exact(actual: np.ndarray, expected: np.ndarray) -> Comparison:

@@ -389,8 +389,10 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
 
 def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None = None, *,
                     prompt_ids: np.ndarray | None = None, bos_id: int | None = None,
-                    eos_id: int | None = None, max_new_tokens: int, dtype: np.dtype = np.float64) -> np.ndarray:
-    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens].
+                    eos_id: int | None = None, max_new_tokens: int, dtype: np.dtype = np.float64,
+                    return_step_logits: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (and, when asked, the
+    logits each step chose from [B, max_new_tokens, V]; zeros for steps after all finished).
 
     Encoder-decoder: decoding starts from bos_id. Decoder-only: from prompt_ids [B, P] (pad_id
     marks prompt padding). Each step takes the arg-max token (ties go to the lowest id); after a
@@ -416,9 +418,11 @@ def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None
     cache = start_cache(cfg, p, batch, src_ids)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
+    step_logits = np.zeros((batch, max_new_tokens, cfg.tgt_vocab_size), dtype=p["tgt_embed.weight"].dtype)
     step_ids, step_keep = first, first_keep
     for t in range(max_new_tokens):
         logits, cache = decode_step(cfg, p, cache, step_ids, step_keep)
+        step_logits[:, t] = logits[:, -1]
         next_token = np.where(finished, cfg.pad_id, logits[:, -1].argmax(axis=-1))
         tokens[:, t] = next_token
         if eos_id is not None:
@@ -426,4 +430,4 @@ def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None
         if finished.all():
             break
         step_ids, step_keep = next_token[:, None], np.ones((batch, 1), dtype=bool)
-    return tokens
+    return (tokens, step_logits) if return_step_logits else tokens

@@ -87,10 +87,13 @@ def test_all_pad_cases_really_have_rows_with_no_key():
 # ---- the tolerance policy -----------------------------------------------------------------
 
 def test_tolerance_formula():
-    assert tolerance("float32", 256, 1) == pytest.approx(8 * 2**-24 * 16)
-    assert tolerance("float16", 64, 3) == pytest.approx(8 * 2**-11 * 8 * 3)
+    assert tolerance("float32", 256, 1) == pytest.approx(8 * 2**-24 * (1 + 16))
+    assert tolerance("float64", 256, 4) == pytest.approx(8 * 2 * 2**-53 * (1 + 16))
+    # half formats: storage rounding plus float32 accumulation over n terms
+    assert tolerance("float16", 64, 9) == pytest.approx(8 * 3 * (2**-11 + 2**-24 * 8))
+    assert tolerance("tf32", 64, 1) == pytest.approx(8 * (2**-11 + 2**-24 * 8))
     assert tolerance("float64", 1, 1) < tolerance("float32", 1, 1) < tolerance("float16", 1, 1) < tolerance("bfloat16", 1, 1)
-    assert set(UNIT_ROUNDOFF) == {"float64", "float32", "float16", "bfloat16"}
+    assert set(UNIT_ROUNDOFF) == {"float64", "float32", "tf32", "float16", "bfloat16"}
     with pytest.raises(ValueError, match="unknown dtype"):
         tolerance("int8", 1, 1)
 

@@ -96,10 +96,15 @@ class NumpyRunner:
 
 
 def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, inputs: Mapping[str, Any],
-                  runner: NumpyRunner | None = None) -> np.ndarray:
-    """The reference output of a case: float64, and for 'decode' the full forward's logits
-    (so a cache bug cannot hide by being in the reference too)."""
+                  runner: NumpyRunner | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The reference output of a case: float64; for 'decode' the full forward's logits (so a
+    cache bug cannot hide by being in the reference too); for 'generate' the tokens and the
+    logits each step chose from (to tell a near-tie from a wrong token)."""
     runner = runner or NumpyRunner(cfg, params, "float64")
+    if sublayer == "generate":
+        return golden.greedy_generate(
+            cfg, params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
+            eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], return_step_logits=True)
     if sublayer == "decode":
         logits = runner.run("forward", {"src_ids": inputs["src_ids"], "tgt_ids": inputs["tgt_ids"]})
         return logits[:, inputs["prefix"]:]

@@ -1,0 +1,541 @@
+"""The spec's Transformer in PyTorch: a parallel text to impl_numpy/model.py.
+
+Same names, same order; the comments say why PyTorch needs something the golden does not.
+Shapes: B batch, S source, T target, Q queries, K keys, H heads, d d_model, d_k head size.
+
+The module tree mirrors the canonical names, so ``state_dict()`` keys *are* the canonical names.
+One rule maps the values: nn.Linear stores its weight [out, in] (it computes x @ Wᵀ), the spec
+stores [in, out] (x @ W), so every Linear weight is transposed on the way in and out. Nothing
+else changes: embeddings are [V, d] in both, norms are vectors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.errors import InputError
+from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+
+ATTENTION_PATHS = ("sdpa", "math")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """x (1 + tanh(√(2/π) (x + 0.044715 x³))) / 2"""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # torch's default is the exact erf form, as the spec's "gelu"
+    "gelu-tanh": gelu_tanh,
+    "swish": F.silu,
+}
+
+
+def softmax(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the last axis keeping entries where mask is True; a row with nothing kept
+    is all zeros (SPEC.md §6). torch.softmax of an all -inf row is NaN, hence the explicit max."""
+    if mask is not None:
+        x = x.masked_fill(~mask, float("-inf"))
+    row_max = x.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(x - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# ---- embeddings and positions ---------------------------------------------------------------
+
+def token_embedding(ids: torch.Tensor, table: nn.Embedding, scale: bool) -> torch.Tensor:
+    """E[ids] · √d_model. ids [B, T] -> [B, T, d]"""
+    x = table(ids)
+    return x * math.sqrt(table.embedding_dim) if scale else x
+
+
+def sinusoidal_table(positions: torch.Tensor, d_model: int, layout: str) -> torch.Tensor:
+    """angle(pos, i) = pos / 10000^(2i/d), in float64 like the golden: float32 angles lose
+    ~1e-7·pos of accuracy, which a long sequence turns into visible error."""
+    exponents = torch.arange(0, d_model, 2, dtype=torch.float64, device=positions.device) / d_model
+    inverse_frequency = 10000.0 ** (-exponents)  # [d/2]
+    angles = positions.to(torch.float64)[:, None] * inverse_frequency[None, :]  # [T, d/2]
+    if layout == "sinusoidal":
+        return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).reshape(len(positions), d_model)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, T, d] -> [B, H, T, d_k]"""
+    batch, length, d_model = x.shape
+    return x.view(batch, length, n_heads, d_model // n_heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, d_k] -> [B, T, d]"""
+    batch, n_heads, length, d_head = x.shape
+    return x.transpose(1, 2).reshape(batch, length, n_heads * d_head)
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 mask: torch.Tensor | None = None, path: str = "sdpa") -> torch.Tensor:
+    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
+    mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
+    if path == "math":
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+        # Half-precision softmax loses the small weights; take it in float32 as SDPA kernels do.
+        weights = softmax(scores.float() if scores.dtype in _HALF else scores, mask).to(v.dtype)
+        return weights @ v
+    # SDPA's boolean attn_mask has the spec's polarity (True = attend; nn.MultiheadAttention's
+    # key_padding_mask is the opposite). Whether a kernel returns NaN or zeros for a row with no
+    # key differs between kernels and versions, so the rule is enforced here, not assumed.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if mask is None:
+        return out
+    row_has_key = mask.any(dim=-1, keepdim=True)  # [B|1, H|1, Q|1, 1]
+    return torch.where(row_has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V)."""
+
+    def __init__(self, cfg: ModelConfig, path: str = "sdpa"):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads, self.path = cfg.n_heads, path
+        self.q = nn.Linear(d, d, bias=cfg.qkv_bias)
+        self.k = nn.Linear(d, d, bias=cfg.qkv_bias)
+        self.v = nn.Linear(d, d, bias=cfg.qkv_bias)
+        self.o = nn.Linear(d, d, bias=cfg.bias)
+
+    def key_value_heads(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the context, split into heads: [B, K, d] -> 2 × [B, H, K, d_k]"""
+        return split_heads(self.k(context), self.n_heads), split_heads(self.v(context), self.n_heads)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Concat(head_1..head_h) W^O + b with queries from x. x [B, Q, d] -> [B, Q, d]"""
+        q = split_heads(self.q(x), self.n_heads)
+        heads = scaled_dot_product_attention(q, k, v, mask, self.path)  # [B, H, Q, d_k]
+        return self.o(merge_heads(heads))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]"""
+        mask = view_mask(mask, x.shape[0], self.n_heads, x.shape[1], context.shape[1])
+        return self.attend(x, *self.key_value_heads(context), mask)
+
+
+# ---- feed-forward, norms, residual ----------------------------------------------------------
+
+class FeedForward(nn.Module):
+    """FFN(x) = act(x W1 + b1) W2 + b2"""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.activation = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.activation(self.w1(x)))
+
+
+def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """γ (x - μ) / √(σ² + ε) + β with the biased variance: exactly F.layer_norm."""
+    return F.layer_norm(x, x.shape[-1:], scale, bias, eps)
+
+
+def std_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """γ (x - μ) / (s + ε) + β with the unbiased std (torch.std's default correction=1)."""
+    centered = x - x.mean(dim=-1, keepdim=True)
+    return scale * centered / (x.std(dim=-1, keepdim=True) + eps) + bias
+
+
+class Norm(nn.Module):
+    """The config's norm. Parameters are named scale/bias (not nn.LayerNorm's weight/bias) so the
+    state_dict keys are the canonical names without a rename."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(cfg.d_model))
+        self.bias = nn.Parameter(torch.zeros(cfg.d_model))
+        self.kind = layer_norm if cfg.norm == "layernorm" else std_norm
+        self.eps = float(cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
+            return self.kind(x.float(), self.scale.float(), self.bias.float(), self.eps).to(x.dtype)
+        return self.kind(x, self.scale, self.bias, self.eps)
+
+
+def residual(cfg: ModelConfig, norm: Norm, x: torch.Tensor,
+             sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """post-LN: Norm(x + Sublayer(x));  pre-LN: x + Sublayer(Norm(x))."""
+    if cfg.norm_position == "post":
+        return norm(x + sublayer(x))
+    return x + sublayer(norm(x))
+
+
+# ---- layers and stacks ----------------------------------------------------------------------
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, path: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn = MultiHeadAttention(cfg, path)
+        self.self_attn_norm = Norm(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_norm = Norm(cfg)
+
+    def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
+        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask))
+        return self.ffn_block(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, path: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn = MultiHeadAttention(cfg, path)
+        self.self_attn_norm = Norm(cfg)
+        if cfg.has_encoder:
+            self.cross_attn = MultiHeadAttention(cfg, path)
+            self.cross_attn_norm = Norm(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_norm = Norm(cfg)
+
+    def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+
+    def forward(self, y: torch.Tensor, memory: torch.Tensor | None, self_mask: torch.Tensor | None,
+                cross_mask: torch.Tensor | None) -> torch.Tensor:
+        """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
+        y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
+        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask))
+        if memory is not None:
+            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask))
+        return self.ffn_block(y)
+
+
+class Stack(nn.Module):
+    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them."""
+
+    def __init__(self, cfg: ModelConfig, layer: type[nn.Module], count: int, path: str):
+        super().__init__()
+        self.layers = nn.ModuleList(layer(cfg, path) for _ in range(count))
+        if cfg.final_norm:
+            self.norm = Norm(cfg)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if hasattr(self, "norm") else x
+
+
+class Head(nn.Module):
+    """logits = h W_head + b. Tied: W_head = E_tgtᵀ, and only the bias (if any) lives here."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not cfg.tie_head:
+            self.weight = nn.Parameter(torch.empty(cfg.tgt_vocab_size, cfg.d_model))  # [out, in] like nn.Linear
+        if cfg.head_bias:
+            self.bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size))
+
+    def forward(self, h: torch.Tensor, tied_table: torch.Tensor) -> torch.Tensor:
+        weight = tied_table if not hasattr(self, "weight") else self.weight  # both [V, d]
+        return F.linear(h, weight, getattr(self, "bias", None))
+
+
+def _key_mask(keep: torch.Tensor) -> torch.Tensor:
+    """[B, K] real tokens -> [B, 1, 1, K]"""
+    return keep[:, None, None, :]
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (position k_len - q_len + i) sees keys j <= that position: [1, 1, Q, K]"""
+    offset = k_len - q_len
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)[None, None]
+
+
+def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = "mask") -> torch.Tensor | None:
+    """Check a user keep-mask with the spec's rule and view it as [B|1, H|1, Q|1, K]."""
+    if mask is None:
+        return None
+    return torch.as_tensor(mask).reshape(mask_shape_4d(mask, batch, heads, q_len, k_len, name))
+
+
+# ---- the whole model ------------------------------------------------------------------------
+
+class Transformer(nn.Module):
+    """The spec's model. ``model(src_ids, tgt_ids)`` -> logits [B, T, V] (decoder-only: src_ids=None)."""
+
+    def __init__(self, cfg: ModelConfig, attention: str = "sdpa"):
+        super().__init__()
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
+        self.cfg = cfg
+        if cfg.has_encoder and not cfg.share_src_tgt_embed:
+            self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+        self.tgt_embed = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model)
+        if cfg.positional == "learned":
+            if cfg.has_encoder:
+                self.src_pos = nn.Embedding(cfg.max_len, cfg.d_model)
+            self.tgt_pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        if cfg.has_encoder:
+            self.encoder = Stack(cfg, EncoderLayer, cfg.n_encoder_layers, attention)
+        self.decoder = Stack(cfg, DecoderLayer, cfg.n_decoder_layers, attention)
+        self.head = Head(cfg)
+        self.eval()  # conformance is eval mode; this model has no dropout at all
+
+    # ---- loading ----
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, params: Mapping[str, np.ndarray], *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu", attention: str = "sdpa") -> "Transformer":
+        """Build from canonical float32 NumPy parameters (checked against the spec first)."""
+        check_params(cfg, params)
+        model = cls(cfg, attention)
+        linear_weights = _linear_weight_names(model)
+        state = {name: torch.from_numpy(np.ascontiguousarray(value.T if name in linear_weights else value))
+                 for name, value in params.items()}
+        model.load_state_dict(state, strict=True)
+        return model.to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_file(cls, path, **options) -> "Transformer":
+        cfg, params = load_weights(path)
+        return cls.from_params(cfg, params, **options)
+
+    def to_params(self) -> dict[str, np.ndarray]:
+        """Canonical float32 parameters (bit-exact round trip from float32 or float64 models)."""
+        linear_weights = _linear_weight_names(self)
+        params = {}
+        for name, value in self.state_dict().items():
+            array = value.detach().to("cpu", torch.float32).numpy()
+            params[name] = np.ascontiguousarray(array.T if name in linear_weights else array)
+        return {name: params[name] for name in param_shapes(self.cfg)}
+
+    # ---- pieces the harness drives one by one ----
+    def _table(self, side: str) -> nn.Embedding:
+        return self.src_embed if side == "src" and hasattr(self, "src_embed") else self.tgt_embed
+
+    def positional_encoding(self, side: str, length: int, offset: int = 0) -> torch.Tensor:
+        """[T, d] for positions offset..offset+length-1."""
+        device, dtype = self.tgt_embed.weight.device, self.tgt_embed.weight.dtype
+        positions = torch.arange(offset, offset + length, device=device)
+        if self.cfg.positional == "learned":
+            return getattr(self, f"{side}_pos")(positions)
+        return sinusoidal_table(positions, self.cfg.d_model, self.cfg.positional).to(dtype)
+
+    def embed(self, ids: torch.Tensor, side: str, offset: int = 0) -> torch.Tensor:
+        """x = E[ids] (· √d) + PE[positions]. [B, T] -> [B, T, d]"""
+        x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
+        return x + self.positional_encoding(side, ids.shape[1], offset)[None]
+
+    def encode(self, src_ids: torch.Tensor, src_keep: torch.Tensor) -> torch.Tensor:
+        """memory [B, S, d]"""
+        x = self.embed(src_ids, "src")
+        mask = _key_mask(src_keep)
+        for layer in self.encoder.layers:
+            x = layer(x, mask)
+        return self.encoder.final_norm(x)
+
+    def decode(self, tgt_ids: torch.Tensor, tgt_keep: torch.Tensor, memory: torch.Tensor | None = None,
+               src_keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder output [B, T, d] before the head."""
+        y = self.embed(tgt_ids, "tgt")
+        length = tgt_ids.shape[1]
+        self_mask = _causal_mask(length, length, y.device) & _key_mask(tgt_keep)  # [B, 1, T, T]
+        cross_mask = None if memory is None else _key_mask(src_keep)
+        for layer in self.decoder.layers:
+            y = layer(y, memory, self_mask, cross_mask)
+        return self.decoder.final_norm(y)
+
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h, self.tgt_embed.weight)
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """log_softmax in float32 at least: half-precision log-probabilities are too coarse."""
+        logits = self.output_logits(h)
+        return F.log_softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1).to(logits.dtype)
+
+    def check_inputs(self, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
+        """The spec's input rules (spec.inputs), before torch sees the tensors."""
+        cfg = self.cfg
+        if cfg.has_encoder:
+            if src_ids is None:
+                raise InputError("an encoder-decoder model needs src_ids")
+            src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+            check_positions(cfg, src_length, 0, "src_ids")
+        elif src_ids is not None:
+            raise InputError("a decoder-only model takes no src_ids (pass None)")
+        tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+        check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
+        if cfg.has_encoder:
+            check_same_batch(src_batch, tgt_batch)
+
+    def _ids(self, ids) -> torch.Tensor:
+        return torch.as_tensor(ids, device=self.tgt_embed.weight.device).long()
+
+    def _keep(self, ids: torch.Tensor, keep, name: str) -> torch.Tensor:
+        if keep is None:
+            return ids != self.cfg.pad_id
+        keep = torch.as_tensor(keep, device=ids.device)
+        if keep.dtype != torch.bool or keep.shape != ids.shape:
+            raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
+                             f"{str(keep.dtype).rsplit('.', 1)[-1]} {list(keep.shape)}")
+        return keep
+
+    def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V]."""
+        self.check_inputs(src_ids, tgt_ids)
+        tgt_ids = self._ids(tgt_ids)
+        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
+        memory = None
+        if self.cfg.has_encoder:
+            src_ids = self._ids(src_ids)
+            src_keep = self._keep(src_ids, src_keep, "src_keep")
+            memory = self.encode(src_ids, src_keep)
+        return self.output_logits(self.decode(tgt_ids, tgt_keep, memory, src_keep))
+
+    # ---- incremental decoding ----
+    def start_cache(self, batch: int, src_ids=None, src_keep=None) -> "KVCache":
+        return start_cache(self, batch, src_ids, src_keep)
+
+    def decode_step(self, cache: "KVCache", tgt_ids, tgt_keep=None) -> tuple[torch.Tensor, "KVCache"]:
+        return decode_step(self, cache, tgt_ids, tgt_keep)
+
+    def greedy_generate(self, src_ids=None, **options) -> torch.Tensor:
+        return greedy_generate(self, src_ids, **options)
+
+
+def _linear_weight_names(model: nn.Module) -> set[str]:
+    """Canonical names of the weights stored [out, in] in PyTorch (nn.Linear's and the head's)."""
+    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    if isinstance(model, Transformer) and not model.cfg.tie_head:
+        names.add("head.weight")
+    return names
+
+
+# ---- incremental decoding with a KV cache ---------------------------------------------------
+
+@dataclass(frozen=True)
+class KVCache:
+    """As impl_numpy.KVCache, holding tensors. L decoder layers, P positions decoded so far."""
+
+    self_keys: tuple[torch.Tensor, ...]  # L × [B, H, P, d_k]
+    self_values: tuple[torch.Tensor, ...]
+    tgt_keep: torch.Tensor  # [B, P]
+    cross_keys: tuple[torch.Tensor, ...] | None = None  # L × [B, H, S, d_k]
+    cross_values: tuple[torch.Tensor, ...] | None = None
+    src_keep: torch.Tensor | None = None  # [B, S]
+
+    @property
+    def length(self) -> int:
+        return self.tgt_keep.shape[1]
+
+
+@torch.inference_mode()
+def start_cache(model: Transformer, batch: int, src_ids=None, src_keep=None) -> KVCache:
+    """An empty cache; for an encoder-decoder, run the encoder once and keep each layer's
+    cross-attention K and V of the memory."""
+    cfg = model.cfg
+    weight = model.tgt_embed.weight
+    empty = torch.zeros(batch, cfg.n_heads, 0, cfg.d_head, dtype=weight.dtype, device=weight.device)
+    layers = model.decoder.layers
+    keep = torch.zeros(batch, 0, dtype=torch.bool, device=weight.device)
+    if not cfg.has_encoder:
+        return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep)
+    src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+    check_positions(cfg, src_length, 0, "src_ids")
+    check_same_batch(src_batch, batch)
+    src_ids = model._ids(src_ids)
+    src_keep = model._keep(src_ids, src_keep, "src_keep")
+    memory = model.encode(src_ids, src_keep)
+    cross = [layer.cross_attn.key_value_heads(memory) for layer in layers]
+    return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep,
+                   tuple(k for k, _ in cross), tuple(v for _, v in cross), src_keep)
+
+
+@torch.inference_mode()
+def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> tuple[torch.Tensor, KVCache]:
+    """Feed the next n target tokens [B, n] after the cached ones: logits [B, n, V], new cache."""
+    cfg = model.cfg
+    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, tgt_ids.shape[1], cache.length, "tgt_ids")
+    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
+        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
+    tgt_ids = model._ids(tgt_ids)
+    keep = torch.cat([cache.tgt_keep, model._keep(tgt_ids, tgt_keep, "tgt_keep")], dim=1)
+    n_new, n_all = tgt_ids.shape[1], keep.shape[1]
+    self_mask = _causal_mask(n_new, n_all, keep.device) & _key_mask(keep)  # [B, 1, n, P + n]
+    cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
+    y = model.embed(tgt_ids, "tgt", offset=cache.length)
+    keys, values = [], []
+    for i, layer in enumerate(model.decoder.layers):
+
+        def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
+            # K, V of the new positions joined to the cached ones: [B, H, P + n, d_k]
+            k, v = layer.self_attn.key_value_heads(h)
+            keys.append(torch.cat([cache.self_keys[i], k], dim=2))
+            values.append(torch.cat([cache.self_values[i], v], dim=2))
+            return layer.self_attn.attend(h, keys[-1], values[-1], self_mask)
+
+        y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
+        if cache.cross_keys is not None:
+            y = residual(cfg, layer.cross_attn_norm, y,
+                         lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
+        y = layer.ffn_block(y)
+    logits = model.output_logits(model.decoder.final_norm(y))
+    return logits, KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)
+
+
+@torch.inference_mode()
+def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
+                    eos_id: int | None = None, max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (SPEC.md §7)."""
+    cfg = model.cfg
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    device = model.tgt_embed.weight.device
+    if cfg.has_encoder:
+        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
+            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
+        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+        check_positions(cfg, src_ids.shape[1], 0, "src_ids")
+        first = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
+        first_keep = torch.ones_like(first, dtype=torch.bool)
+    else:
+        if prompt_ids is None or src_ids is not None:
+            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
+        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
+        first = model._ids(prompt_ids)
+        first_keep = first != cfg.pad_id
+    check_positions(cfg, first.shape[1] + max_new_tokens - 1, 0, "generated sequence")
+    cache = start_cache(model, batch, src_ids)
+    tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    step_ids, step_keep = first, first_keep
+    for t in range(max_new_tokens):
+        logits, cache = decode_step(model, cache, step_ids, step_keep)
+        # argmax of float32 logits: ties go to the lowest id, as in the golden
+        next_token = torch.where(finished, cfg.pad_id, logits[:, -1].float().argmax(dim=-1))
+        tokens[:, t] = next_token
+        if eos_id is not None:
+            finished |= next_token == eos_id
+        if bool(finished.all()):
+            break
+        step_ids, step_keep = next_token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=device)
+    return tokens
