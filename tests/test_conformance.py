@@ -17,23 +17,8 @@ from conformance.cases import MASK_CASES, SUBLAYERS, catalogue
 from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
-from spec import get_preset, init_params
-
-TINY = get_preset("tiny")
-
-# Option variants of tiny that together cover every ModelConfig choice.
-VARIANTS = {
-    "tiny": TINY,
-    "tiny.pre_std_final": TINY.replace(norm_position="pre", norm="std", final_norm=True),
-    "tiny.concat_gelu_untied": TINY.replace(positional="sinusoidal-concat", activation="gelu", tie_head=False,
-                                            head_bias=True),
-    "tiny.learned_swish_shared": TINY.replace(positional="learned", embed_scale=False, activation="swish",
-                                              src_vocab_size=80, share_src_tgt_embed=True, pad_id=3),
-    "tiny.nobias_gelutanh": TINY.replace(qkv_bias=False, bias=False, activation="gelu-tanh", max_len=6,
-                                         positional="learned"),
-    "char-lm": get_preset("char-lm").replace(n_decoder_layers=2),
-}
-
+from spec import init_params
+from tests.variants import TINY, VARIANTS
 
 def _cells(variant):
     cfg = VARIANTS[variant]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import impl_numpy as g
 from spec import InputError, get_preset, init_params, params_under
+from tests.bad_inputs import BAD_FORWARD_INPUTS
 
 TINY = get_preset("tiny")
 
@@ -228,18 +229,7 @@ def test_decoder_only_generation_from_a_padded_prompt():
 
 # ---- input rules ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src, tgt, message", [
-    (np.ones((2, 3), int), np.ones((3, 3), int), "batch sizes differ"),
-    (np.ones((2, 3), float), np.ones((2, 3), int), "integer token ids"),
-    (np.ones((2, 3), bool), np.ones((2, 3), int), "integer token ids"),
-    (np.ones(3, int), np.ones((2, 3), int), "rank 2"),
-    (np.ones((0, 3), int), np.ones((0, 3), int), "empty batch"),
-    (np.ones((2, 0), int), np.ones((2, 3), int), "zero-length"),
-    (np.full((2, 3), 96), np.ones((2, 3), int), "token id 96, outside the vocabulary \\[0, 96\\)"),
-    (np.ones((2, 3), int), np.full((2, 3), -1), "token id -1"),
-    (None, np.ones((2, 3), int), "needs src_ids"),
-    ([[1, 2]], np.ones((1, 3), int), "must be an array"),
-])
+@pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
 def test_bad_inputs_are_refused(src, tgt, message):
     with pytest.raises(InputError, match=message):
         g.forward(TINY, init_params(TINY), src, tgt)

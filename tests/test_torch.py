@@ -1,0 +1,315 @@
+"""impl_torch held to the spec: the catalogue through the harness, loading, cache, errors, interop."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import impl_numpy as golden
+from conformance.harness import PASS, plan_matrix, run_matrix
+from impl_torch import Transformer, scaled_dot_product_attention
+from impl_torch.torch_nn import from_torch_nn, to_torch_nn, torch_nn_transformer
+from spec import (
+    InputError,
+    WeightsError,
+    get_preset,
+    init_params,
+    list_presets,
+    param_shapes,
+    params_digest,
+    save_weights,
+)
+from tests.bad_inputs import BAD_FORWARD_INPUTS
+from tests.variants import TINY, VARIANTS
+
+BACKENDS = ["torch", "torch-math"]
+CPU_DTYPES = ["float64", "float32", "float16", "bfloat16"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _matrix(device, dtypes):
+    results = {}
+    for variant, cfg in VARIANTS.items():
+        plan = plan_matrix(cfg, BACKENDS, dtypes, [device])
+        assert not plan.skipped_columns, plan.skipped_columns
+        for r in run_matrix(cfg, init_params(cfg, seed=1), plan):
+            results[(variant, r.test_id)] = r
+    return results
+
+
+@pytest.fixture(scope="module")
+def cpu_matrix():
+    return _matrix("cpu", CPU_DTYPES)
+
+
+def _cell_ids(device, dtypes):
+    from conformance.cases import catalogue
+    ids = []
+    for variant, cfg in VARIANTS.items():
+        for case in catalogue(cfg):
+            for backend in BACKENDS:
+                for dtype in dtypes:
+                    test_id = f"{case.sublayer}-{case.mask_case}-{dtype}-{backend}-{device}"
+                    prefix = "" if variant == "tiny" else f"{variant}:"
+                    ids.append(pytest.param(variant, test_id, id=prefix + test_id))
+    return ids
+
+
+@pytest.mark.parametrize("variant, test_id", _cell_ids("cpu", CPU_DTYPES))
+def test_catalogue_cpu(cpu_matrix, variant, test_id):
+    result = cpu_matrix[(variant, test_id)]
+    assert result.status == PASS, result.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
+def test_catalogue_cuda():
+    results = _matrix("cuda", ["float64", "float32", "tf32", "float16", "bfloat16"])
+    failures = [f"{key}: {r.status} {r.reason}" for key, r in results.items() if r.status != PASS]
+    assert not failures, "\n".join(failures)
+
+
+# ---- loading: the module tree is the canonical names ------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_dict_keys_are_the_canonical_names(variant):
+    cfg = VARIANTS[variant]
+    model = Transformer.from_params(cfg, init_params(cfg))
+    assert set(model.state_dict()) == set(param_shapes(cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_round_trip_is_bit_exact(variant, dtype):
+    cfg = VARIANTS[variant]
+    params = init_params(cfg, seed=4)
+    back = Transformer.from_params(cfg, params, dtype=dtype).to_params()
+    assert list(back) == list(param_shapes(cfg)) and params_digest(back) == params_digest(params)
+
+
+def test_linear_weights_are_transposed_and_nothing_else():
+    params = init_params(TINY)
+    model = Transformer.from_params(TINY, params)
+    assert torch.equal(model.encoder.layers[0].ffn.w1.weight, torch.from_numpy(params["encoder.layers.0.ffn.w1.weight"].T))
+    assert torch.equal(model.tgt_embed.weight, torch.from_numpy(params["tgt_embed.weight"]))
+    assert torch.equal(model.decoder.layers[1].cross_attn_norm.scale,
+                       torch.from_numpy(params["decoder.layers.1.cross_attn_norm.scale"]))
+
+
+def test_from_file_and_refusals(tmp_path):
+    cfg = VARIANTS["tiny.concat_gelu_untied"]
+    params = init_params(cfg)
+    save_weights(tmp_path / "w.safetensors", cfg, params)
+    model = Transformer.from_file(tmp_path / "w.safetensors", attention="math")
+    assert model.cfg == cfg and params_digest(model.to_params()) == params_digest(params)
+    bad = dict(params)
+    bad.pop("head.weight")
+    with pytest.raises(WeightsError, match="missing: head.weight"):
+        Transformer.from_params(cfg, bad)
+    with pytest.raises(ValueError, match="attention must be one of sdpa, math"):
+        Transformer(cfg, attention="flash")
+
+
+# ---- the cache and generation ---------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("variant", ["tiny", "tiny.pre_std_final", "char-lm"])
+def test_cached_decode_equals_full_forward_float64(variant, attention):
+    cfg = VARIANTS[variant]
+    model = Transformer.from_params(cfg, init_params(cfg, seed=2), dtype=torch.float64, attention=attention)
+    generator = np.random.default_rng(0)
+    src = None if not cfg.has_encoder else generator.integers(1, cfg.src_vocab_size, (3, 5))
+    tgt = generator.integers(1, cfg.tgt_vocab_size, (3, 6))
+    tgt[0, :2] = cfg.pad_id  # left padding: fully masked rows inside the cache
+    if src is not None:
+        src[1, 3:] = cfg.pad_id
+    with torch.inference_mode():
+        full = model(src, tgt).numpy()
+    cache = model.start_cache(3, src)
+    steps = []
+    for t in range(6):
+        logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
+        steps.append(logits.numpy())
+    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-10
+    assert np.abs(full - golden.forward(cfg, init_params(cfg, seed=2), src, tgt)).max() <= 1e-10
+
+
+def test_generation_matches_the_golden():
+    params = init_params(TINY, seed=3)
+    src = np.random.default_rng(1).integers(3, 96, (4, 6))
+    src[2, 4:] = 0
+    expected = golden.greedy_generate(TINY, params, src, bos_id=1, eos_id=2, max_new_tokens=8)
+    for attention in ("sdpa", "math"):
+        model = Transformer.from_params(TINY, params, dtype=torch.float64, attention=attention)
+        assert np.array_equal(model.greedy_generate(src, bos_id=1, eos_id=2, max_new_tokens=8).numpy(), expected)
+
+
+# ---- the fully-masked-row rule and native behaviour -------------------------------------------
+
+def test_fully_masked_rows_are_zero_on_both_paths():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 4, generator=generator) for _ in range(3))
+    mask = torch.ones(2, 2, 3, 3, dtype=torch.bool)
+    mask[1, :, 2] = False
+    for path in ("sdpa", "math"):
+        out = scaled_dot_product_attention(q, k, v, mask, path)
+        assert torch.isfinite(out).all() and (out[1, :, 2] == 0).all()
+
+
+def test_nn_multihead_attention_gives_nan_where_the_spec_gives_zeros():
+    """Why the spec states the rule: torch's own nn.MultiheadAttention (and so nn.Transformer)
+    returns NaN for a query whose keys are all padding."""
+    attention = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
+    x = torch.randn(1, 3, 4)
+    with torch.inference_mode():
+        out, _ = attention(x, x, x, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+    assert torch.isnan(out).all()
+
+
+# ---- bad input: the same errors as the golden -------------------------------------------------
+
+@pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "tensor"])
+def test_bad_inputs_raise_the_goldens_error(src, tgt, message, as_tensor):
+    model = Transformer.from_params(TINY, init_params(TINY))
+    convert = (lambda a: torch.as_tensor(a) if isinstance(a, np.ndarray) else a) if as_tensor else (lambda a: a)
+    with pytest.raises(InputError, match=message) as torch_error:
+        model(convert(src), convert(tgt))
+    with pytest.raises(InputError) as golden_error:
+        golden.forward(TINY, init_params(TINY), src, tgt)
+    assert str(torch_error.value) == str(golden_error.value)
+
+
+def test_learned_positions_past_max_len():
+    cfg = VARIANTS["tiny.nobias_gelutanh"]  # learned positions, max_len 6
+    model = Transformer.from_params(cfg, init_params(cfg))
+    with pytest.raises(InputError, match="past the learned position table"):
+        model(np.ones((1, 7), np.int64), np.ones((1, 2), np.int64))
+    cache = model.start_cache(1, np.ones((1, 2), np.int64))
+    for _ in range(6):
+        _, cache = model.decode_step(cache, np.ones((1, 1), np.int64))
+    with pytest.raises(InputError, match="reaches position 6"):
+        model.decode_step(cache, np.ones((1, 1), np.int64))
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.ones(2, 5, 6, dtype=torch.bool), "does not fit"),
+    (torch.ones(5, 5), "boolean keep-mask"),
+    (torch.ones(1, 1, 1, 1, 5, dtype=torch.bool), "rank 1 to 4"),
+])
+def test_bad_masks(mask, message):
+    model = Transformer.from_params(TINY, init_params(TINY))
+    x = torch.randn(2, 5, 64)
+    with pytest.raises(InputError, match=message):
+        model.encoder.layers[0].self_attn(x, x, mask)
+
+
+def test_bad_activations_in_the_harness_adapter():
+    from conformance.backends.torch_backend import TorchBackend
+
+    runner = TorchBackend().load(TINY, init_params(TINY), "float32", "cpu")
+    with pytest.raises(InputError, match=re.escape("x must have shape [batch, length, 64]")):
+        runner.run("mha", {"module": "encoder.layers.0.self_attn", "x": np.zeros((2, 3, 63), np.float32),
+                           "context": np.zeros((2, 3, 64), np.float32), "mask": None})
+
+
+# ---- torch.compile --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_torch_compile_conforms():
+    params = init_params(TINY, seed=6)
+    model = Transformer.from_params(TINY, params)
+    compiled = torch.compile(model)
+    src = np.random.default_rng(2).integers(1, 96, (2, 7))
+    tgt = np.random.default_rng(3).integers(1, 80, (2, 5))
+    src[1, 4:] = 0
+    # tensors, not NumPy arrays, and no_grad rather than inference_mode: dynamo's guards on
+    # from_numpy inputs trip over inference-mode dispatch keys in this torch version
+    with torch.no_grad():
+        eager = model(torch.from_numpy(src), torch.from_numpy(tgt)).numpy()
+        out = compiled(torch.from_numpy(src), torch.from_numpy(tgt)).numpy()
+    reference = golden.forward(TINY, params, src, tgt)
+    from conformance.cases import SUBLAYERS
+    from conformance.tolerance import compare, tolerance
+
+    relative = tolerance("float32", 256, SUBLAYERS["forward"].depth(TINY))
+    assert compare(out, reference, relative).passed and compare(eager, reference, relative).passed
+
+
+# ---- torch.nn.Transformer interop -----------------------------------------------------------
+
+TORCH_NN = get_preset("torch-nn").replace(n_encoder_layers=2, n_decoder_layers=2)
+
+
+def test_torch_nn_round_trip_is_exact():
+    params = init_params(TORCH_NN, seed=1)
+    state, extras = to_torch_nn(TORCH_NN, params)
+    reference = torch_nn_transformer(TORCH_NN)
+    reference.load_state_dict(state, strict=True)  # every key and shape accepted by torch itself
+    back = from_torch_nn(TORCH_NN, reference.state_dict(), extras)
+    assert params_digest(back) == params_digest(params)
+
+
+def test_torch_nn_key_diff_is_readable():
+    state, extras = to_torch_nn(TORCH_NN, init_params(TORCH_NN))
+    state.pop("encoder.layers.0.linear1.bias")
+    state["encoder.layers.0.extra"] = torch.zeros(1)
+    state["decoder.layers.1.norm3.weight"] = torch.zeros(7)
+    with pytest.raises(WeightsError) as error:
+        from_torch_nn(TORCH_NN, state, extras)
+    text = str(error.value)
+    assert "3 difference(s)" in text and "- missing encoder.layers.0.linear1.bias" in text
+    assert "+ unexpected encoder.layers.0.extra" in text
+    assert "~ decoder.layers.1.norm3.weight: shape [7], expected [512]" in text
+
+
+def test_torch_nn_refuses_what_it_cannot_express():
+    with pytest.raises(WeightsError, match="norm must be layernorm.*qkv_bias must equal bias"):
+        to_torch_nn(get_preset("annotated"), init_params(get_preset("annotated").replace(n_encoder_layers=1, n_decoder_layers=1)))
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_golden_equals_torch_nn_transformer(norm_position):
+    """Same weights, same padding and causal masks: our golden and torch.nn.Transformer agree."""
+    cfg = TORCH_NN.replace(norm_position=norm_position)
+    params = init_params(cfg, seed=7)
+    state, extras = to_torch_nn(cfg, params)
+    reference = torch_nn_transformer(cfg).double()
+    reference.load_state_dict({k: v.double() for k, v in state.items()})
+    generator = np.random.default_rng(5)
+    src, tgt = generator.integers(1, 1000, (3, 9)), generator.integers(1, 1000, (3, 7))
+    src[1, 6:] = cfg.pad_id
+    tgt[2, 5:] = cfg.pad_id  # right padding only: nn.Transformer gives NaN on rows with no key
+    embed = lambda ids, side: torch.from_numpy(golden.embed(cfg, golden.cast_params(cfg, params), ids, side))  # noqa: E731
+    src_padding, tgt_padding = torch.from_numpy(src == cfg.pad_id), torch.from_numpy(tgt == cfg.pad_id)
+    # nn.Transformer's masks mark what to *exclude* (True = masked), the spec's what to keep.
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)
+    with torch.inference_mode():
+        hidden = reference(embed(src, "src"), embed(tgt, "tgt"), tgt_mask=causal, tgt_is_causal=True,
+                           src_key_padding_mask=src_padding, tgt_key_padding_mask=tgt_padding,
+                           memory_key_padding_mask=src_padding)
+        logits = hidden @ extras["head.weight"].double().T + extras["head.bias"].double()
+    assert np.abs(logits.numpy() - golden.forward(cfg, params, src, tgt)).max() <= 1e-10
+
+
+# ---- every preset ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_matches_the_golden(name):
+    """Each preset's widths and options at one layer per stack (the layers repeat, so depth adds
+    nothing the catalogue's two-layer variants do not cover), float32 against the golden."""
+    from conformance.cases import SUBLAYERS
+    from conformance.tolerance import compare, tolerance
+
+    cfg = get_preset(name)
+    cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
+    params = init_params(cfg)
+    generator = np.random.default_rng(0)
+    tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
+    src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
+    with torch.inference_mode():
+        logits = Transformer.from_params(cfg, params)(src, tgt).numpy()
+    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
+    result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
+    assert result.passed, result.reason
