@@ -63,6 +63,8 @@ _REGISTRY: dict[str, _Entry] = {
     "numpy-float32": _Entry("conformance.backends.numpy_backend:NumpyFloat32Backend"),
     "torch": _Entry("conformance.backends.torch_backend:TorchBackend"),
     "torch-math": _Entry("conformance.backends.torch_backend:TorchMathBackend"),
+    "jax": _Entry("conformance.backends.jax_backend:JaxBackend"),
+    "jax-math": _Entry("conformance.backends.jax_backend:JaxMathBackend"),
 }
 
 

@@ -1,0 +1,613 @@
+"""The spec's Transformer in JAX with Flax NNX: a parallel text to impl_numpy/model.py and
+impl_torch/model.py. Same names, same order; the comments say why JAX needs something.
+
+Shapes: B batch, S source, T target, Q queries, K keys, H heads, d d_model, d_k head size.
+
+The module tree mirrors the canonical names. nnx.Linear keeps its kernel [in, out] — the spec's
+layout — so canonical matrices load with no transpose (PyTorch's nn.Linear needs one). Only
+the leaf names differ: nnx.Linear's ``kernel`` and nnx.Embed's ``embedding`` are the spec's
+``weight``.
+
+Numerics are explicit, not left to JAX's defaults:
+- matmul precision: every dot is given ``precision`` ('highest' for conformance). JAX's default
+  on NVIDIA GPUs rounds float32 matmul inputs to TF32; the public entry points also set
+  ``jax.default_matmul_precision`` so jax.nn.dot_product_attention follows the same setting.
+- float64 needs JAX's x64 mode; it is never switched on globally here: run float64 models
+  inside ``with jax.enable_x64(True):`` (from_params refuses float64 outside it).
+- GELU: jax.nn.gelu defaults to the tanh approximation; the config chooses explicitly.
+- norms of half-precision activations take their statistics in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.errors import InputError
+from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+
+ATTENTION_PATHS = ("sdpa", "math")
+PRECISIONS = ("highest", "default")
+DTYPES = {"float64": jnp.float64, "float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+def gelu(x: jax.Array) -> jax.Array:
+    """x Φ(x), the exact form: jax.nn.gelu's default is the tanh approximation, so ask for erf."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """x (1 + tanh(√(2/π) (x + 0.044715 x³))) / 2"""
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu, "gelu": gelu, "gelu-tanh": gelu_tanh, "swish": jax.nn.silu,
+}
+
+
+def softmax(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """softmax over the last axis keeping entries where mask is True; a row with nothing kept
+    is all zeros (SPEC.md §6). jax.nn.softmax(where=...) would give NaN there."""
+    if mask is not None:
+        x = jnp.where(mask, x, -jnp.inf)
+    row_max = x.max(axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
+    e = jnp.exp(x - row_max)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / jnp.where(total > 0, total, 1)
+
+
+# ---- embeddings and positions ---------------------------------------------------------------
+
+def token_embedding(ids: jax.Array, table: nnx.Embed, scale: bool) -> jax.Array:
+    """E[ids] · √d_model. ids [B, T] -> [B, T, d]"""
+    x = table(ids)
+    return x * math.sqrt(table.features) if scale else x
+
+
+def sinusoidal_table(positions: np.ndarray, d_model: int, layout: str) -> np.ndarray:
+    """angle(pos, i) = pos / 10000^(2i/d), on the host in NumPy float64: JAX has float64 only in
+    x64 mode, and float32 angles lose ~1e-7·pos of accuracy. -> [T, d] float64"""
+    inverse_frequency = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inverse_frequency[None, :]
+    if layout == "sinusoidal":
+        return np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(len(positions), d_model)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def split_heads(x: jax.Array, n_heads: int) -> jax.Array:
+    """[B, T, d] -> [B, H, T, d_k]"""
+    batch, length, d_model = x.shape
+    return x.reshape(batch, length, n_heads, d_model // n_heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+    """[B, H, T, d_k] -> [B, T, d]"""
+    batch, n_heads, length, d_head = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
+
+
+def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
+                                 path: str = "sdpa", precision: str = "highest") -> jax.Array:
+    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
+    mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
+    # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
+    # which leaves float64 attention float32-accurate (errors ~1e-7): float64 uses the math path.
+    # On CPU, jitted float16 fails to compile (it asks for the F16_F16_F32 dot algorithm, which
+    # XLA:CPU lacks, and its fallback only catches errors raised while tracing): math path too.
+    if path == "math" or q.dtype == jnp.float64 or (q.dtype == jnp.float16 and _on_cpu()):
+        scores = jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+        weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
+        return jnp.matmul(weights, v, precision=precision)
+    # jax.nn.dot_product_attention wants [B, T, H, d_k] (heads after the sequence axis). Its mask
+    # has the spec's polarity (True = attend), but it fills masked logits with a large finite
+    # negative, so a row with no key gets the *mean of V* rather than zeros: enforced below.
+    out = jax.nn.dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask)
+    out = out.swapaxes(1, 2)
+    if mask is None:
+        return out
+    return jnp.where(mask.any(axis=-1, keepdims=True), out, jnp.zeros((), out.dtype))
+
+
+def _on_cpu() -> bool:
+    """Whether new computations run on the CPU (the default device, else the default backend)."""
+    device = jax.config.jax_default_device
+    return (device.platform if device is not None and not isinstance(device, str) else jax.default_backend()) == "cpu"
+
+
+class MultiHeadAttention(nnx.Module):
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V)."""
+
+    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.n_heads, self.path, self.precision = cfg.n_heads, path, precision
+        linear = partial(nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
+        self.q = linear(d, d, use_bias=cfg.qkv_bias)
+        self.k = linear(d, d, use_bias=cfg.qkv_bias)
+        self.v = linear(d, d, use_bias=cfg.qkv_bias)
+        self.o = linear(d, d, use_bias=cfg.bias)
+
+    def key_value_heads(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K, V of the context, split into heads: [B, K, d] -> 2 × [B, H, K, d_k]"""
+        return split_heads(self.k(context), self.n_heads), split_heads(self.v(context), self.n_heads)
+
+    def attend(self, x: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """Concat(head_1..head_h) W^O + b with queries from x. x [B, Q, d] -> [B, Q, d]"""
+        q = split_heads(self.q(x), self.n_heads)
+        heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision)  # [B, H, Q, d_k]
+        return self.o(merge_heads(heads))
+
+    def __call__(self, x: jax.Array, context: jax.Array, mask) -> jax.Array:
+        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]"""
+        mask = view_mask(mask, x.shape[0], self.n_heads, x.shape[1], context.shape[1])
+        return self.attend(x, *self.key_value_heads(context), mask)
+
+
+# ---- feed-forward, norms, residual ----------------------------------------------------------
+
+class FeedForward(nnx.Module):
+    """FFN(x) = act(x W1 + b1) W2 + b2"""
+
+    def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs):
+        linear = partial(nnx.Linear, use_bias=cfg.bias, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
+        self.w1 = linear(cfg.d_model, cfg.d_ff)
+        self.w2 = linear(cfg.d_ff, cfg.d_model)
+        self.activation = ACTIVATIONS[cfg.activation]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(self.activation(self.w1(x)))
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """γ (x - μ) / √(σ² + ε) + β, two passes. (nnx.LayerNorm's default use_fast_variance=True
+    takes E[x²] − E[x]², which cancels badly when the mean is large.)"""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    variance = (centered * centered).mean(axis=-1, keepdims=True)
+    return centered / jnp.sqrt(variance + eps) * scale + bias
+
+
+def std_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """γ (x - μ) / (s + ε) + β with the unbiased std (jnp.std needs ddof=1 for it)."""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    return scale * centered / (jnp.std(x, axis=-1, keepdims=True, ddof=1) + eps) + bias
+
+
+class Norm(nnx.Module):
+    """The config's norm with parameters named scale/bias, as in the spec."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        self.scale = nnx.Param(jnp.ones(cfg.d_model, dtype))
+        self.bias = nnx.Param(jnp.zeros(cfg.d_model, dtype))
+        self.kind = layer_norm if cfg.norm == "layernorm" else std_norm
+        self.eps = float(cfg.norm_eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale, bias = self.scale[...], self.bias[...]
+        if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
+            return self.kind(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32),
+                             self.eps).astype(x.dtype)
+        return self.kind(x, scale, bias, self.eps)
+
+
+def residual(cfg: ModelConfig, norm: Norm, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """post-LN: Norm(x + Sublayer(x));  pre-LN: x + Sublayer(Norm(x))."""
+    if cfg.norm_position == "post":
+        return norm(x + sublayer(x))
+    return x + sublayer(norm(x))
+
+
+# ---- layers and stacks ----------------------------------------------------------------------
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.self_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
+        self.self_attn_norm = Norm(cfg, dtype)
+        self.ffn = FeedForward(cfg, precision, dtype, rngs)
+        self.ffn_norm = Norm(cfg, dtype)
+
+    def ffn_block(self, x: jax.Array) -> jax.Array:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+
+    def __call__(self, x: jax.Array, mask) -> jax.Array:
+        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
+        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask))
+        return self.ffn_block(x)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.self_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
+        self.self_attn_norm = Norm(cfg, dtype)
+        if cfg.has_encoder:
+            self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
+            self.cross_attn_norm = Norm(cfg, dtype)
+        self.ffn = FeedForward(cfg, precision, dtype, rngs)
+        self.ffn_norm = Norm(cfg, dtype)
+
+    def ffn_block(self, x: jax.Array) -> jax.Array:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+
+    def __call__(self, y: jax.Array, memory: jax.Array | None, self_mask, cross_mask) -> jax.Array:
+        """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
+        y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
+        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask))
+        if memory is not None:
+            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask))
+        return self.ffn_block(y)
+
+
+class Stack(nnx.Module):
+    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them."""
+
+    def __init__(self, cfg: ModelConfig, layer: type, count: int, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        self.layers = nnx.List([layer(cfg, path, precision, dtype, rngs) for _ in range(count)])
+        self.norm = Norm(cfg, dtype) if cfg.final_norm else None
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        return x if self.norm is None else self.norm(x)
+
+
+class Head(nnx.Module):
+    """logits = h W_head + b. Tied: W_head = E_tgtᵀ, and only the bias (if any) lives here."""
+
+    def __init__(self, cfg: ModelConfig, precision: str, dtype):
+        self.precision = precision
+        self.weight = None if cfg.tie_head else nnx.Param(jnp.zeros((cfg.d_model, cfg.tgt_vocab_size), dtype))
+        self.bias = nnx.Param(jnp.zeros(cfg.tgt_vocab_size, dtype)) if cfg.head_bias else None
+
+    def __call__(self, h: jax.Array, tied_table: jax.Array) -> jax.Array:
+        weight = tied_table.T if self.weight is None else self.weight[...]  # [d, V]
+        logits = jnp.matmul(h, weight, precision=self.precision)
+        return logits if self.bias is None else logits + self.bias[...]
+
+
+def _key_mask(keep: jax.Array) -> jax.Array:
+    """[B, K] real tokens -> [B, 1, 1, K]"""
+    return keep[:, None, None, :]
+
+
+def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = "mask"):
+    """Check a user keep-mask with the spec's rule and view it as [B|1, H|1, Q|1, K]."""
+    if mask is None:
+        return None
+    return jnp.reshape(mask, mask_shape_4d(mask, batch, heads, q_len, k_len, name))
+
+
+# ---- the whole model ------------------------------------------------------------------------
+
+class Transformer(nnx.Module):
+    """The spec's model. ``model(src_ids, tgt_ids)`` -> logits [B, T, V] (decoder-only: src_ids=None)."""
+
+    def __init__(self, cfg: ModelConfig, *, attention: str = "sdpa", precision: str = "highest",
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if dtype == "float64" and not jax.config.jax_enable_x64:
+            raise ValueError("a float64 model needs JAX's x64 mode: build and run it inside "
+                             "`with jax.enable_x64(True):` (JAX would silently use float32)")
+        # Precision governs float32/float64 matmuls; half-precision inputs are multiplied as they
+        # are (XLA on CPU refuses 'highest' for float16 dot products with float32 results).
+        if dtype in ("float16", "bfloat16"):
+            precision = "default"
+        self.cfg, self.precision, self.dtype = cfg, precision, DTYPES[dtype]
+        rngs = rngs or nnx.Rngs(0)
+        embed = partial(nnx.Embed, features=cfg.d_model, dtype=self.dtype, param_dtype=self.dtype, rngs=rngs)
+        self.src_embed = embed(cfg.src_vocab_size) if cfg.has_encoder and not cfg.share_src_tgt_embed else None
+        self.tgt_embed = embed(cfg.tgt_vocab_size)
+        learned = cfg.positional == "learned"
+        self.src_pos = embed(cfg.max_len) if learned and cfg.has_encoder else None
+        self.tgt_pos = embed(cfg.max_len) if learned else None
+        self.encoder = (Stack(cfg, EncoderLayer, cfg.n_encoder_layers, attention, precision, self.dtype, rngs)
+                        if cfg.has_encoder else None)
+        self.decoder = Stack(cfg, DecoderLayer, cfg.n_decoder_layers, attention, precision, self.dtype, rngs)
+        self.head = Head(cfg, precision, self.dtype)
+
+    # ---- loading ----
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, params: Mapping[str, np.ndarray], **options) -> "Transformer":
+        """Build from canonical float32 NumPy parameters (checked against the spec first).
+        options: attention ('sdpa' | 'math'), precision ('highest' | 'default'), dtype."""
+        check_params(cfg, params)
+        model = cls(cfg, **options)
+        for name in param_shapes(cfg):
+            _variable(model, name)[...] = jnp.asarray(params[name], dtype=model.dtype)
+        return model
+
+    @classmethod
+    def from_file(cls, path, **options) -> "Transformer":
+        cfg, params = load_weights(path)
+        return cls.from_params(cfg, params, **options)
+
+    def to_params(self) -> dict[str, np.ndarray]:
+        """Canonical float32 parameters (bit-exact round trip from float32 or float64 models)."""
+        return {name: np.asarray(_variable(self, name)[...], dtype=np.float32) for name in param_shapes(self.cfg)}
+
+    # ---- pieces the harness drives one by one ----
+    def _table(self, side: str) -> nnx.Embed:
+        return self.src_embed if side == "src" and self.src_embed is not None else self.tgt_embed
+
+    def positional_encoding(self, side: str, length: int, offset=0, table_rows: int | None = None) -> jax.Array:
+        """[T, d] for positions offset..offset+length-1. A traced offset (inside the jitted
+        decode step) slices a table of table_rows positions made on the host."""
+        if self.cfg.positional == "learned":
+            table = getattr(self, f"{side}_pos").embedding[...]
+            return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
+        if isinstance(offset, int):
+            return jnp.asarray(sinusoidal_table(np.arange(offset, offset + length), self.cfg.d_model,
+                                                self.cfg.positional), dtype=self.dtype)
+        table = jnp.asarray(sinusoidal_table(np.arange(table_rows), self.cfg.d_model, self.cfg.positional), self.dtype)
+        return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
+
+    def embed(self, ids: jax.Array, side: str, offset=0, table_rows: int | None = None) -> jax.Array:
+        """x = E[ids] (· √d) + PE[positions]. [B, T] -> [B, T, d]"""
+        x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
+        return x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None]
+
+    def encode(self, src_ids: jax.Array, src_keep: jax.Array) -> jax.Array:
+        """memory [B, S, d]"""
+        x = self.embed(src_ids, "src")
+        mask = _key_mask(src_keep)
+        for layer in self.encoder.layers:
+            x = layer(x, mask)
+        return self.encoder.final_norm(x)
+
+    def decode(self, tgt_ids: jax.Array, tgt_keep: jax.Array, memory: jax.Array | None = None,
+               src_keep: jax.Array | None = None) -> jax.Array:
+        """Decoder output [B, T, d] before the head."""
+        y = self.embed(tgt_ids, "tgt")
+        length = tgt_ids.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+        self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
+        cross_mask = None if memory is None else _key_mask(src_keep)
+        for layer in self.decoder.layers:
+            y = layer(y, memory, self_mask, cross_mask)
+        return self.decoder.final_norm(y)
+
+    def output_logits(self, h: jax.Array) -> jax.Array:
+        return self.head(h, self.tgt_embed.embedding[...])
+
+    def log_probs(self, h: jax.Array) -> jax.Array:
+        """log_softmax in float32 at least: half-precision log-probabilities are too coarse."""
+        logits = self.output_logits(h)
+        return jax.nn.log_softmax(logits.astype(jnp.float32) if logits.dtype in _HALF else logits).astype(logits.dtype)
+
+    def check_inputs(self, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
+        """The spec's input rules (spec.inputs), on the host before anything is traced."""
+        cfg = self.cfg
+        if cfg.has_encoder:
+            if src_ids is None:
+                raise InputError("an encoder-decoder model needs src_ids")
+            src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+            check_positions(cfg, src_length, 0, "src_ids")
+        elif src_ids is not None:
+            raise InputError("a decoder-only model takes no src_ids (pass None)")
+        tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+        check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
+        if cfg.has_encoder:
+            check_same_batch(src_batch, tgt_batch)
+
+    def _keep(self, ids, keep, name: str) -> jax.Array:
+        if keep is None:
+            return jnp.asarray(ids) != self.cfg.pad_id
+        if str(getattr(keep, "dtype", "")) != "bool" or tuple(keep.shape) != tuple(ids.shape):
+            raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
+                             f"{getattr(keep, 'dtype', type(keep).__name__)} {list(getattr(keep, 'shape', []))}")
+        return jnp.asarray(keep)
+
+    def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> jax.Array:
+        """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function."""
+        self.check_inputs(src_ids, tgt_ids)
+        tgt = _as_ids(tgt_ids)
+        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
+        src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src_keep"))
+        with jax.default_matmul_precision(self.precision):
+            return _forward(self, src, tgt, src_keep, tgt_keep)
+
+    # ---- incremental decoding ----
+    def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":
+        return start_cache(self, batch, capacity, src_ids, src_keep)
+
+    def decode_step(self, cache: "KVCache", tgt_ids, tgt_keep=None) -> tuple[jax.Array, "KVCache"]:
+        return decode_step(self, cache, tgt_ids, tgt_keep)
+
+    def greedy_generate(self, src_ids=None, **options) -> jax.Array:
+        return greedy_generate(self, src_ids, **options)
+
+
+def _variable(model: Transformer, name: str) -> nnx.Variable:
+    """The nnx variable behind a canonical name: 'encoder.layers.0.ffn.w1.weight' ->
+    model.encoder.layers[0].ffn.w1.kernel (nnx.Linear) and '*_embed.weight' -> .embedding."""
+    *path, leaf = name.split(".")
+    module = model
+    for part in path:
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    if leaf == "weight" and isinstance(module, nnx.Linear):
+        leaf = "kernel"
+    elif leaf == "weight" and isinstance(module, nnx.Embed):
+        leaf = "embedding"
+    return getattr(module, leaf)
+
+
+def _as_ids(ids) -> jax.Array:
+    """int32 ids: JAX has int64 only in x64 mode, and the spec's ids fit int32."""
+    return jnp.asarray(np.asarray(ids), dtype=jnp.int32)
+
+
+@nnx.jit
+def _forward(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep) -> jax.Array:
+    memory = None if src_ids is None else model.encode(src_ids, src_keep)
+    return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep))
+
+
+# ---- incremental decoding with a preallocated KV cache --------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """Preallocated for `capacity` positions, so every decode step has the same shapes and
+    compiles once (XLA recompiles for every new shape). L decoder layers, C = capacity."""
+
+    self_keys: jax.Array  # [L, B, H, C, d_k]
+    self_values: jax.Array  # [L, B, H, C, d_k]
+    tgt_keep: jax.Array  # [B, C]: real tokens among the decoded positions; False past `length`
+    length: jax.Array  # int32 scalar: positions decoded so far
+    cross_keys: jax.Array | None = None  # [L, B, H, S, d_k], computed once
+    cross_values: jax.Array | None = None
+    src_keep: jax.Array | None = None  # [B, S]
+
+    @property
+    def capacity(self) -> int:
+        return self.tgt_keep.shape[1]
+
+
+def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src_keep=None) -> KVCache:
+    """An empty cache of `capacity` positions; for an encoder-decoder, run the encoder once and
+    keep each layer's cross-attention K and V of the memory."""
+    cfg = model.cfg
+    if cfg.positional == "learned" and capacity > cfg.max_len:
+        capacity = cfg.max_len  # positions past the learned table are refused at decode time
+    shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
+    empty = jnp.zeros(shape, model.dtype)
+    cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32))
+    if not cfg.has_encoder:
+        return cache
+    src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+    check_positions(cfg, src_length, 0, "src_ids")
+    check_same_batch(src_batch, batch)
+    src_keep = model._keep(src_ids, src_keep, "src_keep")
+    with jax.default_matmul_precision(model.precision):
+        cross_keys, cross_values = _encode_for_cache(model, _as_ids(src_ids), src_keep)
+    return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep, cache.length, cross_keys, cross_values, src_keep)
+
+
+@nnx.jit
+def _encode_for_cache(model: Transformer, src_ids, src_keep) -> tuple[jax.Array, jax.Array]:
+    memory = model.encode(src_ids, src_keep)
+    pairs = [layer.cross_attn.key_value_heads(memory) for layer in model.decoder.layers]
+    return jnp.stack([k for k, _ in pairs]), jnp.stack([v for _, v in pairs])
+
+
+def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> tuple[jax.Array, KVCache]:
+    """Feed the next n target tokens [B, n] after the cached ones: logits [B, n, V], new cache."""
+    cfg = model.cfg
+    length = int(cache.length)
+    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, tgt_ids.shape[1], length, "tgt_ids")
+    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
+        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
+    if length + tgt_ids.shape[1] > cache.capacity:
+        raise InputError(f"the cache holds {cache.capacity} positions; {length} are used and "
+                         f"{tgt_ids.shape[1]} more do not fit (start the cache with a larger capacity)")
+    keep = model._keep(tgt_ids, tgt_keep, "tgt_keep")
+    with jax.default_matmul_precision(model.precision):
+        return _decode_step(model, cache, _as_ids(tgt_ids), keep)
+
+
+def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, new_keep: jax.Array) -> tuple[jax.Array, KVCache]:
+    cfg = model.cfg
+    n_new, capacity = tgt_ids.shape[1], cache.capacity
+    start = cache.length.astype(jnp.int32)
+    zero = jnp.zeros((), jnp.int32)  # lax slice indices must share one integer type (x64 mode makes 0 int64)
+    keep = lax.dynamic_update_slice(cache.tgt_keep, new_keep, (zero, start))  # [B, C]
+    query_positions = cache.length + jnp.arange(n_new)
+    causal = jnp.arange(capacity)[None, :] <= query_positions[:, None]  # [n, C]
+    self_mask = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
+    cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
+    y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)
+    keys, values = cache.self_keys, cache.self_values
+    for i, layer in enumerate(model.decoder.layers):
+
+        def cached_self_attention(h: jax.Array) -> jax.Array:
+            # write K, V of the new positions into the preallocated cache at `length`
+            nonlocal keys, values
+            k, v = layer.self_attn.key_value_heads(h)
+            at = (jnp.int32(i), zero, zero, start, zero)
+            keys = lax.dynamic_update_slice(keys, k[None], at)
+            values = lax.dynamic_update_slice(values, v[None], at)
+            return layer.self_attn.attend(h, keys[i], values[i], self_mask)
+
+        y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
+        if cache.cross_keys is not None:
+            y = residual(cfg, layer.cross_attn_norm, y,
+                         lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
+        y = layer.ffn_block(y)
+    logits = model.output_logits(model.decoder.final_norm(y))
+    new_cache = KVCache(keys, values, keep, cache.length + n_new, cache.cross_keys, cache.cross_values, cache.src_keep)
+    return logits, new_cache
+
+
+_decode_step = nnx.jit(_decode_step_body)
+
+
+def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
+                    eos_id: int | None = None, max_new_tokens: int) -> jax.Array:
+    """Greedy decoding with the KV cache, the loop a jitted lax.while_loop -> [B, max_new_tokens]."""
+    cfg = model.cfg
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if cfg.has_encoder:
+        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
+            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
+        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+        first = np.full((batch, 1), bos_id, dtype=np.int32)
+        first_keep = jnp.ones((batch, 1), bool)
+    else:
+        if prompt_ids is None or src_ids is not None:
+            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
+        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
+        first = np.asarray(prompt_ids)
+        first_keep = jnp.asarray(first != cfg.pad_id)
+    total = first.shape[1] + max_new_tokens - 1
+    check_positions(cfg, total, 0, "generated sequence")
+    cache = start_cache(model, batch, total, src_ids)
+    with jax.default_matmul_precision(model.precision):
+        return _generate(model, cache, _as_ids(first), first_keep, -1 if eos_id is None else eos_id, max_new_tokens)
+
+
+@partial(nnx.jit, static_argnums=(5,))
+def _generate(model: Transformer, cache: KVCache, first, first_keep, eos_id, max_new_tokens: int) -> jax.Array:
+    pad_id = model.cfg.pad_id
+    batch = first.shape[0]
+
+    def choose(logits: jax.Array, finished: jax.Array) -> jax.Array:
+        # argmax of float32 logits: ties go to the lowest id, as in the golden
+        return jnp.where(finished, pad_id, jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32))
+
+    logits, cache = _decode_step_body(model, cache, first, first_keep)
+    token = choose(logits, jnp.zeros(batch, bool))
+    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
+    finished = token == eos_id
+
+    def keep_going(state) -> jax.Array:
+        step, _, _, _, finished = state
+        return (step < max_new_tokens) & ~finished.all()
+
+    def one_step(state):
+        step, cache, tokens, token, finished = state
+        logits, cache = _decode_step_body(model, cache, token[:, None], jnp.ones((batch, 1), bool))
+        token = choose(logits, finished)
+        return step + 1, cache, tokens.at[:, step].set(token), token, finished | (token == eos_id)
+
+    state = (jnp.asarray(1), cache, tokens, token, finished)
+    return lax.while_loop(keep_going, one_step, state)[2]

@@ -1,0 +1,282 @@
+"""impl_jax held to the spec: the catalogue through the harness, loading, cache, errors, and
+Flax's own nnx.MultiHeadAttention as a second, independent implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import impl_numpy as golden
+from conformance.cases import SUBLAYERS, catalogue
+from conformance.harness import PASS, plan_matrix, run_matrix
+from conformance.tolerance import compare, tolerance
+from impl_jax import Transformer, scaled_dot_product_attention
+from spec import (
+    InputError,
+    WeightsError,
+    get_preset,
+    init_params,
+    list_presets,
+    param_shapes,
+    params_digest,
+    params_under,
+    save_weights,
+)
+from tests.bad_inputs import BAD_FORWARD_INPUTS
+from tests.variants import TINY, VARIANTS
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+# Cold XLA compiles dominate the time (10-15 s a column on CI's two cores), so the columns are
+# chosen: both archs at float64 and float32 on both paths (at float64 the two paths are one: see
+# scaled_dot_product_attention), half precision on tiny, and every option variant at float32.
+CPU_COLUMNS = {variant: [("jax", "float32")] for variant in VARIANTS}
+CPU_COLUMNS["tiny"] = [("jax", "float64"), ("jax", "float32"), ("jax-math", "float32"), ("jax", "float16"),
+                       ("jax", "bfloat16")]
+CPU_COLUMNS["char-lm"] = [("jax", "float64"), ("jax", "float32"), ("jax-math", "float32")]
+
+
+@pytest.fixture(scope="module")
+def cpu_matrix():
+    results = {}
+    for variant, cfg in VARIANTS.items():
+        params = init_params(cfg, seed=1)
+        for backend, dtype in CPU_COLUMNS[variant]:
+            plan = plan_matrix(cfg, [backend], [dtype], ["cpu"])
+            assert not plan.skipped_columns, plan.skipped_columns
+            for r in run_matrix(cfg, params, plan):
+                results[(variant, r.test_id)] = r
+    return results
+
+
+def _cell_ids():
+    ids = []
+    for variant, cfg in VARIANTS.items():
+        prefix = "" if variant == "tiny" else f"{variant}:"
+        for case in catalogue(cfg):
+            for backend, dtype in CPU_COLUMNS[variant]:
+                test_id = f"{case.sublayer}-{case.mask_case}-{dtype}-{backend}-cpu"
+                ids.append(pytest.param(variant, test_id, id=prefix + test_id))
+    return ids
+
+
+@pytest.mark.parametrize("variant, test_id", _cell_ids())
+def test_catalogue_cpu(cpu_matrix, variant, test_id):
+    result = cpu_matrix[(variant, test_id)]
+    assert result.status == PASS, result.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="no GPU visible to JAX on this machine")
+def test_catalogue_gpu():
+    """float32 at precision 'highest' and 'default' (the 'tf32' column), float16, bfloat16."""
+    failures = []
+    for variant in ("tiny", "char-lm"):
+        cfg = VARIANTS[variant]
+        plan = plan_matrix(cfg, ["jax", "jax-math"], ["float32", "tf32", "float16", "bfloat16"], ["cuda"])
+        failures += [f"{variant}:{r.test_id}: {r.status} {r.reason}" for r in run_matrix(cfg, init_params(cfg), plan)
+                     if r.status != PASS]
+    assert not failures, "\n".join(failures)
+
+
+# ---- loading: canonical [in, out] matrices go straight into nnx.Linear kernels ----------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_round_trip_is_bit_exact(variant):
+    cfg = VARIANTS[variant]
+    params = init_params(cfg, seed=4)
+    back = Transformer.from_params(cfg, params).to_params()
+    assert list(back) == list(param_shapes(cfg)) and params_digest(back) == params_digest(params)
+    with jax.enable_x64(True):
+        back64 = Transformer.from_params(cfg, params, dtype="float64").to_params()
+    assert params_digest(back64) == params_digest(params)
+
+
+def test_no_transpose_and_the_leaf_names():
+    params = init_params(TINY)
+    model = Transformer.from_params(TINY, params)
+    assert np.array_equal(model.encoder.layers[0].ffn.w1.kernel[...], params["encoder.layers.0.ffn.w1.weight"])
+    assert np.array_equal(model.tgt_embed.embedding[...], params["tgt_embed.weight"])
+    flat = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    renamed = {name.replace(".kernel", ".weight").replace(".embedding", ".weight") for name in flat}
+    assert renamed == set(param_shapes(TINY))
+
+
+def test_float64_needs_x64_and_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="x64"):
+        Transformer.from_params(TINY, init_params(TINY), dtype="float64")
+    with pytest.raises(ValueError, match="attention must be one of sdpa, math"):
+        Transformer(TINY, attention="flash")
+    with pytest.raises(ValueError, match="precision must be one of highest, default"):
+        Transformer(TINY, precision="fast")
+    save_weights(tmp_path / "w.safetensors", TINY, init_params(TINY))
+    assert Transformer.from_file(tmp_path / "w.safetensors", attention="math").cfg == TINY
+    bad = init_params(TINY)
+    bad["decoder.layers.0.ffn.w2.weight"] = bad["decoder.layers.0.ffn.w2.weight"].T.copy()
+    with pytest.raises(WeightsError, match=r"ffn.w2.weight: shape \[64, 256\], expected \[256, 64\]"):
+        Transformer.from_params(TINY, bad)
+
+
+# ---- jitted cache and generation -----------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny.pre_std_final", "char-lm"])
+def test_cached_decode_equals_full_forward_float64(variant):
+    cfg = VARIANTS[variant]
+    params = init_params(cfg, seed=2)
+    generator = np.random.default_rng(0)
+    src = None if not cfg.has_encoder else generator.integers(1, cfg.src_vocab_size, (3, 5))
+    tgt = generator.integers(1, cfg.tgt_vocab_size, (3, 6))
+    tgt[0, :2] = cfg.pad_id  # left padding: fully masked rows inside the cache
+    with jax.enable_x64(True):
+        model = Transformer.from_params(cfg, params, dtype="float64")
+        full = np.asarray(model(src, tgt))
+        cache = model.start_cache(3, 6, src)
+        _, cache = model.decode_step(cache, tgt[:, :2])  # a two-token prefill, then single steps
+        steps = []
+        for t in range(2, 6):
+            logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
+            steps.append(np.asarray(logits))
+    assert int(cache.length) == 6
+    assert np.abs(np.concatenate(steps, axis=1) - full[:, 2:]).max() <= 1e-10
+    assert np.abs(full - golden.forward(cfg, params, src, tgt)).max() <= 1e-10
+
+
+def test_cache_capacity_is_enforced():
+    model = Transformer.from_params(TINY, init_params(TINY))
+    cache = model.start_cache(1, 2, np.ones((1, 3), np.int64))
+    _, cache = model.decode_step(cache, np.ones((1, 2), np.int64))
+    with pytest.raises(InputError, match="the cache holds 2 positions"):
+        model.decode_step(cache, np.ones((1, 1), np.int64))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+def test_jitted_generation_matches_the_golden(variant):
+    cfg = VARIANTS[variant]
+    params = init_params(cfg, seed=3)
+    generator = np.random.default_rng(1)
+    if cfg.has_encoder:
+        src = generator.integers(3, cfg.src_vocab_size, (4, 6))
+        src[2, 4:] = cfg.pad_id
+        options = {"bos_id": 1, "eos_id": 2}
+    else:
+        src, options = None, {"prompt_ids": np.array([[0, 0, 65], [66, 67, 68]])}
+    expected = golden.greedy_generate(cfg, params, src, max_new_tokens=7, **options)
+    with jax.enable_x64(True):
+        model = Transformer.from_params(cfg, params, dtype="float64")
+        assert np.array_equal(np.asarray(model.greedy_generate(src, max_new_tokens=7, **options)), expected)
+
+
+# ---- native JAX behaviour the implementation works around (pinned so the docs stay true) ------
+
+def test_fully_masked_rows_are_zero_on_both_paths():
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 2, 3, 4)) for i in range(3))
+    mask = jnp.ones((2, 2, 3, 3), bool).at[1, :, 2].set(False)
+    for path in ("sdpa", "math"):
+        out = scaled_dot_product_attention(q, k, v, mask, path)
+        assert jnp.isfinite(out).all() and (out[1, :, 2] == 0).all()
+
+
+def test_native_dot_product_attention_averages_a_fully_masked_row():
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 3, 1, 4)) for i in range(3))  # [B, T, H, d_k]
+    mask = jnp.zeros((1, 1, 3, 3), bool)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    assert np.allclose(out[0, 0, 0], v[0, :, 0].mean(axis=0), atol=1e-6)  # the mean of V, not zeros
+
+
+def test_native_dot_product_attention_is_float32_accurate_at_float64():
+    with jax.enable_x64(True):
+        q, k, v = (jax.random.normal(jax.random.key(i), (2, 5, 2, 8), dtype=jnp.float64) for i in range(3))
+        native = jax.nn.dot_product_attention(q, k, v)
+        ours = scaled_dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)).swapaxes(1, 2)
+        exact = golden.scaled_dot_product_attention(*(np.asarray(a.swapaxes(1, 2)) for a in (q, k, v))).swapaxes(1, 2)
+    assert np.abs(np.asarray(native) - exact).max() > 1e-9  # softmax taken in float32
+    assert np.abs(np.asarray(ours) - exact).max() < 1e-14
+
+
+def test_jax_gelu_default_is_the_tanh_form():
+    x = jnp.linspace(-3, 3, 13)
+    assert np.allclose(jax.nn.gelu(x), jax.nn.gelu(x, approximate=True))
+    assert not np.allclose(jax.nn.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-5)
+
+
+# ---- Flax's own MultiHeadAttention agrees with ours and the golden ----------------------------
+
+def test_flax_multi_head_attention_agrees():
+    params = init_params(TINY, seed=9)
+    attention = params_under(params, "encoder.layers.0.self_attn")
+    heads, d_head, d = TINY.n_heads, TINY.d_head, TINY.d_model
+    flax_attention = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=nnx.Rngs(0),
+                                            precision="highest")
+    # Heads are contiguous column blocks of q/k/v and row blocks of o, which is exactly Flax's
+    # [in, heads, d_k] and [heads, d_k, out] kernel layout after a reshape.
+    for ours, theirs in (("q", "query"), ("k", "key"), ("v", "value")):
+        getattr(flax_attention, theirs).kernel[...] = jnp.asarray(attention[f"{ours}.weight"].reshape(d, heads, d_head))
+        getattr(flax_attention, theirs).bias[...] = jnp.asarray(attention[f"{ours}.bias"].reshape(heads, d_head))
+    flax_attention.out.kernel[...] = jnp.asarray(attention["o.weight"].reshape(heads, d_head, d))
+    flax_attention.out.bias[...] = jnp.asarray(attention["o.bias"])
+    x = np.random.default_rng(0).standard_normal((2, 5, d)).astype(np.float32)
+    keep = np.ones((2, 1, 5, 5), bool)
+    keep[1, :, :, 3:] = False  # padding, but every row keeps a key (Flax averages empty rows)
+    theirs = np.asarray(flax_attention(jnp.asarray(x), mask=jnp.asarray(keep), deterministic=True))
+    model = Transformer.from_params(TINY, params)
+    ours = np.asarray(model.encoder.layers[0].self_attn(jnp.asarray(x), jnp.asarray(x), jnp.asarray(keep)))
+    reference = golden.multi_head_attention(attention, x.astype(np.float64), x.astype(np.float64), keep, heads)
+    relative = tolerance("float32", max(d, 5), 1)
+    assert compare(theirs, reference, relative).passed and compare(ours, reference, relative).passed
+    assert np.abs(theirs - ours).max() < 1e-5
+
+
+# ---- bad input: the same errors as the golden -------------------------------------------------
+
+@pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
+def test_bad_inputs_raise_the_goldens_error(src, tgt, message):
+    model = Transformer.from_params(TINY, init_params(TINY))
+    with pytest.raises(InputError, match=message) as jax_error:
+        model(src, tgt)
+    with pytest.raises(InputError) as golden_error:
+        golden.forward(TINY, init_params(TINY), src, tgt)
+    assert str(jax_error.value) == str(golden_error.value)
+
+
+def test_bad_inputs_as_jax_arrays_and_masks():
+    model = Transformer.from_params(TINY, init_params(TINY))
+    with pytest.raises(InputError, match="token id 96"):
+        model(jnp.full((1, 2), 96), jnp.ones((1, 2), jnp.int32))
+    with pytest.raises(InputError, match="integer token ids"):
+        model(jnp.ones((1, 2), jnp.float32), jnp.ones((1, 2), jnp.int32))
+    x = jnp.zeros((2, 5, 64))
+    with pytest.raises(InputError, match="does not fit"):
+        model.encoder.layers[0].self_attn(x, x, jnp.ones((2, 5, 6), bool))
+    with pytest.raises(InputError, match="boolean keep-mask"):
+        model.encoder.layers[0].self_attn(x, x, jnp.ones((5, 5)))
+
+
+def test_learned_positions_past_max_len():
+    cfg = VARIANTS["tiny.nobias_gelutanh"]  # learned positions, max_len 6
+    model = Transformer.from_params(cfg, init_params(cfg))
+    with pytest.raises(InputError, match="past the learned position table"):
+        model(np.ones((1, 7), np.int64), np.ones((1, 2), np.int64))
+
+
+# ---- every preset ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_matches_the_golden(name):
+    """Each preset's widths and options at one layer per stack, float32 against the golden."""
+    cfg = get_preset(name)
+    cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
+    params = init_params(cfg)
+    generator = np.random.default_rng(0)
+    tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
+    src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
+    logits = np.asarray(Transformer.from_params(cfg, params)(src, tgt))
+    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
+    result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
+    assert result.passed, result.reason
