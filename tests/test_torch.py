@@ -284,7 +284,7 @@ def test_golden_equals_torch_nn_transformer(norm_position):
     embed = lambda ids, side: torch.from_numpy(golden.embed(cfg, golden.cast_params(cfg, params), ids, side))  # noqa: E731
     src_padding, tgt_padding = torch.from_numpy(src == cfg.pad_id), torch.from_numpy(tgt == cfg.pad_id)
     # nn.Transformer's masks mark what to *exclude* (True = masked), the spec's what to keep.
-    causal = torch.nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)
+    causal = ~torch.ones(7, 7, dtype=torch.bool).tril()  # True above the diagonal = may not attend
     with torch.inference_mode():
         hidden = reference(embed(src, "src"), embed(tgt, "tgt"), tgt_mask=causal, tgt_is_causal=True,
                            src_key_padding_mask=src_padding, tgt_key_padding_mask=tgt_padding,
