@@ -138,7 +138,7 @@ def write_report(directory: Path, results: list[CellResult], cfg, source: dict, 
     }
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    markdown = [f"# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
+    markdown = ["# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
                 f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s", "",
                 "Cells show max|error| / tolerance (below 1 passes).", "", "```", format_table(results), "```", "",
                 format_problems(results)]

@@ -33,7 +33,14 @@ from jax import lax
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
 from spec.errors import InputError
-from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+from spec.inputs import (
+    check_decode_step,
+    check_generation,
+    check_keep,
+    check_model_inputs,
+    check_source,
+    mask_shape_4d,
+)
 
 ATTENTION_PATHS = ("sdpa", "math")
 PRECISIONS = ("highest", "default")
@@ -392,32 +399,15 @@ class Transformer(nnx.Module):
         logits = self.output_logits(h)
         return jax.nn.log_softmax(logits.astype(jnp.float32) if logits.dtype in _HALF else logits).astype(logits.dtype)
 
-    def check_inputs(self, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
-        """The spec's input rules (spec.inputs), on the host before anything is traced."""
-        cfg = self.cfg
-        if cfg.has_encoder:
-            if src_ids is None:
-                raise InputError("an encoder-decoder model needs src_ids")
-            src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-            check_positions(cfg, src_length, 0, "src_ids")
-        elif src_ids is not None:
-            raise InputError("a decoder-only model takes no src_ids (pass None)")
-        tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-        check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
-        if cfg.has_encoder:
-            check_same_batch(src_batch, tgt_batch)
-
     def _keep(self, ids, keep, name: str) -> jax.Array:
         if keep is None:
             return jnp.asarray(ids) != self.cfg.pad_id
-        if str(getattr(keep, "dtype", "")) != "bool" or tuple(keep.shape) != tuple(ids.shape):
-            raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
-                             f"{getattr(keep, 'dtype', type(keep).__name__)} {list(getattr(keep, 'shape', []))}")
+        check_keep(keep, ids, name)
         return jnp.asarray(keep)
 
     def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> jax.Array:
         """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function."""
-        self.check_inputs(src_ids, tgt_ids)
+        check_model_inputs(self.cfg, src_ids, tgt_ids)
         tgt = _as_ids(tgt_ids)
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
         src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src_keep"))
@@ -492,9 +482,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32))
     if not cfg.has_encoder:
         return cache
-    src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-    check_positions(cfg, src_length, 0, "src_ids")
-    check_same_batch(src_batch, batch)
+    check_source(cfg, src_ids, batch)
     src_keep = model._keep(src_ids, src_keep, "src_keep")
     with jax.default_matmul_precision(model.precision):
         cross_keys, cross_values = _encode_for_cache(model, _as_ids(src_ids), src_keep)
@@ -512,10 +500,7 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     """Feed the next n target tokens [B, n] after the cached ones: logits [B, n, V], new cache."""
     cfg = model.cfg
     length = int(cache.length)
-    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-    check_positions(cfg, tgt_ids.shape[1], length, "tgt_ids")
-    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
-        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
+    check_decode_step(cfg, tgt_ids, length, cache.tgt_keep.shape[0])
     if length + tgt_ids.shape[1] > cache.capacity:
         raise InputError(f"the cache holds {cache.capacity} positions; {length} are used and "
                          f"{tgt_ids.shape[1]} more do not fit (start the cache with a larger capacity)")
@@ -564,22 +549,14 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
                     eos_id: int | None = None, max_new_tokens: int) -> jax.Array:
     """Greedy decoding with the KV cache, the loop a jitted lax.while_loop -> [B, max_new_tokens]."""
     cfg = model.cfg
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
     if cfg.has_encoder:
-        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
-            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
-        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
         first = np.full((batch, 1), bos_id, dtype=np.int32)
         first_keep = jnp.ones((batch, 1), bool)
     else:
-        if prompt_ids is None or src_ids is not None:
-            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
-        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
         first = np.asarray(prompt_ids)
         first_keep = jnp.asarray(first != cfg.pad_id)
     total = first.shape[1] + max_new_tokens - 1
-    check_positions(cfg, total, 0, "generated sequence")
     cache = start_cache(model, batch, total, src_ids)
     with jax.default_matmul_precision(model.precision):
         return _generate(model, cache, _as_ids(first), first_keep, -1 if eos_id is None else eos_id, max_new_tokens)

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spec import ModelConfig, check_params, params_under
-from spec.errors import InputError
-from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
 from spec.masks import causal_mask, combine_masks, key_mask
 
 Params = Mapping[str, np.ndarray]
@@ -274,26 +273,8 @@ def token_keep(ids: np.ndarray, pad_id: int, keep: np.ndarray | None, name: str)
     """Which tokens are real: the given keep-vector [B, T], else ids != pad_id."""
     if keep is None:
         return ids != pad_id
-    keep = np.asarray(keep)
-    if keep.dtype != bool or keep.shape != ids.shape:
-        raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
-                         f"{keep.dtype} {list(keep.shape)}")
-    return keep
-
-
-def check_model_inputs(cfg: ModelConfig, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
-    """The spec's input rules (spec.inputs) for one call of the model."""
-    if cfg.has_encoder:
-        if src_ids is None:
-            raise InputError("an encoder-decoder model needs src_ids")
-        src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-        check_positions(cfg, src_length, 0, "src_ids")
-    elif src_ids is not None:
-        raise InputError("a decoder-only model takes no src_ids (pass None)")
-    tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-    check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
-    if cfg.has_encoder:
-        check_same_batch(src_batch, tgt_batch)
+    check_keep(keep, ids, name)
+    return np.asarray(keep)
 
 
 def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
@@ -341,6 +322,7 @@ def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | N
     cache = KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), np.zeros((batch, 0), bool))
     if not cfg.has_encoder:
         return cache
+    check_source(cfg, src_ids, batch)
     src_ids = np.asarray(src_ids)
     src_keep = token_keep(src_ids, cfg.pad_id, src_keep, "src_keep")
     memory = encoder(cfg, p, src_ids, src_keep)
@@ -353,11 +335,8 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
                 tgt_keep: np.ndarray | None = None) -> tuple[np.ndarray, KVCache]:
     """Feed the next n target tokens [B, n] (n = 1 for a step, more for a prompt) after the cached
     ones; return their logits [B, n, V] and the extended cache. Equals the full forward."""
+    check_decode_step(cfg, tgt_ids, cache.length, cache.tgt_keep.shape[0])
     tgt_ids = np.asarray(tgt_ids)
-    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-    check_positions(cfg, tgt_ids.shape[1], cache.length, "tgt_ids")
-    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
-        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
     keep = np.concatenate([cache.tgt_keep, token_keep(tgt_ids, cfg.pad_id, tgt_keep, "tgt_keep")], axis=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
     self_mask = combine_masks(causal_mask(n_new, n_all), key_mask(keep))  # [B, 1, n, P + n]
@@ -398,23 +377,14 @@ def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None
     marks prompt padding). Each step takes the arg-max token (ties go to the lowest id); after a
     sequence emits eos_id its remaining tokens are pad_id. Generated tokens always count as real
     tokens, even if an id equals pad_id."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
     p = cast_params(cfg, params, dtype)
     if cfg.has_encoder:
-        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
-            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
-        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-        check_positions(cfg, np.shape(src_ids)[1], 0, "src_ids")
         first = np.full((batch, 1), bos_id, dtype=np.int64)
         first_keep = np.ones_like(first, dtype=bool)
     else:
-        if prompt_ids is None or src_ids is not None:
-            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
-        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
         first = np.asarray(prompt_ids)
         first_keep = first != cfg.pad_id
-    check_positions(cfg, first.shape[1] + max_new_tokens - 1, 0, "generated sequence")
     cache = start_cache(cfg, p, batch, src_ids)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)

@@ -21,8 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.errors import InputError
-from spec.inputs import check_positions, check_same_batch, check_token_ids, mask_shape_4d
+from spec.inputs import (
+    check_decode_step,
+    check_generation,
+    check_keep,
+    check_model_inputs,
+    check_source,
+    mask_shape_4d,
+)
 
 ATTENTION_PATHS = ("sdpa", "math")
 _HALF = (torch.float16, torch.bfloat16)
@@ -371,36 +377,18 @@ class Transformer(nn.Module):
         logits = self.output_logits(h)
         return F.log_softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1).to(logits.dtype)
 
-    def check_inputs(self, src_ids, tgt_ids, tgt_offset: int = 0) -> None:
-        """The spec's input rules (spec.inputs), before torch sees the tensors."""
-        cfg = self.cfg
-        if cfg.has_encoder:
-            if src_ids is None:
-                raise InputError("an encoder-decoder model needs src_ids")
-            src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-            check_positions(cfg, src_length, 0, "src_ids")
-        elif src_ids is not None:
-            raise InputError("a decoder-only model takes no src_ids (pass None)")
-        tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-        check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
-        if cfg.has_encoder:
-            check_same_batch(src_batch, tgt_batch)
-
     def _ids(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, device=self.tgt_embed.weight.device).long()
 
     def _keep(self, ids: torch.Tensor, keep, name: str) -> torch.Tensor:
         if keep is None:
             return ids != self.cfg.pad_id
-        keep = torch.as_tensor(keep, device=ids.device)
-        if keep.dtype != torch.bool or keep.shape != ids.shape:
-            raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
-                             f"{str(keep.dtype).rsplit('.', 1)[-1]} {list(keep.shape)}")
-        return keep
+        check_keep(keep, ids, name)
+        return torch.as_tensor(keep, device=ids.device)
 
     def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> torch.Tensor:
         """Teacher-forced logits [B, T, V]."""
-        self.check_inputs(src_ids, tgt_ids)
+        check_model_inputs(self.cfg, src_ids, tgt_ids)
         tgt_ids = self._ids(tgt_ids)
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
         memory = None
@@ -458,9 +446,7 @@ def start_cache(model: Transformer, batch: int, src_ids=None, src_keep=None) -> 
     keep = torch.zeros(batch, 0, dtype=torch.bool, device=weight.device)
     if not cfg.has_encoder:
         return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep)
-    src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-    check_positions(cfg, src_length, 0, "src_ids")
-    check_same_batch(src_batch, batch)
+    check_source(cfg, src_ids, batch)
     src_ids = model._ids(src_ids)
     src_keep = model._keep(src_ids, src_keep, "src_keep")
     memory = model.encode(src_ids, src_keep)
@@ -473,10 +459,7 @@ def start_cache(model: Transformer, batch: int, src_ids=None, src_keep=None) -> 
 def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> tuple[torch.Tensor, KVCache]:
     """Feed the next n target tokens [B, n] after the cached ones: logits [B, n, V], new cache."""
     cfg = model.cfg
-    check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
-    check_positions(cfg, tgt_ids.shape[1], cache.length, "tgt_ids")
-    if tgt_ids.shape[0] != cache.tgt_keep.shape[0]:
-        raise InputError(f"tgt_ids batch {tgt_ids.shape[0]} differs from the cache's {cache.tgt_keep.shape[0]}")
+    check_decode_step(cfg, tgt_ids, cache.length, cache.tgt_keep.shape[0])
     tgt_ids = model._ids(tgt_ids)
     keep = torch.cat([cache.tgt_keep, model._keep(tgt_ids, tgt_keep, "tgt_keep")], dim=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
@@ -507,23 +490,14 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
                     eos_id: int | None = None, max_new_tokens: int) -> torch.Tensor:
     """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (SPEC.md §7)."""
     cfg = model.cfg
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
     device = model.tgt_embed.weight.device
     if cfg.has_encoder:
-        if bos_id is None or not 0 <= bos_id < cfg.tgt_vocab_size:
-            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
-        batch, _ = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
-        check_positions(cfg, src_ids.shape[1], 0, "src_ids")
         first = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
         first_keep = torch.ones_like(first, dtype=torch.bool)
     else:
-        if prompt_ids is None or src_ids is not None:
-            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
-        batch, _ = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
         first = model._ids(prompt_ids)
         first_keep = first != cfg.pad_id
-    check_positions(cfg, first.shape[1] + max_new_tokens - 1, 0, "generated sequence")
     cache = start_cache(model, batch, src_ids)
     tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)

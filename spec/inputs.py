@@ -108,3 +108,61 @@ def mask_shape_4d(
                 f"[batch {batch}, heads {heads}, queries {q_len}, keys {k_len}]"
             )
     return full  # type: ignore[return-value]
+
+
+# ---- the checks of one model call, shared by every implementation ----------------------------
+
+def check_model_inputs(cfg: ModelConfig, src_ids: Any, tgt_ids: Any, tgt_offset: int = 0) -> None:
+    """A teacher-forced call: ids of both sides, their lengths, and equal batches."""
+    if cfg.has_encoder:
+        if src_ids is None:
+            raise InputError("an encoder-decoder model needs src_ids")
+        src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+        check_positions(cfg, src_length, 0, "src_ids")
+    elif src_ids is not None:
+        raise InputError("a decoder-only model takes no src_ids (pass None)")
+    tgt_batch, tgt_length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, tgt_length, tgt_offset, "tgt_ids")
+    if cfg.has_encoder:
+        check_same_batch(src_batch, tgt_batch)
+
+
+def check_source(cfg: ModelConfig, src_ids: Any, batch: int | None = None) -> int:
+    """Source ids for an encoder (a cache's cross-attention); returns the batch."""
+    src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")
+    check_positions(cfg, src_length, 0, "src_ids")
+    if batch is not None:
+        check_same_batch(src_batch, batch)
+    return src_batch
+
+
+def check_keep(keep: Any, ids: Any, name: str) -> None:
+    """An explicit keep-vector (True = real token) must be boolean and shaped like its ids."""
+    shape = _shape(keep, name)
+    if dtype_name(keep) != "bool" or shape != tuple(int(n) for n in ids.shape):
+        raise InputError(f"{name} must be a boolean array of shape {list(ids.shape)}, got "
+                         f"{dtype_name(keep)} {list(shape)}")
+
+
+def check_decode_step(cfg: ModelConfig, tgt_ids: Any, cache_length: int, cache_batch: int) -> None:
+    """The next tokens fed after `cache_length` cached ones."""
+    batch, length = check_token_ids(tgt_ids, cfg.tgt_vocab_size, "tgt_ids")
+    check_positions(cfg, length, cache_length, "tgt_ids")
+    if batch != cache_batch:
+        raise InputError(f"tgt_ids batch {batch} differs from the cache's {cache_batch}")
+
+
+def check_generation(cfg: ModelConfig, src_ids: Any, prompt_ids: Any, bos_id: Any, max_new_tokens: Any) -> tuple[int, int]:
+    """Greedy generation's arguments (SPEC.md §7); returns (batch, length of the first chunk fed)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if cfg.has_encoder:
+        if isinstance(bos_id, bool) or not isinstance(bos_id, int) or not 0 <= bos_id < cfg.tgt_vocab_size:
+            raise InputError(f"an encoder-decoder model needs bos_id inside the target vocabulary, got {bos_id!r}")
+        batch, first_length = check_source(cfg, src_ids), 1
+    else:
+        if prompt_ids is None or src_ids is not None:
+            raise InputError("a decoder-only model generates from prompt_ids (and takes no src_ids)")
+        batch, first_length = check_token_ids(prompt_ids, cfg.tgt_vocab_size, "prompt_ids")
+    check_positions(cfg, first_length + max_new_tokens - 1, 0, "generated sequence")
+    return batch, first_length

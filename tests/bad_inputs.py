@@ -18,3 +18,12 @@ BAD_FORWARD_INPUTS = [
     ("missing_source", None, np.ones((2, 3), np.int64), "needs src_ids"),
     ("list_not_array", [[1, 2]], np.ones((1, 3), np.int64), "must be an array"),
 ]
+
+# Generation arguments for tiny (encoder-decoder): (id, keyword arguments, message regex).
+BAD_GENERATION = [
+    ("zero_new_tokens", {"src_ids": np.ones((1, 3), np.int64), "bos_id": 1, "max_new_tokens": 0}, "positive integer"),
+    ("float_new_tokens", {"src_ids": np.ones((1, 3), np.int64), "bos_id": 1, "max_new_tokens": 2.0}, "positive integer"),
+    ("no_bos", {"src_ids": np.ones((1, 3), np.int64), "max_new_tokens": 2}, "needs bos_id"),
+    ("bos_past_vocab", {"src_ids": np.ones((1, 3), np.int64), "bos_id": 80, "max_new_tokens": 2}, "needs bos_id"),
+    ("bad_source", {"src_ids": np.full((1, 3), 99), "bos_id": 1, "max_new_tokens": 2}, "token id 99"),
+]

@@ -229,7 +229,8 @@ def test_unsupported_dtypes_and_devices_are_skipped_with_a_reason():
 # ---- the CLI ------------------------------------------------------------------------------
 
 def test_cli_check_passes_and_writes_a_report(tmp_path, capsys):
-    assert main(["check", "--preset", "tiny", "--dtypes", "float32", "--report", str(tmp_path)]) == 0
+    assert main(["check", "--preset", "tiny", "--backends", "numpy-float32,torch", "--dtypes", "float32",
+                 "--report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "numpy-float32/float32/cpu" in out and "mha-causal_pad" in out and " 0 failed" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -243,9 +244,10 @@ def test_cli_check_passes_and_writes_a_report(tmp_path, capsys):
 
 
 def test_cli_filter_and_exit_codes(tmp_path, capsys):
-    assert main(["check", "-k", "attention-causal", "--dtypes", "float32"]) == 0
+    assert main(["check", "-k", "attention-causal", "--dtypes", "float32"]) == 0  # every registered backend
     out = capsys.readouterr().out
     assert "attention-causal " in out and "mha-" not in out
+    assert all(f"{name}/float32/cpu" in out for name in ("numpy-float32", "torch", "torch-math", "jax", "jax-math"))
     assert main(["check", "-k", "no-such-cell"]) == 1
     assert main(["check", "--backends", "nope"]) == 2
     assert "unknown backend" in capsys.readouterr().err
@@ -269,7 +271,8 @@ def test_cli_init_info_and_check_weights(tmp_path, capsys):
     assert main(["init", "--preset", "char-lm", "--seed", "2", str(path)]) == 0
     assert main(["info", str(path)]) == 0
     assert '"arch": "decoder-only"' in capsys.readouterr().out
-    assert main(["check", "--weights", str(path), "--dtypes", "float32", "-k", "forward"]) == 0
+    assert main(["check", "--weights", str(path), "--backends", "numpy-float32,torch", "--dtypes", "float32",
+                 "-k", "forward"]) == 0
     assert main(["check", "--weights", str(path), "--preset", "tiny"]) == 2
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import impl_numpy as g
 from spec import InputError, get_preset, init_params, params_under
-from tests.bad_inputs import BAD_FORWARD_INPUTS
+from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
 
 TINY = get_preset("tiny")
 
@@ -320,3 +320,9 @@ def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data)
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-12 * max(1.0, np.abs(full).max())
     single = g.forward(cfg, params, src, tgt, dtype=np.float32)
     assert np.abs(single - full).max() <= 1e-4 * max(1.0, np.abs(full).max())
+
+
+@pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
+def test_bad_generation_arguments(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        g.greedy_generate(TINY, init_params(TINY), **kwargs)

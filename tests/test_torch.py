@@ -20,7 +20,7 @@ from spec import (
     params_digest,
     save_weights,
 )
-from tests.bad_inputs import BAD_FORWARD_INPUTS
+from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
 from tests.variants import TINY, VARIANTS
 
 BACKENDS = ["torch", "torch-math"]
@@ -313,3 +313,9 @@ def test_every_preset_matches_the_golden(name):
     relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
     result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
     assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
+def test_bad_generation_arguments(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        Transformer.from_params(TINY, init_params(TINY)).greedy_generate(**kwargs)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conformance.backends.module_runner import ModuleRunner
 from impl_jax import Transformer, scaled_dot_product_attention, view_mask
 from spec import ModelConfig
-from spec.inputs import check_activations
 
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
               "bfloat16": "bfloat16"}
@@ -30,7 +28,7 @@ def _platform_devices(platform: str) -> list:
         return []
 
 
-class JaxRunner:
+class JaxRunner(ModuleRunner):
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str, attention: str):
         self.cfg, self.attention = cfg, attention
         self.x64 = dtype == "float64"
@@ -41,83 +39,33 @@ class JaxRunner:
                                                  precision=self.precision)
         self.dtype, self.precision = self.model.dtype, self.model.precision  # half dtypes use 'default'
 
+    def _float(self, x):
+        return None if x is None else jnp.asarray(np.asarray(x), dtype=self.dtype)
+
+    def _array(self, x):
+        return None if x is None else jnp.asarray(np.asarray(x))
+
+    def _ids(self, x):
+        return jnp.asarray(np.asarray(x), jnp.int32)
+
+    def _attention(self, q, k, v, mask):
+        mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision)
+
+    def _concatenate(self, arrays):
+        return jnp.concatenate(arrays, axis=1)
+
+    def _start_cache(self, batch, length, src_ids):
+        return self.model.start_cache(batch, length, src_ids)  # preallocated: XLA wants fixed shapes
+
+    def _to_numpy(self, out) -> np.ndarray:
+        out = np.asarray(out.astype(jnp.float32) if out.dtype == jnp.bfloat16 else out)
+        return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out.astype(np.int64)
+
     @contextlib.contextmanager
     def _scope(self):
         with jax.enable_x64(self.x64), jax.default_device(self.device), jax.default_matmul_precision(self.precision):
             yield
-
-    def _float(self, x):
-        return None if x is None else jnp.asarray(np.asarray(x), dtype=self.dtype)
-
-    def _other(self, x):
-        """Masks and keep-vectors keep their dtype (a bad dtype must reach the spec's checks)."""
-        return None if x is None else jnp.asarray(np.asarray(x))
-
-    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
-        with self._scope():
-            out = self._run(sublayer, inputs)
-            out = np.asarray(out.astype(jnp.float32) if out.dtype == jnp.bfloat16 else out)
-        return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out.astype(np.int64)
-
-    def _run(self, sublayer: str, inputs: Mapping[str, Any]):
-        model, cfg = self.model, self.cfg
-        if sublayer == "embedding":
-            return model.embed(jnp.asarray(np.asarray(inputs["ids"]), jnp.int32), inputs["side"], inputs["offset"])
-        if sublayer == "positional":
-            return model.positional_encoding(inputs["side"], inputs["length"], inputs["offset"])
-        if sublayer == "attention":
-            q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
-            mask = view_mask(self._other(inputs["mask"]), q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision)
-        if sublayer in ("mha", "mha_cross"):
-            x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            check_activations(x, "x", cfg.d_model)
-            check_activations(context, "context", cfg.d_model)
-            return _module(model, inputs["module"])(x, context, self._other(inputs["mask"]))
-        if sublayer in ("ffn", "norm"):
-            return _module(model, inputs["module"])(self._float(inputs["x"]))
-        if sublayer == "ffn_block":
-            return _module(model, inputs["layer"]).ffn_block(self._float(inputs["x"]))
-        if sublayer == "encoder_layer":
-            return model.encoder.layers[inputs["index"]](self._float(inputs["x"]), self._other(inputs["mask"]))
-        if sublayer == "decoder_layer":
-            return model.decoder.layers[inputs["index"]](
-                self._float(inputs["y"]), self._float(inputs["memory"]), self._other(inputs["self_mask"]),
-                self._other(inputs["cross_mask"]))
-        if sublayer == "encoder":
-            src_ids = jnp.asarray(np.asarray(inputs["src_ids"]), jnp.int32)
-            return model.encode(src_ids, src_ids != cfg.pad_id)
-        if sublayer == "decoder":
-            tgt_ids = jnp.asarray(np.asarray(inputs["tgt_ids"]), jnp.int32)
-            return model.decode(tgt_ids, tgt_ids != cfg.pad_id, self._float(inputs["memory"]),
-                                self._other(inputs["src_keep"]))
-        if sublayer == "logits":
-            return model.output_logits(self._float(inputs["h"]))
-        if sublayer == "log_probs":
-            return model.log_probs(self._float(inputs["h"]))
-        if sublayer == "forward":
-            return model(inputs["src_ids"], inputs["tgt_ids"])
-        if sublayer == "decode":
-            tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-            cache = model.start_cache(tgt_ids.shape[0], tgt_ids.shape[1], inputs["src_ids"])
-            _, cache = model.decode_step(cache, tgt_ids[:, :prefix])
-            steps = []
-            for t in range(prefix, tgt_ids.shape[1]):
-                logits, cache = model.decode_step(cache, tgt_ids[:, t:t + 1])
-                steps.append(logits)
-            return jnp.concatenate(steps, axis=1)
-        if sublayer == "generate":
-            return model.greedy_generate(inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
-                                         eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
-        raise KeyError(f"unknown sublayer {sublayer!r}")
-
-
-def _module(model: Transformer, path: str):
-    """'encoder.layers.0.self_attn' -> model.encoder.layers[0].self_attn"""
-    module = model
-    for part in path.split("."):
-        module = module[int(part)] if part.isdigit() else getattr(module, part)
-    return module
 
 
 class JaxBackend:

@@ -1,0 +1,114 @@
+"""What the torch and jax adapters share: both implementations are parallel texts with the same
+API (embed, encode, decode, output_logits, encoder.layers[i], start_cache, ...), so one dispatch
+drives either. A subclass supplies the framework: how arrays go in and out, its attention
+function, its cache constructor and the context its calls run in."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from spec import ModelConfig
+from spec.inputs import check_activations
+
+
+class ModuleRunner:
+    cfg: ModelConfig
+    model: Any  # impl_torch.Transformer or impl_jax.Transformer
+
+    # ---- the framework's part ----
+    def _float(self, x):
+        """An activation in the run's dtype, on the run's device (None stays None)."""
+        raise NotImplementedError
+
+    def _array(self, x):
+        """A mask or keep-vector with its own dtype kept, so a bad dtype reaches the spec's checks."""
+        raise NotImplementedError
+
+    def _ids(self, x):
+        raise NotImplementedError
+
+    def _attention(self, q, k, v, mask):
+        raise NotImplementedError
+
+    def _concatenate(self, arrays: list):
+        raise NotImplementedError
+
+    def _start_cache(self, batch: int, length: int, src_ids):
+        raise NotImplementedError
+
+    def _to_numpy(self, out) -> np.ndarray:
+        raise NotImplementedError
+
+    def _scope(self):
+        return contextlib.nullcontext()
+
+    # ---- shared ----
+    def _module(self, path: str):
+        """'encoder.layers.0.self_attn' -> model.encoder.layers[0].self_attn"""
+        module = self.model
+        for part in path.split("."):
+            module = module[int(part)] if part.isdigit() else getattr(module, part)
+        return module
+
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
+        with self._scope():
+            return self._to_numpy(self._run(sublayer, inputs))
+
+    def _run(self, sublayer: str, inputs: Mapping[str, Any]):
+        model, cfg = self.model, self.cfg
+        if sublayer == "embedding":
+            return model.embed(self._ids(inputs["ids"]), inputs["side"], inputs["offset"])
+        if sublayer == "positional":
+            return model.positional_encoding(inputs["side"], inputs["length"], inputs["offset"])
+        if sublayer == "attention":
+            q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
+            return self._attention(q, k, v, self._array(inputs["mask"]))
+        if sublayer in ("mha", "mha_cross"):
+            x, context = self._float(inputs["x"]), self._float(inputs["context"])
+            check_activations(x, "x", cfg.d_model)
+            check_activations(context, "context", cfg.d_model)
+            return self._module(inputs["module"])(x, context, self._array(inputs["mask"]))
+        if sublayer in ("ffn", "norm"):
+            return self._module(inputs["module"])(self._float(inputs["x"]))
+        if sublayer == "ffn_block":
+            return self._module(inputs["layer"]).ffn_block(self._float(inputs["x"]))
+        if sublayer == "encoder_layer":
+            return model.encoder.layers[inputs["index"]](self._float(inputs["x"]), self._array(inputs["mask"]))
+        if sublayer == "decoder_layer":
+            return model.decoder.layers[inputs["index"]](
+                self._float(inputs["y"]), self._float(inputs["memory"]), self._array(inputs["self_mask"]),
+                self._array(inputs["cross_mask"]))
+        if sublayer == "encoder":
+            src_ids = self._ids(inputs["src_ids"])
+            return model.encode(src_ids, src_ids != cfg.pad_id)
+        if sublayer == "decoder":
+            tgt_ids = self._ids(inputs["tgt_ids"])
+            return model.decode(tgt_ids, tgt_ids != cfg.pad_id, self._float(inputs["memory"]),
+                                self._array(inputs["src_keep"]))
+        if sublayer == "logits":
+            return model.output_logits(self._float(inputs["h"]))
+        if sublayer == "log_probs":
+            return model.log_probs(self._float(inputs["h"]))
+        if sublayer == "forward":
+            return model(inputs["src_ids"], inputs["tgt_ids"])
+        if sublayer == "decode":
+            return self._decode(inputs)
+        if sublayer == "generate":
+            return model.greedy_generate(inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
+                                         eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
+        raise KeyError(f"unknown sublayer {sublayer!r}")
+
+    def _decode(self, inputs: Mapping[str, Any]):
+        """Prefill the first `prefix` target tokens in one chunk, then feed one token per step."""
+        tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
+        cache = self._start_cache(tgt_ids.shape[0], tgt_ids.shape[1], inputs["src_ids"])
+        _, cache = self.model.decode_step(cache, tgt_ids[:, :prefix])
+        steps = []
+        for t in range(prefix, tgt_ids.shape[1]):
+            logits, cache = self.model.decode_step(cache, tgt_ids[:, t:t + 1])
+            steps.append(logits)
+        return self._concatenate(steps)
