@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 from conformance.adapter import backend_names
 from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult, plan_matrix, run_matrix
-from conformance.tolerance import DTYPES, SAFETY
+from conformance.report import columns_and_rows, summary_counts, write_report
+from conformance.tolerance import DTYPES
 from spec import (
-    SPEC_VERSION,
     SpecError,
     count_params,
     describe_preset,
@@ -35,10 +33,6 @@ from spec import (
     save_weights,
 )
 
-REPORT_SCHEMA_VERSION = 1
-_FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx", "onnxscript", "onnxruntime-gpu")
-
-
 class UsageError(Exception):
     """Bad command-line usage: exit code 2."""
 
@@ -47,17 +41,6 @@ def _split(value: str | None) -> list[str] | None:
     if value is None or value in ("", "all", "auto"):
         return None
     return [item.strip() for item in value.split(",") if item.strip()]
-
-
-def framework_versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata (no framework is imported)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _FRAMEWORKS:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 # ---- check ------------------------------------------------------------------------------------
@@ -89,10 +72,9 @@ def _cell_text(result: CellResult) -> str:
 
 def format_table(results: list[CellResult]) -> str:
     """Rows sublayer-mask_case, columns backend/dtype/device; cells 'ok r' with r = error/tolerance."""
-    ran = [r for r in results if r.status != SKIP or r.reason.startswith("not supported")]
-    columns = list(dict.fromkeys((r.backend, r.dtype, r.device) for r in ran))
-    rows = list(dict.fromkeys(f"{r.sublayer}-{r.mask_case}" for r in ran))
-    cells = {(f"{r.sublayer}-{r.mask_case}", (r.backend, r.dtype, r.device)): _cell_text(r) for r in ran}
+    columns, rows = columns_and_rows(results)
+    cells = {(f"{r.sublayer}-{r.mask_case}", (r.backend, r.dtype, r.device)): _cell_text(r) for r in results
+             if (r.backend, r.dtype, r.device) in columns}
     headers = ["case"] + ["/".join(column) for column in columns]
     body = [[row] + [cells.get((row, column), "") for column in columns] for row in rows]
     widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(headers))]
@@ -114,35 +96,6 @@ def format_problems(results: list[CellResult]) -> str:
     for (column, reason), ids in skipped.items():
         lines.append(f"skipped {column} ({len(ids)} cells): {reason}")
     return "\n".join(lines)
-
-
-def summary_counts(results: list[CellResult]) -> dict[str, int]:
-    return {status: sum(r.status == status for r in results) for status in (PASS, FAIL, ERROR, SKIP)}
-
-
-def write_report(directory: Path, results: list[CellResult], cfg, source: dict, params, seconds: float) -> None:
-    counts = summary_counts(results)
-    report = {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "passed": counts[FAIL] == 0 and counts[ERROR] == 0 and counts[PASS] > 0,
-        "counts": counts,
-        "spec_version": SPEC_VERSION,
-        "config": cfg.to_dict(),
-        "source": source,
-        "params_sha256": params_digest(params),
-        "versions": framework_versions(),
-        "devices": {"cpu": platform.processor() or platform.machine()},
-        "tolerance_policy": {"formula": "SAFETY * u(dtype) * sqrt(n) * depth * max(1, max|golden|)", "safety": SAFETY},
-        "wall_seconds": round(seconds, 3),
-        "cells": [r.to_dict() for r in results],
-    }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    markdown = ["# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
-                f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s", "",
-                "Cells show max|error| / tolerance (below 1 passes).", "", "```", format_table(results), "```", "",
-                format_problems(results)]
-    (directory / "report.md").write_text("\n".join(markdown) + "\n")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -177,8 +130,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
           f"in {seconds:.2f} s")
     if args.report:
-        write_report(Path(args.report), results, cfg, source, params, seconds)
-        print(f"report written to {args.report}/report.json and report.md")
+        written = write_report(Path(args.report), results, cfg, source, params, seconds, format_table(results), problems)
+        print(f"report written: {', '.join(str(path) for path in written)}")
     if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
         print("no cell ran (every cell was skipped or filtered out)", file=sys.stderr)
         return 1

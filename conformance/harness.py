@@ -47,6 +47,7 @@ class CellResult:
 
     def to_dict(self) -> dict:
         record = asdict(self)
+        record["passed"] = self.status == PASS
         record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
         for key in ("max_abs_err", "rel_err", "tol"):
             if record[key] is not None and not math.isfinite(record[key]):

@@ -237,10 +237,13 @@ def test_cli_check_passes_and_writes_a_report(tmp_path, capsys):
     assert report["passed"] is True and report["config"]["d_model"] == 64
     assert report["versions"]["numpy"] and report["spec_version"]
     cell = report["cells"][0]
-    for key in ("backend", "device", "dtype", "sublayer", "mask_case", "passed" if "passed" in cell else "status",
-                "max_abs_err", "rel_err", "tol", "worst_index"):
+    for key in ("backend", "device", "dtype", "sublayer", "mask_case", "passed", "status", "max_abs_err", "rel_err",
+                "tol", "worst_index", "reason"):
         assert key in cell
+    assert all(c["passed"] == (c["status"] == "pass") for c in report["cells"])
+    assert report["devices"]["cpu"] and report["versions"]["torch"]
     assert (tmp_path / "report.md").read_text().startswith("# Conformance report")
+    assert (tmp_path / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_filter_and_exit_codes(tmp_path, capsys):

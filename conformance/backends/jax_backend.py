@@ -80,6 +80,9 @@ class JaxBackend:
     def devices(self) -> list[str]:
         return ["cpu"] + (["cuda"] if _platform_devices("gpu") else [])
 
+    def device_name(self, device: str) -> str:
+        return _platform_devices("gpu" if device == "cuda" else "cpu")[0].device_kind
+
     def supports(self, dtype: str, device: str) -> str | None:
         if dtype not in JAX_DTYPES:
             return f"dtype {dtype} is not run by {self.name}"

@@ -77,6 +77,9 @@ class TorchBackend:
     def devices(self) -> list[str]:
         return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+    def device_name(self, device: str) -> str:
+        return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+
     def supports(self, dtype: str, device: str) -> str | None:
         if dtype not in TORCH_DTYPES:
             return f"dtype {dtype} is not run by {self.name}"

@@ -1,0 +1,137 @@
+"""What `rosetta check --report DIR` writes: report.json, report.md and heatmap.png.
+
+report.json (schema_version 1):
+    passed          true when at least one cell ran and none failed or errored
+    counts          {"pass", "fail", "error", "skip"}: cells per status
+    spec_version, config (ModelConfig fields), source ({"preset", "seed"} or {"weights"}),
+    params_sha256   spec.params_digest of the weights every cell used
+    versions        python and every framework's installed version (null when absent)
+    devices         {"cpu": name, "<backend>/<device>": name reported by the backend}
+    tolerance_policy {"formula", "safety"}
+    wall_seconds
+    cells           one record per cell: backend, device, dtype, sublayer, mask_case, status,
+                    passed, max_abs_err, rel_err, tol, worst_index, reason, seconds
+                    (infinite errors are written as the string "inf")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from importlib import metadata
+from pathlib import Path
+
+from conformance.adapter import get_backend
+from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult
+from conformance.tolerance import SAFETY
+from spec import SPEC_VERSION, ModelConfig, params_digest
+
+SCHEMA_VERSION = 1
+_FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx", "onnxscript", "onnxruntime-gpu",
+               "matplotlib")
+
+
+def framework_versions() -> dict[str, str | None]:
+    """Installed versions, read from package metadata (no framework is imported)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _FRAMEWORKS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def device_names(results: list[CellResult]) -> dict[str, str]:
+    """The CPU, and every (backend, device) that ran, named by its backend when it can."""
+    names = {"cpu": platform.processor() or platform.machine()}
+    for backend_name, device in dict.fromkeys((r.backend, r.device) for r in results if r.status != SKIP):
+        backend, _ = get_backend(backend_name)
+        describe = getattr(backend, "device_name", None)
+        if describe is not None and device != "cpu":
+            names[f"{backend_name}/{device}"] = describe(device)
+    return names
+
+
+def summary_counts(results: list[CellResult]) -> dict[str, int]:
+    return {status: sum(r.status == status for r in results) for status in (PASS, FAIL, ERROR, SKIP)}
+
+
+def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """Columns (backend, dtype, device) and rows 'sublayer-mask_case' of the cells that ran."""
+    ran = [r for r in results if r.status != SKIP or r.reason.startswith("not supported")]
+    columns = list(dict.fromkeys((r.backend, r.dtype, r.device) for r in ran))
+    rows = list(dict.fromkeys(f"{r.sublayer}-{r.mask_case}" for r in ran))
+    return columns, rows
+
+
+def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:
+    """log10(max|error| / tolerance) over the matrix: below 0 passes. False when nothing ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    columns, rows = columns_and_rows(results)
+    if not columns or not rows:
+        return False
+    values = np.full((len(rows), len(columns)), np.nan)
+    for r in results:
+        key = (r.backend, r.dtype, r.device)
+        if key in columns and r.ratio is not None:
+            ratio = r.ratio if r.status != ERROR else math.inf
+            values[rows.index(f"{r.sublayer}-{r.mask_case}"), columns.index(key)] = (
+                math.log10(ratio) if ratio > 0 else -8.0)
+        elif key in columns and r.status == ERROR:
+            values[rows.index(f"{r.sublayer}-{r.mask_case}"), columns.index(key)] = 8.0
+    values = np.clip(values, -8.0, 8.0)
+    figure, axes = plt.subplots(figsize=(1.2 + 0.9 * len(columns), 1.5 + 0.16 * len(rows)))
+    colours = plt.get_cmap("RdYlGn_r").copy()
+    colours.set_bad("lightgrey")
+    image = axes.imshow(np.ma.masked_invalid(values), cmap=colours, vmin=-4, vmax=4, aspect="auto")
+    axes.set_xticks(range(len(columns)), ["\n".join(c) for c in columns], fontsize=7)
+    axes.set_yticks(range(len(rows)), rows, fontsize=6)
+    axes.set_title(title, fontsize=9)
+    bar = figure.colorbar(image, ax=axes, fraction=0.04)
+    bar.set_label("log10(max|error| / tolerance); > 0 fails; grey: skipped", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
+                 seconds: float, table: str, problems: str) -> list[Path]:
+    """Write report.json, report.md and heatmap.png into directory; return the paths written."""
+    counts = summary_counts(results)
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "passed": counts[FAIL] == 0 and counts[ERROR] == 0 and counts[PASS] > 0,
+        "counts": counts,
+        "spec_version": SPEC_VERSION,
+        "config": cfg.to_dict(),
+        "source": source,
+        "params_sha256": params_digest(params),
+        "versions": framework_versions(),
+        "devices": device_names(results),
+        "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * sqrt(n)) "
+                                        "* max(1, max|golden|)", "safety": SAFETY},
+        "wall_seconds": round(seconds, 3),
+        "cells": [r.to_dict() for r in results],
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / "report.json", directory / "report.md"]
+    written[0].write_text(json.dumps(report, indent=1) + "\n")
+    title = f"{source.get('preset') or source.get('weights')}: error / tolerance per cell"
+    has_heatmap = write_heatmap(directory / "heatmap.png", results, title)
+    markdown = ["# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
+                f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s",
+                f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}", "",
+                "Cells show max|error| / tolerance (below 1 passes).", "", "```", table, "```", "", problems]
+    if has_heatmap:
+        markdown += ["", "![error / tolerance heatmap](heatmap.png)"]
+        written.append(directory / "heatmap.png")
+    written[1].write_text("\n".join(markdown) + "\n")
+    return written
