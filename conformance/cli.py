@@ -98,6 +98,27 @@ def format_problems(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
+def _localize(cfg, params, results: list[CellResult], every_column: bool) -> dict:
+    """Localize each column whose whole-model cells failed (every column with --localize)."""
+    from conformance.localize import WHOLE_MODEL, localize_column
+
+    failing: dict[tuple[str, str, str], str] = {}
+    for r in results:
+        column = (r.backend, r.dtype, r.device)
+        if r.status == SKIP:
+            continue
+        if every_column:
+            failing.setdefault(column, "pad_right")
+        if r.sublayer in WHOLE_MODEL and r.status in (FAIL, ERROR):
+            failing[column] = r.mask_case if r.sublayer == "forward" else failing.get(column, "pad_right")
+    localizations = {}
+    for (backend, dtype, device), mask_case in failing.items():
+        if cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk"):
+            localizations[f"{backend}/{dtype}/{device} (forward-{mask_case})"] = localize_column(
+                cfg, params, backend, dtype, device, mask_case)
+    return localizations
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.weights and args.preset_given:
         raise UsageError("give either --preset or --weights, not both")
@@ -129,8 +150,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("\n" + problems)
     print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
           f"in {seconds:.2f} s")
+    localizations = _localize(cfg, params, results, args.localize)
+    for column, localization in localizations.items():
+        first = localization.first_failure
+        verdict = f"first failing stage: {first.name} ({first.sublayer})" if first else "no stage fails on its own"
+        print(f"\nlocalization {column}: {verdict}\n{localization.table()}")
     if args.report:
-        written = write_report(Path(args.report), results, cfg, source, params, seconds, format_table(results), problems)
+        written = write_report(Path(args.report), results, cfg, source, params, seconds, format_table(results), problems,
+                               localizations)
         print(f"report written: {', '.join(str(path) for path in written)}")
     if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
         print("no cell ran (every cell was skipped or filtered out)", file=sys.stderr)
@@ -139,6 +166,25 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # ---- small commands -------------------------------------------------------------------------
+
+def cmd_mutations(args: argparse.Namespace) -> int:
+    """Run the mutation gallery: every mistake must be caught and localized."""
+    from conformance.mutations import MUTATIONS, gallery_table, run_mutation
+
+    cfg = get_preset(args.preset)
+    params = init_params(cfg, args.seed)
+    start = time.perf_counter()
+    verdicts = [run_mutation(cfg, params, mutation) for mutation in MUTATIONS]
+    table = gallery_table(verdicts)
+    print(f"Mutation gallery on {args.preset}: each mistake applied to the numpy-float32 backend, "
+          "the golden unchanged\n")
+    print(table)
+    good = sum(v.caught and v.localized for v in verdicts)
+    print(f"\n{good} of {len(verdicts)} mutations caught and localized in {time.perf_counter() - start:.1f} s")
+    if args.markdown:
+        Path(args.markdown).write_text(f"# Mutation gallery ({args.preset})\n\n{table}\n")
+    return 0 if good == len(verdicts) else 1
+
 
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in list_presets():
@@ -179,9 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--devices", help="comma-separated, or auto (default: every device present)")
     check.add_argument("-k", help="only cells whose id contains this (or matches this glob)")
     check.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
-    check.add_argument("--report", help="write report.json and report.md into this folder")
+    check.add_argument("--report", help="write report.json, report.md and heatmap.png into this folder")
+    check.add_argument("--localize", action="store_true",
+                       help="show the stage-by-stage error table of every column (failing columns always get it)")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.set_defaults(handler=cmd_check)
+    mutations = commands.add_parser("mutations", help="run the mutation gallery (proof the harness can fail)")
+    mutations.add_argument("--preset", default="tiny")
+    mutations.add_argument("--seed", type=int, default=0)
+    mutations.add_argument("--markdown", help="also write the table to this Markdown file")
+    mutations.set_defaults(handler=cmd_mutations)
     presets = commands.add_parser("presets", help="list the presets")
     presets.add_argument("-v", "--verbose", action="store_true", help="say where each comes from")
     presets.set_defaults(handler=cmd_presets)

@@ -9,6 +9,9 @@ report.json (schema_version 1):
     devices         {"cpu": name, "<backend>/<device>": name reported by the backend}
     tolerance_policy {"formula", "safety"}
     wall_seconds
+    localization    {"<backend>/<dtype>/<device> (forward-<mask case>)": {"first_failure": stage or null,
+                    "stages": [{name, sublayer, isolated_ratio, chained_ratio, note}]}} for the columns
+                    localized (failing whole-model cells, or every column with --localize)
     cells           one record per cell: backend, device, dtype, sublayer, mask_case, status,
                     passed, max_abs_err, rel_err, tol, worst_index, reason, seconds
                     (infinite errors are written as the string "inf")
@@ -88,8 +91,7 @@ def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:
             values[rows.index(f"{r.sublayer}-{r.mask_case}"), columns.index(key)] = 8.0
     values = np.clip(values, -8.0, 8.0)
     figure, axes = plt.subplots(figsize=(1.2 + 0.9 * len(columns), 1.5 + 0.16 * len(rows)))
-    colours = plt.get_cmap("RdYlGn_r").copy()
-    colours.set_bad("lightgrey")
+    colours = plt.get_cmap("RdYlGn_r").with_extremes(bad="lightgrey")
     image = axes.imshow(np.ma.masked_invalid(values), cmap=colours, vmin=-4, vmax=4, aspect="auto")
     axes.set_xticks(range(len(columns)), ["\n".join(c) for c in columns], fontsize=7)
     axes.set_yticks(range(len(rows)), rows, fontsize=6)
@@ -103,7 +105,7 @@ def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:
 
 
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
-                 seconds: float, table: str, problems: str) -> list[Path]:
+                 seconds: float, table: str, problems: str, localizations: dict | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written."""
     counts = summary_counts(results)
     report = {
@@ -119,6 +121,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * sqrt(n)) "
                                         "* max(1, max|golden|)", "safety": SAFETY},
         "wall_seconds": round(seconds, 3),
+        "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         "cells": [r.to_dict() for r in results],
     }
     directory.mkdir(parents=True, exist_ok=True)

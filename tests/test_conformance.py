@@ -4,18 +4,16 @@ import json
 import math
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
-import impl_numpy
-import impl_numpy.model as golden_model
 from conformance.adapter import NotSupported, get_backend, register_backend, unregister_backend
-from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
+from conformance.backends.numpy_backend import NumpyFloat32Backend
 from conformance.cases import MASK_CASES, SUBLAYERS, catalogue
 from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
+from conformance.mutations import MUTATIONS, MutantBackend
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
 from spec import init_params
 from tests.variants import TINY, VARIANTS
@@ -117,55 +115,12 @@ def test_compare_shapes_and_integers():
 
 # ---- the harness can fail -----------------------------------------------------------------
 
-@contextmanager
-def patched(name, replacement):
-    """Replace a golden function in impl_numpy.model and in the package namespace."""
-    modules = [golden_model, impl_numpy]
-    originals = [getattr(module, name) for module in modules]
-    for module in modules:
-        setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        for module, original in zip(modules, originals):
-            setattr(module, name, original)
+def _mutant(name):
+    return MutantBackend(next(m for m in MUTATIONS if m.name == name))
 
 
-class MutantBackend(NumpyFloat32Backend):
-    """numpy-float32 with one golden function replaced while the backend runs."""
-
-    def __init__(self, name, replacement):
-        self.function_name, self.replacement = name, replacement
-
-    def load(self, cfg, params, dtype, device):
-        runner = NumpyRunner(cfg, params, dtype)
-        backend = self
-
-        class Mutant:
-            def run(self, sublayer, inputs):
-                with patched(backend.function_name, backend.replacement):
-                    return runner.run(sublayer, inputs)
-
-        return Mutant()
-
-
-def _scaled_by_d_model(q, k, v, mask=None):
-    # the classic mistake: divide by sqrt(d_model) instead of sqrt(d_k)
-    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1] * q.shape[1])
-    return golden_model.softmax(scores, mask) @ v
-
-
-def _naive_masked_softmax(x, mask=None):
-    # -inf fill and a plain softmax: NaN on rows with no key
-    if mask is not None:
-        x = np.where(mask, x, -np.inf)
-    with np.errstate(invalid="ignore"):
-        e = np.exp(x - x.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
-
-
-def _run_mutant(name, replacement):
-    register_backend("mutant", lambda: MutantBackend(name, replacement))
+def _run_mutant(name):
+    register_backend("mutant", lambda: _mutant(name))
     try:
         results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["mutant"], ["float32"]))
     finally:
@@ -174,14 +129,14 @@ def _run_mutant(name, replacement):
 
 
 def test_wrong_attention_scale_fails_every_attention_case():
-    results = _run_mutant("scaled_dot_product_attention", _scaled_by_d_model)
+    results = _run_mutant("scale_d_model")
     assert results["attention-none"].status == FAIL and results["forward-none"].status == FAIL
     assert results["ffn-none"].status == PASS and results["norm-none"].status == PASS
     assert results["attention-single_token"].status == PASS  # one key: the scale cannot matter
 
 
 def test_nan_on_fully_masked_rows_is_caught():
-    results = _run_mutant("softmax", _naive_masked_softmax)
+    results = _run_mutant("inf_fill_nan")
     for case in ("attention-all_pad", "mha-all_pad", "attention-mask_qk", "forward-all_pad", "decode-pad_left"):
         assert results[case].status == FAIL and "non-finite" in results[case].reason, case
     assert results["attention-causal"].status == PASS and results["forward-pad_right"].status == PASS
@@ -261,7 +216,7 @@ def test_cli_filter_and_exit_codes(tmp_path, capsys):
 
 
 def test_cli_failing_backend_exits_1(capsys):
-    register_backend("mutant", lambda: MutantBackend("scaled_dot_product_attention", _scaled_by_d_model))
+    register_backend("mutant", lambda: _mutant("scale_d_model"))
     try:
         assert main(["check", "--backends", "mutant", "--dtypes", "float32", "-k", "attention"]) == 1
     finally:

@@ -1,0 +1,166 @@
+"""Localization: which sublayer of a backend's whole model is wrong.
+
+The whole model is cut into stages — embeddings, each encoder layer, the encoder's final norm,
+each decoder layer, the decoder's final norm, the head — named by their canonical module
+names. Each stage runs twice on the backend:
+
+- isolated: fed the golden's own input to that stage (rounded to float32, as every catalogue
+  input is), so an error cannot come from an earlier stage. The first isolated stage over its
+  tolerance is *the* answer: the line to look at.
+- chained: fed the backend's own output of the previous stage, showing how error grows
+  through the stack (what the whole-model cases see). Decoder stages use the golden memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+import impl_numpy as golden
+from conformance.adapter import NotSupported
+from conformance.cases import SUBLAYERS
+from conformance.tolerance import compare, tolerance
+from spec import ModelConfig, params_under
+from spec.masks import causal_mask, combine_masks, key_mask
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # canonical module name, e.g. "decoder.layers.1"
+    sublayer: str  # the catalogue sublayer that runs it
+    isolated_ratio: float | None  # max|error| / tolerance with golden inputs; None when not run
+    chained_ratio: float | None  # the same with the backend's own previous output
+    note: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.isolated_ratio is not None and not self.isolated_ratio <= 1.0
+
+
+@dataclass(frozen=True)
+class Localization:
+    stages: list[Stage]
+
+    @property
+    def first_failure(self) -> Stage | None:
+        return next((stage for stage in self.stages if stage.failed), None)
+
+    def table(self) -> str:
+        lines = [f"{'stage':<20} {'sublayer':<14} {'isolated':>10} {'chained':>10}"]
+        for stage in self.stages:
+            cells = [_ratio_text(stage.isolated_ratio), _ratio_text(stage.chained_ratio)]
+            flag = "  <- first failure" if stage is self.first_failure else ""
+            lines.append(f"{stage.name:<20} {stage.sublayer:<14} {cells[0]:>10} {cells[1]:>10}{stage.note}{flag}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        first = self.first_failure
+        return {"first_failure": first.name if first else None,
+                "stages": [{"name": s.name, "sublayer": s.sublayer, "isolated_ratio": _json_number(s.isolated_ratio),
+                            "chained_ratio": _json_number(s.chained_ratio), "note": s.note} for s in self.stages]}
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "-" if ratio is None else ("inf" if math.isinf(ratio) else f"{ratio:.3g}")
+
+
+def _json_number(value: float | None):
+    return None if value is None or math.isfinite(value) else str(value)
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: str,
+             src_ids: np.ndarray | None, tgt_ids: np.ndarray) -> Localization:
+    """Stage-by-stage comparison of a backend runner against the golden on one input."""
+    p = golden.cast_params(cfg, params)
+    stages: list[Stage] = []
+    tgt_keep = tgt_ids != cfg.pad_id
+    plan = []  # (name, sublayer, golden function of the input, backend inputs given an input)
+    memory_reference = None
+    if cfg.has_encoder:
+        src_keep = src_ids != cfg.pad_id
+        src_mask = key_mask(src_keep)
+        plan.append(("src embedding", "embedding", None, {"ids": src_ids, "side": "src", "offset": 0}))
+        for i in range(cfg.n_encoder_layers):
+            layer = params_under(p, f"encoder.layers.{i}")
+            plan.append((f"encoder.layers.{i}", "encoder_layer",
+                         lambda x, layer=layer: golden.encoder_layer(cfg, layer, x, src_mask),
+                         lambda x, i=i: {"index": i, "x": x, "mask": src_mask}))
+        if cfg.final_norm:
+            plan.append(("encoder.norm", "norm", lambda x: golden.norm(cfg, params_under(p, "encoder.norm"), x),
+                         lambda x: {"module": "encoder.norm", "x": x}))
+        memory_reference = golden.encoder(cfg, p, src_ids, src_keep)
+    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, src_ids, "src") if cfg.has_encoder else None)
+
+    memory = None if memory_reference is None else _f32(memory_reference)
+    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
+    cross = None if memory is None else key_mask(src_ids != cfg.pad_id)
+    plan = [("tgt embedding", "embedding", None, {"ids": tgt_ids, "side": "tgt", "offset": 0})]
+    for i in range(cfg.n_decoder_layers):
+        layer = params_under(p, f"decoder.layers.{i}")
+        plan.append((f"decoder.layers.{i}", "decoder_layer",
+                     lambda y, layer=layer: golden.decoder_layer(cfg, layer, y, memory, self_mask, cross),
+                     lambda y, i=i: {"index": i, "y": y, "memory": memory, "self_mask": self_mask, "cross_mask": cross}))
+    if cfg.final_norm:
+        plan.append(("decoder.norm", "norm", lambda y: golden.norm(cfg, params_under(p, "decoder.norm"), y),
+                     lambda y: {"module": "decoder.norm", "x": y}))
+    plan.append(("head", "logits", lambda h: golden.output_logits(cfg, p, h), lambda h: {"h": h}))
+    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, tgt_ids, "tgt"))
+    return Localization(stages)
+
+
+def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_reference: np.ndarray | None) -> list[Stage]:
+    """Run one stack's stages; the first (an embedding) has no input activation."""
+    stages = []
+    reference = first_reference  # the golden's output of the previous stage (float64)
+    chained = None  # the backend's output of the previous stage
+    for name, sublayer, golden_function, inputs in plan:
+        relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff), SUBLAYERS[sublayer].depth(cfg))
+        if golden_function is None:  # embedding: inputs are ids, isolated and chained coincide
+            expected, next_reference, isolated_inputs, chained_inputs = reference, reference, inputs, None
+        else:
+            isolated_input = _f32(reference)
+            expected = golden_function(isolated_input.astype(np.float64))
+            next_reference = golden_function(reference)  # the golden chain, never rounded
+            isolated_inputs = inputs(isolated_input)
+            chained_inputs = None if chained is None else inputs(_f32(chained))
+        try:
+            isolated = runner.run(sublayer, isolated_inputs)
+            isolated_ratio = compare(isolated, expected, relative).ratio
+            if chained_inputs is None:
+                chained_output, chained_ratio = isolated, isolated_ratio
+            else:
+                chained_output = runner.run(sublayer, chained_inputs)
+                chained_ratio = compare(chained_output, next_reference, relative).ratio
+        except NotSupported as reason:
+            stages.append(Stage(name, sublayer, None, None, f"  (not supported: {reason})"))
+            return stages
+        except Exception as error:  # noqa: BLE001 - a crashing stage is itself the localization
+            stages.append(Stage(name, sublayer, math.inf, math.inf, f"  ({type(error).__name__}: {error})"))
+            return stages
+        stages.append(Stage(name, sublayer, isolated_ratio, chained_ratio))
+        reference, chained = next_reference, chained_output
+    return stages
+
+
+WHOLE_MODEL = ("encoder", "decoder", "forward", "decode", "generate")
+
+
+def localize_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_name: str, dtype: str, device: str,
+                    mask_case: str = "pad_right") -> Localization:
+    """Localize one matrix column on the inputs of the catalogue's forward case `mask_case`."""
+    from conformance.adapter import get_backend
+    from conformance.cases import catalogue
+
+    backend, reason = get_backend(backend_name)
+    if backend is None:
+        raise RuntimeError(f"backend {backend_name} is unavailable: {reason}")
+    case = next(c for c in catalogue(cfg) if c.sublayer == "forward" and c.mask_case == mask_case)
+    runner = backend.load(cfg, params, dtype, device)
+    return localize(cfg, params, runner, dtype, case.inputs["src_ids"], case.inputs["tgt_ids"])

@@ -1,0 +1,237 @@
+"""The mutation gallery: realistic Transformer mistakes, each a small change to a backend, and
+proof that the harness catches every one and points at the right sublayer.
+
+Each mutation replaces one function of the golden's code (impl_numpy.model) *inside a backend
+only* — the numpy-float32 runner — while the reference stays correct. `rosetta mutations` runs
+the catalogue on each mutant, reports the smallest sublayer that fails (the catalogue runs from
+embeddings up to the whole model) and the localization stage, and checks both against what the
+mistake should break.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+import impl_numpy
+import impl_numpy.model as model
+from conformance.adapter import register_backend, unregister_backend
+from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
+from conformance.cases import SUBLAYERS
+from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
+from conformance.localize import localize_column
+from spec import ModelConfig
+
+
+# ---- the mistakes -----------------------------------------------------------------------------
+
+def _scaled_by_d_model(q, k, v, mask=None):
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1] * q.shape[1])  # √d_model, not √d_k
+    return model.softmax(scores, mask) @ v
+
+
+def _cos_exponent_off(positions, d_model, layout):
+    i = np.arange(0, d_model, 2, dtype=np.float64)
+    angles_sin = np.asarray(positions, np.float64)[:, None] * 10000.0 ** (-i / d_model)
+    angles_cos = np.asarray(positions, np.float64)[:, None] * 10000.0 ** (-(i + 1) / d_model)  # 2i+1 in the exponent
+    return np.stack([np.sin(angles_sin), np.cos(angles_cos)], axis=-1).reshape(len(positions), d_model)
+
+
+def _inverted_mask(x, mask=None):
+    return _original("softmax")(x, None if mask is None else ~mask)  # True read as "masked out"
+
+
+def _mask_after_softmax(x, mask=None):
+    weights = _original("softmax")(x)
+    return weights if mask is None else weights * mask  # zeroed after normalising: rows no longer sum to 1
+
+
+def _softmax_over_queries(x, mask=None):
+    if mask is not None:
+        x = np.where(mask, x, -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=-2, keepdims=True))
+        return np.nan_to_num(e / e.sum(axis=-2, keepdims=True))  # axis -2: over queries
+
+
+def _unbiased_layer_norm(x, scale, bias, eps):
+    centered = x - x.mean(axis=-1, keepdims=True)
+    variance = (centered * centered).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1)  # d - 1
+    return centered / np.sqrt(variance + eps) * scale + bias
+
+
+def _no_embedding_scale(ids, weight, scale):
+    return weight[ids]  # forgot × √d_model
+
+
+def _residual_from_normed(cfg, norm_p, x, sublayer):
+    h = model.norm(cfg, norm_p, x)
+    return h + sublayer(h)  # the residual adds the normalised tensor, not x
+
+
+def _heads_without_transpose(x, n_heads):
+    batch, length, d_model = x.shape
+    return x.reshape(batch, n_heads, length, d_model // n_heads)  # reshape straight to [B, H, T, d_k]
+
+
+def _causal_off_by_one(q_len, k_len=None, offset=None):
+    k_len = q_len if k_len is None else k_len
+    offset = k_len - q_len if offset is None else offset
+    return (np.arange(k_len)[None, :] < offset + np.arange(q_len)[:, None])[None, None]  # < instead of <=
+
+
+def _fill_minus_1e9(x, mask=None):
+    if mask is not None:
+        x = np.where(mask, x, -1e9)  # a finite fill: a row with no key averages V instead of giving 0
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _plain_softmax_after_inf_fill(x, mask=None):
+    if mask is not None:
+        x = np.where(mask, x, -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))  # a row of -inf: -inf - -inf = NaN
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def _dropout_at_inference(p, x, activation):
+    hidden = model.ACTIVATIONS[activation](model.linear(x, p["w1.weight"], p.get("w1.bias")))
+    keep = np.random.default_rng(0).random(hidden.shape) >= 0.1  # dropout p=0.1 left on
+    return model.linear(hidden * keep / 0.9, p["w2.weight"], p.get("w2.bias"))
+
+
+def _cross_attention_ignores_padding(cfg, p, y, memory, self_mask, cross_mask):
+    return _original("decoder_layer")(cfg, p, y, memory, self_mask, None)  # source padding not masked
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    mistake: str
+    target: str  # the function of impl_numpy.model it replaces
+    replacement: Callable
+    expected_sublayer: str  # the smallest catalogue sublayer that must fail
+    expected_stage: str | None  # the localization stage that must fail first (None: none fails alone)
+    localize_on: str = "pad_right"  # the forward case whose inputs the localization uses
+
+
+MUTATIONS: list[Mutation] = [
+    Mutation("scale_d_model", "attention scores divided by √d_model instead of √d_k", "scaled_dot_product_attention",
+             _scaled_by_d_model, "attention", "encoder.layers.0"),
+    Mutation("cos_exponent", "positional encoding with 2i+1 instead of 2i in the cos terms' exponent",
+             "sinusoidal_table", _cos_exponent_off, "embedding", "src embedding"),
+    Mutation("mask_polarity", "keep-mask read the other way round (True = masked out)", "softmax",
+             _inverted_mask, "attention", "encoder.layers.0"),
+    Mutation("mask_after_softmax", "padding zeroed after the softmax instead of before it", "softmax",
+             _mask_after_softmax, "attention", "encoder.layers.0"),
+    Mutation("softmax_over_queries", "softmax taken over the query axis", "softmax", _softmax_over_queries,
+             "attention", "encoder.layers.0"),
+    Mutation("unbiased_layernorm", "LayerNorm with the unbiased variance (divides by d - 1)", "layer_norm",
+             _unbiased_layer_norm, "norm", "encoder.layers.0"),
+    Mutation("no_embedding_scale", "token embeddings not multiplied by √d_model", "token_embedding",
+             _no_embedding_scale, "embedding", "src embedding"),
+    Mutation("residual_from_normed", "the residual adds the normalised tensor instead of the block input",
+             "residual", _residual_from_normed, "ffn_block", "encoder.layers.0"),
+    Mutation("heads_reshape", "heads split by a reshape to [B, H, T, d_k] without the transpose", "split_heads",
+             _heads_without_transpose, "mha", "encoder.layers.0"),
+    Mutation("causal_off_by_one", "causal mask that hides the current position (< instead of <=)", "causal_mask",
+             _causal_off_by_one, "decoder", None),
+    Mutation("fill_minus_1e9", "masked scores filled with -1e9: rows with no key average V instead of giving 0 "
+             "(and in float16 the fill overflows to -inf: NaN)",
+             "softmax", _fill_minus_1e9, "attention", "encoder.layers.0", localize_on="all_pad"),
+    Mutation("inf_fill_nan", "masked scores filled with -inf and a plain softmax: NaN on rows with no key",
+             "softmax", _plain_softmax_after_inf_fill, "attention", "encoder.layers.0", localize_on="all_pad"),
+    Mutation("dropout_on", "dropout (p=0.1) left on at inference in the FFN", "feed_forward", _dropout_at_inference,
+             "ffn", "encoder.layers.0"),
+    Mutation("cross_padding", "cross-attention ignores the source padding mask", "decoder_layer",
+             _cross_attention_ignores_padding, "decoder_layer", "decoder.layers.0"),
+]
+
+_ORIGINALS = {name: getattr(model, name) for name in {m.target for m in MUTATIONS}}
+
+
+def _original(name: str) -> Callable:
+    return _ORIGINALS[name]
+
+
+@contextlib.contextmanager
+def applied(mutation: Mutation) -> Iterator[None]:
+    """Swap the function in impl_numpy.model and in the impl_numpy namespace, then restore it."""
+    modules = [module for module in (model, impl_numpy) if hasattr(module, mutation.target)]
+    for module in modules:
+        setattr(module, mutation.target, mutation.replacement)
+    try:
+        yield
+    finally:
+        for module in modules:
+            setattr(module, mutation.target, _ORIGINALS[mutation.target])
+
+
+class MutantBackend(NumpyFloat32Backend):
+    """numpy-float32 with one mistake, active only while the backend computes."""
+
+    def __init__(self, mutation: Mutation):
+        self.mutation = mutation
+        self.name = f"mutant-{mutation.name}"
+
+    def load(self, cfg, params, dtype, device):
+        runner, mutation = NumpyRunner(cfg, params, dtype), self.mutation
+
+        class Mutant:
+            def run(self, sublayer, inputs):
+                with applied(mutation):
+                    return runner.run(sublayer, inputs)
+
+        return Mutant()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    mutation: Mutation
+    failed_cells: int
+    total_cells: int
+    first_sublayer: str | None  # the smallest sublayer with a failing cell
+    worst: str  # the first failing cell and its error / tolerance
+    first_stage: str | None
+
+    @property
+    def caught(self) -> bool:
+        return self.failed_cells > 0
+
+    @property
+    def localized(self) -> bool:
+        return self.first_sublayer == self.mutation.expected_sublayer and self.first_stage == self.mutation.expected_stage
+
+
+def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
+    name = f"mutant-{mutation.name}"
+    register_backend(name, lambda: MutantBackend(mutation))
+    try:
+        results = run_matrix(cfg, params, plan_matrix(cfg, [name], ["float32"], ["cpu"]))
+        localization = localize_column(cfg, params, name, "float32", "cpu", mutation.localize_on)
+    finally:
+        unregister_backend(name)
+    failures = [r for r in results if r.status in (FAIL, ERROR)]
+    order = list(SUBLAYERS)
+    failures.sort(key=lambda r: order.index(r.sublayer))
+    first = failures[0] if failures else None
+    worst = "-" if first is None else (
+        f"{first.sublayer}-{first.mask_case}: " + (f"{first.ratio:.3g}× tol" if first.ratio is not None else "error"))
+    stage = localization.first_failure
+    return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst,
+                   stage.name if stage else None)
+
+
+def gallery_table(verdicts: list[Verdict]) -> str:
+    lines = ["| mutation | the mistake | cells failed | first failing sublayer | first failing cell | "
+             "localized stage | verdict |", "|---|---|---:|---|---|---|---|"]
+    for v in verdicts:
+        verdict = "caught, localized" if v.caught and v.localized else ("caught, NOT localized" if v.caught else "MISSED")
+        lines.append(f"| `{v.mutation.name}` | {v.mutation.mistake} | {v.failed_cells}/{v.total_cells} | "
+                     f"{v.first_sublayer or '-'} | {v.worst} | {v.first_stage or 'none alone'} | {verdict} |")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""The mutation gallery and localization: every mistake is caught and pointed at."""
+
+from pathlib import Path
+
+import pytest
+
+from conformance.adapter import register_backend, unregister_backend
+from conformance.cli import main
+from conformance.localize import localize_column
+from conformance.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
+from spec import get_preset, init_params
+
+TINY = get_preset("tiny")
+PARAMS = init_params(TINY)
+
+
+def test_at_least_twelve_distinct_mistakes():
+    assert len(MUTATIONS) >= 12 and len({m.name for m in MUTATIONS}) == len(MUTATIONS)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_mutation_is_caught_and_localized(mutation):
+    verdict = run_mutation(TINY, PARAMS, mutation)
+    assert verdict.caught, f"{mutation.name} was not caught"
+    assert verdict.first_sublayer == mutation.expected_sublayer
+    assert verdict.first_stage == mutation.expected_stage
+
+
+def test_the_committed_gallery_matches_the_code():
+    committed = Path(__file__).resolve().parents[1] / "docs" / "mutation-gallery.md"
+    rows = [line.split("|") for line in committed.read_text().splitlines() if line.startswith("| `")]
+    table = gallery_table([run_mutation(TINY, PARAMS, m) for m in MUTATIONS])
+    fresh = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
+    verdict_columns = lambda row: [row[1], row[2], row[4], row[6], row[7]]  # noqa: E731 - not the error figures
+    assert [verdict_columns(r) for r in rows] == [verdict_columns(r) for r in fresh]
+
+
+def test_correct_backends_localize_to_nothing():
+    for backend in ("numpy-float32", "torch"):
+        localization = localize_column(TINY, PARAMS, backend, "float32", "cpu")
+        names = [stage.name for stage in localization.stages]
+        assert names == ["src embedding", "encoder.layers.0", "encoder.layers.1", "tgt embedding",
+                         "decoder.layers.0", "decoder.layers.1", "head"]
+        assert localization.first_failure is None
+        assert all(stage.isolated_ratio < 0.5 and stage.chained_ratio < 0.5 for stage in localization.stages)
+
+
+def test_decoder_only_stages():
+    cfg = get_preset("char-lm").replace(n_decoder_layers=2)
+    localization = localize_column(cfg, init_params(cfg), "numpy-float32", "float32", "cpu")
+    assert [s.name for s in localization.stages] == ["tgt embedding", "decoder.layers.0", "decoder.layers.1",
+                                                     "decoder.norm", "head"]
+
+
+def test_check_localizes_a_failing_column(capsys):
+    mutation = next(m for m in MUTATIONS if m.name == "cross_padding")
+    register_backend("mutant", lambda: MutantBackend(mutation))
+    try:
+        assert main(["check", "--backends", "mutant", "--dtypes", "float32", "-k", "forward-cross_pad"]) == 1
+    finally:
+        unregister_backend("mutant")
+    out = capsys.readouterr().out
+    assert "localization mutant/float32/cpu (forward-cross_pad): first failing stage: decoder.layers.0" in out
+
+
+def test_cli_mutations(tmp_path, capsys):
+    assert main(["mutations", "--markdown", str(tmp_path / "gallery.md")]) == 0
+    assert f"{len(MUTATIONS)} of {len(MUTATIONS)} mutations caught and localized" in capsys.readouterr().out
+    assert (tmp_path / "gallery.md").read_text().startswith("# Mutation gallery")
