@@ -305,3 +305,19 @@ def test_every_module_jit_compiles():
     for name, call in calls.items():
         eager, jitted = call(model, x), nnx.jit(call)(model, x)
         assert np.allclose(np.asarray(eager), np.asarray(jitted), atol=1e-5), name
+
+
+def test_persistent_compilation_cache(tmp_path, monkeypatch):
+    from conformance.backends.jax_backend import use_persistent_compilation_cache
+
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("ROSETTA_JAX_CACHE", "0")
+        assert use_persistent_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
+        monkeypatch.setenv("ROSETTA_JAX_CACHE", str(tmp_path / "cache"))
+        assert use_persistent_compilation_cache() == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+        monkeypatch.setenv("ROSETTA_JAX_CACHE", str(tmp_path / "elsewhere"))
+        assert use_persistent_compilation_cache() == str(tmp_path / "cache")  # a configured cache is kept
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)

@@ -8,7 +8,9 @@ with JAX's default matmul precision on a GPU (TF32 on NVIDIA), every other dtype
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Mapping
+from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,25 @@ from spec import ModelConfig
 
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
               "bfloat16": "bfloat16"}
+
+
+def use_persistent_compilation_cache() -> str | None:
+    """Keep XLA's compiled programs on disk between runs: a cold catalogue column spends ~20 s
+    compiling one program per operation and shape, a warm one ~7 s. Left alone when the user
+    configured a cache already; ROSETTA_JAX_CACHE=0 turns it off, ROSETTA_JAX_CACHE=DIR moves it."""
+    setting = os.environ.get("ROSETTA_JAX_CACHE", "")
+    if setting == "0" or jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    directory = Path(setting) if setting else base / "transformer-rosetta" / "jax"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable home: compile every time rather than fail
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return str(directory)
 
 
 def _platform_devices(platform: str) -> list:
@@ -73,6 +94,9 @@ class JaxBackend:
 
     attention = "sdpa"
     name = "jax"
+
+    def __init__(self):
+        use_persistent_compilation_cache()
 
     def availability(self) -> str | None:
         return None
