@@ -186,6 +186,17 @@ def cmd_mutations(args: argparse.Namespace) -> int:
     return 0 if good == len(verdicts) else 1
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    """What each framework's own primitives do on the spec's edge cases, measured here."""
+    from conformance.probe import probe_table, run_probes
+
+    table = probe_table(run_probes())
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(f"# Native-behaviour probe\n\nMeasured by `rosetta probe`.\n\n{table}\n")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in list_presets():
         cfg = get_preset(name)
@@ -235,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     mutations.add_argument("--seed", type=int, default=0)
     mutations.add_argument("--markdown", help="also write the table to this Markdown file")
     mutations.set_defaults(handler=cmd_mutations)
+    probe = commands.add_parser("probe", help="record what each framework's own primitives do on edge cases")
+    probe.add_argument("--markdown", help="also write the table to this Markdown file")
+    probe.set_defaults(handler=cmd_probe)
     presets = commands.add_parser("presets", help="list the presets")
     presets.add_argument("-v", "--verbose", action="store_true", help="say where each comes from")
     presets.set_defaults(handler=cmd_presets)

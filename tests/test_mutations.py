@@ -67,3 +67,14 @@ def test_cli_mutations(tmp_path, capsys):
     assert main(["mutations", "--markdown", str(tmp_path / "gallery.md")]) == 0
     assert f"{len(MUTATIONS)} of {len(MUTATIONS)} mutations caught and localized" in capsys.readouterr().out
     assert (tmp_path / "gallery.md").read_text().startswith("# Mutation gallery")
+
+
+def test_probe_runs_every_probe(capsys):
+    from conformance.probe import PROBES, run_probes
+
+    observed = run_probes()
+    assert len(observed) == len(PROBES) >= 10
+    assert not [(p.primitive, result) for p, result in observed if result.startswith("error")]
+    found = {p.primitive: result for p, result in observed if p.topic == "fully masked row"}
+    assert found["torch nn.MultiheadAttention"] == "NaN"  # as tests/test_torch.py pins too
+    assert main(["probe"]) == 0 and "| fully masked row |" in capsys.readouterr().out
