@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test install clean
 
 demo: $(STAMP)
-	$(BIN)/rosetta check --preset tiny
+	$(BIN)/rosetta check --preset tiny --report reports/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -104,6 +104,34 @@ def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:
     return True
 
 
+def write_error_growth(path: Path, localizations: dict) -> bool:
+    """Per localized column, error / tolerance at each stage, isolated and chained (log scale)."""
+    if not localizations:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4))
+    for column, found in localizations.items():
+        names = [stage.name for stage in found.stages]
+        for attribute, style in (("isolated_ratio", "-o"), ("chained_ratio", "--x")):
+            values = [getattr(stage, attribute) for stage in found.stages]
+            values = [min(v, 1e12) if v is not None and v > 0 else float("nan") for v in values]
+            axes.plot(names, values, style, label=f"{column} {attribute.split('_')[0]}")
+    axes.axhline(1.0, color="red", linewidth=0.8)
+    axes.set_yscale("log")
+    axes.set_ylabel("max|error| / tolerance")
+    axes.set_title("error through the model, stage by stage (above the red line fails)", fontsize=9)
+    axes.tick_params(axis="x", labelrotation=45, labelsize=7)
+    axes.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
                  seconds: float, table: str, problems: str, localizations: dict | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written."""
@@ -136,5 +164,12 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     if has_heatmap:
         markdown += ["", "![error / tolerance heatmap](heatmap.png)"]
         written.append(directory / "heatmap.png")
+    for column, found in (localizations or {}).items():
+        first = found.first_failure
+        markdown += ["", f"## Localization {column}", "",
+                     f"First failing stage: **{first.name if first else 'none alone'}**", "", "```", found.table(), "```"]
+    if write_error_growth(directory / "error-growth.png", localizations):
+        markdown += ["", "![error growth](error-growth.png)"]
+        written.append(directory / "error-growth.png")
     written[1].write_text("\n".join(markdown) + "\n")
     return written

@@ -52,15 +52,21 @@ def test_decoder_only_stages():
                                                      "decoder.norm", "head"]
 
 
-def test_check_localizes_a_failing_column(capsys):
+def test_check_localizes_a_failing_column(capsys, tmp_path):
+    import json
+
     mutation = next(m for m in MUTATIONS if m.name == "cross_padding")
     register_backend("mutant", lambda: MutantBackend(mutation))
     try:
-        assert main(["check", "--backends", "mutant", "--dtypes", "float32", "-k", "forward-cross_pad"]) == 1
+        assert main(["check", "--backends", "mutant", "--dtypes", "float32", "-k", "forward-cross_pad",
+                     "--report", str(tmp_path)]) == 1
     finally:
         unregister_backend("mutant")
     out = capsys.readouterr().out
     assert "localization mutant/float32/cpu (forward-cross_pad): first failing stage: decoder.layers.0" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["localization"]["mutant/float32/cpu (forward-cross_pad)"]["first_failure"] == "decoder.layers.0"
+    assert (tmp_path / "error-growth.png").exists() and "## Localization" in (tmp_path / "report.md").read_text()
 
 
 def test_cli_mutations(tmp_path, capsys):
