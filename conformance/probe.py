@@ -67,6 +67,42 @@ def _jax_dot_product_attention_masked_row() -> str:
     return _masked_row_verdict(np.asarray(out[0, 0, 0]), np.asarray(v[0, :, 0]))
 
 
+def _onnxruntime_attention_masked_row() -> str:
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    shapes = {"Q": [1, 1, 2, 4], "K": [1, 1, 3, 4], "V": [1, 1, 3, 4]}
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in shapes.items()]
+    inputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 3]))
+    graph = helper.make_graph([helper.make_node("Attention", ["Q", "K", "V", "mask"], ["Y"])], "probe", inputs,
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, shapes["Q"])])
+    # onnx's newest IR version may be newer than onnxruntime reads; 10 is what opset 23 needs
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    generator = np.random.default_rng(0)
+    feeds = {name: generator.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    feeds["mask"] = np.array([[True, True, False], [False, False, False]])
+    out = session.run(None, feeds)[0]
+    return _masked_row_verdict(out[0, 0, 1], feeds["V"][0, 0]) + " (opset 23 Attention, CPU provider)"
+
+
+def _onnx_ir_versions() -> str:
+    import onnx
+    import onnxruntime
+    from onnx import helper
+
+    model = helper.make_model(helper.make_graph([], "empty", [], []), opset_imports=[helper.make_opsetid("", 23)])
+    try:
+        onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        verdict = "onnxruntime loads it"
+    except Exception as error:  # noqa: BLE001 - the refusal is the observation
+        detail = " ".join(str(error).split("Unsupported model IR version: ")[-1].split())
+        verdict = f"onnxruntime refuses it (IR version {detail[:40]})"
+    return f"onnx {onnx.__version__} writes IR version {model.ir_version} by default; {verdict}"
+
+
 # ---- precision and defaults -----------------------------------------------------------------
 
 def _jax_dot_product_attention_float64() -> str:
@@ -161,6 +197,8 @@ PROBES = [
     Probe("fully masked row", "torch F.scaled_dot_product_attention (CPU)", "zeros", _torch_sdpa_masked_row),
     Probe("fully masked row", "torch nn.MultiheadAttention", "zeros", _torch_mha_masked_row),
     Probe("fully masked row", "jax.nn.dot_product_attention", "zeros", _jax_dot_product_attention_masked_row),
+    Probe("fully masked row", "onnxruntime Attention", "zeros", _onnxruntime_attention_masked_row),
+    Probe("model IR version", "onnx.helper.make_model", "exported graphs load in onnxruntime", _onnx_ir_versions),
     Probe("float64 attention", "jax.nn.dot_product_attention", "float64-accurate (< 1e-14)",
           _jax_dot_product_attention_float64),
     Probe("LayerNorm defaults", "torch.nn.LayerNorm", "eps from the config; two-pass variance", _torch_layer_norm_eps),
