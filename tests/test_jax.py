@@ -8,14 +8,13 @@ import pytest
 from flax import nnx
 
 import impl_numpy as golden
-from conformance.cases import SUBLAYERS, catalogue
+from conformance.cases import catalogue
 from conformance.harness import PASS, plan_matrix, run_matrix
 from conformance.tolerance import compare, tolerance
 from impl_jax import Transformer, scaled_dot_product_attention
 from spec import (
     InputError,
     WeightsError,
-    get_preset,
     init_params,
     list_presets,
     param_shapes,
@@ -24,6 +23,7 @@ from spec import (
     save_weights,
 )
 from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
+from tests.presets_check import check_preset_forward
 from tests.variants import TINY, VARIANTS
 
 
@@ -269,17 +269,7 @@ def test_learned_positions_past_max_len():
 
 @pytest.mark.parametrize("name", list_presets())
 def test_every_preset_matches_the_golden(name):
-    """Each preset's widths and options at one layer per stack, float32 against the golden."""
-    cfg = get_preset(name)
-    cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
-    params = init_params(cfg)
-    generator = np.random.default_rng(0)
-    tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
-    src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
-    logits = np.asarray(Transformer.from_params(cfg, params)(src, tgt))
-    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
-    result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
-    assert result.passed, result.reason
+    check_preset_forward(name, lambda cfg, params, src, tgt: Transformer.from_params(cfg, params)(src, tgt))
 
 
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])

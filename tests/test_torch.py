@@ -21,6 +21,7 @@ from spec import (
     save_weights,
 )
 from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
+from tests.presets_check import check_preset_forward
 from tests.variants import TINY, VARIANTS
 
 BACKENDS = ["torch", "torch-math"]
@@ -297,22 +298,11 @@ def test_golden_equals_torch_nn_transformer(norm_position):
 
 @pytest.mark.parametrize("name", list_presets())
 def test_every_preset_matches_the_golden(name):
-    """Each preset's widths and options at one layer per stack (the layers repeat, so depth adds
-    nothing the catalogue's two-layer variants do not cover), float32 against the golden."""
-    from conformance.cases import SUBLAYERS
-    from conformance.tolerance import compare, tolerance
+    def forward(cfg, params, src, tgt):
+        with torch.inference_mode():
+            return Transformer.from_params(cfg, params)(src, tgt).numpy()
 
-    cfg = get_preset(name)
-    cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
-    params = init_params(cfg)
-    generator = np.random.default_rng(0)
-    tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
-    src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
-    with torch.inference_mode():
-        logits = Transformer.from_params(cfg, params)(src, tgt).numpy()
-    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
-    result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
-    assert result.passed, result.reason
+    check_preset_forward(name, forward)
 
 
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.backends.module_runner import ModuleRunner
+from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
 from impl_jax import Transformer, scaled_dot_product_attention, view_mask
 from spec import ModelConfig
 
@@ -89,7 +89,7 @@ class JaxRunner(ModuleRunner):
             yield
 
 
-class JaxBackend:
+class JaxBackend(FrameworkBackend):
     """impl_jax with one attention path on every device JAX sees ('cuda' is JAX's gpu platform)."""
 
     attention = "sdpa"
@@ -98,21 +98,11 @@ class JaxBackend:
     def __init__(self):
         use_persistent_compilation_cache()
 
-    def availability(self) -> str | None:
-        return None
-
     def devices(self) -> list[str]:
         return ["cpu"] + (["cuda"] if _platform_devices("gpu") else [])
 
     def device_name(self, device: str) -> str:
         return _platform_devices("gpu" if device == "cuda" else "cpu")[0].device_kind
-
-    def supports(self, dtype: str, device: str) -> str | None:
-        if dtype not in JAX_DTYPES:
-            return f"dtype {dtype} is not run by {self.name}"
-        if dtype == "tf32" and device != "cuda":
-            return "TF32 is a CUDA matmul mode"
-        return None
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> JaxRunner:
         return JaxRunner(cfg, params, dtype, device, self.attention)

@@ -112,3 +112,20 @@ class ModuleRunner:
             logits, cache = self.model.decode_step(cache, tgt_ids[:, t:t + 1])
             steps.append(logits)
         return self._concatenate(steps)
+
+
+class FrameworkBackend:
+    """What the torch and jax backends share: every spec dtype, TF32 only on CUDA."""
+
+    name: str
+    dtypes: tuple[str, ...] = ("float64", "float32", "tf32", "float16", "bfloat16")
+
+    def availability(self) -> str | None:
+        return None
+
+    def supports(self, dtype: str, device: str) -> str | None:
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} is not run by {self.name}"
+        if dtype == "tf32" and device != "cuda":
+            return "TF32 is a CUDA matmul mode"
+        return None

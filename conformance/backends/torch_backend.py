@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from conformance.backends.module_runner import ModuleRunner
+from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
 from impl_torch import Transformer, scaled_dot_product_attention, view_mask
 from spec import ModelConfig
 
@@ -65,27 +65,17 @@ class TorchRunner(ModuleRunner):
             yield
 
 
-class TorchBackend:
+class TorchBackend(FrameworkBackend):
     """impl_torch with one attention path on every device torch sees."""
 
     attention = "sdpa"
     name = "torch"
-
-    def availability(self) -> str | None:
-        return None
 
     def devices(self) -> list[str]:
         return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
     def device_name(self, device: str) -> str:
         return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-
-    def supports(self, dtype: str, device: str) -> str | None:
-        if dtype not in TORCH_DTYPES:
-            return f"dtype {dtype} is not run by {self.name}"
-        if dtype == "tf32" and device != "cuda":
-            return "TF32 is a CUDA matmul mode"
-        return None
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> TorchRunner:
         return TorchRunner(cfg, params, dtype, device, self.attention)

@@ -1,0 +1,25 @@
+"""Every preset through an implementation's forward, float32 against the golden (shared by the
+torch and jax tests)."""
+
+import numpy as np
+
+import impl_numpy as golden
+from conformance.cases import SUBLAYERS
+from conformance.tolerance import compare, tolerance
+from spec import get_preset, init_params
+
+
+def check_preset_forward(name: str, forward) -> None:
+    """forward(cfg, params, src_ids, tgt_ids) -> logits. Each preset's widths and options at one
+    layer per stack (the layers repeat, so depth adds nothing the catalogue's two-layer variants
+    do not cover)."""
+    cfg = get_preset(name)
+    cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
+    params = init_params(cfg)
+    generator = np.random.default_rng(0)
+    tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
+    src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
+    logits = np.asarray(forward(cfg, params, src, tgt))
+    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
+    result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
+    assert result.passed, result.reason
