@@ -190,8 +190,8 @@ def _explicit_mask(rng: np.random.Generator, mask_case: str, batch: int, heads: 
     return mask
 
 
-def _lengths(cfg: ModelConfig, mask_case: str) -> tuple[int, int]:
-    """(query length, key length) of an attention-level case, capped by learned positions."""
+def _lengths(mask_case: str) -> tuple[int, int]:
+    """(query length, key length) of an attention-level case (no positions involved)."""
     q_len, k_len = TGT_LEN, TGT_LEN
     if mask_case in ("lq_ne_lk", "cross_pad"):
         k_len = SRC_LEN
@@ -232,12 +232,12 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         ids = _token_ids(rng, BATCH, length, vocab, cfg.pad_id, "pad_right")
         return {"ids": ids, "side": side, "offset": offset}, reduction
     if sublayer == "attention":
-        q_len, k_len = _lengths(cfg, mask_case)
+        q_len, k_len = _lengths(mask_case)
         return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head), "k": _normal(rng, BATCH, heads, k_len, cfg.d_head),
                 "v": _normal(rng, BATCH, heads, k_len, cfg.d_head),
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(cfg.d_head, k_len)
     if sublayer in ("mha", "mha_cross"):
-        q_len, k_len = _lengths(cfg, mask_case)
+        q_len, k_len = _lengths(mask_case)
         x = _normal(rng, BATCH, q_len, d)
         self_attention = sublayer == "mha" and q_len == k_len
         context = x if self_attention else _normal(rng, BATCH, k_len, d)
