@@ -18,6 +18,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	# jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's
+	# module; what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) is installed above
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt jax2onnx
 	touch $(STAMP)
 
 clean:

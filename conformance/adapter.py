@@ -12,6 +12,7 @@ To be driven by the harness a backend implements:
         def devices(self) -> list[str]              # devices present here: "cpu", "cuda", ...
         def supports(self, dtype, device) -> str | None   # None when supported, else why not
         def load(self, cfg, params, dtype, device) -> Runner
+        def supports_sublayer(self, sublayer) -> str | None   # optional: None, else why not
 
     class Runner:
         def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py
@@ -65,6 +66,8 @@ _REGISTRY: dict[str, _Entry] = {
     "torch-math": _Entry("conformance.backends.torch_backend:TorchMathBackend"),
     "jax": _Entry("conformance.backends.jax_backend:JaxBackend"),
     "jax-math": _Entry("conformance.backends.jax_backend:JaxMathBackend"),
+    "onnx": _Entry("conformance.backends.onnx_backend:OnnxBackend"),
+    "onnx-jax": _Entry("conformance.backends.onnx_backend:OnnxJaxBackend"),
 }
 
 

@@ -138,8 +138,12 @@ def _run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refer
     start = time.perf_counter()
     try:
         key = (name, dtype, device)
+        backend, _ = get_backend(name)
+        # known up front, so a backend whose load is costly (an ONNX export) is not loaded for nothing
+        why = getattr(backend, "supports_sublayer", lambda sublayer: None)(case.sublayer)
+        if why is not None:
+            raise NotSupported(why)
         if key not in runners:
-            backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         output = runners[key].run(case.sublayer, case.inputs)
     except NotSupported as reason:

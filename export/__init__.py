@@ -1,3 +1,11 @@
-"""ONNX export and onnxruntime serving (issue: 'ONNX export and onnxruntime serving').
+"""ONNX export and onnxruntime serving.
 
-Not written yet: nothing is registered with the harness until this package implements it."""
+- export.graphs: the graph roles (forward, encoder, decoder_first, decoder_with_past) and their
+  input/output names and layouts, shared by both exporters and the runner.
+- export.torch_export: every graph from impl_torch with torch.onnx.export(dynamo=True).
+- export.jax_export: the forward and encoder graphs from impl_jax with jax2onnx.
+- export.onnx_model: what every graph gets (IR version, metadata, the full checker).
+- export.runner: OnnxTransformer, onnxruntime sessions (CUDA then CPU) with greedy generation.
+- export.cache: exports kept on disk between runs.
+- export.triton: a Triton Inference Server model repository for the graphs.
+"""

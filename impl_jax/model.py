@@ -294,6 +294,10 @@ def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = 
     """Check a user keep-mask with the spec's rule and view it as [B|1, H|1, Q|1, K]."""
     if mask is None:
         return None
+    if not all(isinstance(n, int) for n in (batch, q_len, k_len)):
+        # symbolic shapes (an ONNX export): checking would need their values. The masks met
+        # there are the model's own [B|1, 1, Q|1, K] ones; the ONNX runner checks user inputs.
+        return mask
     return jnp.reshape(mask, mask_shape_4d(mask, batch, heads, q_len, k_len, name))
 
 
@@ -356,14 +360,16 @@ class Transformer(nnx.Module):
 
     def positional_encoding(self, side: str, length: int, offset=0, table_rows: int | None = None) -> jax.Array:
         """[T, d] for positions offset..offset+length-1. A traced offset (inside the jitted
-        decode step) slices a table of table_rows positions made on the host."""
+        decode step) or a symbolic length (an ONNX export) slices a table of table_rows
+        positions (default max_len) made on the host."""
         if self.cfg.positional == "learned":
             table = getattr(self, f"{side}_pos").embedding[...]
             return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
-        if isinstance(offset, int):
+        if isinstance(offset, int) and isinstance(length, int):
             return jnp.asarray(sinusoidal_table(np.arange(offset, offset + length), self.cfg.d_model,
                                                 self.cfg.positional), dtype=self.dtype)
-        table = jnp.asarray(sinusoidal_table(np.arange(table_rows), self.cfg.d_model, self.cfg.positional), self.dtype)
+        rows = self.cfg.max_len if table_rows is None else table_rows
+        table = jnp.asarray(sinusoidal_table(np.arange(rows), self.cfg.d_model, self.cfg.positional), self.dtype)
         return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
 
     def embed(self, ids: jax.Array, side: str, offset=0, table_rows: int | None = None) -> jax.Array:

@@ -76,7 +76,7 @@ def sinusoidal_table(positions: torch.Tensor, d_model: int, layout: str) -> torc
     inverse_frequency = 10000.0 ** (-exponents)  # [d/2]
     angles = positions.to(torch.float64)[:, None] * inverse_frequency[None, :]  # [T, d/2]
     if layout == "sinusoidal":
-        return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).reshape(len(positions), d_model)
+        return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).reshape(positions.shape[0], d_model)
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
 
 
@@ -106,6 +106,10 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # SDPA's boolean attn_mask has the spec's polarity (True = attend; nn.MultiheadAttention's
     # key_padding_mask is the opposite). Whether a kernel returns NaN or zeros for a row with no
     # key differs between kernels and versions, so the rule is enforced here, not assumed.
+    if mask is not None:
+        # onnxruntime's Attention op (1.31) refuses a mask whose query axis is 1 instead of
+        # broadcasting it, so an exported graph needs it spelled out; in torch this is a view.
+        mask = mask.expand(*mask.shape[:-2], q.shape[-2], k.shape[-2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if mask is None:
         return out
@@ -280,6 +284,11 @@ def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = 
     """Check a user keep-mask with the spec's rule and view it as [B|1, H|1, Q|1, K]."""
     if mask is None:
         return None
+    if torch.compiler.is_exporting():
+        # Under torch.export the shapes are symbolic and checking them would freeze them to the
+        # example's sizes. The masks met there are the model's own [B|1, 1, Q|1, K] ones; the
+        # ONNX runner validates user inputs before a graph runs.
+        return mask
     return torch.as_tensor(mask).reshape(mask_shape_4d(mask, batch, heads, q_len, k_len, name))
 
 

@@ -1,0 +1,105 @@
+"""Harness adapters for the ONNX exports served by onnxruntime: ``onnx`` (graphs exported from
+impl_torch by torch.onnx) and ``onnx-jax`` (from impl_jax by jax2onnx). Imported only when asked.
+
+A graph is a whole model piece, so these backends run the whole-model cases (forward, encoder,
+decode with the KV cache, generate); the sublayer cases are the frameworks' own columns. Graphs
+are exported on first use and cached on disk (export/cache.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from conformance.adapter import NotSupported
+from export.cache import exported
+from export.graphs import DECODER_FIRST
+from export.onnx_model import DEFAULT_OPSET, DTYPES
+from export.runner import OnnxTransformer, cuda_available
+from spec import ModelConfig
+
+WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
+
+
+class OnnxRunner:
+    def __init__(self, model: OnnxTransformer, source: str):
+        self.model, self.cfg, self.source = model, model.cfg, source
+
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
+        model = self.model
+        if sublayer not in WHOLE_MODEL or (sublayer in ("decode", "generate") and not model.has(DECODER_FIRST)):
+            raise NotSupported(f"the {self.source} export has no graph for {sublayer}")
+        if sublayer == "forward":
+            out = model.forward(inputs["src_ids"], inputs["tgt_ids"])
+        elif sublayer == "encoder":
+            out, _cross = model.encode(inputs["src_ids"])
+        elif sublayer == "decode":
+            out = self._decode(inputs)
+        else:
+            out = model.greedy_generate(inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
+                                        eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
+        return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out
+
+    def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        """Prefill the first `prefix` tokens (decoder_first), then one token per decoder_with_past step."""
+        tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
+        cache = self.model.start_cache(tgt_ids.shape[0], inputs["src_ids"])
+        _, cache = self.model.decode_step(cache, tgt_ids[:, :prefix])
+        steps = []
+        for t in range(prefix, tgt_ids.shape[1]):
+            logits, cache = self.model.decode_step(cache, tgt_ids[:, t:t + 1])
+            steps.append(logits)
+        return np.concatenate(steps, axis=1)
+
+
+class OnnxBackend:
+    """Graphs exported by torch.onnx (dynamo, opset 23) run by onnxruntime."""
+
+    name = "onnx"
+    framework = "torch"
+
+    def availability(self) -> str | None:
+        return None
+
+    def devices(self) -> list[str]:
+        return ["cpu"] + (["cuda"] if cuda_available() else [])
+
+    def device_name(self, device: str) -> str:
+        if device == "cuda":
+            import torch  # only for the GPU's name; onnxruntime does not report it
+
+            return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
+        return "cpu"
+
+    def supports(self, dtype: str, device: str) -> str | None:
+        if dtype not in DTYPES:
+            return f"ONNX exports are {' and '.join(DTYPES)} (dtype {dtype} is not exported)"
+        return None
+
+    def supports_sublayer(self, sublayer: str) -> str | None:
+        if sublayer not in WHOLE_MODEL:
+            return ("an exported graph is a whole model piece (forward, encoder, decode, generate); "
+                    "sublayers are checked in the framework columns")
+        if sublayer in ("decode", "generate") and self.framework == "jax":
+            return "the JAX export has no decoder graphs (forward and encoder only)"
+        return None
+
+    def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> OnnxRunner:
+        directory = exported(cfg, params, framework=self.framework, dtype=dtype, opset=DEFAULT_OPSET)
+        return OnnxRunner(OnnxTransformer(directory, device=device), self.name)
+
+
+class OnnxJaxBackend(OnnxBackend):
+    """Graphs exported from impl_jax by jax2onnx (forward and encoder) run by onnxruntime."""
+
+    name = "onnx-jax"
+    framework = "jax"
+
+    def availability(self) -> str | None:
+        try:
+            import jax2onnx  # noqa: F401
+        except ImportError as error:
+            return f"jax2onnx is not installed ({error})"
+        return None

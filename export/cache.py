@@ -1,0 +1,91 @@
+"""Exports kept on disk between runs: exporting the tiny preset's four graphs takes ~25 s, and
+the harness and the tests ask for the same graphs again and again.
+
+An entry's key hashes everything the graphs depend on: the config, the weights' digest, dtype,
+opset, the exporter and framework versions, and the source text of the implementation and of
+export/, so an edit to the model or the exporter never reuses a stale graph.
+ROSETTA_ONNX_CACHE=0 turns the cache off (a fresh temporary directory per export),
+ROSETTA_ONNX_CACHE=DIR moves it; by default it is ~/.cache/transformer-rosetta/onnx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from spec import ModelConfig, params_digest
+
+_ROOT = Path(__file__).resolve().parent.parent
+_SOURCES = {"torch": ("impl_torch/model.py",), "jax": ("impl_jax/model.py",)}
+_EXPORT_SOURCES = ("export/graphs.py", "export/onnx_model.py", "export/torch_export.py", "export/jax_export.py")
+FRAMEWORKS = tuple(_SOURCES)
+
+
+def cache_root() -> Path | None:
+    setting = os.environ.get("ROSETTA_ONNX_CACHE", "")
+    if setting == "0":
+        return None
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(setting) if setting else base / "transformer-rosetta" / "onnx"
+
+
+def _framework_version(framework: str) -> str:
+    from importlib.metadata import version
+
+    if framework == "torch":
+        return f"torch {version('torch')} onnxscript {version('onnxscript')}"
+    return f"jax {version('jax')} flax {version('flax')} jax2onnx {version('jax2onnx')}"
+
+
+def cache_key(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: str, dtype: str, opset: int) -> str:
+    digest = hashlib.sha256()
+    parts = [cfg.to_json(), params_digest(params), framework, dtype, str(opset), _framework_version(framework)]
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    for source in _SOURCES[framework] + _EXPORT_SOURCES:
+        digest.update((_ROOT / source).read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: str = "torch",
+             dtype: str = "float32", opset: int = 23) -> Path:
+    """The directory of this model's export (written on first use). framework: 'torch' | 'jax'."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    if framework == "torch":
+        from export.torch_export import export_torch as export
+    else:
+        from export.jax_export import export_jax as export
+    root = cache_root()
+    if root is not None:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            root = None  # an unwritable home: export every time rather than fail
+    if root is None:
+        directory = Path(tempfile.mkdtemp(prefix="rosetta-onnx-"))
+        export(cfg, params, directory, dtype=dtype, opset=opset)
+        return directory
+    directory = root / cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset)
+    if (directory / "manifest.json").is_file():
+        manifest = json.loads((directory / "manifest.json").read_text())
+        if all((directory / name).is_file() for name in manifest["graphs"].values()):
+            return directory
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    try:
+        export(cfg, params, staging, dtype=dtype, opset=opset)
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)  # another process may have won the race: its copy is the same
+    except OSError:
+        if not (directory / "manifest.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory

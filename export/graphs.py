@@ -1,0 +1,86 @@
+"""The exported graphs, their roles and their input/output names: one table both exporters
+(torch and JAX) and the runner read, so every graph of a role has the same interface.
+
+Layouts (B batch, S source length, T new target tokens, P cached positions, H heads,
+d_k head size, V target vocabulary). Token ids are int64, keep-vectors are bool (True = a real
+token, SPEC.md §6), every float is the export's dtype (float32 or float16):
+
+    forward            src_ids [B,S], src_keep [B,S], tgt_ids [B,T], tgt_keep [B,T]
+                         -> logits [B,T,V]                      (teacher-forced, for conformance)
+    encoder            src_ids [B,S], src_keep [B,S]
+                         -> memory [B,S,d], cross.{i}.key / cross.{i}.value [B,H,S,d_k]
+    decoder_first      tgt_ids [B,T], tgt_keep [B,T] (+ src_keep, cross.{i}.*)
+                         -> logits [B,T,V], present.{i}.key / .value [B,H,T,d_k], present_keep [B,T]
+    decoder_with_past  tgt_ids [B,T], tgt_keep [B,T], past_keep [B,P], past.{i}.key / .value
+                       [B,H,P,d_k] (+ src_keep, cross.{i}.*)
+                         -> logits [B,T,V], present.{i}.* [B,H,P+T,d_k], present_keep [B,P+T]
+
+Decoder-only models have no encoder graph and no src_keep/cross inputs; their decoder_first is
+the prompt's prefill. Every dimension above except d, H, d_k and V is dynamic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec import ModelConfig
+
+FORWARD, ENCODER, DECODER_FIRST, DECODER_WITH_PAST = "forward", "encoder", "decoder_first", "decoder_with_past"
+ROLES = (FORWARD, ENCODER, DECODER_FIRST, DECODER_WITH_PAST)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    kind: str  # "ids" (int64), "keep" (bool) or "float" (the export's dtype)
+    dims: tuple[str | int, ...]  # symbolic names for dynamic axes
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    role: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+def roles(cfg: ModelConfig) -> tuple[str, ...]:
+    """The graphs a model exports: the full forward plus the deployment layout."""
+    if cfg.has_encoder:
+        return ROLES
+    return (FORWARD, DECODER_FIRST, DECODER_WITH_PAST)
+
+
+def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
+    """prefix.{i}.key and prefix.{i}.value for each decoder layer: [B, H, length, d_k]"""
+    return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.n_heads, length, cfg.d_head))
+                 for i in range(cfg.n_decoder_layers) for part in ("key", "value"))
+
+
+def signature(cfg: ModelConfig, role: str) -> GraphSignature:
+    if role not in roles(cfg):
+        raise ValueError(f"graph role must be one of {', '.join(roles(cfg))} for this model, got {role!r}")
+    src = (Tensor("src_ids", "ids", ("batch", "src_len")), Tensor("src_keep", "keep", ("batch", "src_len")))
+    tgt = (Tensor("tgt_ids", "ids", ("batch", "tgt_len")), Tensor("tgt_keep", "keep", ("batch", "tgt_len")))
+    logits = Tensor("logits", "float", ("batch", "tgt_len", cfg.tgt_vocab_size))
+    cross = (Tensor("src_keep", "keep", ("batch", "src_len")),) + _kv("cross", cfg, "src_len") if cfg.has_encoder else ()
+    if role == FORWARD:
+        return GraphSignature(role, (src if cfg.has_encoder else ()) + tgt, (logits,))
+    if role == ENCODER:
+        memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
+        return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))
+    if role == DECODER_FIRST:
+        return GraphSignature(role, tgt + cross,
+                              (logits,) + _kv("present", cfg, "tgt_len")
+                              + (Tensor("present_keep", "keep", ("batch", "tgt_len")),))
+    past = (Tensor("past_keep", "keep", ("batch", "past_len")),) + _kv("past", cfg, "past_len")
+    return GraphSignature(role, tgt + past + cross,
+                          (logits,) + _kv("present", cfg, "past_len+tgt_len")
+                          + (Tensor("present_keep", "keep", ("batch", "past_len+tgt_len")),))

@@ -1,0 +1,133 @@
+"""Export impl_jax's Transformer to ONNX with jax2onnx: the forward and encoder graphs, with the
+same interface as the torch export (export/graphs.py), so the two can be checked against each
+other and against the golden.
+
+Two differences from the torch export, both from JAX:
+- JAX computes with int32 ids (int64 needs x64 mode), so jax2onnx's graph takes int32. Each ids
+  input is turned back into int64 with a Cast at the graph's entrance: every export takes the
+  same ids.
+- Shapes are symbolic (jax.export) and the sinusoidal table is computed on the host, so the graph
+  holds a table of max_len positions and takes sequences up to max_len (manifest.json's
+  ``max_positions``; the runner refuses longer ones). The torch export computes sinusoids in the
+  graph and has no such limit.
+
+jax2onnx declares a dependency on the CPU ``onnxruntime`` package, which would overwrite
+onnxruntime-gpu's module: it is installed with ``--no-deps`` (see the Makefile) and needs only
+what is installed already (jax, flax, onnx, onnx-ir, ml_dtypes).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+
+from export.graphs import ENCODER, FORWARD, GraphSignature, signature
+from export.onnx_model import DTYPES, OPSETS, ExportError, finish, quiet_loggers, save, write_manifest
+from impl_jax.model import Transformer
+from spec import ModelConfig
+
+JAX_ROLES = (FORWARD, ENCODER)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return f"jax {jax.__version__}, jax2onnx {version('jax2onnx')}"
+
+
+def _function(model: Transformer, role: str):
+    cfg = model.cfg
+    if role == ENCODER:
+        def encoder(src_ids, src_keep):
+            memory = model.encode(src_ids, src_keep)
+            cross = []
+            for layer in model.decoder.layers:
+                cross.extend(layer.cross_attn.key_value_heads(memory))
+            return (memory, *cross)
+        return encoder
+    if cfg.has_encoder:
+        def forward(src_ids, src_keep, tgt_ids, tgt_keep):
+            memory = model.encode(src_ids, src_keep)
+            return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep))
+        return forward
+
+    def forward_decoder_only(tgt_ids, tgt_keep):
+        return model.output_logits(model.decode(tgt_ids, tgt_keep))
+    return forward_decoder_only
+
+
+def _symbolic_inputs(cfg: ModelConfig, sig: GraphSignature) -> list[jax.ShapeDtypeStruct]:
+    """Symbolic shapes for the dynamic axes; lengths are bounded by the position table."""
+    names = ("batch", "src_len", "tgt_len")
+    dims = dict(zip(names, jax.export.symbolic_shape(
+        ", ".join(names), constraints=[f"src_len <= {cfg.max_len}", f"tgt_len <= {cfg.max_len}"])))
+    kinds = {"ids": jnp.int32, "keep": jnp.bool_}
+    return [jax.ShapeDtypeStruct(tuple(dims[d] if isinstance(d, str) else d for d in t.dims), kinds[t.kind])
+            for t in sig.inputs]
+
+
+def _int64_ids(model: onnx.ModelProto) -> None:
+    """Make each int32 graph input int64, cast to int32 on entry (JAX's ids are int32)."""
+    graph = model.graph
+    casts = []
+    for graph_input in graph.input:
+        tensor_type = graph_input.type.tensor_type
+        if tensor_type.elem_type != onnx.TensorProto.INT32:
+            continue
+        inner = f"{graph_input.name}__int32"
+        for node in graph.node:
+            node.input[:] = [inner if name == graph_input.name else name for name in node.input]
+        tensor_type.elem_type = onnx.TensorProto.INT64
+        casts.append(onnx.helper.make_node("Cast", [graph_input.name], [inner], to=onnx.TensorProto.INT32,
+                                           name=f"{graph_input.name}_to_int32"))
+    for position, cast in enumerate(casts):
+        graph.node.insert(position, cast)
+
+
+def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str, *, dtype: str = "float32",
+                 opset: int = OPSETS[0]) -> onnx.ModelProto:
+    with quiet_loggers("jax2onnx.plugins.plugin_system"):
+        from jax2onnx import to_onnx
+
+    cfg = model.cfg
+    if role not in JAX_ROLES:
+        raise ExportError(f"the JAX export writes the {' and '.join(JAX_ROLES)} graphs, not {role!r}; "
+                          "decoder graphs come from the torch export")
+    sig = signature(cfg, role)
+    # jax2onnx's tracing warns about dtypes it truncates and untyped constants it skips; neither
+    # concerns the graph, which is checked by finish() and by the tests against the golden
+    with (warnings.catch_warnings(), quiet_loggers("onnx_ir.serde", "jax2onnx.plugins.plugin_system"),
+          jax.default_matmul_precision("highest")):
+        warnings.simplefilter("ignore")
+        proto = to_onnx(_function(model, role), _symbolic_inputs(cfg, sig), opset=opset,
+                        model_name=f"rosetta_{role}", input_names=sig.input_names, output_names=sig.output_names)
+    _int64_ids(proto)
+    return finish(proto, cfg, params, sig, dtype=dtype, opset=opset, exporter=_version(),
+                  extra={"max_positions": str(cfg.max_len)})
+
+
+def export_jax(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path, *,
+               dtype: str = "float32", opset: int = OPSETS[0], graph_roles: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """Export the forward (and, for an encoder-decoder, the encoder) graph into directory."""
+    if dtype not in DTYPES:
+        raise ExportError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if opset not in OPSETS:
+        raise ExportError(f"opset must be one of {', '.join(map(str, OPSETS))}, got {opset!r}")
+    available = tuple(r for r in JAX_ROLES if r != ENCODER or cfg.has_encoder)
+    wanted = available if graph_roles is None else tuple(graph_roles)
+    unknown = [r for r in wanted if r not in available]
+    if unknown:
+        raise ExportError(f"the JAX export cannot write {', '.join(unknown)}; it writes {', '.join(available)}")
+    model = Transformer.from_params(cfg, params, dtype=dtype)
+    directory = Path(directory)
+    paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")
+             for role in wanted}
+    write_manifest(directory, cfg, params, {role: path.name for role, path in paths.items()},
+                   dtype=dtype, opset=opset, exporter=_version(), max_positions=cfg.max_len)
+    return paths

@@ -1,0 +1,115 @@
+"""What every exported graph gets, whichever framework wrote it: the IR version onnxruntime can
+read, the metadata that ties it to the spec and the weights, and the full checker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from export.graphs import GraphSignature
+from spec import SPEC_VERSION, ModelConfig, params_digest
+from spec.errors import SpecError
+
+DEFAULT_OPSET = 23  # scaled dot-product attention becomes ONNX's own Attention op
+FALLBACK_OPSET = 20  # attention decomposed into MatMul / Softmax / Where
+OPSETS = (DEFAULT_OPSET, FALLBACK_OPSET)
+DTYPES = ("float32", "float16")
+METADATA_PREFIX = "rosetta."
+
+
+class ExportError(SpecError):
+    """An export that cannot be made, or a graph that is not what the spec expects."""
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Raise these loggers to ERROR for a while: exporters log what does not concern an export
+    (jax2onnx's example plugins that need packages we do not install, torch's optional torchvision
+    ops, onnx_ir's untyped shape constants)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def finish(model: onnx.ModelProto, cfg: ModelConfig, params: Mapping[str, np.ndarray],
+           signature: GraphSignature, *, dtype: str, opset: int, exporter: str,
+           extra: Mapping[str, str] | None = None) -> onnx.ModelProto:
+    """Set the IR version, stamp the metadata, check the names against the signature and run
+    onnx.checker with full shape inference. Returns the (modified) model."""
+    # onnx 1.23 writes IR version 14 by default while onnxruntime 1.31 reads up to 13, so the
+    # graph carries the lowest IR version its opsets need (conformance/probe.py records both).
+    model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    metadata = {
+        "config": cfg.to_json(),
+        "spec_version": SPEC_VERSION,
+        "params_sha256": params_digest(params),
+        "role": signature.role,
+        "dtype": dtype,
+        "opset": str(opset),
+        "exporter": exporter,
+        **(extra or {}),
+    }
+    del model.metadata_props[:]
+    for key, value in metadata.items():
+        model.metadata_props.add(key=METADATA_PREFIX + key, value=value)
+    model.producer_name = "transformer-rosetta"
+    check_signature(model, signature)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def check_signature(model: onnx.ModelProto, signature: GraphSignature) -> None:
+    """The graph's inputs and outputs must be exactly the signature's, in order."""
+    got_in = [i.name for i in model.graph.input]
+    got_out = [o.name for o in model.graph.output]
+    if got_in != signature.input_names or got_out != signature.output_names:
+        raise ExportError(
+            f"the {signature.role} graph's interface differs from export/graphs.py:\n"
+            f"  inputs  {got_in}\n  wanted  {signature.input_names}\n"
+            f"  outputs {got_out}\n  wanted  {signature.output_names}")
+
+
+def metadata(model: onnx.ModelProto) -> dict[str, str]:
+    """The rosetta.* metadata of a graph, without the prefix."""
+    return {p.key[len(METADATA_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(METADATA_PREFIX)}
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    """Write a graph atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    onnx.save_model(model, temporary)
+    temporary.replace(path)
+    return path
+
+
+def write_manifest(directory: Path, cfg: ModelConfig, params: Mapping[str, np.ndarray], graphs: Mapping[str, str],
+                   *, dtype: str, opset: int, exporter: str, max_positions: int | None = None) -> Path:
+    """manifest.json beside the graphs: which file holds which role, and what was exported."""
+    manifest = {
+        "spec_version": SPEC_VERSION,
+        "config": json.loads(cfg.to_json()),
+        "params_sha256": params_digest(params),
+        "dtype": dtype,
+        "opset": opset,
+        "exporter": exporter,
+        "graphs": dict(graphs),
+    }
+    if max_positions is not None:
+        manifest["max_positions"] = max_positions  # the graphs take sequences up to this length
+    path = Path(directory) / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path

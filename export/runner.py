@@ -1,0 +1,319 @@
+"""Serving the exported graphs with onnxruntime: teacher-forced logits, the encoder, decoder
+steps with a KV cache that stays on the device, and batched greedy generation.
+
+    model = OnnxTransformer("exported/", device="auto")
+    tokens = model.greedy_generate(src_ids, bos_id=1, eos_id=2, max_new_tokens=20)
+
+Providers are CUDA then CPU. onnxruntime quietly runs a session on the CPU when its CUDA
+provider cannot load, and quietly assigns single nodes to the CPU when CUDA has no kernel for
+them; here a CUDA session is checked for both and refused (``on_fallback="refuse"``, the
+default) or reported with a loud warning (``"warn"``).
+
+One OnnxTransformer may be shared by many threads: onnxruntime sessions are safe to run
+concurrently, this class keeps no per-call state, and every call makes its own IO binding.
+Inputs are validated by the spec's rules (spec.inputs) before any graph runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from export.graphs import DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, signature
+from export.onnx_model import ExportError, metadata
+from spec import ModelConfig
+from spec.errors import InputError
+from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
+
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+DEVICES = ("cpu", "cuda", "auto")
+FALLBACK_POLICIES = ("refuse", "warn")
+OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class ProviderFallbackError(RuntimeError):
+    """A CUDA session that would run all or part of its graph on the CPU provider."""
+
+
+def cuda_available() -> bool:
+    """Whether onnxruntime's CUDA provider is built in *and* can load here (it needs a GPU and
+    the CUDA libraries; listing it in get_available_providers() promises neither)."""
+    if CUDA not in ort.get_available_providers() or not Path("/proc/driver/nvidia/version").exists():
+        return False  # no NVIDIA driver: trying would only print onnxruntime's load errors
+    probe = onnx.helper.make_model(
+        onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+                               [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                               [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]),
+        opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # the failed CUDA load is the answer, not a warning to print
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=[CUDA, CPU])
+    except Exception:  # noqa: BLE001 - any failure to start CUDA means "not here"
+        return False
+    return CUDA in session.get_providers()
+
+
+def node_placement(session_path: str | Path, options: ort.SessionOptions, providers: list,
+                   feeds: Mapping[str, np.ndarray]) -> dict[str, list[str]]:
+    """{provider: [node names]} for one run of a graph, read from onnxruntime's profile: the only
+    record of where each node actually ran."""
+    profiling = ort.SessionOptions()
+    profiling.graph_optimization_level = options.graph_optimization_level
+    profiling.log_severity_level = 3
+    profiling.enable_profiling = True
+    with tempfile.TemporaryDirectory() as directory:
+        profiling.profile_file_prefix = os.path.join(directory, "profile")
+        session = ort.InferenceSession(str(session_path), profiling, providers=providers)
+        session.run(None, dict(feeds))
+        events = json.loads(Path(session.end_profiling()).read_text())
+    placement: dict[str, list[str]] = {}
+    for event in events:
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and "provider" in args and event.get("name", "").endswith("_kernel_time"):
+            placement.setdefault(args["provider"], []).append(event["name"][: -len("_kernel_time")])
+    return placement
+
+
+@dataclass(frozen=True)
+class OnnxCache:
+    """The decoder's state between steps, as onnxruntime values on the session's device.
+    past: L × (key, value) [B, H, P, d_k]; keep [B, P]; cross: L × (key, value) [B, H, S, d_k]."""
+
+    batch: int
+    length: int
+    past: tuple[ort.OrtValue, ...] = ()
+    keep: ort.OrtValue | None = None
+    cross: tuple[ort.OrtValue, ...] = ()
+    src_keep: ort.OrtValue | None = None
+
+
+class OnnxTransformer:
+    """The exported graphs of one model, loaded into onnxruntime sessions."""
+
+    def __init__(self, directory: str | Path, *, device: str = "auto", on_fallback: str = "refuse",
+                 optimization: str = "all", deterministic: bool = False, threads: int | None = None):
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if on_fallback not in FALLBACK_POLICIES:
+            raise ValueError(f"on_fallback must be one of {', '.join(FALLBACK_POLICIES)}, got {on_fallback!r}")
+        if optimization not in OPTIMIZATION_LEVELS:
+            raise ValueError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
+        self.directory = Path(directory)
+        manifest_path = self.directory / "manifest.json"
+        if not manifest_path.is_file():
+            raise ExportError(f"{self.directory} holds no manifest.json: not a directory written by `rosetta export`")
+        self.manifest = json.loads(manifest_path.read_text())
+        self.cfg = ModelConfig.from_json(json.dumps(self.manifest["config"]))
+        self.dtype = self.manifest["dtype"]
+        if device == "auto":
+            device = "cuda" if cuda_available() else "cpu"
+        elif device == "cuda" and not cuda_available():
+            raise ProviderFallbackError(
+                "device 'cuda' asked for, but onnxruntime's CUDA provider cannot run here "
+                f"(available providers: {', '.join(ort.get_available_providers())}; no GPU or CUDA libraries)")
+        self.device, self.on_fallback = device, on_fallback
+        self.options = ort.SessionOptions()
+        self.options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+        self.options.use_deterministic_compute = deterministic
+        self.options.log_severity_level = 3
+        if threads is not None:
+            self.options.intra_op_num_threads = threads
+        if device == "cuda" and on_fallback == "refuse":
+            # session creation fails outright if any node would be placed on the CPU provider
+            self.options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        self.providers = [(CUDA, {"device_id": 0}), CPU] if device == "cuda" else [CPU]
+        self.sessions = {role: self._session(role, file) for role, file in self.manifest["graphs"].items()}
+
+    def _session(self, role: str, file: str) -> ort.InferenceSession:
+        path = self.directory / file
+        stamp = metadata(onnx.load(str(path), load_external_data=False))
+        for key in ("config", "params_sha256", "dtype"):
+            expected = self.manifest[key] if key != "config" else self.cfg.to_json()
+            found = stamp.get(key)
+            if key == "config" and found is not None:
+                found = ModelConfig.from_json(found).to_json()
+            if found != expected:
+                raise ExportError(f"{path.name}: its {key} metadata does not match manifest.json; "
+                                  "the directory mixes graphs from different exports")
+        if stamp.get("role") != role:
+            raise ExportError(f"{path.name}: its metadata says role {stamp.get('role')!r}, manifest.json says {role!r}")
+        try:
+            session = ort.InferenceSession(str(path), self.options, providers=self.providers)
+        except Exception as error:
+            if self.device == "cuda":
+                raise ProviderFallbackError(
+                    f"{path.name}: a CUDA session could not place every node on the CUDA provider "
+                    f"({error}); pass on_fallback='warn' to run the rest on the CPU") from error
+            raise
+        if self.device == "cuda" and CUDA not in session.get_providers():
+            self._fallback(f"{path.name}: onnxruntime started the session on {session.get_providers()} only")
+        return session
+
+    def _fallback(self, message: str) -> None:
+        if self.on_fallback == "refuse":
+            raise ProviderFallbackError(message)
+        warnings.warn(f"CUDA FALLBACK: {message}", RuntimeWarning, stacklevel=3)
+
+    def has(self, role: str) -> bool:
+        return role in self.sessions
+
+    def _require(self, role: str) -> ort.InferenceSession:
+        if role not in self.sessions:
+            raise ExportError(f"this export has no {role} graph (it has {', '.join(self.sessions)}); "
+                              f"export it with `rosetta export --graphs {role}`")
+        return self.sessions[role]
+
+    # ---- inputs ----
+    def _keep(self, ids: np.ndarray, keep, name: str) -> np.ndarray:
+        if keep is None:
+            return ids != self.cfg.pad_id
+        check_keep(keep, ids, name)
+        return np.asarray(keep, dtype=bool)
+
+    def _check_length(self, length: int, name: str) -> None:
+        limit = self.manifest.get("max_positions")
+        if limit is not None and length > limit:
+            raise InputError(f"{name}: {length} positions, but this export's graphs take at most {limit} "
+                             "(a JAX export holds a position table of max_len rows)")
+
+    def _run(self, role: str, feeds: Mapping[str, Any], outputs: list[str] | None = None) -> list:
+        """Run a graph with IO binding: inputs may be NumPy arrays or OrtValues already on the
+        device; outputs stay on the device as OrtValues."""
+        session = self._require(role)
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in outputs or [o.name for o in session.get_outputs()]:
+            binding.bind_output(name, self.device)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
+
+    # ---- the model ----
+    def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> np.ndarray:
+        """Teacher-forced logits [B, T, V] (the forward graph)."""
+        cfg = self.cfg
+        check_model_inputs(cfg, src_ids, tgt_ids)
+        tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
+        self._check_length(tgt_ids.shape[1], "tgt_ids")
+        feeds = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt_keep")}
+        if cfg.has_encoder:
+            src_ids = np.asarray(src_ids, dtype=np.int64)
+            self._check_length(src_ids.shape[1], "src_ids")
+            feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src_keep"), **feeds}
+        return self._run(FORWARD, feeds)[0].numpy()
+
+    def encode(self, src_ids, src_keep=None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """memory [B, S, d] and each decoder layer's cross-attention key and value [B, H, S, d_k]."""
+        _keep, memory, *cross = self._encode(src_ids, src_keep)
+        return memory.numpy(), [value.numpy() for value in cross]
+
+    def _encode(self, src_ids, src_keep, batch: int | None = None) -> list:
+        if not self.cfg.has_encoder:
+            raise InputError("a decoder-only model has no encoder")
+        check_source(self.cfg, src_ids, batch)
+        src_ids = np.asarray(src_ids, dtype=np.int64)
+        self._check_length(src_ids.shape[1], "src_ids")
+        keep = self._keep(src_ids, src_keep, "src_keep")
+        return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep})]
+
+    def start_cache(self, batch: int, src_ids=None, src_keep=None) -> OnnxCache:
+        """An empty cache; for an encoder-decoder the encoder graph runs once here."""
+        if not self.cfg.has_encoder:
+            if src_ids is not None:
+                raise InputError("a decoder-only model takes no source: src_ids must be None")
+            return OnnxCache(batch, 0)
+        keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
+        return OnnxCache(batch, 0, cross=tuple(cross), src_keep=ort.OrtValue.ortvalue_from_numpy(keep, self.device))
+
+    def decode_step(self, cache: OnnxCache, tgt_ids, tgt_keep=None) -> tuple[np.ndarray, OnnxCache]:
+        """Feed the next tokens [B, n] after the cached ones: logits [B, n, V] and the new cache."""
+        cfg = self.cfg
+        check_decode_step(cfg, tgt_ids, cache.length, cache.batch)
+        tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
+        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt_keep")}
+        role = DECODER_FIRST
+        if cache.length:
+            role = DECODER_WITH_PAST
+            feeds["past_keep"] = cache.keep
+            feeds.update(zip(_names("past", cfg), cache.past))
+        if cfg.has_encoder:
+            feeds["src_keep"] = cache.src_keep
+            feeds.update(zip(_names("cross", cfg), cache.cross))
+        logits, *present, keep = self._run(role, feeds)
+        return logits.numpy(), OnnxCache(cache.batch, cache.length + tgt_ids.shape[1], tuple(present), keep,
+                                         cache.cross, cache.src_keep)
+
+    def greedy_generate(self, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
+                        eos_id: int | None = None, max_new_tokens: int) -> np.ndarray:
+        """Greedy decoding with the KV cache on the device -> new tokens [B, max_new_tokens]
+        (SPEC.md §7: finished rows are filled with pad_id; argmax ties go to the lowest id)."""
+        cfg = self.cfg
+        batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
+        if cfg.has_encoder:
+            step_ids = np.full((batch, 1), bos_id, dtype=np.int64)
+            step_keep = np.ones((batch, 1), dtype=bool)
+        else:
+            step_ids = np.asarray(prompt_ids, dtype=np.int64)
+            step_keep = step_ids != cfg.pad_id
+        cache = self.start_cache(batch, src_ids)
+        tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
+        finished = np.zeros(batch, dtype=bool)
+        for t in range(max_new_tokens):
+            logits, cache = self.decode_step(cache, step_ids, step_keep)
+            next_token = np.where(finished, cfg.pad_id, logits[:, -1].astype(np.float32).argmax(axis=-1))
+            tokens[:, t] = next_token
+            if eos_id is not None:
+                finished |= next_token == eos_id
+            if finished.all():
+                break
+            step_ids, step_keep = next_token[:, None].astype(np.int64), np.ones((batch, 1), dtype=bool)
+        return tokens
+
+    # ---- where things run ----
+    def placement(self) -> dict[str, dict[str, list[str]]]:
+        """{role: {provider: [node names]}} from one profiled run of each graph on small inputs."""
+        report = {}
+        for role, file in self.manifest["graphs"].items():
+            feeds = example_feeds(self.cfg, role, self.dtype)
+            report[role] = node_placement(self.directory / file, self.options, self.providers, feeds)
+        return report
+
+
+def _names(prefix: str, cfg: ModelConfig) -> list[str]:
+    return [f"{prefix}.{i}.{part}" for i in range(cfg.n_decoder_layers) for part in ("key", "value")]
+
+
+def example_feeds(cfg: ModelConfig, role: str, dtype: str, sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Small valid inputs for a graph role (ids of real tokens, keeps all True, random floats)."""
+    sizes = {"batch": 2, "src_len": 3, "tgt_len": 2, "past_len": 3, **(sizes or {})}
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for tensor in signature(cfg, role).inputs:
+        shape = [sizes[d] if isinstance(d, str) else d for d in tensor.dims]
+        if tensor.kind == "ids":
+            vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
+            feeds[tensor.name] = np.full(shape, (cfg.pad_id + 1) % vocab, dtype=np.int64)
+        elif tensor.kind == "keep":
+            feeds[tensor.name] = np.ones(shape, dtype=bool)
+        else:
+            feeds[tensor.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds

@@ -1,0 +1,314 @@
+"""ONNX export and onnxruntime serving held to the golden: graphs checked and stamped, logits on
+batch sizes and lengths the export never saw (1, longer than the example, an all-padding row),
+greedy tokens equal to the golden's, decoder steps equal to the full forward, the torch and JAX
+exports equal to each other, the runner's refusals, thread safety and node placement.
+
+Exports come from export.cache (on disk between runs), so the first run pays ~2 min of export.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import impl_numpy as golden
+from conformance.cases import EOS_ID
+from conformance.tolerance import compare, compare_generation, tolerance
+from export.cache import exported
+from export.graphs import ENCODER, FORWARD, roles, signature
+from export.onnx_model import ExportError, metadata
+from export.runner import CPU, OnnxTransformer, ProviderFallbackError, cuda_available
+from export.torch_export import export_torch
+from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, init_params, params_digest
+
+PRESETS = ("tiny", "char-lm")  # an encoder-decoder and a decoder-only model
+DTYPES = ("float32", "float16")
+HAS_CUDA = cuda_available()
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def preset(request):
+    cfg = get_preset(request.param)
+    return request.param, cfg, init_params(cfg, seed=3)
+
+
+_exports: dict = {}
+
+
+def _export(cfg: ModelConfig, params, framework: str, dtype: str) -> OnnxTransformer:
+    key = (cfg.to_json(), framework, dtype)
+    if key not in _exports:
+        _exports[key] = OnnxTransformer(exported(cfg, params, framework=framework, dtype=dtype), device="cpu")
+    return _exports[key]
+
+
+def _ids(rng, cfg: ModelConfig, batch: int, length: int, vocab: int, padding: str) -> np.ndarray:
+    ids = rng.integers(0, vocab - 1, (batch, length))
+    ids = np.where(ids >= cfg.pad_id, ids + 1, ids)
+    if padding == "pad_right" and length > 1:
+        ids[0, length // 2:] = cfg.pad_id
+    if padding == "all_pad" and batch > 1:
+        ids[1] = cfg.pad_id
+    return ids.astype(np.int64)
+
+
+# (batch, source length, target length): the export traced batch 2, source 5, target 3
+SHAPES = {"b1-len1": (1, 1, 1), "b1-longer": (1, 11, 13), "b4": (4, 3, 2), "b3-longer": (3, 17, 9)}
+PADDINGS = ("none", "pad_right", "all_pad")
+
+
+def _reduction(cfg: ModelConfig, src_len: int, tgt_len: int) -> int:
+    """As the catalogue's whole-model cases: the widest inner product, or the squared last
+    position (a sinusoid's angle carries its rounding times the position)."""
+    return max(cfg.d_model, cfg.d_ff, (max(src_len, tgt_len) + 3) ** 2)
+
+
+def _depth(cfg: ModelConfig) -> int:
+    return 2 * cfg.n_encoder_layers + (3 if cfg.has_encoder else 2) * cfg.n_decoder_layers + 2
+
+
+def _forward_cells():
+    """ids read forward-<padding>-<dtype>-<backend>-cpu-<shape>; an all-padding row needs a
+    second row beside it, so all_pad runs at batch sizes above 1 only."""
+    cells = []
+    for shape, (batch, _, _) in SHAPES.items():
+        for padding in PADDINGS:
+            if padding == "all_pad" and batch == 1:
+                continue
+            for dtype in DTYPES:
+                for framework, backend in (("torch", "onnx"), ("jax", "onnx-jax")):
+                    cells.append(pytest.param(shape, padding, dtype, framework,
+                                              id=f"forward-{padding}-{dtype}-{backend}-cpu-{shape}"))
+    return cells
+
+
+@pytest.mark.parametrize("shape, padding, dtype, framework", _forward_cells())
+def test_forward_matches_golden(preset, shape, padding, dtype, framework):
+    _, cfg, params = preset
+    batch, src_len, tgt_len = SHAPES[shape]
+    rng = np.random.default_rng(batch * 100 + src_len)
+    src = _ids(rng, cfg, batch, src_len, cfg.src_vocab_size, padding) if cfg.has_encoder else None
+    tgt = _ids(rng, cfg, batch, tgt_len, cfg.tgt_vocab_size, "pad_right" if padding != "none" else "none")
+    model = _export(cfg, params, framework, dtype)
+    got = model.forward(src, tgt)
+    assert got.dtype == np.dtype(dtype)
+    want = golden.forward(cfg, params, src, tgt)
+    result = compare(got.astype(np.float64), want, tolerance(dtype, _reduction(cfg, src_len, tgt_len), _depth(cfg)))
+    assert result.passed, result.reason or f"error {result.max_abs_err:.3g} > tol {result.tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_tokens_equal_golden(preset, dtype):
+    _, cfg, params = preset
+    rng = np.random.default_rng(7)
+    batch = 4
+    if cfg.has_encoder:
+        src = _ids(rng, cfg, batch, 6, cfg.src_vocab_size, "pad_right")
+        src[2] = cfg.pad_id  # an all-padding source
+        options = dict(src_ids=src, bos_id=1)
+    else:
+        prompt = _ids(rng, cfg, batch, 5, cfg.tgt_vocab_size, "none")
+        prompt[0, :2] = cfg.pad_id  # left padding
+        options = dict(prompt_ids=prompt)
+    new_tokens = 10
+    tokens = _export(cfg, params, "torch", dtype).greedy_generate(**options, eos_id=EOS_ID, max_new_tokens=new_tokens)
+    want, step_logits = golden.greedy_generate(cfg, params, **options, eos_id=EOS_ID, max_new_tokens=new_tokens,
+                                               return_step_logits=True)
+    if dtype == "float32":
+        np.testing.assert_array_equal(tokens, want)
+    else:  # half precision may flip a near-tie: the policy's token check allows exactly that
+        result = compare_generation(tokens, want, step_logits, tolerance(dtype, _reduction(cfg, 6, new_tokens), _depth(cfg)))
+        assert result.passed, result.reason
+
+
+def test_decoder_steps_equal_forward(preset):
+    """Prefill of 3 tokens, then one token per decoder_with_past step, against the forward graph."""
+    _, cfg, params = preset
+    model = _export(cfg, params, "torch", "float32")
+    rng = np.random.default_rng(11)
+    src = _ids(rng, cfg, 2, 5, cfg.src_vocab_size, "pad_right") if cfg.has_encoder else None
+    tgt = _ids(rng, cfg, 2, 7, cfg.tgt_vocab_size, "none")
+    full = model.forward(src, tgt)
+    cache = model.start_cache(2, src)
+    first, cache = model.decode_step(cache, tgt[:, :3])
+    steps = [first]
+    for t in range(3, 7):
+        logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
+        steps.append(logits)
+    assert cache.length == 7
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_and_jax_exports_agree(preset, dtype):
+    _, cfg, params = preset
+    from_torch, from_jax = _export(cfg, params, "torch", dtype), _export(cfg, params, "jax", dtype)
+    rng = np.random.default_rng(5)
+    src = _ids(rng, cfg, 3, 8, cfg.src_vocab_size, "pad_right") if cfg.has_encoder else None
+    tgt = _ids(rng, cfg, 3, 6, cfg.tgt_vocab_size, "pad_right")
+    relative = tolerance(dtype, _reduction(cfg, 8, 6), _depth(cfg))
+    a, b = from_torch.forward(src, tgt).astype(np.float64), from_jax.forward(src, tgt).astype(np.float64)
+    result = compare(a, b, 2 * relative)  # each within the tolerance of the golden
+    assert result.passed, result.reason or f"torch vs jax export: {result.max_abs_err:.3g} > {result.tol:.3g}"
+    if cfg.has_encoder:
+        (memory_t, cross_t), (memory_j, cross_j) = from_torch.encode(src), from_jax.encode(src)
+        for x, y in zip([memory_t, *cross_t], [memory_j, *cross_j]):
+            assert compare(x.astype(np.float64), y.astype(np.float64), 2 * relative).passed
+
+
+def test_graphs_are_checked_and_stamped(preset):
+    _, cfg, params = preset
+    for framework in ("torch", "jax"):
+        directory = exported(cfg, params, framework=framework, dtype="float32")
+        manifest = json.loads((directory / "manifest.json").read_text())
+        expected_roles = roles(cfg) if framework == "torch" else tuple(r for r in (FORWARD, ENCODER) if r in roles(cfg))
+        assert tuple(manifest["graphs"]) == expected_roles
+        for role, file in manifest["graphs"].items():
+            model = onnx.load(str(directory / file))
+            onnx.checker.check_model(model, full_check=True)
+            stamp = metadata(model)
+            assert ModelConfig.from_json(stamp["config"]) == cfg
+            assert stamp["spec_version"] == SPEC_VERSION
+            assert stamp["params_sha256"] == params_digest(params)
+            assert stamp["role"] == role and stamp["dtype"] == "float32" and stamp["opset"] == "23"
+            assert model.ir_version <= 13, "onnxruntime 1.31 reads IR versions up to 13"
+            sig = signature(cfg, role)
+            assert [i.name for i in model.graph.input] == sig.input_names
+            assert [o.name for o in model.graph.output] == sig.output_names
+            types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+            for tensor in sig.inputs:  # ids int64 and keeps bool from both exporters
+                want = {"ids": onnx.TensorProto.INT64, "keep": onnx.TensorProto.BOOL, "float": onnx.TensorProto.FLOAT}
+                assert types[tensor.name] == want[tensor.kind], tensor.name
+            ops = {node.op_type for node in model.graph.node}
+            if framework == "torch" and role != ENCODER or framework == "torch" and cfg.has_encoder:
+                assert "Attention" in ops, "opset 23 turns scaled dot-product attention into the Attention op"
+
+
+def test_fallback_opset_decomposes_attention(tmp_path):
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=3)
+    paths = export_torch(cfg, params, tmp_path, opset=20, graph_roles=(FORWARD,))
+    model = onnx.load(str(paths[FORWARD]))
+    ops = {node.op_type for node in model.graph.node}
+    assert "Attention" not in ops and "Softmax" in ops
+    assert metadata(model)["opset"] == "20"
+    rng = np.random.default_rng(2)
+    src, tgt = _ids(rng, cfg, 3, 9, 96, "all_pad"), _ids(rng, cfg, 3, 4, 80, "pad_right")
+    got = OnnxTransformer(tmp_path, device="cpu").forward(src, tgt)
+    result = compare(got.astype(np.float64), golden.forward(cfg, params, src, tgt),
+                     tolerance("float32", _reduction(cfg, 9, 4), _depth(cfg)))
+    assert result.passed and not np.isnan(got).any()
+
+
+def test_runner_refuses_bad_inputs():
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=3)
+    model = _export(cfg, params, "torch", "float32")
+    good = np.ones((2, 3), dtype=np.int64)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        model.forward(good, np.full((2, 3), 80))
+    with pytest.raises(InputError, match="batch"):
+        model.forward(good, np.ones((3, 3), dtype=np.int64))
+    with pytest.raises(InputError, match="boolean"):
+        model.forward(good, good, src_keep=np.ones((2, 3), dtype=np.int64))
+    with pytest.raises(InputError, match="integer"):
+        model.forward(good.astype(np.float32), good)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        model.greedy_generate(good, bos_id=1, max_new_tokens=0)
+    cache = model.start_cache(2, good)
+    with pytest.raises(InputError, match="batch"):
+        model.decode_step(cache, np.ones((3, 1), dtype=np.int64))
+    jax_model = _export(cfg, params, "jax", "float32")
+    with pytest.raises(InputError, match="at most 64"):
+        jax_model.forward(np.ones((1, 65), dtype=np.int64), good[:1])
+    with pytest.raises(ExportError, match="no decoder_first graph"):
+        jax_model.greedy_generate(good, bos_id=1, max_new_tokens=2)
+
+
+def test_runner_refuses_bad_directories(tmp_path):
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=3)
+    with pytest.raises(ExportError, match="no manifest.json"):
+        OnnxTransformer(tmp_path)
+    # a graph from another export (other weights) slipped into the directory
+    mixed = tmp_path / "mixed"
+    shutil.copytree(exported(cfg, params, framework="torch"), mixed)
+    other = exported(cfg, init_params(cfg, seed=4), framework="jax")
+    shutil.copy(other / "forward.onnx", mixed / "forward.onnx")
+    with pytest.raises(ExportError, match="params_sha256 metadata does not match"):
+        OnnxTransformer(mixed, device="cpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        OnnxTransformer(mixed, device="tpu")
+    with pytest.raises(ValueError, match="on_fallback"):
+        OnnxTransformer(mixed, on_fallback="ignore")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the refusal on a machine without a usable CUDA provider")
+def test_cuda_refused_where_it_cannot_run():
+    cfg = get_preset("tiny")
+    directory = exported(cfg, init_params(cfg, seed=3), framework="torch")
+    with pytest.raises(ProviderFallbackError, match="CUDA provider cannot run here"):
+        OnnxTransformer(directory, device="cuda")
+    assert OnnxTransformer(directory, device="auto").device == "cpu"
+
+
+def test_one_session_shared_by_eight_threads():
+    cfg = get_preset("tiny")
+    model = _export(cfg, init_params(cfg, seed=3), "torch", "float32")
+    rng = np.random.default_rng(9)
+    jobs = [(_ids(rng, cfg, 2, 4 + i % 5, 96, "pad_right"), _ids(rng, cfg, 2, 2 + i % 3, 80, "none")) for i in range(32)]
+    sequential = [(model.forward(s, t), model.greedy_generate(s, bos_id=1, eos_id=2, max_new_tokens=6)) for s, t in jobs]
+    concurrent: list = [None] * len(jobs)
+
+    def work(index_range):
+        for i in index_range:
+            s, t = jobs[i]
+            concurrent[i] = (model.forward(s, t), model.greedy_generate(s, bos_id=1, eos_id=2, max_new_tokens=6))
+
+    threads = [threading.Thread(target=work, args=(range(k, len(jobs), 8),)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (logits_a, tokens_a), (logits_b, tokens_b) in zip(sequential, concurrent):
+        np.testing.assert_array_equal(logits_a, logits_b)
+        np.testing.assert_array_equal(tokens_a, tokens_b)
+
+
+def test_every_node_placed_on_the_cpu_provider():
+    cfg = get_preset("tiny")
+    placement = _export(cfg, init_params(cfg, seed=3), "torch", "float32").placement()
+    assert set(placement) == set(roles(cfg))
+    for role, providers in placement.items():
+        assert set(providers) == {CPU} and providers[CPU], role
+
+
+def test_only_the_gpu_onnxruntime_is_installed():
+    """jax2onnx declares the CPU onnxruntime package; installing it would overwrite onnxruntime-gpu."""
+    assert importlib.metadata.version("onnxruntime-gpu")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("onnxruntime")
+    assert ort.__file__.startswith(str(importlib.metadata.distribution("onnxruntime-gpu").locate_file("")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_every_node_on_cuda_and_matches_golden(preset, dtype):
+    _, cfg, params = preset
+    model = OnnxTransformer(exported(cfg, params, framework="torch", dtype=dtype), device="cuda")
+    for role, providers in model.placement().items():
+        assert set(providers) <= {"CUDAExecutionProvider"}, f"{role}: {providers.get(CPU)} ran on the CPU"
+    rng = np.random.default_rng(1)
+    src = _ids(rng, cfg, 3, 9, cfg.src_vocab_size, "all_pad") if cfg.has_encoder else None
+    tgt = _ids(rng, cfg, 3, 5, cfg.tgt_vocab_size, "pad_right")
+    result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
+                     tolerance(dtype, _reduction(cfg, 9, 5), _depth(cfg)))
+    assert result.passed, result.reason
