@@ -2,6 +2,10 @@
 
     rosetta check [--preset tiny | --weights FILE] [--backends a,b] [--dtypes ...] [--devices ...]
                   [-k FILTER] [--fail-fast] [--report DIR]
+    rosetta export [--preset tiny | --weights FILE] --out DIR [--framework torch|jax] [--dtype float32|float16]
+                   [--opset 23|20] [--graphs a,b] [--triton REPO]
+    rosetta generate DIR (--src "5 6 7" ... | --prompt "5 6" ...) [--bos 1] [--eos 2] [--max-new-tokens N]
+                   [--device auto|cpu|cuda] [--allow-cpu-fallback] [--placement]
     rosetta presets
     rosetta init --preset NAME [--seed N] OUT.safetensors
     rosetta info FILE.safetensors
@@ -197,6 +201,87 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export the graphs, check the forward graph against the golden, optionally write a Triton repository."""
+    import numpy as np
+
+    import impl_numpy as golden
+    from conformance.tolerance import compare, tolerance
+    from export.runner import OnnxTransformer
+
+    cfg, params, _ = _load_model(args)
+    roles = tuple(_split(args.graphs) or ()) or None
+    start = time.perf_counter()
+    if args.framework == "torch":
+        from export.torch_export import export_torch as export
+    else:
+        from export.jax_export import export_jax as export
+    paths = export(cfg, params, args.out, dtype=args.dtype, opset=args.opset, graph_roles=roles)
+    print(f"exported from {args.framework} in {time.perf_counter() - start:.1f} s (opset {args.opset}, {args.dtype}):")
+    for role, path in paths.items():
+        print(f"  {role:18} {path}  {path.stat().st_size / 1e6:8.2f} MB")
+    if "forward" in paths:
+        model = OnnxTransformer(args.out, device="cpu")
+        rng = np.random.default_rng(0)
+        tgt = rng.integers(1, cfg.tgt_vocab_size, (2, 5))
+        src = rng.integers(1, cfg.src_vocab_size, (2, 7)) if cfg.has_encoder else None
+        depth = 2 * cfg.n_encoder_layers + 3 * cfg.n_decoder_layers + 2
+        result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
+                         tolerance(args.dtype, max(cfg.d_model, cfg.d_ff, 100), depth))
+        print(f"forward graph vs golden (batch 2, onnxruntime CPU): max|error| / tolerance = "
+              f"{result.max_abs_err / result.tol:.3f} ({'pass' if result.passed else 'FAIL'})")
+        if not result.passed:
+            return 1
+    if args.triton:
+        from export.triton import write_repository
+
+        models = write_repository(args.out, args.triton, kind=args.triton_kind, max_batch_size=args.max_batch_size)
+        print(f"Triton model repository {args.triton}: {', '.join(m.name for m in models)} (validated)")
+    return 0
+
+
+def _token_rows(rows: list[str], pad_id: int, name: str):
+    """'5 6 7' strings -> int64 [B, L], right-padded with pad_id."""
+    import numpy as np
+
+    try:
+        parsed = [[int(token) for token in row.replace(",", " ").split()] for row in rows]
+    except ValueError as error:
+        raise UsageError(f"{name}: token ids are integers separated by spaces ({error})") from None
+    if any(not row for row in parsed):
+        raise UsageError(f"{name}: an empty sequence")
+    length = max(map(len, parsed))
+    return np.array([row + [pad_id] * (length - len(row)) for row in parsed], dtype=np.int64)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Greedy generation with onnxruntime from an exported directory."""
+    from export.runner import OnnxTransformer
+
+    model = OnnxTransformer(args.model, device=args.device, on_fallback="warn" if args.allow_cpu_fallback else "refuse")
+    cfg = model.cfg
+    if cfg.has_encoder and not args.src:
+        raise UsageError("an encoder-decoder model generates from --src (one per sequence)")
+    if not cfg.has_encoder and not args.prompt:
+        raise UsageError("a decoder-only model generates from --prompt (one per sequence)")
+    src = _token_rows(args.src, cfg.pad_id, "--src") if cfg.has_encoder else None
+    prompt = None if cfg.has_encoder else _token_rows(args.prompt, cfg.pad_id, "--prompt")
+    start = time.perf_counter()
+    tokens = model.greedy_generate(src, prompt_ids=prompt, bos_id=args.bos if cfg.has_encoder else None,
+                                   eos_id=args.eos, max_new_tokens=args.max_new_tokens)
+    seconds = time.perf_counter() - start
+    for row in tokens:
+        print(" ".join(map(str, row)))
+    print(f"{tokens.shape[0]} sequences x {tokens.shape[1]} tokens in {seconds * 1e3:.1f} ms on {model.device} "
+          f"(providers {model.providers[0] if isinstance(model.providers[0], str) else model.providers[0][0]})",
+          file=sys.stderr)
+    if args.placement:
+        for role, providers in model.placement().items():
+            print(f"{role:18} " + ", ".join(f"{provider}: {len(nodes)} nodes" for provider, nodes in providers.items()),
+                  file=sys.stderr)
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in list_presets():
         cfg = get_preset(name)
@@ -249,6 +334,34 @@ def build_parser() -> argparse.ArgumentParser:
     probe = commands.add_parser("probe", help="record what each framework's own primitives do on edge cases")
     probe.add_argument("--markdown", help="also write the table to this Markdown file")
     probe.set_defaults(handler=cmd_probe)
+    export = commands.add_parser("export", help="export ONNX graphs (and a Triton model repository)")
+    export.add_argument("--preset", default="tiny", help="preset config with init_params (default: tiny)")
+    export.add_argument("--weights", type=Path, help="a weights file (config read from it)")
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--out", type=Path, required=True, help="directory for ROLE.onnx and manifest.json")
+    export.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                        help="torch: every graph; jax (jax2onnx): forward and encoder")
+    export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    export.add_argument("--opset", type=int, choices=(23, 20), default=23,
+                        help="23: attention as ONNX's Attention op; 20: decomposed attention")
+    export.add_argument("--graphs", help="comma-separated roles (default all: forward, encoder, decoder_first, "
+                        "decoder_with_past)")
+    export.add_argument("--triton", type=Path, help="also write a Triton model repository here")
+    export.add_argument("--triton-kind", choices=("KIND_GPU", "KIND_CPU"), default="KIND_GPU")
+    export.add_argument("--max-batch-size", type=int, default=16, help="Triton max_batch_size (default 16)")
+    export.set_defaults(handler=cmd_export)
+    generate = commands.add_parser("generate", help="greedy generation with onnxruntime from an export")
+    generate.add_argument("model", type=Path, help="a directory written by `rosetta export`")
+    generate.add_argument("--src", action="append", help='source token ids, e.g. "5 6 7" (repeat for a batch)')
+    generate.add_argument("--prompt", action="append", help="prompt token ids (decoder-only; repeat for a batch)")
+    generate.add_argument("--bos", type=int, default=1, help="first target token (encoder-decoder; default 1)")
+    generate.add_argument("--eos", type=int, default=None, help="stop a sequence at this token")
+    generate.add_argument("--max-new-tokens", type=int, default=20)
+    generate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    generate.add_argument("--allow-cpu-fallback", action="store_true",
+                          help="warn instead of refusing when a CUDA session would run nodes on the CPU")
+    generate.add_argument("--placement", action="store_true", help="show which provider ran each graph's nodes")
+    generate.set_defaults(handler=cmd_generate)
     presets = commands.add_parser("presets", help="list the presets")
     presets.add_argument("-v", "--verbose", action="store_true", help="say where each comes from")
     presets.set_defaults(handler=cmd_presets)
@@ -271,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         args.preset = args.preset or "tiny"
     try:
         return args.handler(args)
-    except (UsageError, SpecError, ValueError) as error:
+    except (UsageError, SpecError, ValueError, RuntimeError) as error:
         print(f"rosetta {args.command}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed early: nothing to report

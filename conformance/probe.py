@@ -67,25 +67,42 @@ def _jax_dot_product_attention_masked_row() -> str:
     return _masked_row_verdict(np.asarray(out[0, 0, 0]), np.asarray(v[0, :, 0]))
 
 
-def _onnxruntime_attention_masked_row() -> str:
+def _onnxruntime_attention(mask: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Run ONNX's opset-23 Attention on the CPU provider: Q [1,1,2,4], K and V [1,1,3,4]."""
     import onnx
     import onnxruntime
     from onnx import TensorProto, helper
 
     shapes = {"Q": [1, 1, 2, 4], "K": [1, 1, 3, 4], "V": [1, 1, 3, 4]}
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in shapes.items()]
-    inputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, [2, 3]))
+    inputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, list(mask.shape)))
     graph = helper.make_graph([helper.make_node("Attention", ["Q", "K", "V", "mask"], ["Y"])], "probe", inputs,
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, shapes["Q"])])
     # onnx's newest IR version may be newer than onnxruntime reads; 10 is what opset 23 needs
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
     onnx.checker.check_model(model, full_check=True)
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options, quiet = onnxruntime.SessionOptions(), onnxruntime.RunOptions()
+    options.log_severity_level = quiet.log_severity_level = 4  # a refusal is reported here, not logged
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     generator = np.random.default_rng(0)
     feeds = {name: generator.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    feeds["mask"] = np.array([[True, True, False], [False, False, False]])
-    out = session.run(None, feeds)[0]
+    feeds["mask"] = mask
+    return session.run(None, feeds, quiet)[0], feeds
+
+
+def _onnxruntime_attention_masked_row() -> str:
+    out, feeds = _onnxruntime_attention(np.array([[True, True, False], [False, False, False]]))
     return _masked_row_verdict(out[0, 0, 1], feeds["V"][0, 0]) + " (opset 23 Attention, CPU provider)"
+
+
+def _onnxruntime_attention_mask_broadcast() -> str:
+    """A key-padding mask [B, 1, 1, K] broadcast over the queries, as ONNX's broadcasting allows."""
+    try:
+        _onnxruntime_attention(np.array([True, True, False]).reshape(1, 1, 1, 3))
+    except Exception as error:  # noqa: BLE001 - the refusal is the observation
+        reason = "inconsistent q_sequence_length" if "q_sequence_length" in str(error) else type(error).__name__
+        return f"refused ({reason}): the mask needs its query axis spelled out, so impl_torch expands it"
+    return "broadcast over the queries"
 
 
 def _onnx_ir_versions() -> str:
@@ -198,6 +215,8 @@ PROBES = [
     Probe("fully masked row", "torch nn.MultiheadAttention", "zeros", _torch_mha_masked_row),
     Probe("fully masked row", "jax.nn.dot_product_attention", "zeros", _jax_dot_product_attention_masked_row),
     Probe("fully masked row", "onnxruntime Attention", "zeros", _onnxruntime_attention_masked_row),
+    Probe("mask broadcasting", "onnxruntime Attention", "a [B,1,1,K] mask broadcasts over queries",
+          _onnxruntime_attention_mask_broadcast),
     Probe("model IR version", "onnx.helper.make_model", "exported graphs load in onnxruntime", _onnx_ir_versions),
     Probe("float64 attention", "jax.nn.dot_product_attention", "float64-accurate (< 1e-14)",
           _jax_dot_product_attention_float64),

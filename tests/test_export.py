@@ -312,3 +312,75 @@ def test_cuda_every_node_on_cuda_and_matches_golden(preset, dtype):
     result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
                      tolerance(dtype, _reduction(cfg, 9, 5), _depth(cfg)))
     assert result.passed, result.reason
+
+
+# ---- Triton model repository ----------------------------------------------------------------
+
+def test_triton_repository_matches_the_graphs(tmp_path):
+    from export.triton import parse_pbtxt, validate_repository, write_repository
+
+    cfg = get_preset("tiny")
+    directory = exported(cfg, init_params(cfg, seed=3), framework="torch")
+    models = write_repository(directory, tmp_path / "repo", max_batch_size=8, kind="KIND_CPU", instances=2)
+    assert sorted(m.name for m in models) == sorted(f"rosetta_{role}" for role in roles(cfg))
+    config = parse_pbtxt((tmp_path / "repo" / "rosetta_decoder_with_past" / "config.pbtxt").read_text())
+    assert config["platform"] == "onnxruntime_onnx" and config["max_batch_size"] == 8
+    assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
+    assert "max_queue_delay_microseconds" in config["dynamic_batching"]
+    inputs = {entry["name"]: entry for entry in config["input"]}
+    assert inputs["tgt_ids"] == {"name": "tgt_ids", "data_type": "TYPE_INT64", "dims": [-1]}
+    assert inputs["past.0.key"]["dims"] == [cfg.n_heads, -1, cfg.d_head]  # batch axis left to Triton
+    assert {entry["name"] for entry in config["output"]} >= {"logits", "present_keep"}
+
+    # a config that drifts from its graph is caught, every problem named
+    path = tmp_path / "repo" / "rosetta_encoder" / "config.pbtxt"
+    path.write_text(path.read_text().replace("TYPE_INT64", "TYPE_INT32").replace('name: "src_keep"', 'name: "source_keep"'))
+    with pytest.raises(ExportError) as caught:
+        validate_repository(tmp_path / "repo")
+    message = str(caught.value)
+    assert "src_ids is TYPE_INT32 in config.pbtxt, TYPE_INT64 in the graph" in message
+    assert "input 'source_keep' is not in the graph" in message
+    assert "the graph's input 'src_keep' is missing" in message
+    with pytest.raises(ExportError, match="instance kind"):
+        write_repository(directory, tmp_path / "other", kind="KIND_TPU")
+
+
+# ---- the CLI --------------------------------------------------------------------------------
+
+def test_cli_export_and_generate(tmp_path, capsys):
+    from conformance.cli import main
+
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    assert main(["export", "--preset", "tiny", "--out", str(tmp_path / "onnx"), "--graphs", "forward"]) == 0
+    out = capsys.readouterr().out
+    assert "forward graph vs golden" in out and "(pass)" in out
+    assert json.loads((tmp_path / "onnx" / "manifest.json").read_text())["graphs"] == {"forward": "forward.onnx"}
+
+    directory = exported(cfg, params, framework="torch")
+    assert main(["generate", str(directory), "--src", "5 6 7 8", "--src", "9 10", "--eos", "2",
+                 "--max-new-tokens", "6"]) == 0
+    printed = np.array([[int(t) for t in line.split()] for line in capsys.readouterr().out.strip().splitlines()])
+    src = np.array([[5, 6, 7, 8], [9, 10, 0, 0]])
+    np.testing.assert_array_equal(printed, golden.greedy_generate(cfg, params, src, bos_id=1, eos_id=2, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "{tmp}"], "no manifest.json"),
+    (["generate", "{export}", "--src", "5 x"], "token ids are integers"),
+    (["generate", "{export}", "--prompt", "5 6"], "generates from --src"),
+    (["generate", "{export}", "--src", "5 999"], "outside the vocabulary"),
+    (["generate", "{export}", "--src", "5", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
+    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--graphs", "decoder"], "unknown graph role"),
+    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--framework", "jax", "--graphs", "decoder_first"],
+     "cannot write decoder_first"),
+] + ([] if HAS_CUDA else [(["generate", "{export}", "--src", "5", "--device", "cuda"], "CUDA provider cannot run here")]))
+def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
+    from conformance.cli import main
+
+    cfg = get_preset("tiny")
+    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{export}", str(directory)) for a in argv]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
