@@ -16,7 +16,8 @@ test: $(STAMP)
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# a venv left half-made by an interrupted run has python but no pip: make it again
+	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	# jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's
 	# module; what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) is installed above
