@@ -15,12 +15,12 @@ test: $(STAMP)
 
 install: $(STAMP)
 
+# A venv left half-made by an interrupted run has python but no pip: it is made again.
+# jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's module;
+# it is installed with --no-deps, what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) above.
 $(STAMP): pyproject.toml constraints.txt
-	# a venv left half-made by an interrupted run has python but no pip: make it again
 	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
-	# jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's
-	# module; what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) is installed above
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt jax2onnx
 	touch $(STAMP)
 
