@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from export.graphs import ENCODER, FORWARD, GraphSignature, signature
-from export.onnx_model import DTYPES, OPSETS, ExportError, finish, quiet_loggers, save, write_manifest
+from export.onnx_model import OPSETS, ExportError, check_options, finish, quiet_loggers, save, write_manifest
 from impl_jax.model import Transformer
 from spec import ModelConfig
 
@@ -115,15 +115,8 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
 def export_jax(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path, *,
                dtype: str = "float32", opset: int = OPSETS[0], graph_roles: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export the forward (and, for an encoder-decoder, the encoder) graph into directory."""
-    if dtype not in DTYPES:
-        raise ExportError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if opset not in OPSETS:
-        raise ExportError(f"opset must be one of {', '.join(map(str, OPSETS))}, got {opset!r}")
     available = tuple(r for r in JAX_ROLES if r != ENCODER or cfg.has_encoder)
-    wanted = available if graph_roles is None else tuple(graph_roles)
-    unknown = [r for r in wanted if r not in available]
-    if unknown:
-        raise ExportError(f"the JAX export cannot write {', '.join(unknown)}; it writes {', '.join(available)}")
+    wanted = check_options(dtype, opset, graph_roles, available, "JAX")
     model = Transformer.from_params(cfg, params, dtype=dtype)
     directory = Path(directory)
     paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")

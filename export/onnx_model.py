@@ -43,6 +43,20 @@ def quiet_loggers(*names: str) -> Iterator[None]:
             logger.setLevel(level)
 
 
+def check_options(dtype: str, opset: int, graph_roles, available: tuple[str, ...], exporter: str) -> tuple[str, ...]:
+    """Validate an export's dtype, opset and graph roles; returns the roles to export."""
+    if dtype not in DTYPES:
+        raise ExportError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if opset not in OPSETS:
+        raise ExportError(f"opset must be one of {', '.join(map(str, OPSETS))}, got {opset!r}")
+    wanted = available if graph_roles is None else tuple(graph_roles)
+    unknown = [r for r in wanted if r not in available]
+    if unknown:
+        raise ExportError(f"the {exporter} export cannot write graph role(s) {', '.join(unknown)}; "
+                          f"for this model it writes {', '.join(available)}")
+    return wanted
+
+
 def finish(model: onnx.ModelProto, cfg: ModelConfig, params: Mapping[str, np.ndarray],
            signature: GraphSignature, *, dtype: str, opset: int, exporter: str,
            extra: Mapping[str, str] | None = None) -> onnx.ModelProto:

@@ -18,9 +18,9 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, GraphSignature, roles,
+from export.graphs import (DECODER_WITH_PAST, ENCODER, FORWARD, GraphSignature, roles,
                            signature)
-from export.onnx_model import DTYPES, OPSETS, ExportError, finish, quiet_loggers, save, write_manifest
+from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import Transformer, _causal_mask, _key_mask, residual
 from spec import ModelConfig
 
@@ -159,14 +159,7 @@ def export_torch(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
                  dtype: str = "float32", opset: int = OPSETS[0], graph_roles: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export every graph of the model (or graph_roles) into directory as ROLE.onnx, with a
     manifest.json. Returns {role: path}."""
-    if dtype not in DTYPES:
-        raise ExportError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if opset not in OPSETS:
-        raise ExportError(f"opset must be one of {', '.join(map(str, OPSETS))}, got {opset!r}")
-    wanted = roles(cfg) if graph_roles is None else tuple(graph_roles)
-    unknown = [r for r in wanted if r not in roles(cfg)]
-    if unknown:
-        raise ExportError(f"unknown graph role(s) {', '.join(unknown)} for this model; it has {', '.join(roles(cfg))}")
+    wanted = check_options(dtype, opset, graph_roles, roles(cfg), "torch")
     model = Transformer.from_params(cfg, params, dtype=TORCH_DTYPES[dtype])
     directory = Path(directory)
     paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")
@@ -176,4 +169,3 @@ def export_torch(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
     return paths
 
 
-__all__ = ["export_torch", "export_graph", "ForwardGraph", "EncoderGraph", "DecoderGraph", "DECODER_FIRST"]

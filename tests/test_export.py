@@ -371,9 +371,9 @@ def test_cli_export_and_generate(tmp_path, capsys):
     (["generate", "{export}", "--prompt", "5 6"], "generates from --src"),
     (["generate", "{export}", "--src", "5 999"], "outside the vocabulary"),
     (["generate", "{export}", "--src", "5", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
-    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--graphs", "decoder"], "unknown graph role"),
+    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--graphs", "decoder"], "cannot write graph role(s) decoder"),
     (["export", "--preset", "tiny", "--out", "{tmp}/x", "--framework", "jax", "--graphs", "decoder_first"],
-     "cannot write decoder_first"),
+     "cannot write graph role(s) decoder_first"),
 ] + ([] if HAS_CUDA else [(["generate", "{export}", "--src", "5", "--device", "cuda"], "CUDA provider cannot run here")]))
 def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
     from conformance.cli import main
