@@ -68,9 +68,10 @@ class ModuleRunner:
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
             return self._attention(q, k, v, self._array(inputs["mask"]))
         if sublayer in ("mha", "mha_cross"):
+            # checked as given, before the cast to the run's dtype would hide an integer array
+            check_activations(inputs["x"], "x", cfg.d_model)
+            check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            check_activations(x, "x", cfg.d_model)
-            check_activations(context, "context", cfg.d_model)
             return self._module(inputs["module"])(x, context, self._array(inputs["mask"]))
         if sublayer in ("ffn", "norm"):
             return self._module(inputs["module"])(self._float(inputs["x"]))

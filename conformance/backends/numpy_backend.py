@@ -41,9 +41,10 @@ class NumpyRunner:
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             return golden.scaled_dot_product_attention(q, k, v, mask)
         if sublayer in ("mha", "mha_cross"):
+            # checked as given, before the cast to the run's dtype would hide an integer array
+            check_activations(inputs["x"], "x", cfg.d_model)
+            check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            check_activations(x, "x", cfg.d_model)
-            check_activations(context, "context", cfg.d_model)
             mask = self._mask(inputs["mask"], x, context)
             return golden.multi_head_attention(params_under(p, inputs["module"]), x, context, mask, cfg.n_heads)
         if sublayer == "ffn":
