@@ -1,0 +1,245 @@
+"""The contenders: every implementation (and CTranslate2, the outside peer) built from the same
+canonical weights, behind one small interface the workloads time.
+
+    forward(src, tgt)             teacher-forced logits, computed to completion
+    generate(src, n)              greedy tokens [B, n] with the KV cache (numpy int64)
+    step(src, past_len)           a function that runs one cached decode step at position past_len
+                                  (the cache is prefilled outside the timing)
+
+A method a contender does not have raises Skip with the reason; so does a contender whose
+framework is not installed or whose device is absent.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+import impl_numpy as golden
+from spec import ModelConfig
+
+BOS_ID, EOS_ID = 1, 2
+
+
+class Skip(Exception):
+    """This contender cannot run this workload here (the reason is reported)."""
+
+
+class Contender:
+    name: str
+    dtype = "float32"
+    device = "cpu"
+
+    def prepare(self, cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
+        self.cfg, self.params = cfg, params
+
+    def forward(self, src: np.ndarray | None, tgt: np.ndarray) -> None:
+        raise Skip("no teacher-forced forward")
+
+    def generate(self, src: np.ndarray, max_new_tokens: int) -> np.ndarray:
+        raise Skip("no greedy generation")
+
+    def step(self, src: np.ndarray | None, past_len: int) -> Callable[[], None]:
+        raise Skip("no cached decode step")
+
+    def _generation_arguments(self, src: np.ndarray) -> dict:
+        if self.cfg.has_encoder:
+            return {"src_ids": src, "bos_id": BOS_ID}
+        return {"prompt_ids": src}
+
+    def _prefix(self, batch: int, past_len: int) -> np.ndarray:
+        return np.full((batch, past_len), 3 % self.cfg.tgt_vocab_size, dtype=np.int64)
+
+
+class Golden(Contender):
+    def __init__(self, dtype: str):
+        self.dtype, self.name = dtype, f"numpy-{dtype}"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        self.cast = golden.cast_params(cfg, params, np.dtype(self.dtype))
+
+    def forward(self, src, tgt):
+        golden.forward(self.cfg, self.params, src, tgt, dtype=np.dtype(self.dtype))
+
+    def generate(self, src, max_new_tokens):
+        return golden.greedy_generate(self.cfg, self.params, **self._generation_arguments(src), eos_id=EOS_ID,
+                                      max_new_tokens=max_new_tokens, dtype=np.dtype(self.dtype))
+
+    def step(self, src, past_len):
+        batch = len(src)
+        cache = golden.start_cache(self.cfg, self.cast, batch, src if self.cfg.has_encoder else None)
+        _, cache = golden.decode_step(self.cfg, self.cast, cache, self._prefix(batch, past_len))
+        token = self._prefix(batch, 1)
+        return lambda: golden.decode_step(self.cfg, self.cast, cache, token)
+
+
+class TorchEager(Contender):
+    name = "torch"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        import torch
+
+        from impl_torch import Transformer
+
+        self.torch = torch
+        self.model = Transformer.from_params(cfg, params)
+
+    def forward(self, src, tgt):
+        with self.torch.inference_mode():
+            self.model(src, tgt)
+
+    def generate(self, src, max_new_tokens):
+        return self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
+                                          max_new_tokens=max_new_tokens).numpy()
+
+    def step(self, src, past_len):
+        batch = len(src)
+        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
+        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
+        token = self._prefix(batch, 1)
+        return lambda: self.model.decode_step(cache, token)
+
+
+class TorchNoCache(TorchEager):
+    """Generation without a cache: every step runs the whole prefix again (the curve beside the cache's)."""
+
+    name = "torch-no-cache"
+
+    def forward(self, src, tgt):
+        raise Skip("the same forward as torch")
+
+    def generate(self, src, max_new_tokens):
+        raise Skip("timed per step only")
+
+    def step(self, src, past_len):
+        prefix = self._prefix(len(src), past_len + 1)
+        source = src if self.cfg.has_encoder else None
+        return lambda: self.forward_all(source, prefix)
+
+    def forward_all(self, src, tgt):
+        with self.torch.inference_mode():
+            self.model(src, tgt)
+
+
+class TorchCompiled(TorchEager):
+    name = "torch.compile"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        model = self.model
+
+        def logits(src, tgt, src_keep, tgt_keep):
+            memory = model.encode(src, src_keep) if model.cfg.has_encoder else None
+            return model.output_logits(model.decode(tgt, tgt_keep, memory, src_keep))
+
+        self.compiled = self.torch.compile(logits)
+
+    def forward(self, src, tgt):
+        torch = self.torch
+        # tensors under no_grad: Dynamo does not trace NumPy inputs under inference_mode
+        tgt_t = torch.as_tensor(tgt)
+        src_t = torch.as_tensor(src) if src is not None else None
+        with torch.no_grad():
+            self.compiled(src_t, tgt_t, None if src_t is None else src_t != self.cfg.pad_id, tgt_t != self.cfg.pad_id)
+
+    def generate(self, src, max_new_tokens):
+        raise Skip("a compiled cached decode loop is not built; torch eager's is timed")
+
+    def step(self, src, past_len):
+        raise Skip("a compiled cached decode loop is not built")
+
+
+class JaxJit(Contender):
+    name = "jax"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        from impl_jax import Transformer
+
+        self.model = Transformer.from_params(cfg, params)
+
+    def forward(self, src, tgt):
+        self.model(src, tgt).block_until_ready()
+
+    def generate(self, src, max_new_tokens):
+        return np.asarray(self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
+                                                     max_new_tokens=max_new_tokens))
+
+    def step(self, src, past_len):
+        batch = len(src)
+        cache = self.model.start_cache(batch, past_len + 1, src if self.cfg.has_encoder else None)
+        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
+        token = self._prefix(batch, 1)
+        return lambda: self.model.decode_step(cache, token)[0].block_until_ready()
+
+
+class OnnxRuntime(Contender):
+    def __init__(self, dtype: str, device: str):
+        self.dtype, self.device = dtype, device
+        self.name = f"onnxruntime-{device}-{dtype}"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        from export.cache import exported
+        from export.runner import OnnxTransformer, cuda_available
+
+        if self.device == "cuda" and not cuda_available():
+            raise Skip("no CUDA provider here")
+        self.model = OnnxTransformer(exported(cfg, params, dtype=self.dtype), device=self.device)
+
+    def forward(self, src, tgt):
+        self.model.forward(src, tgt)
+
+    def generate(self, src, max_new_tokens):
+        return self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
+                                          max_new_tokens=max_new_tokens)
+
+    def step(self, src, past_len):
+        batch = len(src)
+        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
+        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
+        token = self._prefix(batch, 1)
+        return lambda: self.model.decode_step(cache, token)
+
+
+class CTranslate2(Contender):
+    name = "ctranslate2"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        try:
+            import ctranslate2
+        except ImportError as error:
+            raise Skip(f"not installed ({error})") from None
+        from benchmarks.ctranslate2_peer import convert, unsupported_reason
+
+        reason = unsupported_reason(cfg)
+        if reason:
+            raise Skip(reason)
+        self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
+        convert(cfg, params, self.directory.name, BOS_ID, EOS_ID)
+        self.translator = ctranslate2.Translator(self.directory.name, device="cpu", compute_type="float32")
+
+    def forward(self, src, tgt):
+        raise Skip("CTranslate2 exposes no teacher-forced logits")
+
+    def generate(self, src, max_new_tokens):
+        from benchmarks.ctranslate2_peer import greedy
+
+        if (src == self.cfg.pad_id).any():
+            raise Skip("CTranslate2 takes unpadded rows; the benchmark's sources are unpadded")
+        return greedy(self.translator, self.cfg, src, max_new_tokens)
+
+
+def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
+    """Every contender, golden first, torch eager (the reference of every ratio) second."""
+    chosen: list[Contender] = [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(),
+                               JaxJit()]
+    for device in devices:
+        chosen += [OnnxRuntime("float32", device), OnnxRuntime("float16", device)]
+    chosen.append(CTranslate2())
+    return chosen

@@ -1,0 +1,143 @@
+"""CTranslate2, the outside peer: our canonical weights converted into a CTranslate2 model through
+its Python spec API (ctranslate2.specs.TransformerSpec), one mapping like every importer here.
+
+CTranslate2 stores Linear weights [out, in] (our [in, out] transposed), fuses self-attention's
+Q, K and V into one [3d, d] matrix and cross-attention's K and V into one [2d, d], and names
+norms gamma/beta. Positions are given as an explicit table of the spec's own layout, so the
+interleaved paper sinusoids are not confused with CTranslate2's concatenated default.
+Tokens are strings to CTranslate2: id i is the token "i" in both vocabularies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+import impl_numpy as golden
+from spec import ModelConfig
+
+
+class Unsupported(Exception):
+    """A config CTranslate2's Transformer spec cannot express."""
+
+
+def unsupported_reason(cfg: ModelConfig) -> str | None:
+    if not cfg.has_encoder:
+        return "decoder-only models are a different CTranslate2 spec (not mapped here)"
+    if cfg.norm != "layernorm":
+        return f"CTranslate2 has no '{cfg.norm}' norm"
+    if cfg.final_norm != (cfg.norm_position == "pre"):
+        return "CTranslate2 ties the final norm to pre-norm"
+    return None
+
+
+def _linear(spec, weight: np.ndarray, bias: np.ndarray | None) -> None:
+    spec.weight = np.ascontiguousarray(weight.T)  # [in, out] -> CTranslate2's [out, in]
+    if bias is not None:
+        spec.bias = bias
+
+
+def _norm(spec, params: Mapping[str, np.ndarray], prefix: str) -> None:
+    spec.gamma, spec.beta = params[f"{prefix}.scale"], params[f"{prefix}.bias"]
+
+
+def _bias(params, name: str, width: int) -> np.ndarray:
+    return params.get(name, np.zeros(width, np.float32))
+
+
+def _self_attention(spec, params, prefix: str, d: int) -> None:
+    q, k, v = (params[f"{prefix}.{part}.weight"] for part in "qkv")
+    fused = np.concatenate([q, k, v], axis=1)  # [d, 3d]
+    biases = np.concatenate([_bias(params, f"{prefix}.{part}.bias", d) for part in "qkv"])
+    _linear(spec.linear[0], fused, biases)
+    _linear(spec.linear[1], params[f"{prefix}.o.weight"], _bias(params, f"{prefix}.o.bias", d))
+
+
+def _cross_attention(spec, params, prefix: str, d: int) -> None:
+    _linear(spec.linear[0], params[f"{prefix}.q.weight"], _bias(params, f"{prefix}.q.bias", d))
+    fused = np.concatenate([params[f"{prefix}.k.weight"], params[f"{prefix}.v.weight"]], axis=1)
+    biases = np.concatenate([_bias(params, f"{prefix}.{part}.bias", d) for part in "kv"])
+    _linear(spec.linear[1], fused, biases)
+    _linear(spec.linear[2], params[f"{prefix}.o.weight"], _bias(params, f"{prefix}.o.bias", d))
+
+
+def _ffn(spec, params, prefix: str, cfg: ModelConfig) -> None:
+    _linear(spec.linear_0, params[f"{prefix}.ffn.w1.weight"], _bias(params, f"{prefix}.ffn.w1.bias", cfg.d_ff))
+    _linear(spec.linear_1, params[f"{prefix}.ffn.w2.weight"], _bias(params, f"{prefix}.ffn.w2.bias", cfg.d_model))
+    _norm(spec.layer_norm, params, f"{prefix}.ffn_norm")
+
+
+def _positions(cfg: ModelConfig, params, side: str) -> np.ndarray:
+    if cfg.positional == "learned":
+        return params[f"{side}_pos.weight"]
+    return golden.sinusoidal_table(np.arange(cfg.max_len), cfg.d_model, cfg.positional).astype(np.float32)
+
+
+def convert(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path,
+            bos_id: int = 1, eos_id: int = 2) -> Path:
+    """Write a CTranslate2 model directory for this config and these canonical parameters."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise Unsupported(reason)
+    activations = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+                   "gelu-tanh": common_spec.Activation.GELUTanh, "swish": common_spec.Activation.SWISH}
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=cfg.norm_position == "pre",
+        no_final_norm=not cfg.final_norm, activation=activations[cfg.activation])
+    d = cfg.d_model
+    source_table = "src_embed.weight" if "src_embed.weight" in params else "tgt_embed.weight"
+    encoder, decoder = spec.encoder, spec.decoder
+    encoder.embeddings[0].weight = params[source_table]
+    encoder.scale_embeddings = decoder.scale_embeddings = cfg.embed_scale
+    encoder.position_encodings.encodings = _positions(cfg, params, "src")
+    decoder.position_encodings.encodings = _positions(cfg, params, "tgt")
+    decoder.embeddings.weight = params["tgt_embed.weight"]
+    for i, layer in enumerate(encoder.layer):
+        prefix = f"encoder.layers.{i}"
+        _self_attention(layer.self_attention, params, f"{prefix}.self_attn", d)
+        _norm(layer.self_attention.layer_norm, params, f"{prefix}.self_attn_norm")
+        _ffn(layer.ffn, params, prefix, cfg)
+    for i, layer in enumerate(decoder.layer):
+        prefix = f"decoder.layers.{i}"
+        _self_attention(layer.self_attention, params, f"{prefix}.self_attn", d)
+        _norm(layer.self_attention.layer_norm, params, f"{prefix}.self_attn_norm")
+        _cross_attention(layer.attention, params, f"{prefix}.cross_attn", d)
+        _norm(layer.attention.layer_norm, params, f"{prefix}.cross_attn_norm")
+        _ffn(layer.ffn, params, prefix, cfg)
+    if cfg.final_norm:
+        _norm(encoder.layer_norm, params, "encoder.norm")
+        _norm(decoder.layer_norm, params, "decoder.norm")
+    head = params["tgt_embed.weight"] if cfg.tie_head else params["head.weight"].T  # [V, d] either way
+    decoder.projection.weight = np.ascontiguousarray(head)
+    if cfg.head_bias:
+        decoder.projection.bias = params["head.bias"]
+    spec.config.layer_norm_epsilon = cfg.norm_eps
+    spec.config.bos_token = spec.config.decoder_start_token = str(bos_id)
+    spec.config.eos_token = str(eos_id)
+    spec.config.unk_token = str(cfg.pad_id)
+    spec.register_source_vocabulary([str(i) for i in range(cfg.src_vocab_size)])
+    spec.register_target_vocabulary([str(i) for i in range(cfg.tgt_vocab_size)])
+    spec.validate()
+    spec.optimize(quantization="float32")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    spec.save(str(directory))
+    return directory
+
+
+def greedy(translator, cfg: ModelConfig, src_ids: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """Greedy tokens [B, N] in the golden's convention: the end token kept, then pad_id.
+    Sources are right-padded ids; CTranslate2 takes each row without its padding."""
+    keep = src_ids != cfg.pad_id
+    batch = [[str(t) for t in row[k]] for row, k in zip(src_ids, keep)]
+    results = translator.translate_batch(batch, beam_size=1, max_decoding_length=max_new_tokens,
+                                         return_end_token=True, return_scores=False)
+    tokens = np.full((len(batch), max_new_tokens), cfg.pad_id, dtype=np.int64)
+    for row, result in enumerate(results):
+        produced = [int(t) for t in result.hypotheses[0]][:max_new_tokens]
+        tokens[row, :len(produced)] = produced
+    return tokens

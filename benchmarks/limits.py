@@ -1,0 +1,93 @@
+"""What a model costs (FLOPs counted from the config) and what the machine can do (measured in
+the same run), so every timing can also be read as a fraction of the machine's limit.
+
+Counting (multiply-adds × 2; B batch, S source length, T target length, P cached positions,
+d = d_model, f = d_ff, V = target vocabulary; softmax, norms and embeddings are not counted —
+they are O(d) per token against O(d²)):
+
+    encoder layer, per source token:     4d² (Q,K,V,O) + 2dS (QKᵀ and weights·V) + 2df (FFN)
+    decoder layer, per target token:     4d² + 2dT (self-attention, full T×T as computed)
+                                       + 2d² + 2dS (cross-attention Q, O and its QKᵀ, ·V)
+                                       + 2df (FFN)
+    decoder layer, per source token:     2d² (cross-attention K and V of the memory)
+    head, per target token:              dV
+    one cached decode step per sequence: the decoder terms with T = 1 and P + 1 keys, no memory K/V.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from spec import ModelConfig
+
+
+def forward_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> float:
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
+    macs = cfg.n_encoder_layers * src_len * (4 * d * d + 2 * d * src_len + 2 * d * f)
+    cross = (2 * d * d + 2 * d * src_len) if cfg.has_encoder else 0
+    macs += cfg.n_decoder_layers * tgt_len * (4 * d * d + 2 * d * tgt_len + cross + 2 * d * f)
+    if cfg.has_encoder:
+        macs += cfg.n_decoder_layers * src_len * 2 * d * d
+    macs += tgt_len * d * v
+    return 2.0 * batch * macs
+
+
+def decode_step_flops(cfg: ModelConfig, batch: int, past_len: int, src_len: int) -> float:
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
+    cross = (2 * d * d + 2 * d * src_len) if cfg.has_encoder else 0
+    macs = cfg.n_decoder_layers * (4 * d * d + 2 * d * (past_len + 1) + cross + 2 * d * f) + d * v
+    return 2.0 * batch * macs
+
+
+def _best_seconds(function, repeats: int) -> float:
+    function()  # warm-up: thread pools, first-touch pages
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_flops_per_second(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """The best FLOP/s of a size×size matrix product, by NumPy's BLAS and by torch (MKL/oneDNN):
+    the machine's practical compute limit for dense layers of this dtype on this CPU."""
+    rate = {}
+    a = np.random.default_rng(0).standard_normal((size, size)).astype(dtype)
+    rate["numpy"] = 2 * size**3 / _best_seconds(lambda: a @ a, repeats)
+    try:
+        import torch
+
+        t = torch.from_numpy(a)
+        with torch.inference_mode():
+            rate["torch"] = 2 * size**3 / _best_seconds(lambda: t @ t, repeats)
+    except ImportError:
+        pass
+    return rate
+
+
+def memory_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> float:
+    """Copy bandwidth (bytes read + bytes written per second) of a large array: the limit of
+    memory-bound work such as a decode step at small batch."""
+    source = np.ones(megabytes * 2**20 // 8)
+    target = np.empty_like(source)
+    return 2 * source.nbytes / _best_seconds(lambda: np.copyto(target, source), repeats)
+
+
+def cuda_matmul_flops_per_second(dtype: str, size: int = 8192, repeats: int = 10) -> float | None:
+    """The GEMM limit on the GPU (torch), or None without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    t = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+
+    def product():
+        t @ t
+        torch.cuda.synchronize()
+
+    return 2 * size**3 / _best_seconds(product, repeats)

@@ -1,0 +1,358 @@
+"""`rosetta bench`: the workloads, timed for every contender from the same shared weights.
+
+    forward     teacher-forced logits over a grid of batch × length (source = target length)
+    generate    greedy generation of N tokens with the KV cache: tokens/s, after checking the
+                tokens equal the golden's (near-ties allowed only for float16, SPEC.md §8)
+    decode      one cached decode step at growing positions (small batch), beside the
+                no-cache step (the whole prefix again)
+    matrix      the conformance matrix's own wall time on the tiny preset, per backend
+
+Method: warm-up runs (compilation and caches happen there), then repeated runs; the median and
+the 25th-75th percentile spread are reported. The machine's limits (matrix-product FLOP/s,
+copy bandwidth) are measured in the same run, and every figure is also a fraction of them.
+Ratios to torch eager in the same run are the headline.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import impl_numpy as golden
+from benchmarks.contenders import BOS_ID, EOS_ID, Contender, Skip, contenders
+from benchmarks.limits import decode_step_flops, forward_flops, matmul_flops_per_second, memory_bytes_per_second
+from spec import ModelConfig, get_preset, init_params
+
+
+@dataclass(frozen=True)
+class Plan:
+    batches: tuple[int, ...]
+    lengths: tuple[int, ...]
+    generate_batch: int
+    generate_source: int
+    new_tokens: int
+    positions: tuple[int, ...]
+    warmup: int
+    repeats: int
+
+
+PLANS = {
+    "tiny": Plan(batches=(1, 8), lengths=(16, 48), generate_batch=8, generate_source=16, new_tokens=16,
+                 positions=(8, 16, 32, 60), warmup=1, repeats=5),
+    "paper-base": Plan(batches=(1, 8), lengths=(16, 64), generate_batch=8, generate_source=64, new_tokens=64,
+                       positions=(64, 128, 256, 512), warmup=1, repeats=3),
+}
+DEFAULT_PLAN = PLANS["tiny"]
+
+
+@dataclass
+class Timing:
+    median: float
+    p25: float
+    p75: float
+    runs: int
+
+    @classmethod
+    def of(cls, function: Callable[[], object], warmup: int, repeats: int) -> "Timing":
+        for _ in range(warmup):
+            function()
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            function()
+            seconds.append(time.perf_counter() - start)
+        quartiles = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else [seconds[0]] * 3
+        return cls(statistics.median(seconds), quartiles[0], quartiles[2], len(seconds))
+
+
+@dataclass
+class Results:
+    preset: str
+    config: dict
+    machine: dict
+    versions: dict
+    forward: list[dict] = field(default_factory=list)
+    generate: list[dict] = field(default_factory=list)
+    decode: list[dict] = field(default_factory=list)
+    matrix: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    targets: list[dict] = field(default_factory=list)
+
+
+def _ids(rng: np.random.Generator, cfg: ModelConfig, batch: int, length: int, vocab: int) -> np.ndarray:
+    """Real tokens only (never pad, bos or eos), so every contender sees unpadded rows."""
+    return rng.integers(3, vocab, (batch, length)).astype(np.int64)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("numpy", "torch", "jax", "flax", "onnx", "onnxruntime-gpu", "jax2onnx", "ctranslate2"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _machine(quick: bool) -> dict:
+    import os
+
+    limits = matmul_flops_per_second("float32", size=1024 if quick else 2048)
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "matmul_float32_flops": max(limits.values()), "matmul_float32_by": limits,
+            "copy_bytes_per_second": memory_bytes_per_second(64 if quick else 256)}
+
+
+def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[str, ...] | None = None,
+              devices: tuple[str, ...] = ("cpu",), matrix_backends: tuple[str, ...] = ("numpy-float32", "torch", "onnx"),
+              log: Callable[[str], None] = print) -> Results:
+    cfg = get_preset(preset)
+    plan = plan or PLANS.get(preset, DEFAULT_PLAN)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    log(f"measuring the machine's limits ...")
+    results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny"), _versions())
+    limit = results.machine["matmul_float32_flops"]
+    chosen = [c for c in contenders(devices) if names is None or c.name in names]
+    src_vocab = cfg.src_vocab_size if cfg.has_encoder else cfg.tgt_vocab_size
+    generate_src = _ids(rng, cfg, plan.generate_batch, plan.generate_source, src_vocab)
+    want_tokens, step_logits = golden.greedy_generate(
+        cfg, params, **({"src_ids": generate_src, "bos_id": BOS_ID} if cfg.has_encoder else {"prompt_ids": generate_src}),
+        eos_id=EOS_ID, max_new_tokens=plan.new_tokens, return_step_logits=True)
+    for contender in chosen:
+        start = time.perf_counter()
+        try:
+            contender.prepare(cfg, params)
+        except Skip as reason:
+            results.skipped.append({"contender": contender.name, "workload": "all", "reason": str(reason)})
+            log(f"  {contender.name:24} skipped: {reason}")
+            continue
+        log(f"  {contender.name:24} prepared in {time.perf_counter() - start:.1f} s")
+        _forward(results, contender, cfg, plan, rng, limit)
+        _generate(results, contender, cfg, plan, generate_src, want_tokens, step_logits)
+        _decode(results, contender, cfg, plan, rng, limit)
+    _ratios(results)
+    if matrix_backends:
+        _matrix(results, matrix_backends, log)
+    results.targets = targets(results)
+    return results
+
+
+def _skip(results: Results, contender: Contender, workload: str, reason: Skip) -> None:
+    results.skipped.append({"contender": contender.name, "workload": workload, "reason": str(reason)})
+
+
+def _forward(results, contender, cfg, plan, rng, limit) -> None:
+    for batch in plan.batches:
+        for length in plan.lengths:
+            src = _ids(rng, cfg, batch, length, cfg.src_vocab_size) if cfg.has_encoder else None
+            tgt = _ids(rng, cfg, batch, length, cfg.tgt_vocab_size)
+            try:
+                timing = Timing.of(lambda: contender.forward(src, tgt), plan.warmup, plan.repeats)
+            except Skip as reason:
+                return _skip(results, contender, "forward", reason)
+            flops = forward_flops(cfg, batch, length if cfg.has_encoder else 0, length)
+            tokens = batch * length * (2 if cfg.has_encoder else 1)
+            results.forward.append({"contender": contender.name, "batch": batch, "length": length,
+                                    **vars(timing), "tokens_per_second": tokens / timing.median,
+                                    "flops_per_second": flops / timing.median,
+                                    "fraction_of_matmul_limit": flops / timing.median / limit})
+
+
+def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> None:
+    from conformance.tolerance import compare_generation, tolerance
+
+    try:
+        tokens = contender.generate(src, plan.new_tokens)
+    except Skip as reason:
+        return _skip(results, contender, "generate", reason)
+    if contender.dtype == "float16":
+        depth = 2 * cfg.n_encoder_layers + 3 * cfg.n_decoder_layers + 2
+        check = compare_generation(tokens, want_tokens, step_logits, tolerance("float16", cfg.d_ff, depth))
+        same, note = check.passed, check.reason or "equal to the golden's (near-ties allowed at float16)"
+    else:
+        same = np.array_equal(tokens, want_tokens)
+        note = "equal to the golden's" if same else "DIFFERENT from the golden's: not timed"
+    if not same:
+        results.generate.append({"contender": contender.name, "same_tokens": False, "note": note})
+        return
+    timing = Timing.of(lambda: contender.generate(src, plan.new_tokens), plan.warmup, plan.repeats)
+    produced = int((tokens != cfg.pad_id).sum()) or tokens.size
+    results.generate.append({"contender": contender.name, "same_tokens": True, "note": note, "batch": len(src),
+                             "new_tokens": plan.new_tokens, **vars(timing),
+                             "tokens_per_second": produced / timing.median})
+
+
+def _decode(results, contender, cfg, plan, rng, limit) -> None:
+    src = _ids(rng, cfg, 1, 16, cfg.src_vocab_size if cfg.has_encoder else cfg.tgt_vocab_size)
+    for position in plan.positions:
+        if position + 1 > cfg.max_len and cfg.positional == "learned":
+            continue
+        try:
+            step = contender.step(src, position)
+        except Skip as reason:
+            return _skip(results, contender, "decode", reason)
+        timing = Timing.of(step, plan.warmup + 1, max(plan.repeats, 5))
+        flops = decode_step_flops(cfg, 1, position, 16 if cfg.has_encoder else 0)
+        results.decode.append({"contender": contender.name, "position": position, **vars(timing),
+                               "fraction_of_matmul_limit": flops / timing.median / limit})
+
+
+def _ratios(results: Results) -> None:
+    """Each figure relative to torch eager in the same run (> 1 is faster than torch)."""
+    reference = {(r["batch"], r["length"]): r["median"] for r in results.forward if r["contender"] == "torch"}
+    for row in results.forward:
+        base = reference.get((row["batch"], row["length"]))
+        row["speedup_vs_torch"] = base / row["median"] if base else None
+    torch_rate = next((r["tokens_per_second"] for r in results.generate
+                       if r["contender"] == "torch" and r["same_tokens"]), None)
+    for row in results.generate:
+        if row.get("same_tokens") and torch_rate:
+            row["speedup_vs_torch"] = row["tokens_per_second"] / torch_rate
+
+
+def _matrix(results: Results, backends: tuple[str, ...], log) -> None:
+    from conformance.harness import plan_matrix, run_matrix
+
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    for backend in backends:
+        start = time.perf_counter()
+        cells = run_matrix(cfg, params, plan_matrix(cfg, [backend]))
+        seconds = time.perf_counter() - start
+        ran = [c for c in cells if c.status in ("pass", "fail", "error")]
+        results.matrix.append({"backend": backend, "seconds": seconds, "cells": len(ran),
+                               "passed": sum(c.status == "pass" for c in ran)})
+        log(f"  matrix {backend:16} {len(ran)} cells in {seconds:.1f} s")
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def targets(results: Results) -> list[dict]:
+    """Where we stand on the issue's targets (only those this run measured)."""
+    found = []
+    if results.preset == "paper-base":
+        onnx = _find(results.forward, contender="onnxruntime-cpu-float32", batch=8, length=64)
+        if onnx:
+            found.append({"target": "CPU forward, batch 8, 64/64: onnxruntime >= 1.0x torch eager",
+                          "measured": f"{onnx['speedup_vs_torch']:.2f}x", "met": onnx["speedup_vs_torch"] >= 1.0})
+            found.append({"target": "CPU forward, batch 8, 64/64: onnxruntime >= 75% of the matmul limit",
+                          "measured": f"{100 * onnx['fraction_of_matmul_limit']:.0f}%",
+                          "met": onnx["fraction_of_matmul_limit"] >= 0.75})
+        ours, peer = _find(results.generate, contender="onnxruntime-cpu-float32"), _find(results.generate,
+                                                                                      contender="ctranslate2")
+        if ours and peer and ours.get("same_tokens") and peer.get("same_tokens"):
+            ratio = ours["tokens_per_second"] / peer["tokens_per_second"]
+            found.append({"target": "CPU generation, batch 8, 64 tokens: onnxruntime >= 1.0x CTranslate2 float32",
+                          "measured": f"{ratio:.2f}x", "met": ratio >= 1.0})
+    positions = sorted({r["position"] for r in results.decode})
+    if len(positions) >= 2:
+        low, high = positions[0], positions[-1]
+        for name in ("onnxruntime-cpu-float32", "torch"):
+            a, b = _find(results.decode, contender=name, position=low), _find(results.decode, contender=name, position=high)
+            if a and b:
+                ratio = b["median"] / a["median"]
+                found.append({"target": f"{name}: cached step at {high} <= 2x the step at {low}",
+                              "measured": f"{ratio:.2f}x", "met": ratio <= 2.0})
+    return found
+
+
+# ---- reports --------------------------------------------------------------------------------
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def markdown(results: Results) -> str:
+    m = results.machine
+    lines = [f"# Benchmark: {results.preset}", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores; measured float32 matrix-product limit "
+             f"{m['matmul_float32_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {m['copy_bytes_per_second'] / 1e9:.1f} GB/s.",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in results.versions.items() if v), "",
+             "## Teacher-forced forward (median ms, spread p25-p75; speed-up vs torch eager)", "",
+             "| contender | batch | length | ms | spread | tokens/s | GFLOP/s | % of limit | vs torch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results.forward:
+        lines.append(f"| {r['contender']} | {r['batch']} | {r['length']} | {_ms(r['median'])} | "
+                     f"{_ms(r['p25'])}-{_ms(r['p75'])} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['flops_per_second'] / 1e9:.2f} | {100 * r['fraction_of_matmul_limit']:.1f}% | "
+                     f"{r['speedup_vs_torch']:.2f}x |" if r.get("speedup_vs_torch") else
+                     f"| {r['contender']} | {r['batch']} | {r['length']} | {_ms(r['median'])} | "
+                     f"{_ms(r['p25'])}-{_ms(r['p75'])} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['flops_per_second'] / 1e9:.2f} | {100 * r['fraction_of_matmul_limit']:.1f}% | - |")
+    lines += ["", "## Greedy generation with the KV cache", "",
+              "| contender | tokens | ms | spread | tokens/s | vs torch |", "|---|---|---:|---:|---:|---:|"]
+    for r in results.generate:
+        if not r.get("same_tokens"):
+            lines.append(f"| {r['contender']} | {r['note']} | - | - | - | - |")
+            continue
+        speedup = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
+        lines.append(f"| {r['contender']} | {r['note']} | {_ms(r['median'])} | {_ms(r['p25'])}-{_ms(r['p75'])} | "
+                     f"{r['tokens_per_second']:,.0f} | {speedup} |")
+    positions = sorted({r["position"] for r in results.decode})
+    lines += ["", "## One decode step at position p (batch 1; ms, median)", "",
+              "| contender | " + " | ".join(f"p={p}" for p in positions) + " |",
+              "|---|" + "---:|" * len(positions)]
+    for name in dict.fromkeys(r["contender"] for r in results.decode):
+        cells = [_find(results.decode, contender=name, position=p) for p in positions]
+        lines.append(f"| {name} | " + " | ".join(_ms(c["median"]) if c else "-" for c in cells) + " |")
+    if results.matrix:
+        lines += ["", "## The conformance matrix (tiny preset)", "", "| backend | cells | passed | seconds |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {r['backend']} | {r['cells']} | {r['passed']} | {r['seconds']:.1f} |" for r in results.matrix]
+    if results.targets:
+        lines += ["", "## Targets", "", "| target | measured | met |", "|---|---:|---|"]
+        lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in results.targets]
+    if results.skipped:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {s['contender']} ({s['workload']}): {s['reason']}" for s in results.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: Results, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["contender"] for r in results.forward):
+        for length, style in zip(sorted({r["length"] for r in results.forward}), ("-", "--", ":")):
+            rows = sorted((r for r in results.forward if r["contender"] == name and r["length"] == length),
+                          key=lambda r: r["batch"])
+            axes[0].plot([r["batch"] for r in rows], [r["tokens_per_second"] for r in rows], style, marker="o",
+                         label=f"{name} L={length}")
+    axes[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title="teacher-forced forward")
+    axes[0].legend(fontsize=6)
+    for name in dict.fromkeys(r["contender"] for r in results.decode):
+        rows = sorted((r for r in results.decode if r["contender"] == name), key=lambda r: r["position"])
+        axes[1].plot([r["position"] for r in rows], [r["median"] * 1e3 for r in rows], marker="o", label=name)
+    axes[1].set(xlabel="position", ylabel="ms per step", yscale="log", title="one decode step (batch 1)")
+    axes[1].legend(fontsize=6)
+    figure.tight_layout()
+    path = directory / "bench.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    written.append(path)
+    return written
+
+
+def write(results: Results, directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "bench.json"
+    json_path.write_text(json.dumps(vars(results), indent=1, default=float) + "\n")
+    md_path = directory / "bench.md"
+    md_path.write_text(markdown(results))
+    return [json_path, md_path, *plots(results, directory)]
