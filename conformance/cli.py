@@ -8,6 +8,7 @@
                    [--device auto|cpu|cuda] [--allow-cpu-fallback] [--placement]
     rosetta bench [--preset tiny | paper-base] [--out DIR] [--contenders a,b]
     rosetta refusals [--markdown FILE]
+    rosetta differences [--markdown FILE]
     rosetta presets
     rosetta init --preset NAME [--seed N] OUT.safetensors
     rosetta info FILE.safetensors
@@ -204,6 +205,10 @@ def cmd_mutations(args: argparse.Namespace) -> int:
     print(f"\n{good} of {len(verdicts)} mutations caught and localized in {time.perf_counter() - start:.1f} s")
     if args.markdown:
         Path(args.markdown).write_text(f"# Mutation gallery ({args.preset})\n\n{table}\n")
+    if args.mistakes:
+        from conformance.mutations import mistakes_page
+
+        Path(args.mistakes).write_text(mistakes_page(verdicts, args.preset))
     return 0 if good == len(verdicts) else 1
 
 
@@ -358,6 +363,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_differences(args: argparse.Namespace) -> int:
+    """The framework-differences page: source excerpts side by side and the measured differences."""
+    from conformance.differences import differences_page
+
+    page = differences_page()
+    print(page)
+    if args.markdown:
+        Path(args.markdown).write_text(page)
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     for name in list_presets():
         cfg = get_preset(name)
@@ -406,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     mutations.add_argument("--preset", default="tiny")
     mutations.add_argument("--seed", type=int, default=0)
     mutations.add_argument("--markdown", help="also write the table to this Markdown file")
+    mutations.add_argument("--mistakes", help="also write the teaching page (docs/mistakes.md) to this file")
     mutations.set_defaults(handler=cmd_mutations)
     probe = commands.add_parser("probe", help="record what each framework's own primitives do on edge cases")
     probe.add_argument("--markdown", help="also write the table to this Markdown file")
@@ -450,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--matrix-backends", default="numpy-float32,torch,onnx",
                        help="backends whose conformance-matrix wall time is measured (or none)")
     bench.set_defaults(handler=cmd_bench)
+    differences = commands.add_parser("differences", help="where the frameworks differ: code side by side, measured")
+    differences.add_argument("--markdown", help="also write the page to this Markdown file")
+    differences.set_defaults(handler=cmd_differences)
     presets = commands.add_parser("presets", help="list the presets")
     presets.add_argument("-v", "--verbose", action="store_true", help="say where each comes from")
     presets.set_defaults(handler=cmd_presets)

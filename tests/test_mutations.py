@@ -35,6 +35,17 @@ def test_the_committed_gallery_matches_the_code():
     assert [verdict_columns(r) for r in rows] == [verdict_columns(r) for r in fresh]
 
 
+def test_the_committed_mistakes_page_matches_the_code():
+    import re
+
+    from conformance.mutations import mistakes_page
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "mistakes.md").read_text()
+    fresh = mistakes_page([run_mutation(TINY, PARAMS, m) for m in MUTATIONS], "tiny")
+    masked = lambda text: re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)  # noqa: E731 - the error figures
+    assert masked(committed) == masked(fresh), "regenerate with: rosetta mutations --mistakes docs/mistakes.md"
+
+
 def test_correct_backends_localize_to_nothing():
     for backend in ("numpy-float32", "torch"):
         localization = localize_column(TINY, PARAMS, backend, "float32", "cpu")

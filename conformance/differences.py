@@ -1,0 +1,235 @@
+"""docs/framework-differences.md, written by code so it cannot drift from the code.
+
+For each part of the model the page shows the golden's NumPy next to the PyTorch and JAX
+versions, as excerpts cut out of the real source files (by function or class name, with the
+ast module), what the ONNX export makes of it (counted in the exported graphs), and every
+difference that matters with the number measured by `rosetta probe` or computed here, and the
+command that reproduces it. ``rosetta differences --markdown docs/framework-differences.md``
+writes it; a test regenerates the page and compares.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLEMENTATIONS = {"NumPy (golden)": "impl_numpy/model.py", "PyTorch": "impl_torch/model.py", "JAX / Flax": "impl_jax/model.py"}
+
+
+def excerpt(path: str, name: str) -> str:
+    """The source of a top-level function or class, or Class.method, in a file of this repository."""
+    tree = ast.parse((ROOT / path).read_text())
+    lines = (ROOT / path).read_text().splitlines()
+    scope: list[ast.stmt] = tree.body
+    node = None
+    for part in name.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            raise KeyError(f"{path} has no {name}")
+        scope = node.body
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+    return textwrap.dedent("\n".join(lines[start:node.end_lineno]))
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    intro: str
+    names: dict[str, str]  # implementation label -> function/class name in its file
+
+
+SECTIONS = [
+    Section("Weight layouts and transposes",
+            "The spec stores a linear map as `[in, out]` and computes `x @ W + b`, as the paper writes it.",
+            {"NumPy (golden)": "linear", "PyTorch": "Transformer.from_params", "JAX / Flax": "_variable"}),
+    Section("Positional encoding layouts",
+            "PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...): interleaved in the paper, "
+            "`sinusoidal-concat` puts all sines first (tensor2tensor's layout).",
+            {name: "sinusoidal_table" for name in IMPLEMENTATIONS}),
+    Section("Where 1/√d_k is applied, mask polarity and rows with no key",
+            "softmax(QKᵀ/√d_k)V with a boolean keep-mask (True = may attend); a query row with no key "
+            "outputs zeros (SPEC.md §6).",
+            {name: "scaled_dot_product_attention" for name in IMPLEMENTATIONS}),
+    Section("Splitting heads",
+            "Heads are contiguous blocks of d_k columns: [B, T, d] → [B, H, T, d_k].",
+            {name: "split_heads" for name in IMPLEMENTATIONS}),
+    Section("LayerNorm: variance and eps",
+            "γ (x − μ) / √(σ² + ε) + β with the biased variance and the config's ε.",
+            {"NumPy (golden)": "layer_norm", "PyTorch": "Norm", "JAX / Flax": "Norm"}),
+    Section("GELU",
+            "`gelu` is the exact erf form; `gelu-tanh` the tanh approximation. The config chooses.",
+            {"NumPy (golden)": "gelu", "PyTorch": "ACTIVATIONS", "JAX / Flax": "gelu"}),
+    Section("Matmul precision (TF32)",
+            "Conformance states the float32 matmul precision on every run ('highest'); the `tf32` column "
+            "of the matrix is the same float32 model with TF32 matmuls, on CUDA only.",
+            {"PyTorch": "conformance/backends/torch_backend.py::matmul_precision",
+             "JAX / Flax": "conformance/backends/jax_backend.py::JaxRunner._scope"}),
+    Section("KV-cache shapes",
+            "L decoder layers × (keys, values) of [B, H, P, d_k], plus the keep-vector of the P positions.",
+            {name: "KVCache" for name in IMPLEMENTATIONS}),
+]
+
+
+def _assignment(path: str, name: str) -> str:
+    """The source of a top-level assignment (e.g. a dict of activations)."""
+    tree = ast.parse((ROOT / path).read_text())
+    lines = (ROOT / path).read_text().splitlines()
+    for node in tree.body:
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return "\n".join(lines[node.lineno - 1:node.end_lineno])
+    raise KeyError(f"{path} has no {name}")
+
+
+def source_of(path: str, name: str) -> str:
+    return _assignment(path, name) if name.isupper() else excerpt(path, name)
+
+
+# ---- numbers computed here ---------------------------------------------------------------------
+
+def _positional_errors() -> dict[str, float]:
+    """Max |PE - golden| over positions 0..4095, d 512: float64 angles rounded to float32 at the
+    end (what impl_torch/impl_jax do) against float32 angles (what a float32 arange would give)."""
+    import impl_numpy as golden
+
+    positions = np.arange(4096)
+    exact = golden.sinusoidal_table(positions, 512, "sinusoidal")
+    rounded_at_end = exact.astype(np.float32)
+    inverse = (10000.0 ** (-np.arange(0, 512, 2, dtype=np.float32) / np.float32(512))).astype(np.float32)
+    angles = positions.astype(np.float32)[:, None] * inverse[None, :]
+    in_float32 = np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(4096, 512)
+    return {"float64 angles": float(np.abs(rounded_at_end - exact).max()),
+            "float32 angles": float(np.abs(in_float32 - exact).max())}
+
+
+def _onnx_ops() -> dict[str, Counter]:
+    """Operator counts in the tiny preset's exported forward graph at opsets 23 and 20."""
+    import onnx
+
+    from export.cache import exported
+    from spec import get_preset, init_params
+
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    counts = {}
+    for opset in (23, 20):
+        graph = onnx.load(str(exported(cfg, params, opset=opset) / "forward.onnx")).graph
+        counts[str(opset)] = Counter(node.op_type for node in graph.node)
+    return counts
+
+
+def _kv_names() -> tuple[list[str], list[str]]:
+    from export.graphs import DECODER_WITH_PAST, signature
+    from spec import get_preset
+
+    sig = signature(get_preset("tiny"), DECODER_WITH_PAST)
+    return ([f"`{t.name}` {list(t.dims)}" for t in sig.inputs if t.name.startswith("past")][:2],
+            [f"`{t.name}` {list(t.dims)}" for t in sig.outputs if t.name.startswith("present")][:2])
+
+
+# ---- the page ----------------------------------------------------------------------------------
+
+def _probe(observed, topic: str, primitive: str) -> str:
+    for probe, result in observed:
+        if probe.topic == topic and probe.primitive == primitive:
+            return result
+    raise KeyError(f"no probe {topic} / {primitive}")
+
+
+def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]) -> dict[str, list[str]]:
+    p = lambda topic, primitive: _probe(observed, topic, primitive)  # noqa: E731
+    past, present = _kv_names()
+    linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
+    return {
+        "Weight layouts and transposes": [
+            "PyTorch's `nn.Linear` stores `[out, in]` and computes `x @ Wᵀ`: every Linear weight is transposed "
+            "on the way in and out, nothing else changes (`tests/test_torch.py`).",
+            "Flax's `nnx.Linear` kernel is `[in, out]` like the spec: no transpose, only the leaf name "
+            "(`kernel` for `weight`, `embedding` for an embedding's `weight`).",
+            f"ONNX (torch export): the tiny forward graph holds {linear_ops['23']} MatMul/Gemm nodes whose weights are "
+            "initializers in the exporter's own layout; the graph's metadata carries the weights' SHA-256, so "
+            "a graph is tied to the file it came from (`rosetta export`).",
+        ],
+        "Positional encoding layouts": [
+            f"Angles in float64, rounded to float32 at the end (impl_torch, impl_jax, the golden at float32): "
+            f"max error {positional['float64 angles']:.1e} over positions 0–4095 at d=512; the same table from "
+            f"float32 angles: {positional['float32 angles']:.1e}. (`rosetta differences` computes both.)",
+            "impl_jax makes the table on the host in NumPy (JAX has float64 only in x64 mode); so its ONNX export "
+            "holds a table of max_len positions, while the torch export computes the sinusoids in the graph "
+            "(docs/onnx.md).",
+        ],
+        "Where 1/√d_k is applied, mask polarity and rows with no key": [
+            f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention (CPU)')}; "
+            f"`nn.MultiheadAttention`: {p('fully masked row', 'torch nn.MultiheadAttention')}; "
+            f"`jax.nn.dot_product_attention`: {p('fully masked row', 'jax.nn.dot_product_attention')}; "
+            f"onnxruntime `Attention`: {p('fully masked row', 'onnxruntime Attention')}. Every implementation "
+            "enforces the spec's zeros itself (`rosetta probe`).",
+            f"Mask polarity: SDPA's boolean mask is True = attend ({p('mask forms', 'torch F.scaled_dot_product_attention')}); "
+            "`nn.MultiheadAttention`'s `key_padding_mask` is the opposite (True = ignore).",
+            f"Fill values before a softmax, for an all-masked row: {p('fill values, all-masked row', 'torch.softmax after a fill')} "
+            "(`rosetta probe`); no fill gives the spec's zeros, hence the explicit row rule.",
+            f"`jax.nn.dot_product_attention` at float64: {p('float64 attention', 'jax.nn.dot_product_attention')} "
+            "(its softmax is always float32), so impl_jax sends float64 through its explicit path.",
+            f"ONNX: at opset 23 the tiny forward graph has {ops['23']['Attention']} `Attention` nodes and "
+            f"{ops['23']['Softmax']} `Softmax`; at opset 20 it has {ops['20']['Attention']} and {ops['20']['Softmax']}. "
+            f"onnxruntime's Attention and a `[B,1,1,K]` mask: {p('mask broadcasting', 'onnxruntime Attention')}.",
+        ],
+        "Splitting heads": [
+            "The same reshape-then-transpose in all three; reshaping `[B, T, d]` straight to `[B, H, T, d_k]` "
+            "without the transpose is mutation `heads_reshape` (docs/mutation-gallery.md).",
+            "`jax.nn.dot_product_attention` wants `[B, T, H, d_k]` (heads after the sequence axis): impl_jax "
+            "swaps axes around the call.",
+        ],
+        "LayerNorm: variance and eps": [
+            f"`torch.nn.LayerNorm` default: {p('LayerNorm defaults', 'torch.nn.LayerNorm')}; "
+            f"`flax.nnx.LayerNorm` default: {p('LayerNorm defaults', 'flax.nnx.LayerNorm')} (E[x²] − E[x]², one pass). "
+            "Our norms pass the config's eps and take two passes.",
+            "Half-precision activations: both frameworks take the statistics in float32 and cast back.",
+        ],
+        "GELU": [
+            f"`torch.nn.functional.gelu` default: {p('GELU default', 'torch.nn.functional.gelu')}; "
+            f"`jax.nn.gelu` default: {p('GELU default', 'jax.nn.gelu')}. Both are chosen explicitly from the config.",
+        ],
+        "KV-cache shapes": [
+            "impl_torch grows the cache by concatenation (new shapes are free in eager PyTorch); impl_jax "
+            "preallocates `capacity` positions and writes with `dynamic_update_slice`, because XLA compiles "
+            "once per shape.",
+            f"The ONNX decoder_with_past graph takes {', '.join(past)}, … and returns {', '.join(present)}, …; "
+            "the runner keeps them on the device between steps.",
+        ],
+        "Matmul precision (TF32)": [
+            f"torch's default here: {p('matmul precision', 'torch')}; jax's: {p('matmul precision', 'jax')}. "
+            "On NVIDIA GPUs JAX's default float32 matmul rounds its inputs to TF32, PyTorch's does not; "
+            "both backends therefore state the precision on every run (`rosetta probe`).",
+            "ONNX graphs carry no precision setting: on CUDA, onnxruntime's provider options decide (not "
+            "measured here without a GPU; `rosetta check --devices cuda` measures the result).",
+        ],
+    }
+
+
+def differences_page() -> str:
+    from conformance.probe import framework_versions, run_probes
+
+    observed = run_probes()
+    found = _differences(observed, _positional_errors(), _onnx_ops())
+    versions = framework_versions()
+    lines = ["# Where the frameworks differ, side by side", "",
+             "Generated by `rosetta differences --markdown docs/framework-differences.md` from the source files "
+             "and from measurements made by the same run (`rosetta probe` for the frameworks' own primitives); "
+             "a test regenerates it. The three implementations are parallel texts: same names, same order.", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    for section in SECTIONS:
+        lines += [f"## {section.title}", "", section.intro, ""]
+        for label, name in section.names.items():
+            path, name = name.split("::") if "::" in name else (IMPLEMENTATIONS[label], name)
+            lines += [f"**{label}** — `{path}` · `{name}`", "", "```python", source_of(path, name), "```", ""]
+        lines += ["What differs, measured:", ""]
+        lines += [f"- {item}" for item in found[section.title]]
+        lines.append("")
+    return "\n".join(lines)

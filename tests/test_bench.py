@@ -1,0 +1,90 @@
+"""rosetta bench: the CTranslate2 peer is the same model as the golden before it is timed, the
+FLOP count is the documented formula, and a tiny run produces every report (no timing asserted:
+performance belongs in benchmarks, never in tests)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import impl_numpy as golden
+from benchmarks.limits import decode_step_flops, forward_flops
+from spec import get_preset, init_params
+
+TINY = get_preset("tiny")
+
+
+def _log_softmax(x):
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY.replace(norm_position="pre", final_norm=True, activation="gelu",
+                                                    share_src_tgt_embed=True, src_vocab_size=80, tie_head=False,
+                                                    head_bias=True, qkv_bias=False)],
+                         ids=["tiny", "tiny-pre_gelu_shared_untied"])
+def test_ctranslate2_scores_equal_the_golden(tmp_path, cfg):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from benchmarks.ctranslate2_peer import convert, greedy
+
+    params = init_params(cfg, seed=2)
+    translator = ctranslate2.Translator(str(convert(cfg, params, tmp_path / "ct2")), device="cpu",
+                                        compute_type="float32")
+    rng = np.random.default_rng(0)
+    src, tgt = rng.integers(3, 80, (3, 7)), rng.integers(3, 80, (3, 5))
+    scored = translator.score_batch([[str(t) for t in row] for row in src], [[str(t) for t in row] for row in tgt])
+    got = np.array([result.log_probs for result in scored])  # log p(t_1..t_5, eos)
+    tgt_in = np.concatenate([np.ones((3, 1), np.int64), tgt], axis=1)  # bos first
+    log_probs = _log_softmax(golden.forward(cfg, params, src, tgt_in))
+    targets = np.concatenate([tgt, np.full((3, 1), 2)], axis=1)
+    want = np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    tokens = greedy(translator, cfg, src, 8)
+    np.testing.assert_array_equal(tokens, golden.greedy_generate(cfg, params, src, bos_id=1, eos_id=2, max_new_tokens=8))
+
+
+def test_ctranslate2_refuses_what_it_cannot_express():
+    from benchmarks.ctranslate2_peer import Unsupported, convert
+
+    cfg = get_preset("char-lm")
+    with pytest.raises(Unsupported, match="decoder-only"):
+        convert(cfg, init_params(cfg), "/nonexistent")
+    with pytest.raises(Unsupported, match="'std' norm"):
+        convert(TINY.replace(norm="std"), init_params(TINY.replace(norm="std")), "/nonexistent")
+
+
+def test_flop_count_is_the_documented_formula():
+    d, f, v, layers = 64, 256, 80, 2  # tiny
+    batch, s, t = 3, 5, 4
+    encoder = layers * s * (4 * d * d + 2 * d * s + 2 * d * f)
+    decoder = layers * t * (4 * d * d + 2 * d * t + 2 * d * d + 2 * d * s + 2 * d * f) + layers * s * 2 * d * d
+    assert forward_flops(TINY, batch, s, t) == 2 * batch * (encoder + decoder + t * d * v)
+    step = layers * (4 * d * d + 2 * d * (9 + 1) + 2 * d * d + 2 * d * s + 2 * d * f) + d * v
+    assert decode_step_flops(TINY, batch, 9, s) == 2 * batch * step
+    # the rule of thumb: 2 FLOPs per weight a token passes through, plus a little attention
+    base = get_preset("paper-base")
+    d, f, v = base.d_model, base.d_ff, base.tgt_vocab_size
+    encoder_weights, decoder_weights = 6 * (4 * d * d + 2 * d * f), 6 * (8 * d * d + 2 * d * f) + d * v
+    rule_of_thumb = 2 * 64 * (encoder_weights + decoder_weights)
+    assert rule_of_thumb < forward_flops(base, 1, 64, 64) < 1.1 * rule_of_thumb
+
+
+@pytest.mark.slow
+def test_bench_tiny_writes_every_report(tmp_path, capsys):
+    from conformance.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--preset", "tiny", "--out", str(out), "--matrix-backends", "numpy-float32"]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 0 and "vs torch" in (out / "bench.md").read_text()
+    assert results["machine"]["matmul_float32_flops"] > 0 and results["machine"]["copy_bytes_per_second"] > 0
+    forward = {r["contender"] for r in results["forward"]}
+    assert {"numpy-float64", "torch", "torch.compile", "jax", "onnxruntime-cpu-float32"} <= forward
+    assert all(r["speedup_vs_torch"] > 0 for r in results["forward"])
+    generated = {r["contender"]: r for r in results["generate"]}
+    assert {"torch", "jax", "onnxruntime-cpu-float32", "ctranslate2"} <= set(generated)
+    assert all(r["same_tokens"] for r in generated.values()), [r["note"] for r in generated.values()]
+    positions = {r["position"] for r in results["decode"] if r["contender"] == "onnxruntime-cpu-float32"}
+    assert len(positions) == 4
+    assert results["matrix"][0]["cells"] == results["matrix"][0]["passed"] > 0
+    assert all(s["reason"] for s in results["skipped"])

@@ -1,0 +1,77 @@
+"""The docs stay honest: every `rosetta` command they quote parses with today's CLI, every code
+excerpt on the generated pages is the source as it is, and the generated pages are what their
+generators write today (measured numbers masked: they may move in the last digit between
+machines, the text around them may not)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import build_parser
+from conformance.differences import differences_page, excerpt
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _quoted_commands():
+    for page in PAGES:
+        in_code = False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                in_code = not in_code
+                continue
+            text = line.strip().removeprefix("$ ")
+            if in_code and text.startswith("rosetta "):
+                yield pytest.param(page.name, text.split("  #")[0].split(" # ")[0].strip(),
+                                   id=f"{page.name}:{text[:50]}")
+
+
+@pytest.mark.parametrize("page, command", list(_quoted_commands()))
+def test_quoted_commands_parse(page, command):
+    argv = shlex.split(command)[1:]
+    argv = [word for word in argv if word not in ("...", "…") and not word.startswith("(")]
+    argv = [re.sub(r"\[|\]", "", word).split("|")[0] for word in argv]  # "[--dtype a|b]" -> "--dtype a"
+    argv = [word for word in argv if word and word != "|"]
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as error:
+        pytest.fail(f"{page}: `{command}` does not parse (exit {error.code})")
+
+
+def test_there_are_commands_to_check():
+    assert len(list(_quoted_commands())) >= 15
+
+
+def _excerpt_blocks(text: str):
+    """(path, name, code) for each '**label** — `path` · `name`' heading followed by a python block."""
+    pattern = re.compile(r"— `([^`]+)` · `([^`]+)`\n\n```python\n(.*?)\n```", re.S)
+    return pattern.findall(text)
+
+
+def test_excerpts_are_the_source_as_it_is():
+    from conformance.differences import source_of
+
+    blocks = _excerpt_blocks((ROOT / "docs" / "framework-differences.md").read_text())
+    assert len(blocks) >= 20
+    for path, name, code in blocks:
+        assert code == source_of(path, name), f"the excerpt of {path}:{name} is stale"
+
+
+def _masked(text: str) -> str:
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)
+
+
+def test_the_differences_page_is_current():
+    expected = differences_page()
+    assert _masked((ROOT / "docs" / "framework-differences.md").read_text()) == _masked(expected), \
+        "regenerate with: rosetta differences --markdown docs/framework-differences.md"
+
+
+def test_excerpt_finds_functions_methods_and_refuses_unknown_names():
+    assert excerpt("impl_numpy/model.py", "softmax").startswith("def softmax(")
+    assert excerpt("impl_torch/model.py", "Transformer.from_params").startswith("@classmethod")
+    with pytest.raises(KeyError, match="no_such_function"):
+        excerpt("impl_numpy/model.py", "no_such_function")
