@@ -49,6 +49,15 @@ class Contender:
             return {"src_ids": src, "bos_id": BOS_ID}
         return {"prompt_ids": src}
 
+    def _cached_step(self, src: np.ndarray, past_len: int) -> Callable[[], object]:
+        """For a model with start_cache(batch, src) and decode_step(cache, ids) (impl_torch, the
+        onnxruntime runner): prefill past_len positions, then return one more step to time."""
+        batch = len(src)
+        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
+        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
+        token = self._prefix(batch, 1)
+        return lambda: self.model.decode_step(cache, token)
+
     def _prefix(self, batch: int, past_len: int) -> np.ndarray:
         return np.full((batch, past_len), 3 % self.cfg.tgt_vocab_size, dtype=np.int64)
 
@@ -97,11 +106,7 @@ class TorchEager(Contender):
                                           max_new_tokens=max_new_tokens).numpy()
 
     def step(self, src, past_len):
-        batch = len(src)
-        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
-        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
-        token = self._prefix(batch, 1)
-        return lambda: self.model.decode_step(cache, token)
+        return self._cached_step(src, past_len)
 
 
 class TorchNoCache(TorchEager):
@@ -199,11 +204,7 @@ class OnnxRuntime(Contender):
                                           max_new_tokens=max_new_tokens)
 
     def step(self, src, past_len):
-        batch = len(src)
-        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
-        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
-        token = self._prefix(batch, 1)
-        return lambda: self.model.decode_step(cache, token)
+        return self._cached_step(src, past_len)
 
 
 class CTranslate2(Contender):

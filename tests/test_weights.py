@@ -14,7 +14,7 @@ from spec import (
     params_digest,
     save_weights,
 )
-from spec.version import FORMAT_NAME
+from conformance.refusals import weights_metadata
 
 TINY = get_preset("tiny")
 
@@ -49,10 +49,7 @@ def _write_raw(path, tensors, metadata):
 
 
 def _metadata(cfg=TINY, **changes):
-    metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "spec_version": "1.0",
-                "config": cfg.to_json()}
-    metadata.update(changes)
-    return {k: v for k, v in metadata.items() if v is not None}
+    return weights_metadata(cfg, **changes)
 
 
 def _tensors(params, **changes):
