@@ -119,7 +119,7 @@ def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[st
     plan = plan or PLANS.get(preset, DEFAULT_PLAN)
     params = init_params(cfg, seed=0)
     rng = np.random.default_rng(0)
-    log(f"measuring the machine's limits ...")
+    log("measuring the machine's limits ...")
     results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny"), _versions())
     limit = results.machine["matmul_float32_flops"]
     chosen = [c for c in contenders(devices) if names is None or c.name in names]

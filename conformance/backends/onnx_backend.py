@@ -98,8 +98,8 @@ class OnnxJaxBackend(OnnxBackend):
     framework = "jax"
 
     def availability(self) -> str | None:
-        try:
-            import jax2onnx  # noqa: F401
-        except ImportError as error:
-            return f"jax2onnx is not installed ({error})"
+        import importlib.util
+
+        if importlib.util.find_spec("jax2onnx") is None:
+            return "jax2onnx is not installed (the Makefile installs it with --no-deps)"
         return None
