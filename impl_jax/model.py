@@ -21,6 +21,7 @@ Numerics are explicit, not left to JAX's defaults:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -418,7 +419,7 @@ class Transformer(nnx.Module):
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
         src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src_keep"))
         with jax.default_matmul_precision(self.precision):
-            return _forward(self, src, tgt, src_keep, tgt_keep)
+            return _bound(self, _forward)(src, tgt, src_keep, tgt_keep)
 
     # ---- incremental decoding ----
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":
@@ -448,6 +449,20 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
 def _as_ids(ids) -> jax.Array:
     """int32 ids: JAX has int64 only in x64 mode, and the spec's ids fit int32."""
     return jnp.asarray(np.asarray(ids), dtype=jnp.int32)
+
+
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bound(model: Transformer, function: Callable) -> Callable:
+    """An nnx.jit function with the model's graph traversal done once. nnx.jit walks the whole
+    module graph on every call (~8 ms of a tiny decode step's ~11 ms on our CPU, see
+    docs/benchmarks.md); nnx.cached_partial walks it once and still sees later assignments to the
+    model's variables, because its clones share the same Variable objects."""
+    per_model = _BOUND.setdefault(model, {})
+    if function not in per_model:
+        per_model[function] = nnx.cached_partial(function, model)
+    return per_model[function]
 
 
 @nnx.jit
@@ -512,7 +527,7 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
                          f"{tgt_ids.shape[1]} more do not fit (start the cache with a larger capacity)")
     keep = model._keep(tgt_ids, tgt_keep, "tgt_keep")
     with jax.default_matmul_precision(model.precision):
-        return _decode_step(model, cache, _as_ids(tgt_ids), keep)
+        return _bound(model, _decode_step)(cache, _as_ids(tgt_ids), keep)
 
 
 def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, new_keep: jax.Array) -> tuple[jax.Array, KVCache]:
