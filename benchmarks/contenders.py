@@ -123,11 +123,7 @@ class TorchNoCache(TorchEager):
     def step(self, src, past_len):
         prefix = self._prefix(len(src), past_len + 1)
         source = src if self.cfg.has_encoder else None
-        return lambda: self.forward_all(source, prefix)
-
-    def forward_all(self, src, tgt):
-        with self.torch.inference_mode():
-            self.model(src, tgt)
+        return lambda: TorchEager.forward(self, source, prefix)
 
 
 class TorchCompiled(TorchEager):

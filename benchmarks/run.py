@@ -169,6 +169,7 @@ def _forward(results, contender, cfg, plan, rng, limit) -> None:
 
 
 def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> None:
+    from conformance.cases import SUBLAYERS
     from conformance.tolerance import compare_generation, tolerance
 
     try:
@@ -176,8 +177,8 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
     except Skip as reason:
         return _skip(results, contender, "generate", reason)
     if contender.dtype == "float16":
-        depth = 2 * cfg.n_encoder_layers + 3 * cfg.n_decoder_layers + 2
-        check = compare_generation(tokens, want_tokens, step_logits, tolerance("float16", cfg.d_ff, depth))
+        relative = tolerance("float16", cfg.d_ff, SUBLAYERS["generate"].depth(cfg))
+        check = compare_generation(tokens, want_tokens, step_logits, relative)
         same, note = check.passed, check.reason or "equal to the golden's (near-ties allowed at float16)"
     else:
         same = np.array_equal(tokens, want_tokens)

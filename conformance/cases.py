@@ -290,6 +290,18 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
     raise KeyError(f"unknown sublayer {sublayer!r}")
 
 
+def decode_steps(inputs: dict[str, Any], cache: Any, decode_step: Callable[[Any, np.ndarray], tuple[Any, Any]]) -> list:
+    """The decode case's protocol, for every backend: prefill tgt_ids[:, :prefix] into `cache` in
+    one chunk, then feed one token per step; returns each step's logits [B, 1, V]."""
+    tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
+    _, cache = decode_step(cache, tgt_ids[:, :prefix])
+    steps = []
+    for t in range(prefix, tgt_ids.shape[1]):
+        logits, cache = decode_step(cache, tgt_ids[:, t:t + 1])
+        steps.append(logits)
+    return steps
+
+
 def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     """The mask cases of a sublayer that make sense for this config."""
     spec_ = SUBLAYERS[sublayer]

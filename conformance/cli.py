@@ -228,6 +228,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
     import impl_numpy as golden
+    from conformance.cases import SUBLAYERS
     from conformance.tolerance import compare, tolerance
     from export.runner import OnnxTransformer
 
@@ -248,9 +249,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         rng = np.random.default_rng(0)
         tgt = rng.integers(1, cfg.tgt_vocab_size, (2, 5))
         src = rng.integers(1, cfg.src_vocab_size, (2, 7)) if cfg.has_encoder else None
-        depth = 2 * cfg.n_encoder_layers + 3 * cfg.n_decoder_layers + 2
         result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
-                         tolerance(args.dtype, max(cfg.d_model, cfg.d_ff, 100), depth))
+                         tolerance(args.dtype, max(cfg.d_model, cfg.d_ff, 100), SUBLAYERS["forward"].depth(cfg)))
         print(f"forward graph vs golden (batch 2, onnxruntime CPU): max|error| / tolerance = "
               f"{result.max_abs_err / result.tol:.3f} ({'pass' if result.passed else 'FAIL'})")
         if not result.passed:

@@ -115,8 +115,21 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
         for case in plan.cases:
             if matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
                 results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason))
-    work = [(case, column) for column in plan.columns for case in plan.cases
-            if matches(cell_id(case.sublayer, case.mask_case, column[1], column[0], column[2]), pattern)]
+    work = []
+    for column in plan.columns:
+        name, dtype, device = column
+        # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
+        # is not made for a column whose every cell would be skipped
+        backend, _ = get_backend(name)
+        why_not = getattr(backend, "supports_sublayer", lambda sublayer: None)
+        for case in plan.cases:
+            if not matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
+                continue
+            if (why := why_not(case.sublayer)) is not None:
+                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP,
+                                          reason=f"not supported: {why}"))
+            else:
+                work.append((case, column))
     golden_runner = NumpyRunner(cfg, params, "float64")
     references: dict[str, object] = {}
     runners: dict[tuple[str, str, str], object] = {}
@@ -138,12 +151,8 @@ def _run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refer
     start = time.perf_counter()
     try:
         key = (name, dtype, device)
-        backend, _ = get_backend(name)
-        # known up front, so a backend whose load is costly (an ONNX export) is not loaded for nothing
-        why = getattr(backend, "supports_sublayer", lambda sublayer: None)(case.sublayer)
-        if why is not None:
-            raise NotSupported(why)
         if key not in runners:
+            backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         output = runners[key].run(case.sublayer, case.inputs)
     except NotSupported as reason:

@@ -53,22 +53,25 @@ def weights_metadata(cfg: ModelConfig = TINY, **changes: str | None) -> dict[str
     return {key: value for key, value in metadata.items() if value is not None}
 
 
-def _safetensors(tensors: Mapping[str, np.ndarray] | None = None, metadata: Mapping[str, str] | None = None,
-                 **changes: np.ndarray | None) -> Callable[[Path], Path]:
-    """A real safetensors file with the given tensors (default tiny's) and metadata; a change
-    name uses '__' for '.', and None removes the tensor."""
+def changed_tensors(tensors: Mapping[str, np.ndarray], **changes: np.ndarray | None) -> dict[str, np.ndarray]:
+    """A copy of tensors with changes: a change's name uses '__' for '.', and None removes the tensor."""
+    changed = dict(tensors)
+    for name, value in changes.items():
+        name = name.replace("__", ".")
+        if value is None:
+            changed.pop(name)
+        else:
+            changed[name] = value
+    return changed
+
+
+def _safetensors(metadata: Mapping[str, str] | None = None, **changes: np.ndarray | None) -> Callable[[Path], Path]:
+    """A real safetensors file of tiny's tensors with changes (changed_tensors) and this metadata."""
     def make(folder: Path) -> Path:
         from safetensors.numpy import save_file
 
-        chosen = dict(_params() if tensors is None else tensors)
-        for name, value in changes.items():
-            name = name.replace("__", ".")
-            if value is None:
-                chosen.pop(name)
-            else:
-                chosen[name] = value
         path = folder / "bad.safetensors"
-        save_file(chosen, str(path), metadata=None if metadata is None else dict(metadata))
+        save_file(changed_tensors(_params(), **changes), str(path), metadata=None if metadata is None else dict(metadata))
         return path
     return make
 
@@ -379,8 +382,8 @@ def observe_weights(frameworks: tuple[str, ...] = ("torch", "jax")) -> list[Obse
 class _Models:
     """Each backend's model for each MODELS entry, built on first use."""
 
-    def __init__(self, backends: tuple[str, ...]):
-        self.backends, self.cache = backends, {}
+    def __init__(self):
+        self.cache = {}
 
     def get(self, backend: str, model: str):
         key = (backend, model)
@@ -456,7 +459,7 @@ def applies(backend: str, case: BadInput) -> str | None:
 
 
 def observe_inputs(backends: tuple[str, ...] = ("golden", "torch", "jax", "onnx")) -> list[Observation]:
-    models = _Models(backends)
+    models = _Models()
     observations = []
     with tempfile.TemporaryDirectory() as folder:
         for case in BAD_INPUTS:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from spec import ModelConfig
 
 FORWARD, ENCODER, DECODER_FIRST, DECODER_WITH_PAST = "forward", "encoder", "decoder_first", "decoder_with_past"
@@ -84,3 +86,26 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     return GraphSignature(role, tgt + past + cross,
                           (logits,) + _kv("present", cfg, "past_len+tgt_len")
                           + (Tensor("present_keep", "keep", ("batch", "past_len+tgt_len")),))
+
+
+# Example sizes. torch.export treats an axis of size 0 or 1 as a constant, so every dynamic
+# axis is traced at 2 or more; the graphs then run at any size (the tests run 1).
+EXAMPLE_SIZES = {"batch": 2, "src_len": 5, "tgt_len": 3, "past_len": 4}
+
+
+def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndarray]:
+    """Valid inputs of a graph's signature at EXAMPLE_SIZES: ids of real tokens (never pad_id),
+    keep-vectors all True, random floats in the export's dtype. For tracing and for profiling."""
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for tensor in signature(cfg, role).inputs:
+        shape = [EXAMPLE_SIZES[d] if isinstance(d, str) else d for d in tensor.dims]
+        if tensor.kind == "ids":
+            vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
+            ids = rng.integers(0, vocab - 1, shape)
+            inputs[tensor.name] = np.where(ids >= cfg.pad_id, ids + 1, ids).astype(np.int64)
+        elif tensor.kind == "keep":
+            inputs[tensor.name] = np.ones(shape, dtype=bool)
+        else:
+            inputs[tensor.name] = rng.standard_normal(shape).astype(dtype)
+    return inputs

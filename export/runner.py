@@ -29,8 +29,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, signature
-from export.onnx_model import ExportError, metadata
+from export.graphs import DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, example_inputs
+from export.onnx_model import METADATA_PREFIX, ExportError
 from spec import ModelConfig
 from spec.errors import InputError
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
@@ -142,7 +142,17 @@ class OnnxTransformer:
 
     def _session(self, role: str, file: str) -> ort.InferenceSession:
         path = self.directory / file
-        stamp = metadata(onnx.load(str(path), load_external_data=False))
+        try:
+            session = ort.InferenceSession(str(path), self.options, providers=self.providers)
+        except Exception as error:
+            if self.device == "cuda":
+                raise ProviderFallbackError(
+                    f"{path.name}: a CUDA session could not place every node on the CUDA provider "
+                    f"({error}); pass on_fallback='warn' to run the rest on the CPU") from error
+            raise
+        # the graph's own stamp, read from the loaded session rather than by parsing the file again
+        stamp = {key[len(METADATA_PREFIX):]: value for key, value in session.get_modelmeta().custom_metadata_map.items()
+                 if key.startswith(METADATA_PREFIX)}
         for key in ("config", "params_sha256", "dtype"):
             expected = self.manifest[key] if key != "config" else self.cfg.to_json()
             found = stamp.get(key)
@@ -153,14 +163,6 @@ class OnnxTransformer:
                                   "the directory mixes graphs from different exports")
         if stamp.get("role") != role:
             raise ExportError(f"{path.name}: its metadata says role {stamp.get('role')!r}, manifest.json says {role!r}")
-        try:
-            session = ort.InferenceSession(str(path), self.options, providers=self.providers)
-        except Exception as error:
-            if self.device == "cuda":
-                raise ProviderFallbackError(
-                    f"{path.name}: a CUDA session could not place every node on the CUDA provider "
-                    f"({error}); pass on_fallback='warn' to run the rest on the CPU") from error
-            raise
         if self.device == "cuda" and CUDA not in session.get_providers():
             self._fallback(f"{path.name}: onnxruntime started the session on {session.get_providers()} only")
         return session
@@ -293,27 +295,10 @@ class OnnxTransformer:
         """{role: {provider: [node names]}} from one profiled run of each graph on small inputs."""
         report = {}
         for role, file in self.manifest["graphs"].items():
-            feeds = example_feeds(self.cfg, role, self.dtype)
+            feeds = example_inputs(self.cfg, role, self.dtype)
             report[role] = node_placement(self.directory / file, self.options, self.providers, feeds)
         return report
 
 
 def _names(prefix: str, cfg: ModelConfig) -> list[str]:
     return [f"{prefix}.{i}.{part}" for i in range(cfg.n_decoder_layers) for part in ("key", "value")]
-
-
-def example_feeds(cfg: ModelConfig, role: str, dtype: str, sizes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Small valid inputs for a graph role (ids of real tokens, keeps all True, random floats)."""
-    sizes = {"batch": 2, "src_len": 3, "tgt_len": 2, "past_len": 3, **(sizes or {})}
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for tensor in signature(cfg, role).inputs:
-        shape = [sizes[d] if isinstance(d, str) else d for d in tensor.dims]
-        if tensor.kind == "ids":
-            vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
-            feeds[tensor.name] = np.full(shape, (cfg.pad_id + 1) % vocab, dtype=np.int64)
-        elif tensor.kind == "keep":
-            feeds[tensor.name] = np.ones(shape, dtype=bool)
-        else:
-            feeds[tensor.name] = rng.standard_normal(shape).astype(dtype)
-    return feeds

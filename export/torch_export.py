@@ -18,17 +18,13 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_WITH_PAST, ENCODER, FORWARD, GraphSignature, roles,
-                           signature)
+from export.graphs import (DECODER_WITH_PAST, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs,
+                           roles, signature)
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import Transformer, _causal_mask, _key_mask, residual
 from spec import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-# Example sizes for tracing. torch.export treats a dimension of size 0 or 1 as a constant, so
-# every dynamic axis is traced at 2 or more; the graphs then run at any size (tests run 1).
-EXAMPLE = {"batch": 2, "src_len": 5, "tgt_len": 3, "past_len": 4}
 
 
 class ForwardGraph(nn.Module):
@@ -54,7 +50,8 @@ class EncoderGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, src_ids: torch.Tensor, src_keep: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        src_ids, src_keep = tensors
         memory = self.model.encode(src_ids, src_keep)
         cross = []
         for layer in self.model.decoder.layers:
@@ -111,27 +108,10 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
     return DecoderGraph(model, with_past=role == DECODER_WITH_PAST)
 
 
-def _example(cfg: ModelConfig, sig: GraphSignature, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Example inputs of the signature's shapes (token ids are real tokens, keeps all True)."""
-    generator = torch.Generator().manual_seed(0)
-    tensors = []
-    for tensor in sig.inputs:
-        shape = [EXAMPLE[d] if isinstance(d, str) else d for d in tensor.dims]
-        if tensor.kind == "ids":
-            vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
-            ids = torch.randint(0, vocab - 1, shape, generator=generator)
-            tensors.append(torch.where(ids >= cfg.pad_id, ids + 1, ids))
-        elif tensor.kind == "keep":
-            tensors.append(torch.ones(shape, dtype=torch.bool))
-        else:
-            tensors.append(torch.randn(shape, generator=generator).to(dtype))
-    return tuple(tensors)
-
-
 def _dynamic_shapes(sig: GraphSignature) -> tuple:
-    dims = {name: torch.export.Dim(name, min=1) for name in EXAMPLE}
-    per_input = tuple({axis: dims[d] for axis, d in enumerate(t.dims) if isinstance(d, str)} for t in sig.inputs)
-    return per_input
+    """Each input's dynamic axes as torch.export dimensions, shared by name across inputs."""
+    dims = {name: torch.export.Dim(name, min=1) for name in EXAMPLE_SIZES}
+    return tuple({axis: dims[d] for axis, d in enumerate(t.dims) if isinstance(d, str)} for t in sig.inputs)
 
 
 def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str, *, dtype: str = "float32",
@@ -140,7 +120,7 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
     cfg = model.cfg
     sig = signature(cfg, role)
     wrapper = _wrapper(model, role).eval()
-    example = _example(cfg, sig, TORCH_DTYPES[dtype])
+    example = tuple(torch.from_numpy(array) for array in example_inputs(cfg, role, dtype).values())
     # the exporter's progress lines and its warnings about optional packages are noise here;
     # a failure still raises
     with (warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad(),
@@ -149,8 +129,7 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
         program = torch.onnx.export(
             wrapper, example, dynamo=True, opset_version=opset, verbose=False,
             input_names=sig.input_names, output_names=sig.output_names,
-            dynamic_shapes={"tensors": _dynamic_shapes(sig)} if role != ENCODER
-            else dict(zip(("src_ids", "src_keep"), _dynamic_shapes(sig))))
+            dynamic_shapes={"tensors": _dynamic_shapes(sig)})
     return finish(program.model_proto, cfg, params, sig, dtype=dtype, opset=opset,
                   exporter=f"torch {torch.__version__}")
 

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import impl_numpy as golden
-from conformance.cases import EOS_ID
+from conformance.cases import EOS_ID, SUBLAYERS
 from conformance.tolerance import compare, compare_generation, tolerance
 from export.cache import exported
 from export.graphs import ENCODER, FORWARD, roles, signature
@@ -71,8 +71,8 @@ def _reduction(cfg: ModelConfig, src_len: int, tgt_len: int) -> int:
     return max(cfg.d_model, cfg.d_ff, (max(src_len, tgt_len) + 3) ** 2)
 
 
-def _depth(cfg: ModelConfig) -> int:
-    return 2 * cfg.n_encoder_layers + (3 if cfg.has_encoder else 2) * cfg.n_decoder_layers + 2
+def _depth(cfg) -> int:
+    return SUBLAYERS["forward"].depth(cfg)  # the catalogue's whole-model depth
 
 
 def _forward_cells():

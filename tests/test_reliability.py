@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import impl_numpy as golden
+from conformance.cases import SUBLAYERS
 from conformance.tolerance import compare, tolerance
 from spec import InputError, get_preset, init_params
 from tests.strategies import small_configs
@@ -22,7 +23,7 @@ CROSS_BACKEND = settings(max_examples=max(4, settings.default.max_examples // 3)
 
 
 def _depth(cfg) -> int:
-    return 2 * cfg.n_encoder_layers + (3 if cfg.has_encoder else 2) * cfg.n_decoder_layers + 2
+    return SUBLAYERS["forward"].depth(cfg)  # the catalogue's whole-model depth
 
 
 def _padded_ids(data, cfg, vocab: int, batch: int, length: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from spec import (
     params_digest,
     save_weights,
 )
-from conformance.refusals import weights_metadata
+from conformance.refusals import changed_tensors, weights_metadata
 
 TINY = get_preset("tiny")
 
@@ -48,19 +48,8 @@ def _write_raw(path, tensors, metadata):
     save_file(tensors, str(path), metadata=metadata)
 
 
-def _metadata(cfg=TINY, **changes):
-    return weights_metadata(cfg, **changes)
-
-
-def _tensors(params, **changes):
-    tensors = dict(params)
-    for name, value in changes.items():
-        name = name.replace("__", ".")
-        if value is None:
-            tensors.pop(name)
-        else:
-            tensors[name] = value
-    return tensors
+_metadata = weights_metadata  # the refusals catalogue's makers: one way to build a bad file
+_tensors = changed_tensors
 
 
 def test_missing_file(tmp_path):

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.cases import decode_steps
 from spec import ModelConfig
 from spec.inputs import check_activations
 
@@ -104,15 +105,9 @@ class ModuleRunner:
         raise KeyError(f"unknown sublayer {sublayer!r}")
 
     def _decode(self, inputs: Mapping[str, Any]):
-        """Prefill the first `prefix` target tokens in one chunk, then feed one token per step."""
-        tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-        cache = self._start_cache(tgt_ids.shape[0], tgt_ids.shape[1], inputs["src_ids"])
-        _, cache = self.model.decode_step(cache, tgt_ids[:, :prefix])
-        steps = []
-        for t in range(prefix, tgt_ids.shape[1]):
-            logits, cache = self.model.decode_step(cache, tgt_ids[:, t:t + 1])
-            steps.append(logits)
-        return self._concatenate(steps)
+        batch, length = np.shape(inputs["tgt_ids"])
+        cache = self._start_cache(batch, length, inputs["src_ids"])
+        return self._concatenate(decode_steps(inputs, cache, self.model.decode_step))
 
 
 class FrameworkBackend:

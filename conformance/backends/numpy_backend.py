@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 import impl_numpy as golden
+from conformance.cases import decode_steps
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
 from spec.masks import normalize_mask
@@ -85,14 +86,8 @@ class NumpyRunner:
         raise KeyError(f"unknown sublayer {sublayer!r}")
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        """Prefill the first `prefix` target tokens in one chunk, then feed one token per step."""
-        tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-        cache = golden.start_cache(self.cfg, self.p, tgt_ids.shape[0], inputs["src_ids"])
-        _, cache = golden.decode_step(self.cfg, self.p, cache, tgt_ids[:, :prefix])
-        steps = []
-        for t in range(prefix, tgt_ids.shape[1]):
-            logits, cache = golden.decode_step(self.cfg, self.p, cache, tgt_ids[:, t:t + 1])
-            steps.append(logits)
+        cache = golden.start_cache(self.cfg, self.p, np.shape(inputs["tgt_ids"])[0], inputs["src_ids"])
+        steps = decode_steps(inputs, cache, lambda c, ids: golden.decode_step(self.cfg, self.p, c, ids))
         return np.concatenate(steps, axis=1)
 
 

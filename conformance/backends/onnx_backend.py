@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported
+from conformance.cases import decode_steps
 from export.cache import exported
 from export.graphs import DECODER_FIRST
 from export.onnx_model import DEFAULT_OPSET, DTYPES
@@ -43,15 +44,8 @@ class OnnxRunner:
         return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        """Prefill the first `prefix` tokens (decoder_first), then one token per decoder_with_past step."""
-        tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-        cache = self.model.start_cache(tgt_ids.shape[0], inputs["src_ids"])
-        _, cache = self.model.decode_step(cache, tgt_ids[:, :prefix])
-        steps = []
-        for t in range(prefix, tgt_ids.shape[1]):
-            logits, cache = self.model.decode_step(cache, tgt_ids[:, t:t + 1])
-            steps.append(logits)
-        return np.concatenate(steps, axis=1)
+        cache = self.model.start_cache(np.shape(inputs["tgt_ids"])[0], inputs["src_ids"])
+        return np.concatenate(decode_steps(inputs, cache, self.model.decode_step), axis=1)
 
 
 class OnnxBackend:
