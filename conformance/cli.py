@@ -279,6 +279,7 @@ def _token_rows(rows: list[str], pad_id: int, name: str):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Greedy generation with onnxruntime from an exported directory."""
+    from export.placement import CPU_PROVIDER, by_provider
     from export.runner import OnnxTransformer
 
     model = OnnxTransformer(args.model, device=args.device, on_fallback="warn" if args.allow_cpu_fallback else "refuse")
@@ -299,9 +300,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"(providers {model.providers[0] if isinstance(model.providers[0], str) else model.providers[0][0]})",
           file=sys.stderr)
     if args.placement:
-        for role, providers in model.placement().items():
-            print(f"{role:18} " + ", ".join(f"{provider}: {len(nodes)} nodes" for provider, nodes in providers.items()),
+        for role, nodes in model.placement().items():
+            print(f"{role:18} " + ", ".join(f"{provider}: {len(names)} nodes" for provider, names in by_provider(nodes).items()),
                   file=sys.stderr)
+            if model.device == "cuda":
+                for node in nodes:
+                    if node.provider == CPU_PROVIDER:
+                        print(f"{'':18} on the CPU: {node.name} {node.signature()}", file=sys.stderr)
     return 0
 
 

@@ -5,9 +5,10 @@ steps with a KV cache that stays on the device, and batched greedy generation.
     tokens = model.greedy_generate(src_ids, bos_id=1, eos_id=2, max_new_tokens=20)
 
 Providers are CUDA then CPU. onnxruntime quietly runs a session on the CPU when its CUDA
-provider cannot load, and quietly assigns single nodes to the CPU when CUDA has no kernel for
-them; here a CUDA session is checked for both and refused (``on_fallback="refuse"``, the
-default) or reported with a loud warning (``"warn"``).
+provider cannot load, and quietly assigns nodes to the CPU when CUDA has no kernel for them (and
+keeps shape arithmetic there on purpose). A CUDA session is checked for both from its own
+profiled first run (export.placement: shape arithmetic may stay on the CPU, compute may not) and
+refused (``on_fallback="refuse"``, the default) or reported with a loud warning (``"warn"``).
 
 One OnnxTransformer may be shared by many threads: onnxruntime sessions are safe to run
 concurrently, this class keeps no per-call state, and every call makes its own IO binding.
@@ -31,6 +32,7 @@ import onnxruntime as ort
 
 from export.graphs import DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, example_inputs
 from export.onnx_model import METADATA_PREFIX, ExportError
+from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
 from spec.errors import InputError
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
@@ -69,25 +71,34 @@ def cuda_available() -> bool:
     return CUDA in session.get_providers()
 
 
-def node_placement(session_path: str | Path, options: ort.SessionOptions, providers: list,
-                   feeds: Mapping[str, np.ndarray]) -> dict[str, list[str]]:
-    """{provider: [node names]} for one run of a graph, read from onnxruntime's profile: the only
-    record of where each node actually ran."""
-    profiling = ort.SessionOptions()
-    profiling.graph_optimization_level = options.graph_optimization_level
-    profiling.log_severity_level = 3
-    profiling.enable_profiling = True
+def profiled_session(path: str | Path, options: Mapping[str, Any], providers: list,
+                     feeds: Mapping[str, np.ndarray]) -> tuple[ort.InferenceSession, list[PlacedNode]]:
+    """A session and where each of its nodes ran in one run on feeds, read from onnxruntime's
+    profile (the only record of the real placement). Profiling ends with that run: the session
+    goes on serving without it."""
     with tempfile.TemporaryDirectory() as directory:
-        profiling.profile_file_prefix = os.path.join(directory, "profile")
-        session = ort.InferenceSession(str(session_path), profiling, providers=providers)
+        session = ort.InferenceSession(str(path), session_options(**options, profile_prefix=os.path.join(directory, "profile")),
+                                       providers=providers)
         session.run(None, dict(feeds))
         events = json.loads(Path(session.end_profiling()).read_text())
-    placement: dict[str, list[str]] = {}
-    for event in events:
-        args = event.get("args", {})
-        if event.get("cat") == "Node" and "provider" in args and event.get("name", "").endswith("_kernel_time"):
-            placement.setdefault(args["provider"], []).append(event["name"][: -len("_kernel_time")])
-    return placement
+    return session, nodes_from_profile(events)
+
+
+def session_options(*, optimization: str, deterministic: bool, threads: int | None,
+                    profile_prefix: str | None = None) -> ort.SessionOptions:
+    """Explicit options. No ``session.disable_cpu_ep_fallback``: onnxruntime refuses it beside an
+    explicit CPU provider, and without the CPU provider it refuses the shape arithmetic it keeps
+    on the CPU on purpose (export.placement decides what counts as a fallback)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    options.use_deterministic_compute = deterministic
+    options.log_severity_level = 3
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return options
 
 
 @dataclass(frozen=True)
@@ -128,28 +139,19 @@ class OnnxTransformer:
                 "device 'cuda' asked for, but onnxruntime's CUDA provider cannot run here "
                 f"(available providers: {', '.join(ort.get_available_providers())}; no GPU or CUDA libraries)")
         self.device, self.on_fallback = device, on_fallback
-        self.options = ort.SessionOptions()
-        self.options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
-        self.options.use_deterministic_compute = deterministic
-        self.options.log_severity_level = 3
-        if threads is not None:
-            self.options.intra_op_num_threads = threads
-        if device == "cuda" and on_fallback == "refuse":
-            # session creation fails outright if any node would be placed on the CPU provider
-            self.options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        self.options = {"optimization": optimization, "deterministic": deterministic, "threads": threads}
         self.providers = [(CUDA, {"device_id": 0}), CPU] if device == "cuda" else [CPU]
+        self._placements: dict[str, list[PlacedNode]] = {}  # a CUDA session's, seen at load
         self.sessions = {role: self._session(role, file) for role, file in self.manifest["graphs"].items()}
 
     def _session(self, role: str, file: str) -> ort.InferenceSession:
         path = self.directory / file
-        try:
-            session = ort.InferenceSession(str(path), self.options, providers=self.providers)
-        except Exception as error:
-            if self.device == "cuda":
-                raise ProviderFallbackError(
-                    f"{path.name}: a CUDA session could not place every node on the CUDA provider "
-                    f"({error}); pass on_fallback='warn' to run the rest on the CPU") from error
-            raise
+        if self.device == "cuda":
+            # the serving session's own first run, profiled: where its nodes really ran
+            session, self._placements[role] = profiled_session(path, self.options, self.providers,
+                                                               example_inputs(self.cfg, role, self.dtype))
+        else:
+            session = ort.InferenceSession(str(path), session_options(**self.options), providers=self.providers)
         # the graph's own stamp, read from the loaded session rather than by parsing the file again
         stamp = {key[len(METADATA_PREFIX):]: value for key, value in session.get_modelmeta().custom_metadata_map.items()
                  if key.startswith(METADATA_PREFIX)}
@@ -163,8 +165,11 @@ class OnnxTransformer:
                                   "the directory mixes graphs from different exports")
         if stamp.get("role") != role:
             raise ExportError(f"{path.name}: its metadata says role {stamp.get('role')!r}, manifest.json says {role!r}")
-        if self.device == "cuda" and CUDA not in session.get_providers():
-            self._fallback(f"{path.name}: onnxruntime started the session on {session.get_providers()} only")
+        if self.device == "cuda":
+            if CUDA not in session.get_providers():
+                self._fallback(f"{path.name}: onnxruntime started the session on {session.get_providers()} only")
+            elif fallbacks := cpu_fallbacks(self._placements[role]):
+                self._fallback(fallback_message(path.name, fallbacks))
         return session
 
     def _fallback(self, message: str) -> None:
@@ -291,13 +296,12 @@ class OnnxTransformer:
         return tokens
 
     # ---- where things run ----
-    def placement(self) -> dict[str, dict[str, list[str]]]:
-        """{role: {provider: [node names]}} from one profiled run of each graph on small inputs."""
-        report = {}
-        for role, file in self.manifest["graphs"].items():
-            feeds = example_inputs(self.cfg, role, self.dtype)
-            report[role] = node_placement(self.directory / file, self.options, self.providers, feeds)
-        return report
+    def placement(self) -> dict[str, list[PlacedNode]]:
+        """{role: [nodes, each with its provider and tensor types]}: a CUDA session's as seen at
+        load; otherwise from one profiled run of each graph on small inputs."""
+        return {role: self._placements.get(role) or profiled_session(
+                    self.directory / file, self.options, self.providers, example_inputs(self.cfg, role, self.dtype))[1]
+                for role, file in self.manifest["graphs"].items()}
 
 
 def _names(prefix: str, cfg: ModelConfig) -> list[str]:

@@ -26,6 +26,7 @@ from conformance.tolerance import compare, compare_generation, tolerance
 from export.cache import exported
 from export.graphs import ENCODER, FORWARD, roles, signature
 from export.onnx_model import ExportError, metadata
+from export.placement import cpu_fallbacks, fallback_message
 from export.runner import CPU, OnnxTransformer, ProviderFallbackError, cuda_available
 from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, init_params, params_digest
 
@@ -291,8 +292,8 @@ def test_every_node_placed_on_the_cpu_provider():
     cfg = get_preset("tiny")
     placement = _export(cfg, init_params(cfg, seed=0), "torch", "float32").placement()
     assert set(placement) == set(roles(cfg))
-    for role, providers in placement.items():
-        assert set(providers) == {CPU} and providers[CPU], role
+    for role, nodes in placement.items():
+        assert nodes and {node.provider for node in nodes} == {CPU}, role
 
 
 def test_only_the_gpu_onnxruntime_is_installed():
@@ -309,14 +310,67 @@ def test_only_the_gpu_onnxruntime_is_installed():
 def test_cuda_every_node_on_cuda_and_matches_golden(preset, dtype):
     _, cfg, params = preset
     model = OnnxTransformer(exported(cfg, params, framework="torch", dtype=dtype), device="cuda")
-    for role, providers in model.placement().items():
-        assert set(providers) <= {"CUDAExecutionProvider"}, f"{role}: {providers.get(CPU)} ran on the CPU"
+    for role, nodes in model.placement().items():
+        assert cpu_fallbacks(nodes) == [], fallback_message(role, cpu_fallbacks(nodes))
+        on_cuda = [node for node in nodes if node.provider == "CUDAExecutionProvider"]
+        assert len(on_cuda) > 0.9 * len(nodes), f"{role}: {len(on_cuda)} of {len(nodes)} nodes on CUDA"
     rng = np.random.default_rng(1)
     src = _ids(rng, cfg, 3, 9, cfg.src_vocab_size, "all_pad") if cfg.has_encoder else None
     tgt = _ids(rng, cfg, 3, 5, cfg.tgt_vocab_size, "pad_right")
     result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
                      tolerance(dtype, _reduction(cfg, 9, 5), _depth(cfg)))
     assert result.passed, result.reason
+
+
+def _with_a_node_cuda_cannot_run(directory, destination):
+    """A copy of an export whose forward graph also runs Unique (onnxruntime has no CUDA kernel
+    for it) on the logits, adding 0 x their sum back: same logits, one float node that must land
+    on the CPU."""
+    shutil.copytree(directory, destination)
+    model = onnx.load(destination / "forward.onnx")
+    graph = model.graph
+    logits = graph.output[0].name
+    for node in graph.node:
+        node.output[:] = [f"{name}.inner" if name == logits else name for name in node.output]
+        node.input[:] = [f"{name}.inner" if name == logits else name for name in node.input]
+    graph.initializer.extend([onnx.numpy_helper.from_array(np.array([-1], np.int64), "unique.flat_shape")])
+    element = graph.output[0].type.tensor_type.elem_type
+    graph.initializer.extend([onnx.helper.make_tensor("unique.zero", element, [], [0.0])])
+    graph.node.extend([
+        onnx.helper.make_node("Reshape", [f"{logits}.inner", "unique.flat_shape"], ["unique.flat"]),
+        onnx.helper.make_node("Unique", ["unique.flat"], ["unique.values"], name="node_Unique_forced"),
+        onnx.helper.make_node("ReduceSum", ["unique.values"], ["unique.sum"], keepdims=0),
+        onnx.helper.make_node("Mul", ["unique.sum", "unique.zero"], ["unique.nothing"]),
+        onnx.helper.make_node("Add", [f"{logits}.inner", "unique.nothing"], [logits]),
+    ])
+    onnx.save(model, destination / "forward.onnx")
+    return destination
+
+
+def test_the_forced_cpu_node_graph_computes_the_same_logits(tmp_path):
+    """The graph the GPU test below refuses is a valid graph with unchanged logits."""
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    directory = exported(cfg, params, framework="torch")
+    forced = OnnxTransformer(_with_a_node_cuda_cannot_run(directory, tmp_path / "forced"), device="cpu")
+    rng = np.random.default_rng(4)
+    src, tgt = _ids(rng, cfg, 2, 6, 96, "pad_right"), _ids(rng, cfg, 2, 4, 80, "none")
+    np.testing.assert_array_equal(forced.forward(src, tgt), _export(cfg, params, "torch", "float32").forward(src, tgt))
+    assert "Unique" in {node.op_type for node in forced.placement()[FORWARD]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")
+def test_cuda_refuses_a_compute_node_on_the_cpu(tmp_path):
+    cfg = get_preset("tiny")
+    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    forced = _with_a_node_cuda_cannot_run(directory, tmp_path / "forced")
+    with pytest.raises(ProviderFallbackError, match="node_Unique_forced: Unique"):
+        OnnxTransformer(forced, device="cuda")
+    with pytest.warns(RuntimeWarning, match="CUDA FALLBACK: forward.onnx: .*node_Unique_forced"):
+        model = OnnxTransformer(forced, device="cuda", on_fallback="warn")
+    names = {node.name for node, _ in cpu_fallbacks(model.placement()[FORWARD])}
+    assert "node_Unique_forced" in names
 
 
 # ---- Triton model repository ----------------------------------------------------------------
