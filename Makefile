@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu
 
 demo: $(STAMP)
 	$(BIN)/rosetta check --preset tiny --report reports/demo
@@ -14,6 +14,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 install: $(STAMP)
+
+# The GPU report (rosetta gpu) on whatever CUDA device is present. No venv is insisted on: a lent
+# GPU machine has the frameworks in its own Python, so .venv is used only where it exists, and
+# the project runs from PYTHONPATH (whatever PYTHONPATH already holds is kept after it).
+GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m conformance gpu --out reports/gpu
 
 # A venv left half-made by an interrupted run has python but no pip: it is made again.
 # jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's module;

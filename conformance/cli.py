@@ -7,6 +7,7 @@
     rosetta generate DIR (--src "5 6 7" ... | --prompt "5 6" ...) [--bos 1] [--eos 2] [--max-new-tokens N]
                    [--device auto|cpu|cuda] [--allow-cpu-fallback] [--placement]
     rosetta bench [--preset tiny | paper-base] [--out DIR] [--contenders a,b]
+    rosetta gpu [--out reports/gpu] [--device cuda|cpu] [--presets ...] [--backends ...] [--bench-preset NAME|none]
     rosetta refusals [--markdown FILE]
     rosetta differences [--markdown FILE]
     rosetta presets
@@ -216,11 +217,25 @@ def cmd_probe(args: argparse.Namespace) -> int:
     """What each framework's own primitives do on the spec's edge cases, measured here."""
     from conformance.probe import probe_table, run_probes
 
-    table = probe_table(run_probes())
+    observed = run_probes()
+    table = probe_table(observed)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(f"# Native-behaviour probe\n\nMeasured by `rosetta probe`.\n\n{table}\n")
+        devices = ", ".join(dict.fromkeys(device for _, device, _ in observed if device != "-"))
+        print(f"wrote {args.markdown}: {len(observed)} observations, devices {devices}")
     return 0
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    """The whole GPU report: matrix, probe and benchmark into one folder (conformance.gpu_job)."""
+    from conformance.gpu_job import MATRIX_BACKENDS, MATRIX_PRESETS, run_gpu_job
+
+    return run_gpu_job(args.out, args.device, ["rosetta", *args.argv],
+                       presets=tuple(_split(args.presets) or MATRIX_PRESETS),
+                       backends=tuple(_split(args.backends) or MATRIX_BACKENDS),
+                       bench_preset=None if args.bench_preset == "none" else args.bench_preset,
+                       bench_contenders=tuple(_split(args.bench_contenders) or ()))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -432,6 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
     probe = commands.add_parser("probe", help="record what each framework's own primitives do on edge cases")
     probe.add_argument("--markdown", help="also write the table to this Markdown file")
     probe.set_defaults(handler=cmd_probe)
+    gpu = commands.add_parser("gpu", help="the whole GPU report: matrix, probe and benchmark into one folder")
+    gpu.add_argument("--out", type=Path, default=Path("reports/gpu"),
+                     help="parent folder; the report goes into a folder named after the device (default reports/gpu)")
+    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cuda (default), or cpu for the same job on the CPU")
+    gpu.add_argument("--presets", default="tiny,char-lm", help="presets of the matrix (default tiny,char-lm)")
+    gpu.add_argument("--backends", default="torch,torch-math,jax,jax-math,onnx,onnx-jax",
+                     help="backends of the matrix (default: every GPU backend)")
+    gpu.add_argument("--bench-preset", default="paper-base", help="preset of the benchmark, or none")
+    gpu.add_argument("--bench-contenders", help="default: torch eager and every contender on the device")
+    gpu.set_defaults(handler=cmd_gpu)
     export = commands.add_parser("export", help="export ONNX graphs (and a Triton model repository)")
     export.add_argument("--preset", default="tiny", help="preset config with init_params (default: tiny)")
     export.add_argument("--weights", type=Path, help="a weights file (config read from it)")
@@ -492,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reports
     if args.command == "check":
         args.preset_given = args.preset is not None
         args.preset = args.preset or "tiny"

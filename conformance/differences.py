@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from conformance.probe import observation
+
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {"NumPy (golden)": "impl_numpy/model.py", "PyTorch": "impl_torch/model.py", "JAX / Flax": "impl_jax/model.py"}
 
@@ -135,15 +137,8 @@ def _kv_names() -> tuple[list[str], list[str]]:
 
 # ---- the page ----------------------------------------------------------------------------------
 
-def _probe(observed, topic: str, primitive: str) -> str:
-    for probe, result in observed:
-        if probe.topic == topic and probe.primitive == primitive:
-            return result
-    raise KeyError(f"no probe {topic} / {primitive}")
-
-
 def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]) -> dict[str, list[str]]:
-    p = lambda topic, primitive: _probe(observed, topic, primitive)  # noqa: E731
+    p = lambda topic, primitive: observation(observed, topic, primitive)  # noqa: E731
     past, present = _kv_names()
     linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
     return {
@@ -165,7 +160,7 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
             "(docs/onnx.md).",
         ],
         "Where 1/√d_k is applied, mask polarity and rows with no key": [
-            f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention (CPU)')}; "
+            f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention')}; "
             f"`nn.MultiheadAttention`: {p('fully masked row', 'torch nn.MultiheadAttention')}; "
             f"`jax.nn.dot_product_attention`: {p('fully masked row', 'jax.nn.dot_product_attention')}; "
             f"onnxruntime `Attention`: {p('fully masked row', 'onnxruntime Attention')}. Every implementation "
@@ -216,7 +211,7 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
 def differences_page() -> str:
     from conformance.probe import framework_versions, run_probes
 
-    observed = run_probes()
+    observed = run_probes(["cpu"])  # the page quotes the CPU's behaviour
     found = _differences(observed, _positional_errors(), _onnx_ops())
     versions = framework_versions()
     lines = ["# Where the frameworks differ, side by side", "",

@@ -1,14 +1,17 @@
 """`rosetta probe`: what each installed framework's *own* primitives do on the spec's edge
-cases — measured on this machine with these versions, the living evidence behind
-docs/framework-notes.md. Each probe returns what it observed as short text; a framework that
-is not installed gives "not installed", a probe that raises gives "error: ...".
+cases — measured on this machine with these versions, on every device present (a GPU computes
+with other kernels than the CPU), the living evidence behind docs/framework-notes.md. Each probe
+returns what it observed as short text; a framework that is not installed gives "not installed",
+one that does not see the device "no <device> device for <framework>", a probe that raises
+gives "error: ...". Probes of a default or a setting run once (device "-").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +23,45 @@ class Probe:
     topic: str
     primitive: str
     spec: str  # what the spec says
-    measure: Callable[[], str]
+    measure: Callable[..., str]  # measure(device) where per_device, else measure()
+    per_device: bool = True
+
+
+class DeviceMissing(Exception):
+    """The framework a probe needs does not see the device here."""
+
+
+def probe_devices() -> list[str]:
+    """'cpu', and 'cuda' where an NVIDIA driver is present (each probe then finds out whether its
+    own framework sees the GPU)."""
+    return ["cpu"] + (["cuda"] if Path("/proc/driver/nvidia/version").exists() else [])
+
+
+def _torch_device(device: str):
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceMissing(f"no cuda device for torch {torch.__version__}")
+    return torch.device(device)
+
+
+def _jax_device(device: str):
+    import jax
+
+    try:
+        return jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    except RuntimeError:
+        raise DeviceMissing(f"no cuda device for jax {jax.__version__}") from None
+
+
+def _onnxruntime_providers(device: str) -> list[str]:
+    if device == "cuda":
+        from export.runner import CUDA, cuda_available
+
+        if not cuda_available():
+            raise DeviceMissing("no cuda device for onnxruntime")
+        return [CUDA]
+    return ["CPUExecutionProvider"]
 
 
 def _masked_row_verdict(out: np.ndarray, values: np.ndarray) -> str:
@@ -37,38 +78,63 @@ def _masked_row_verdict(out: np.ndarray, values: np.ndarray) -> str:
 
 # ---- fully masked rows ----------------------------------------------------------------------
 
-def _torch_sdpa_masked_row() -> str:
+def _torch_sdpa_masked_row(device: str) -> str:
     import torch
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, 2, 4, generator=generator) for _ in range(3))
-    mask = torch.tensor([[True, True], [False, False]])
-    return _masked_row_verdict(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[0, 0, 1].numpy(), v[0, 0].numpy())
+    on = _torch_device(device)
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=generator).to(on) for _ in range(3))
+    mask = torch.tensor([[True, True], [False, False]], device=on)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return _masked_row_verdict(out[0, 0, 1].cpu().numpy(), v[0, 0].cpu().numpy())
 
 
-def _torch_mha_masked_row() -> str:
+def _torch_mha_masked_row(device: str) -> str:
     import torch
 
     torch.manual_seed(0)
-    attention = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval()
-    x = torch.randn(1, 3, 4)
+    on = _torch_device(device)
+    attention = torch.nn.MultiheadAttention(4, 1, batch_first=True).eval().to(on)
+    x = torch.randn(1, 3, 4).to(on)
     with torch.inference_mode():
-        out, _ = attention(x, x, x, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
-    return "NaN" if torch.isnan(out).any() else _masked_row_verdict(out[0, 0].numpy(), np.zeros((1, 4)))
+        out, _ = attention(x, x, x, key_padding_mask=torch.ones(1, 3, dtype=torch.bool, device=on))
+    return "NaN" if torch.isnan(out).any() else _masked_row_verdict(out[0, 0].cpu().numpy(), np.zeros((1, 4)))
 
 
-def _jax_dot_product_attention_masked_row() -> str:
+def _jax_dot_product_attention_masked_row(device: str) -> str:
     import jax
     import jax.numpy as jnp
 
-    q, k, v = (jax.random.normal(jax.random.key(i), (1, 3, 1, 4)) for i in range(3))
-    out = jax.nn.dot_product_attention(q, k, v, mask=jnp.zeros((1, 1, 3, 3), bool))
+    with jax.default_device(_jax_device(device)):
+        q, k, v = (jax.random.normal(jax.random.key(i), (1, 3, 1, 4)) for i in range(3))
+        out = jax.nn.dot_product_attention(q, k, v, mask=jnp.zeros((1, 1, 3, 3), bool))
     return _masked_row_verdict(np.asarray(out[0, 0, 0]), np.asarray(v[0, :, 0]))
 
 
-def _onnxruntime_attention(mask: np.ndarray) -> tuple[np.ndarray, dict]:
-    """Run ONNX's opset-23 Attention on the CPU provider: Q [1,1,2,4], K and V [1,1,3,4]."""
+def _jax_float16_single_query(device: str) -> str:
+    """Jitted float16 attention with one query, as a decode step asks for (issue 13: XLA:GPU
+    refused it on an H100 with jax 0.11.2; XLA:CPU refuses every float16 case)."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.default_device(_jax_device(device)):
+        q = jax.random.normal(jax.random.key(0), (2, 1, 4, 16), jnp.float16)
+        k, v = (jax.random.normal(jax.random.key(i), (2, 5, 4, 16), jnp.float16) for i in (1, 2))
+        try:
+            out = np.asarray(jax.jit(jax.nn.dot_product_attention)(q, k, v), np.float64)
+        except Exception as error:  # noqa: BLE001 - the refusal is the observation
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return f"fails to compile ({first_line[:90]}): impl_jax takes its explicit path"
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    exact = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+    return f"runs; max error vs float64 math {np.abs(out - exact).max():.1e}"
+
+
+def _onnxruntime_attention(mask: np.ndarray, device: str) -> tuple[np.ndarray, dict]:
+    """Run ONNX's opset-23 Attention on the device's provider: Q [1,1,2,4], K and V [1,1,3,4]."""
     import onnx
     import onnxruntime
     from onnx import TensorProto, helper
@@ -83,22 +149,24 @@ def _onnxruntime_attention(mask: np.ndarray) -> tuple[np.ndarray, dict]:
     onnx.checker.check_model(model, full_check=True)
     options, quiet = onnxruntime.SessionOptions(), onnxruntime.RunOptions()
     options.log_severity_level = quiet.log_severity_level = 4  # a refusal is reported here, not logged
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=_onnxruntime_providers(device))
     generator = np.random.default_rng(0)
     feeds = {name: generator.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     feeds["mask"] = mask
     return session.run(None, feeds, quiet)[0], feeds
 
 
-def _onnxruntime_attention_masked_row() -> str:
-    out, feeds = _onnxruntime_attention(np.array([[True, True, False], [False, False, False]]))
-    return _masked_row_verdict(out[0, 0, 1], feeds["V"][0, 0]) + " (opset 23 Attention, CPU provider)"
+def _onnxruntime_attention_masked_row(device: str) -> str:
+    out, feeds = _onnxruntime_attention(np.array([[True, True, False], [False, False, False]]), device)
+    return _masked_row_verdict(out[0, 0, 1], feeds["V"][0, 0]) + f" (opset 23 Attention, {device.upper()} provider)"
 
 
-def _onnxruntime_attention_mask_broadcast() -> str:
+def _onnxruntime_attention_mask_broadcast(device: str) -> str:
     """A key-padding mask [B, 1, 1, K] broadcast over the queries, as ONNX's broadcasting allows."""
     try:
-        _onnxruntime_attention(np.array([True, True, False]).reshape(1, 1, 1, 3))
+        _onnxruntime_attention(np.array([True, True, False]).reshape(1, 1, 1, 3), device)
+    except DeviceMissing:
+        raise
     except Exception as error:  # noqa: BLE001 - the refusal is the observation
         reason = "inconsistent q_sequence_length" if "q_sequence_length" in str(error) else type(error).__name__
         return f"refused ({reason}): the mask needs its query axis spelled out, so impl_torch expands it"
@@ -122,10 +190,10 @@ def _onnx_ir_versions() -> str:
 
 # ---- precision and defaults -----------------------------------------------------------------
 
-def _jax_dot_product_attention_float64() -> str:
+def _jax_dot_product_attention_float64(device: str) -> str:
     import jax
 
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(_jax_device(device)):
         q, k, v = (jax.random.normal(jax.random.key(i), (1, 5, 1, 8), dtype="float64") for i in range(3))
         native = np.asarray(jax.nn.dot_product_attention(q, k, v), dtype=np.float64)
         q, k, v = (np.asarray(a, np.float64)[0, :, 0] for a in (q, k, v))
@@ -181,73 +249,104 @@ def _jax_matmul_precision() -> str:
 
 # ---- mask forms and fills -------------------------------------------------------------------
 
-def _torch_bool_vs_additive() -> str:
+def _torch_bool_vs_additive(device: str) -> str:
     import torch
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 1, 3, 4, generator=generator) for _ in range(3))
-    keep = torch.tensor([[True, False, True]] * 3)
-    additive = torch.zeros(3, 3).masked_fill(~keep, float("-inf"))
+    on = _torch_device(device)
+    q, k, v = (torch.randn(1, 1, 3, 4, generator=generator).to(on) for _ in range(3))
+    keep = torch.tensor([[True, False, True]] * 3, device=on)
+    additive = torch.zeros(3, 3, device=on).masked_fill(~keep, float("-inf"))
     same = torch.allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
                           F.scaled_dot_product_attention(q, k, v, attn_mask=additive), atol=1e-6)
     return "bool True = attend; equals the additive 0/-inf mask" if same else "bool and additive masks differ"
 
 
-def _fill_outcomes() -> str:
+def _fill_outcomes(device: str) -> str:
     """A fully masked row under each fill value and dtype, with a plain softmax (torch)."""
     import torch
 
+    on = _torch_device(device)
     outcomes = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         row = []
         for label, fill in (("-inf", float("-inf")), ("-1e9", -1e9), ("finfo.min", torch.finfo(dtype).min)):
-            scores = torch.full((1, 3), fill).to(dtype)
+            scores = torch.full((1, 3), fill, device=on).to(dtype)
             weights = torch.softmax(scores.float(), dim=-1) if dtype != torch.float32 else torch.softmax(scores, -1)
-            verdict = "NaN" if torch.isnan(weights).any() else ("uniform" if torch.allclose(weights, torch.full_like(weights, 1 / 3)) else "other")
+            verdict = "NaN" if torch.isnan(weights).any() else ("uniform" if torch.allclose(weights.float(), torch.full_like(weights.float(), 1 / 3)) else "other")
             row.append(f"{label}:{verdict}")
         outcomes.append(f"{str(dtype).split('.')[-1]} {' '.join(row)}")
     return "; ".join(outcomes)
 
 
 PROBES = [
-    Probe("fully masked row", "torch F.scaled_dot_product_attention (CPU)", "zeros", _torch_sdpa_masked_row),
+    Probe("fully masked row", "torch F.scaled_dot_product_attention", "zeros", _torch_sdpa_masked_row),
     Probe("fully masked row", "torch nn.MultiheadAttention", "zeros", _torch_mha_masked_row),
     Probe("fully masked row", "jax.nn.dot_product_attention", "zeros", _jax_dot_product_attention_masked_row),
     Probe("fully masked row", "onnxruntime Attention", "zeros", _onnxruntime_attention_masked_row),
     Probe("mask broadcasting", "onnxruntime Attention", "a [B,1,1,K] mask broadcasts over queries",
           _onnxruntime_attention_mask_broadcast),
-    Probe("model IR version", "onnx.helper.make_model", "exported graphs load in onnxruntime", _onnx_ir_versions),
+    Probe("model IR version", "onnx.helper.make_model", "exported graphs load in onnxruntime", _onnx_ir_versions,
+          per_device=False),
     Probe("float64 attention", "jax.nn.dot_product_attention", "float64-accurate (< 1e-14)",
           _jax_dot_product_attention_float64),
-    Probe("LayerNorm defaults", "torch.nn.LayerNorm", "eps from the config; two-pass variance", _torch_layer_norm_eps),
-    Probe("LayerNorm defaults", "flax.nnx.LayerNorm", "eps from the config; two-pass variance", _flax_layer_norm),
-    Probe("GELU default", "torch.nn.functional.gelu", "config chooses: gelu = exact, gelu-tanh", _torch_gelu_default),
-    Probe("GELU default", "jax.nn.gelu", "config chooses: gelu = exact, gelu-tanh", _jax_gelu_default),
-    Probe("matmul precision", "torch", "stated per run: 'highest' for conformance", _torch_matmul_precision),
-    Probe("matmul precision", "jax", "stated per run: 'highest' for conformance", _jax_matmul_precision),
+    Probe("float16 attention, one query", "jax.jit(jax.nn.dot_product_attention)",
+          "the spec's attention at float16", _jax_float16_single_query),
+    Probe("LayerNorm defaults", "torch.nn.LayerNorm", "eps from the config; two-pass variance", _torch_layer_norm_eps,
+          per_device=False),
+    Probe("LayerNorm defaults", "flax.nnx.LayerNorm", "eps from the config; two-pass variance", _flax_layer_norm,
+          per_device=False),
+    Probe("GELU default", "torch.nn.functional.gelu", "config chooses: gelu = exact, gelu-tanh", _torch_gelu_default,
+          per_device=False),
+    Probe("GELU default", "jax.nn.gelu", "config chooses: gelu = exact, gelu-tanh", _jax_gelu_default,
+          per_device=False),
+    Probe("matmul precision", "torch", "stated per run: 'highest' for conformance", _torch_matmul_precision,
+          per_device=False),
+    Probe("matmul precision", "jax", "stated per run: 'highest' for conformance", _jax_matmul_precision,
+          per_device=False),
     Probe("mask forms", "torch F.scaled_dot_product_attention", "boolean keep-masks only", _torch_bool_vs_additive),
     Probe("fill values, all-masked row", "torch.softmax after a fill", "zeros (no fill value gives that)",
           _fill_outcomes),
 ]
 
+Observation = tuple[Probe, str, str]  # (probe, device or "-", what was observed)
 
-def run_probes() -> list[tuple[Probe, str]]:
-    observed = []
+
+def _observe(probe: Probe, *args: str) -> str:
+    try:
+        return probe.measure(*args)
+    except ImportError as error:
+        return f"not installed ({error.name})"
+    except DeviceMissing as missing:
+        return str(missing)
+    except Exception as error:  # noqa: BLE001 - a probe that breaks is itself an observation
+        return f"error: {type(error).__name__}: {error}"
+
+
+def run_probes(devices: Sequence[str] | None = None) -> list[Observation]:
+    """Every probe, per device where the device matters (probe_devices() unless given)."""
+    devices = list(devices or probe_devices())
+    observed: list[Observation] = []
     for probe in PROBES:
-        try:
-            result = probe.measure()
-        except ImportError as error:
-            result = f"not installed ({error.name})"
-        except Exception as error:  # noqa: BLE001 - a probe that breaks is itself an observation
-            result = f"error: {type(error).__name__}: {error}"
-        observed.append((probe, result))
+        if probe.per_device:
+            observed += [(probe, device, _observe(probe, device)) for device in devices]
+        else:
+            observed.append((probe, "-", _observe(probe)))
     return observed
 
 
-def probe_table(observed: list[tuple[Probe, str]]) -> str:
+def observation(observed: Sequence[Observation], topic: str, primitive: str, device: str = "cpu") -> str:
+    """What one probe saw on one device (a device-independent probe answers for every device)."""
+    for probe, where, result in observed:
+        if probe.topic == topic and probe.primitive == primitive and where in (device, "-"):
+            return result
+    raise KeyError(f"no probe {topic} / {primitive} on {device}")
+
+
+def probe_table(observed: Sequence[Observation]) -> str:
     versions = framework_versions()
     lines = [f"Versions: {', '.join(f'{k} {v}' for k, v in versions.items() if v)}", "",
-             "| topic | primitive | observed here | the spec |", "|---|---|---|---|"]
-    lines += [f"| {p.topic} | {p.primitive} | {result} | {p.spec} |" for p, result in observed]
+             "| topic | primitive | device | observed here | the spec |", "|---|---|---|---|---|"]
+    lines += [f"| {p.topic} | {p.primitive} | {device} | {result} | {p.spec} |" for p, device, result in observed]
     return "\n".join(lines)

@@ -115,10 +115,9 @@ def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
     mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
     # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
-    # which leaves float64 attention float32-accurate (errors ~1e-7): float64 uses the math path.
-    # On CPU, jitted float16 fails to compile (it asks for the F16_F16_F32 dot algorithm, which
-    # XLA:CPU lacks, and its fallback only catches errors raised while tracing): math path too.
-    if path == "math" or q.dtype == jnp.float64 or (q.dtype == jnp.float16 and _on_cpu()):
+    # which leaves float64 attention float32-accurate (errors ~1e-7): float64 uses the math path,
+    # and so does every case where the native primitive fails to compile (native_attention_fails).
+    if path == "math" or q.dtype == jnp.float64 or native_attention_fails(q.dtype, _platform(), q.shape[-2]):
         scores = jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
         weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
         return jnp.matmul(weights, v, precision=precision)
@@ -132,10 +131,26 @@ def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     return jnp.where(mask.any(axis=-1, keepdims=True), out, jnp.zeros((), out.dtype))
 
 
-def _on_cpu() -> bool:
-    """Whether new computations run on the CPU (the default device, else the default backend)."""
+def native_attention_fails(dtype, platform: str, n_queries: int) -> str | None:
+    """Why jitted jax.nn.dot_product_attention fails to compile for this case, or None where it
+    runs (docs/framework-notes.md; `rosetta probe` rows "float16 attention")."""
+    if jnp.dtype(dtype) != jnp.float16:
+        return None
+    if platform == "cpu":
+        # it asks for the F16_F16_F32 dot algorithm, which XLA:CPU lacks, and its fallback only
+        # catches errors raised while tracing (jax 0.10.2)
+        return "XLA:CPU lacks the F16_F16_F32 dot algorithm"
+    if platform in ("gpu", "cuda") and n_queries == 1:
+        # "Unsupported dot precision algorithm: 4" at any default_matmul_precision; 3 queries,
+        # bfloat16 and jnp.matmul at float16 all compile (jax 0.11.2, CUDA 13, H100)
+        return "XLA:GPU refuses the dot algorithm of a single float16 query"
+    return None
+
+
+def _platform() -> str:
+    """Where new computations run: the default device's platform, else the default backend."""
     device = jax.config.jax_default_device
-    return (device.platform if device is not None and not isinstance(device, str) else jax.default_backend()) == "cpu"
+    return device.platform if device is not None and not isinstance(device, str) else jax.default_backend()
 
 
 class MultiHeadAttention(nnx.Module):

@@ -200,6 +200,32 @@ def test_native_dot_product_attention_is_float32_accurate_at_float64():
     assert np.abs(np.asarray(ours) - exact).max() < 1e-14
 
 
+@pytest.mark.parametrize("dtype, platform, n_queries, fails", [
+    ("float16", "cpu", 1, True), ("float16", "cpu", 5, True),
+    ("float16", "gpu", 1, True), ("float16", "cuda", 1, True), ("float16", "gpu", 3, False),
+    ("bfloat16", "gpu", 1, False), ("float32", "gpu", 1, False), ("float32", "cpu", 1, False),
+])
+def test_where_native_attention_fails(dtype, platform, n_queries, fails):
+    from impl_jax.model import native_attention_fails
+
+    assert (native_attention_fails(jnp.dtype(dtype), platform, n_queries) is not None) == fails
+
+
+@pytest.mark.parametrize("n_queries, native", [(1, False), (3, True)])
+def test_a_single_float16_query_on_a_gpu_takes_the_explicit_path(monkeypatch, n_queries, native):
+    """On a GPU (simulated: the platform is all the routing reads), float16 attention with one
+    query never reaches jax.nn.dot_product_attention, which XLA:GPU fails to compile for it."""
+    import impl_jax.model as model
+
+    calls = []
+    monkeypatch.setattr(model, "_platform", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, mask=None: calls.append(q.shape) or q)
+    q = jnp.ones((2, 4, n_queries, 8), jnp.float16)
+    k = v = jnp.ones((2, 4, 5, 8), jnp.float16)
+    out = model.scaled_dot_product_attention(q, k, v)
+    assert bool(calls) == native and out.shape == q.shape and out.dtype == jnp.float16
+
+
 def test_jax_gelu_default_is_the_tanh_form():
     x = jnp.linspace(-3, 3, 13)
     assert np.allclose(jax.nn.gelu(x), jax.nn.gelu(x, approximate=True))

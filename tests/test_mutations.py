@@ -87,11 +87,17 @@ def test_cli_mutations(tmp_path, capsys):
 
 
 def test_probe_runs_every_probe(capsys):
-    from conformance.probe import PROBES, run_probes
+    from conformance.probe import PROBES, observation, probe_devices, run_probes
 
-    observed = run_probes()
-    assert len(observed) == len(PROBES) >= 10
-    assert not [(p.primitive, result) for p, result in observed if result.startswith("error")]
-    found = {p.primitive: result for p, result in observed if p.topic == "fully masked row"}
-    assert found["torch nn.MultiheadAttention"] == "NaN"  # as tests/test_torch.py pins too
-    assert main(["probe"]) == 0 and "| fully masked row |" in capsys.readouterr().out
+    observed = run_probes(["cpu", "cuda"])
+    per_device = [p for p in PROBES if p.per_device]
+    assert len(observed) == len(PROBES) + len(per_device) and len(PROBES) >= 10
+    assert not [(p.primitive, result) for p, _, result in observed if result.startswith("error")]
+    found = {(p.primitive, device): result for p, device, result in observed if p.topic == "fully masked row"}
+    assert found["torch nn.MultiheadAttention", "cpu"] == "NaN"  # as tests/test_torch.py pins too
+    if not probe_devices()[1:]:  # no GPU here: every per-device probe says so for cuda
+        assert all(found[p.primitive, "cuda"].startswith("no cuda device for") for p in per_device
+                   if p.topic == "fully masked row")
+    assert observation(observed, "float16 attention, one query", "jax.jit(jax.nn.dot_product_attention)", "cpu") \
+        .startswith("fails to compile")  # XLA:CPU, the reason impl_jax's explicit path exists
+    assert main(["probe"]) == 0 and "| fully masked row | torch nn.MultiheadAttention | cpu | NaN |" in capsys.readouterr().out

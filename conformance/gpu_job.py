@@ -1,0 +1,146 @@
+"""`rosetta gpu` (and `make gpu`): the whole GPU report in one command, on whatever CUDA device
+is present. It runs, each into one folder named after the device:
+
+- the conformance matrix of every GPU backend (torch, torch-math, jax, jax-math, onnx, onnx-jax)
+  on tiny and char-lm at every dtype each runs: check-<preset>/report.{json,md}, heatmap.png;
+- the probe of every framework's own primitives on every device present: probe.md;
+- the benchmark of the GPU contenders on paper-base: bench/bench.{json,md,png};
+- environment.json (device, driver, versions, the command, each step's exit code and time) and
+  summary.md, the table printed last.
+
+Each step is an ordinary `rosetta` command (its argv is in environment.json, so any one of them
+can be run again by hand), and its output goes to <step>.log. It runs from a venv or from a
+machine's own frameworks with the project on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MATRIX_BACKENDS = ("torch", "torch-math", "jax", "jax-math", "onnx", "onnx-jax")
+MATRIX_PRESETS = ("tiny", "char-lm")
+BENCH_PRESET = "paper-base"
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: tuple[str, ...]  # a `rosetta` command line
+
+
+def plan_steps(out: Path, device: str, *, presets=MATRIX_PRESETS, backends=MATRIX_BACKENDS,
+               bench_preset: str | None = BENCH_PRESET, bench_contenders: tuple[str, ...] = ()) -> list[Step]:
+    """The job's commands, in order: the matrix per preset, the probe, the benchmark."""
+    steps = [Step(f"check-{preset}", ("check", "--preset", preset, "--backends", ",".join(backends),
+                                      "--devices", device, "--report", str(out / f"check-{preset}"), "--quiet"))
+             for preset in presets]
+    steps.append(Step("probe", ("probe", "--markdown", str(out / "probe.md"))))
+    if bench_preset:
+        steps.append(Step("bench", ("bench", "--preset", bench_preset, "--devices", device,
+                                    "--contenders", ",".join(bench_contenders or device_contenders(device)),
+                                    "--matrix-backends", "none", "--out", str(out / "bench"))))
+    return steps
+
+
+def device_contenders(device: str) -> tuple[str, ...]:
+    """torch eager (the reference of every ratio) and every contender that runs on the device."""
+    from benchmarks.contenders import contenders
+
+    return ("torch", *(c.name for c in contenders((device,)) if getattr(c, "device", None) == device))
+
+
+def driver_version(text: str) -> str | None:
+    """The NVIDIA kernel module's version from /proc/driver/nvidia/version."""
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return found.group(1) if found else None
+
+
+def folder_name(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'"""
+    return re.sub(r"[^a-z0-9.]+", "-", device_name.lower()).strip("-") or "device"
+
+
+def device_facts(device: str) -> dict[str, str | None]:
+    """The device's name and driver as the machine reports them."""
+    if device == "cpu":
+        return {"device": "cpu", "name": platform.processor() or platform.machine(), "driver": None}
+    name = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.strip().splitlines()
+        name = listed[0].strip() if listed else None
+    if name is None:
+        with contextlib.suppress(ImportError, RuntimeError, AssertionError):
+            import torch
+
+            name = torch.cuda.get_device_name(0)
+    return {"device": device, "name": name or "unknown CUDA device",
+            "driver": driver_version(NVIDIA_DRIVER.read_text()) if NVIDIA_DRIVER.exists() else None}
+
+
+def _git_commit() -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True,
+                              cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
+    return None
+
+
+def _headline(log: str) -> str:
+    """The line of a step's output that sums it up."""
+    for pattern in (r"^\d+ passed, \d+ failed.*$", r"^rosetta \w+: error: .*$", r"^wrote .*$"):
+        found = re.findall(pattern, log, flags=re.MULTILINE)
+        if found:
+            return found[-1]
+    lines = [line for line in log.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def run_gpu_job(out_root: Path, device: str, command: list[str], **plan_options) -> int:
+    from conformance.cli import UsageError, main, writable_folder
+    from conformance.report import framework_versions
+
+    if device == "cuda" and not NVIDIA_DRIVER.exists():
+        raise UsageError("no CUDA device here (no NVIDIA driver): `rosetta gpu` runs on a machine with a GPU; "
+                         "--device cpu runs the same job on the CPU")
+    # JAX takes 75% of the GPU's memory at its first use unless told not to, which would leave
+    # torch and onnxruntime, in this same process, a quarter of it for the benchmark.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    facts = device_facts(device)
+    out = writable_folder(out_root / folder_name(facts["name"] or device), "--out")
+    steps = plan_steps(out, device, **plan_options)
+    record = {**facts, "versions": framework_versions(), "command": command, "git_commit": _git_commit(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": []}
+    for step in steps:
+        print(f"rosetta gpu: {step.name} ...", file=sys.stderr, flush=True)
+        log_path = out / f"{step.name}.log"
+        start = time.perf_counter()
+        with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = main(list(step.argv))
+        seconds = time.perf_counter() - start
+        record["steps"].append({"name": step.name, "argv": ["rosetta", *step.argv], "exit_code": code,
+                                "seconds": round(seconds, 1), "headline": _headline(log_path.read_text())})
+        (out / "environment.json").write_text(json.dumps(record, indent=1) + "\n")  # kept current if cut off
+    table = summary_table(record)
+    (out / "summary.md").write_text(f"# GPU report: {facts['name']}\n\n{table}\n")
+    print(table)
+    print(f"\nwritten: {out}")
+    return 0 if all(step["exit_code"] == 0 for step in record["steps"]) else 1
+
+
+def summary_table(record: dict) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in record["versions"].items() if version)
+    lines = [f"device: {record['name']} ({record['device']}), driver {record['driver'] or '-'}",
+             f"versions: {versions}", f"command: {' '.join(record['command'])}", "",
+             "| step | exit | seconds | result |", "|---|---|---:|---|"]
+    lines += [f"| {s['name']} | {s['exit_code']} | {s['seconds']:.1f} | {s['headline']} |" for s in record["steps"]]
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""`rosetta gpu` / `make gpu`: the plan of the job, the device facts it records, its refusal
+without a GPU, and the whole job run end to end on the CPU (`--device cpu`, reduced)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conformance.cli import main
+from conformance.gpu_job import NVIDIA_DRIVER, driver_version, folder_name, plan_steps
+
+
+def test_the_default_plan(tmp_path):
+    steps = plan_steps(tmp_path, "cuda")
+    assert [s.name for s in steps] == ["check-tiny", "check-char-lm", "probe", "bench"]
+    check = steps[0].argv
+    assert check[check.index("--backends") + 1] == "torch,torch-math,jax,jax-math,onnx,onnx-jax"
+    assert check[check.index("--devices") + 1] == "cuda" and "--dtypes" not in check  # every dtype each runs
+    bench = steps[-1].argv
+    assert bench[bench.index("--preset") + 1] == "paper-base" and bench[bench.index("--devices") + 1] == "cuda"
+    contenders = bench[bench.index("--contenders") + 1].split(",")
+    assert contenders[0] == "torch" and {"onnxruntime-cuda-float32", "onnxruntime-cuda-float16"} <= set(contenders)
+    assert not [c for c in contenders[1:] if "cpu" in c]
+    assert [s.name for s in plan_steps(tmp_path, "cuda", presets=("tiny",), bench_preset=None)] == ["check-tiny", "probe"]
+
+
+@pytest.mark.parametrize("text, version", [
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@U22)  Thu Sep 4 2025",
+     "580.95.05"),
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023", "535.104.05"),
+    ("something else entirely", None),
+])
+def test_driver_version(text, version):
+    assert driver_version(text) == version
+
+
+def test_folder_names():
+    assert folder_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert folder_name("NVIDIA H200") == "nvidia-h200"
+    assert folder_name("x86_64") == "x86-64" and folder_name("///") == "device"
+
+
+@pytest.mark.skipif(NVIDIA_DRIVER.exists(), reason="checks the refusal on a machine without an NVIDIA driver")
+def test_refused_without_a_gpu(tmp_path, capsys):
+    assert main(["gpu", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_job_end_to_end_on_the_cpu(tmp_path, capsys):
+    argv = ["gpu", "--device", "cpu", "--out", str(tmp_path), "--presets", "tiny", "--backends", "torch",
+            "--bench-preset", "tiny", "--bench-contenders", "torch,onnxruntime-cpu-float32"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    (folder,) = tmp_path.iterdir()
+    record = json.loads((folder / "environment.json").read_text())
+    assert record["device"] == "cpu" and record["command"] == ["rosetta", *argv]
+    assert record["versions"]["torch"] and record["versions"]["onnxruntime-gpu"]
+    assert [(s["name"], s["exit_code"]) for s in record["steps"]] == [("check-tiny", 0), ("probe", 0), ("bench", 0)]
+    assert record["steps"][0]["argv"][:2] == ["rosetta", "check"] and " passed, 0 failed" in record["steps"][0]["headline"]
+    for written in ("check-tiny/report.json", "check-tiny/heatmap.png", "probe.md", "bench/bench.json", "summary.md",
+                    "check-tiny.log"):
+        assert (folder / written).is_file(), written
+    report = json.loads((folder / "check-tiny/report.json").read_text())
+    assert {cell["backend"] for cell in report["cells"]} == {"torch"}
+    assert "| check-tiny | 0 |" in printed and printed == (folder / "summary.md").read_text().split("\n\n", 1)[1] + \
+        f"\nwritten: {folder}\n"
