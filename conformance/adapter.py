@@ -82,6 +82,17 @@ def unregister_backend(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
+def registered_paths() -> dict[str, str]:
+    """The backends registered by dotted path: what another process can register again."""
+    return {name: entry.target for name, entry in _REGISTRY.items() if isinstance(entry.target, str)}
+
+
+def importable_by_name(name: str) -> bool:
+    """Whether a fresh process finds this backend by importing its registered path (a backend
+    registered with a callable exists only in the process that registered it)."""
+    return name in _REGISTRY and isinstance(_REGISTRY[name].target, str)
+
+
 def backend_names() -> list[str]:
     return list(_REGISTRY)
 

@@ -1,7 +1,7 @@
 """The ``rosetta`` command (also ``python -m conformance``).
 
     rosetta check [--preset tiny | --weights FILE] [--backends a,b] [--dtypes ...] [--devices ...]
-                  [-k FILTER] [--fail-fast] [--report DIR]
+                  [-k FILTER] [--fail-fast] [--report DIR] [--jobs N]
     rosetta export [--preset tiny | --weights FILE] --out DIR [--framework torch|jax] [--dtype float32|float16]
                    [--opset 23|20] [--graphs a,b] [--triton REPO]
     rosetta generate DIR (--src "5 6 7" ... | --prompt "5 6" ...) [--bos 1] [--eos 2] [--max-new-tokens N]
@@ -20,13 +20,18 @@ Exit codes: 0 every cell that ran passed, 1 a cell failed (or none ran), 2 usage
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+
+from conformance import terminal
 from conformance.adapter import backend_names
 from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult, plan_matrix, run_matrix
+from conformance.parallel import auto_jobs
 from conformance.report import columns_and_rows, summary_counts, write_report
 from conformance.tolerance import DTYPES
 from spec import (
@@ -59,15 +64,6 @@ def _load_model(args: argparse.Namespace):
         return cfg, params, {"weights": str(args.weights)}
     cfg = get_preset(args.preset)
     return cfg, init_params(cfg, args.seed), {"preset": args.preset, "seed": args.seed}
-
-
-def _progress(result: CellResult, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {result.test_id[:60]:<60}")
-    if done == total:
-        sys.stderr.write("\r" + " " * (width + 75) + "\r")
-    sys.stderr.flush()
 
 
 def _cell_text(result: CellResult) -> str:
@@ -140,6 +136,16 @@ def writable_folder(path: Path, option: str) -> Path:
     return path
 
 
+def _positive(value: str, option: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise UsageError(f"{option} takes a positive integer or auto, got {value!r}")
+    return number
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.weights and args.preset_given:
         raise UsageError("give either --preset or --weights, not both")
@@ -159,18 +165,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg, params, source = _load_model(args)
     start = time.perf_counter()
     plan = plan_matrix(cfg, backends, dtypes, devices)
+    jobs = auto_jobs(plan.columns) if args.jobs == "auto" else _positive(args.jobs, "--jobs")
+    # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
     show_progress = sys.stderr.isatty() and not args.quiet
-    results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast,
-                         progress=_progress if show_progress else None)
+    with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
+        results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress, jobs=jobs)
     seconds = time.perf_counter() - start
     counts = summary_counts(results)
     label = source.get("preset") or source.get("weights")
-    print(f"Conformance of every backend against the golden (impl_numpy, float64) - {label}")
-    print("cells: max|error| / tolerance, below 1 passes\n")
-    print(format_table(results))
+    title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
     problems = format_problems(results)
-    if problems:
-        print("\n" + problems)
+    if sys.stdout.isatty():
+        console = Console()
+        console.print(terminal.matrix_table(results, title))
+        if (panel := terminal.failure_panel(results)) is not None:
+            console.print(panel)
+        skipped = [line for line in problems.splitlines() if line.startswith("skipped ")]
+        if skipped:
+            console.print("\n".join(skipped), style="dim", markup=False, highlight=False)
+    else:
+        print(title)
+        print("cells: max|error| / tolerance, below 1 passes\n")
+        print(format_table(results))
+        if problems:
+            print("\n" + problems)
     print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
           f"in {seconds:.2f} s")
     localizations = _localize(cfg, params, results, args.localize)
@@ -437,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--jobs", default="auto",
+                       help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.set_defaults(handler=cmd_check)
     mutations = commands.add_parser("mutations", help="run the mutation gallery (proof the harness can fail)")
     mutations.add_argument("--preset", default="tiny")

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from conformance.adapter import NotSupported, backend_names, get_backend
+from conformance.adapter import NotSupported, backend_names, get_backend, importable_by_name
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, Case, catalogue
+from conformance.parallel import run_in_workers
 from conformance.tolerance import DTYPES, compare, compare_generation, tolerance
 from spec import ModelConfig
 
@@ -107,8 +108,10 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
 
 def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
                pattern: str | None = None, fail_fast: bool = False,
-               progress: Callable[[CellResult, int, int], None] | None = None) -> list[CellResult]:
-    """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells."""
+               progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1) -> list[CellResult]:
+    """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
+    With jobs > 1, columns run in that many worker processes (conformance.parallel); the
+    results come back in the same order either way."""
     plan = plan or plan_matrix(cfg)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
@@ -130,22 +133,41 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
                                           reason=f"not supported: {why}"))
             else:
                 work.append((case, column))
-    golden_runner = NumpyRunner(cfg, params, "float64")
-    references: dict[str, object] = {}
-    runners: dict[tuple[str, str, str], object] = {}
-    for done, (case, (name, dtype, device)) in enumerate(work, start=1):
-        if case.name not in references:
-            references[case.name] = golden_output(cfg, params, case.sublayer, case.inputs, golden_runner)
-        result = _run_cell(cfg, params, case, name, dtype, device, references[case.name], runners)
-        results.append(result)
+    finished: dict[int, CellResult] = {}
+
+    def record(index: int, result: CellResult) -> bool:
+        """Keep a cell's result; True when the run should stop."""
+        finished[index] = result
         if progress:
-            progress(result, done, len(work))
-        if fail_fast and result.status in (FAIL, ERROR):
+            progress(result, len(finished), len(work))
+        return fail_fast and result.status in (FAIL, ERROR)
+
+    in_workers = [i for i, (_, (name, _, _)) in enumerate(work) if jobs > 1 and importable_by_name(name)]
+    here = [i for i in range(len(work)) if i not in set(in_workers)]
+    golden, references, runners = golden_runner_for(cfg, params), {}, {}
+    stopped = False
+    for index in here:
+        case, (name, dtype, device) = work[index]
+        reference = reference_for(cfg, params, case, golden, references)
+        if stopped := record(index, run_cell(cfg, params, case, name, dtype, device, reference, runners)):
             break
-    return results
+    if in_workers and not stopped:
+        run_in_workers(cfg, params, [(i, work[i][0].name, work[i][1]) for i in in_workers], jobs, record)
+    return results + [finished[index] for index in sorted(finished)]
 
 
-def _run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference,
+def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> NumpyRunner:
+    return NumpyRunner(cfg, params, "float64")
+
+
+def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):
+    """The golden's output for a case, computed once per case."""
+    if case.name not in references:
+        references[case.name] = golden_output(cfg, params, case.sublayer, case.inputs, golden)
+    return references[case.name]
+
+
+def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference,
               runners: dict) -> CellResult:
     base = dict(backend=name, device=device, dtype=dtype, sublayer=case.sublayer, mask_case=case.mask_case)
     start = time.perf_counter()

@@ -110,6 +110,7 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
+@partial(jax.jit, static_argnames=("path", "precision"))
 def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
                                  path: str = "sdpa", precision: str = "highest") -> jax.Array:
     """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],

@@ -1,0 +1,172 @@
+"""Columns of the conformance matrix in parallel worker processes.
+
+A column (backend, dtype, device) is independent of every other: it loads its own runner and
+compares each case with the golden. Most of a JAX column's time is Python tracing and lowering
+hundreds of small XLA programs, which one process does on one core; workers run several
+columns at once. Results are put back in the order the sequential run gives them.
+
+A worker is a fresh interpreter (`python -m conformance.parallel`) fed pickled messages on its
+stdin and answering on its stdout: not a fork (JAX and torch hold threads a fork would copy half
+of), and not multiprocessing's spawn, which re-imports the caller's main module. So a worker
+sees only what a fresh import registers: a backend registered by a dotted path runs in a worker,
+one registered with a callable at run time (conformance.byo) runs in the calling process. A
+worker that dies turns the cells it had not finished into errors that quote its last words.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from conformance.adapter import importable_by_name, register_backend, registered_paths
+from spec import ModelConfig
+
+# the columns whose programs take the longest go first, so the last one to finish is short
+_SLOW_FIRST = ("jax", "onnx", "torch")
+
+
+def auto_jobs(columns: Sequence[tuple[str, str, str]]) -> int:
+    """Workers for a plan: one per core and column on the CPU; none where a column runs on a GPU
+    (several processes would each hold a CUDA context, and JAX takes most of the GPU's memory
+    in every process)."""
+    if any(device != "cpu" for _, _, device in columns):
+        return 1
+    return max(1, min(os.cpu_count() or 1, sum(1 for name, _, _ in columns if importable_by_name(name))))
+
+
+def _cost_rank(column: tuple[str, str, str]) -> int:
+    name = column[0]
+    return next((rank for rank, prefix in enumerate(_SLOW_FIRST) if name.startswith(prefix)), len(_SLOW_FIRST))
+
+
+class _Worker:
+    """One worker process, and a thread that turns its answers into messages on a queue."""
+
+    def __init__(self, number: int, setup: tuple, inbox: queue.Queue):
+        self.number, self.column = number, None
+        self.stderr = tempfile.TemporaryFile()
+        # torch sizes its thread pool at import: the cores are shared among the workers
+        environment = {**os.environ, "OMP_NUM_THREADS": str(setup[-1])}
+        self.process = subprocess.Popen([sys.executable, "-m", "conformance.parallel"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.stderr, env=environment)
+        threading.Thread(target=self._listen, args=(inbox,), daemon=True).start()
+
+    def send(self, message) -> None:
+        pickle.dump(message, self.process.stdin)
+        self.process.stdin.flush()
+
+    def _listen(self, inbox: queue.Queue) -> None:
+        try:
+            while True:
+                inbox.put((self, pickle.load(self.process.stdout)))
+        except (EOFError, OSError, pickle.UnpicklingError):
+            inbox.put((self, ("exited", None)))
+
+    def last_words(self) -> str:
+        self.process.wait()
+        self.stderr.seek(0)
+        lines = [line for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
+        return f"exit code {self.process.returncode}" + (f": {lines[-1][:300]}" if lines else "")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.stderr.close()
+
+
+def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
+                   jobs: int, on_result: Callable[[int, object], bool]) -> None:
+    """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
+    time each. on_result(index, result) is called in this process as each cell finishes; it
+    returns True to stop the run."""
+    from conformance.harness import ERROR, CellResult
+
+    by_column: dict[tuple, list[tuple[int, str]]] = {}
+    for index, case_name, column in work:
+        by_column.setdefault(column, []).append((index, case_name))
+    columns = sorted(by_column, key=_cost_rank)
+    jobs = max(1, min(jobs, len(columns)))
+    setup = (cfg.to_json(), dict(params), registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
+    inbox: queue.Queue = queue.Queue()
+    workers = [_Worker(number, setup, inbox) for number in range(jobs)]
+    unfinished = {index for index, _, _ in work}
+
+    def give_work(worker: _Worker) -> None:
+        worker.column = columns.pop(0) if columns else None
+        worker.send(None if worker.column is None else (worker.column, by_column[worker.column]))
+
+    try:
+        for worker in workers:  # every process is started before any setup is sent: they import at once
+            worker.send(setup)
+            give_work(worker)
+        running = len(workers)
+        while running:
+            worker, (kind, payload) = inbox.get()
+            if kind == "cell":
+                index, result = payload
+                unfinished.discard(index)
+                if on_result(index, result):
+                    return
+            elif kind == "column done":
+                give_work(worker)
+            elif kind == "exited":
+                running -= 1
+                if worker.column is not None:  # died inside a column: its unfinished cells are errors
+                    name, dtype, device = worker.column
+                    words = worker.last_words()
+                    for index, case_name in by_column[worker.column]:
+                        if index in unfinished:
+                            unfinished.discard(index)
+                            sublayer, _, mask_case = case_name.partition("-")
+                            if on_result(index, CellResult(name, device, dtype, sublayer, mask_case, ERROR,
+                                                           reason=f"the worker process running this column died ({words})")):
+                                return
+                    if columns:  # the crash stays with its column: a new worker takes the rest
+                        workers.append(replacement := _Worker(len(workers), setup, inbox))
+                        replacement.send(setup)
+                        running += 1
+                        give_work(replacement)
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def _serve() -> None:
+    """The worker's side: setup, then columns until told to stop (None)."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not break the message stream
+    requests = sys.stdin.buffer
+
+    def answer(message) -> None:
+        pickle.dump(message, answers)
+        answers.flush()
+
+    from conformance.cases import catalogue
+    from conformance.harness import golden_runner_for, reference_for, run_cell
+
+    cfg_json, params, backends, _threads = pickle.load(requests)
+    for name, path in backends.items():  # as registered in the calling process, at run time too
+        register_backend(name, path)
+    cfg = ModelConfig.from_json(cfg_json)
+    cases = {case.name: case for case in catalogue(cfg)}
+    golden, references, runners = golden_runner_for(cfg, params), {}, {}
+    while (task := pickle.load(requests)) is not None:
+        (name, dtype, device), items = task
+        for index, case_name in items:
+            case = cases[case_name]
+            reference = reference_for(cfg, params, case, golden, references)
+            answer(("cell", (index, run_cell(cfg, params, case, name, dtype, device, reference, runners))))
+        answer(("column done", None))
+
+
+if __name__ == "__main__":
+    _serve()

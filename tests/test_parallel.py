@@ -1,0 +1,87 @@
+"""Columns in worker processes (conformance.parallel): the same cells, order and verdicts as
+one process; a backend registered with a callable stays in the calling process; a worker that
+dies turns its unfinished cells into errors that say why, and the other columns still run;
+fail-fast stops the workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import register_backend, unregister_backend
+from conformance.byo import CustomBackend  # noqa: F401 - registered with a callable below
+from conformance.cli import main
+from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
+from conformance.parallel import auto_jobs
+from spec import get_preset, init_params
+
+CFG = get_preset("tiny")
+PARAMS = init_params(CFG, seed=0)
+
+
+@pytest.fixture
+def extra_backends():
+    register_backend("crashing", "tests.parallel_backends:CrashingBackend")
+    register_backend("zeros", "tests.parallel_backends:ZerosBackend")
+    yield
+    unregister_backend("crashing")
+    unregister_backend("zeros")
+
+
+def _plan(backends):
+    return plan_matrix(CFG, backends, ["float32", "float16"], ["cpu"])
+
+
+@pytest.mark.slow
+def test_workers_give_the_sequential_results():
+    plan = _plan(["numpy-float32", "torch"])
+    one = run_matrix(CFG, PARAMS, plan, jobs=1)
+    two = run_matrix(CFG, PARAMS, plan, jobs=2)
+    assert [(r.test_id, r.status) for r in one] == [(r.test_id, r.status) for r in two]
+    assert sum(r.status == PASS for r in two) == 3 * 83  # numpy f32, torch f32 and f16
+    for a, b in zip(one, two):  # torch's thread count differs in a worker: sums may round apart
+        assert (a.max_abs_err is None) == (b.max_abs_err is None)
+        if a.max_abs_err is not None:
+            assert b.max_abs_err == pytest.approx(a.max_abs_err, rel=1e-3, abs=1e-6)
+
+
+def test_a_dying_worker_gives_errors_and_the_rest_runs(extra_backends):
+    progress = []
+    results = run_matrix(CFG, PARAMS, _plan(["crashing", "numpy-float32"]), jobs=2,
+                         progress=lambda result, done, total: progress.append((done, total)))
+    crashed = [r for r in results if r.backend == "crashing" and r.dtype == "float32"]  # float16: skipped
+    assert [r.status for r in crashed[:3]] == [PASS] * 3
+    assert {r.status for r in crashed[3:]} == {ERROR} and len(crashed) == 83
+    assert "died (exit code 3: simulated crash)" in crashed[3].reason
+    assert {r.status for r in results if r.backend == "numpy-float32" and r.dtype == "float32"} == {PASS}
+    assert progress[-1] == (2 * 83, 2 * 83) and len(progress) == 2 * 83
+
+
+def test_fail_fast_stops_the_workers(extra_backends):
+    results = run_matrix(CFG, PARAMS, _plan(["zeros", "numpy-float32"]), jobs=2, fail_fast=True)
+    ran = [r for r in results if r.status in (PASS, FAIL, ERROR)]
+    assert ran and ran[-1].status == FAIL and len(ran) < 2 * 83
+
+
+def test_a_backend_registered_with_a_callable_runs_here():
+    from conformance.backends.numpy_backend import NumpyFloat32Backend
+
+    register_backend("numpy-here", NumpyFloat32Backend)
+    try:
+        results = run_matrix(CFG, PARAMS, _plan(["numpy-here"]), jobs=2, pattern="mha-*")
+    finally:
+        unregister_backend("numpy-here")
+    assert {r.status for r in results if r.dtype == "float32"} == {PASS}
+
+
+def test_auto_jobs(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cpu = [("torch", "float32", "cpu"), ("jax", "float32", "cpu"), ("jax", "float16", "cpu")]
+    assert auto_jobs(cpu) == 2
+    assert auto_jobs(cpu[:1]) == 1
+    assert auto_jobs([*cpu, ("torch", "float32", "cuda")]) == 1  # one process per GPU
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_must_be_positive(jobs, capsys):
+    assert main(["check", "--backends", "numpy-float32", "--jobs", jobs]) == 2
+    assert "--jobs takes a positive integer or auto" in capsys.readouterr().err
