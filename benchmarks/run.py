@@ -16,8 +16,13 @@ Ratios to torch eager in the same run are the headline.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +87,7 @@ class Results:
     generate: list[dict] = field(default_factory=list)
     decode: list[dict] = field(default_factory=list)
     matrix: list[dict] = field(default_factory=list)
+    matrix_wall: list[dict] = field(default_factory=list)  # the whole matrix through `rosetta check`, cold and warm
     skipped: list[dict] = field(default_factory=list)
     targets: list[dict] = field(default_factory=list)
 
@@ -234,6 +240,32 @@ def _matrix(results: Results, backends: tuple[str, ...], log) -> None:
         results.matrix.append({"backend": backend, "seconds": seconds, "cells": len(ran),
                                "passed": sum(c.status == "pass" for c in ran)})
         log(f"  matrix {backend:16} {len(ran)} cells in {seconds:.1f} s")
+    results.matrix_wall += _matrix_cold_and_warm(backends, log)
+
+
+def _matrix_cold_and_warm(backends: tuple[str, ...], log) -> list[dict]:
+    """The whole matrix of these backends as a user runs it (`rosetta check` in a new process,
+    its columns in worker processes), first with empty caches (JAX's compiled programs, the
+    ONNX exports), then again with the caches that run left."""
+    rows = []
+    with tempfile.TemporaryDirectory() as caches:
+        environment = {**os.environ, "XDG_CACHE_HOME": caches}
+        for variable in ("ROSETTA_JAX_CACHE", "ROSETTA_ONNX_CACHE"):
+            environment.pop(variable, None)  # both caches go under XDG_CACHE_HOME, empty at first
+        for run in ("cold", "warm"):
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "conformance", "check", "--preset", "tiny", "--quiet",
+                                   "--backends", ",".join(backends)], env=environment, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            summary = re.search(r"^(\d+) passed, (\d+) failed, (\d+) skipped", done.stdout, flags=re.MULTILINE)
+            if summary is None:
+                raise RuntimeError(f"rosetta check ended without its summary (exit {done.returncode}): "
+                                   f"{(done.stderr or done.stdout).strip()[-300:]}")
+            passed, failed, skipped = map(int, summary.groups())
+            rows.append({"run": run, "backends": ",".join(backends), "seconds": seconds, "passed": passed,
+                         "failed": failed, "skipped": skipped})
+            log(f"  matrix, {run:4} caches: {passed} passed, {failed} failed in {seconds:.1f} s")
+    return rows
 
 
 def _find(rows: list[dict], **match) -> dict | None:
@@ -312,6 +344,11 @@ def markdown(results: Results) -> str:
         lines += ["", "## The conformance matrix (tiny preset)", "", "| backend | cells | passed | seconds |",
                   "|---|---:|---:|---:|"]
         lines += [f"| {r['backend']} | {r['cells']} | {r['passed']} | {r['seconds']:.1f} |" for r in results.matrix]
+    if results.matrix_wall:
+        lines += ["", "## The whole matrix through `rosetta check` (a new process, columns in workers)", "",
+                  "| caches | backends | passed | failed | seconds |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {r['run']} | {r['backends']} | {r['passed']} | {r['failed']} | {r['seconds']:.1f} |"
+                  for r in results.matrix_wall]
     if results.targets:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---:|---|"]
         lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in results.targets]
