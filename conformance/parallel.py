@@ -5,8 +5,9 @@ compares each case with the golden. Most of a JAX column's time is Python tracin
 hundreds of small XLA programs, which one process does on one core; workers run several
 columns at once. Results are put back in the order the sequential run gives them.
 
-A worker is a fresh interpreter (`python -m conformance.parallel`) fed pickled messages on its
-stdin and answering on its stdout: not a fork (JAX and torch hold threads a fork would copy half
+A worker is a fresh interpreter (`python -m conformance.parallel`) fed messages on its stdin
+and answering on its stdout (length-prefixed JSON, the parameters as safetensors bytes: no
+pickle anywhere in this project): not a fork (JAX and torch hold threads a fork would copy half
 of), and not multiprocessing's spawn, which re-imports the caller's main module. So a worker
 sees only what a fresh import registers: a backend registered by a dotted path runs in a worker,
 one registered with a callable at run time (conformance.byo) runs in the calling process. A
@@ -15,9 +16,11 @@ worker that dies turns the cells it had not finished into errors that quote its 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import pickle
 import queue
+import struct
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,42 @@ from spec import ModelConfig
 
 # the columns whose programs take the longest go first, so the last one to finish is short
 _SLOW_FIRST = ("jax", "onnx", "torch")
+_LENGTH = struct.Struct(">Q")
+
+
+def _write(stream, payload: bytes) -> None:
+    stream.write(_LENGTH.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def _read(stream) -> bytes:
+    """One message; EOFError when the other side has closed the pipe."""
+    def exactly(size: int) -> bytes:
+        data = stream.read(size)
+        if len(data) != size:
+            raise EOFError("the pipe closed mid-message")
+        return data
+    return exactly(_LENGTH.unpack(exactly(_LENGTH.size))[0])
+
+
+def _send(stream, message) -> None:
+    # NumPy scalars (an error's index, say) are written as the Python numbers they hold
+    _write(stream, json.dumps(message, default=lambda value: value.item()).encode())
+
+
+def _receive(stream):
+    return json.loads(_read(stream))
+
+
+def _result_message(result) -> dict:
+    return dataclasses.asdict(result)  # floats, strings and a tuple of ints: JSON keeps them (NaN too)
+
+
+def _result_from(message: dict):
+    from conformance.harness import CellResult
+
+    worst = message.pop("worst_index")
+    return CellResult(**message, worst_index=None if worst is None else tuple(worst))
 
 
 def auto_jobs(columns: Sequence[tuple[str, str, str]]) -> int:
@@ -60,14 +99,21 @@ class _Worker:
         threading.Thread(target=self._listen, args=(inbox,), daemon=True).start()
 
     def send(self, message) -> None:
-        pickle.dump(message, self.process.stdin)
-        self.process.stdin.flush()
+        _send(self.process.stdin, message)
+
+    def send_setup(self, setup: tuple) -> None:
+        cfg_json, params, backends, threads = setup
+        _send(self.process.stdin, {"config": cfg_json, "backends": backends, "threads": threads})
+        _write(self.process.stdin, params)
 
     def _listen(self, inbox: queue.Queue) -> None:
         try:
             while True:
-                inbox.put((self, pickle.load(self.process.stdout)))
-        except (EOFError, OSError, pickle.UnpicklingError):
+                kind, payload = _receive(self.process.stdout)
+                if kind == "cell":
+                    payload = (payload[0], _result_from(payload[1]))
+                inbox.put((self, (kind, payload)))
+        except (EOFError, OSError, ValueError):
             inbox.put((self, ("exited", None)))
 
     def last_words(self) -> str:
@@ -95,18 +141,21 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
         by_column.setdefault(column, []).append((index, case_name))
     columns = sorted(by_column, key=_cost_rank)
     jobs = max(1, min(jobs, len(columns)))
-    setup = (cfg.to_json(), dict(params), registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
+    from safetensors.numpy import save
+
+    setup = (cfg.to_json(), save({name: np.ascontiguousarray(value) for name, value in params.items()}),
+             registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
     inbox: queue.Queue = queue.Queue()
     workers = [_Worker(number, setup, inbox) for number in range(jobs)]
     unfinished = {index for index, _, _ in work}
 
     def give_work(worker: _Worker) -> None:
         worker.column = columns.pop(0) if columns else None
-        worker.send(None if worker.column is None else (worker.column, by_column[worker.column]))
+        worker.send(None if worker.column is None else [worker.column, by_column[worker.column]])
 
     try:
         for worker in workers:  # every process is started before any setup is sent: they import at once
-            worker.send(setup)
+            worker.send_setup(setup)
             give_work(worker)
         running = len(workers)
         while running:
@@ -132,7 +181,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                                 return
                     if columns:  # the crash stays with its column: a new worker takes the rest
                         workers.append(replacement := _Worker(len(workers), setup, inbox))
-                        replacement.send(setup)
+                        replacement.send_setup(setup)
                         running += 1
                         give_work(replacement)
     finally:
@@ -146,26 +195,26 @@ def _serve() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not break the message stream
     requests = sys.stdin.buffer
 
-    def answer(message) -> None:
-        pickle.dump(message, answers)
-        answers.flush()
+    from safetensors.numpy import load
 
     from conformance.cases import catalogue
     from conformance.harness import golden_runner_for, reference_for, run_cell
 
-    cfg_json, params, backends, _threads = pickle.load(requests)
-    for name, path in backends.items():  # as registered in the calling process, at run time too
+    setup = _receive(requests)
+    params = load(_read(requests))
+    for name, path in setup["backends"].items():  # as registered in the calling process, at run time too
         register_backend(name, path)
-    cfg = ModelConfig.from_json(cfg_json)
+    cfg = ModelConfig.from_json(setup["config"])
     cases = {case.name: case for case in catalogue(cfg)}
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
-    while (task := pickle.load(requests)) is not None:
+    while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task
         for index, case_name in items:
             case = cases[case_name]
             reference = reference_for(cfg, params, case, golden, references)
-            answer(("cell", (index, run_cell(cfg, params, case, name, dtype, device, reference, runners))))
-        answer(("column done", None))
+            result = run_cell(cfg, params, case, name, dtype, device, reference, runners)
+            _send(answers, ["cell", [index, _result_message(result)]])
+        _send(answers, ["column done", None])
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def test_a_dying_worker_gives_errors_and_the_rest_runs(extra_backends):
 def test_fail_fast_stops_the_workers(extra_backends):
     results = run_matrix(CFG, PARAMS, _plan(["zeros", "numpy-float32"]), jobs=2, fail_fast=True)
     ran = [r for r in results if r.status in (PASS, FAIL, ERROR)]
-    assert ran and ran[-1].status == FAIL and len(ran) < 2 * 83
+    # the other column's cells that finished before the stop are kept, in their order
+    assert [r.status for r in ran if r.backend == "zeros"] == [FAIL] and len(ran) < 2 * 83
 
 
 def test_a_backend_registered_with_a_callable_runs_here():
