@@ -78,11 +78,11 @@ def _positions(cfg: ModelConfig, params, side: str) -> np.ndarray:
 def convert(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path,
             bos_id: int = 1, eos_id: int = 2) -> Path:
     """Write a CTranslate2 model directory for this config and these canonical parameters."""
-    from ctranslate2.specs import common_spec, transformer_spec
-
-    reason = unsupported_reason(cfg)
+    reason = unsupported_reason(cfg)  # before the import: a refusal needs no CTranslate2
     if reason:
         raise Unsupported(reason)
+    from ctranslate2.specs import common_spec, transformer_spec
+
     activations = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
                    "gelu-tanh": common_spec.Activation.GELUTanh, "swish": common_spec.Activation.SWISH}
     spec = transformer_spec.TransformerSpec.from_config(

@@ -2,6 +2,7 @@
 FLOP count is the documented formula, and a tiny run produces every report (no timing asserted:
 performance belongs in benchmarks, never in tests)."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -82,7 +83,11 @@ def test_bench_tiny_writes_every_report(tmp_path, capsys):
     assert {"numpy-float64", "torch", "torch.compile", "jax", "onnxruntime-cpu-float32"} <= forward
     assert all(r["speedup_vs_torch"] > 0 for r in results["forward"])
     generated = {r["contender"]: r for r in results["generate"]}
-    assert {"torch", "jax", "onnxruntime-cpu-float32", "ctranslate2"} <= set(generated)
+    # CTranslate2 is the one outside peer: where it is not installed it is listed as not measured
+    peer = {"ctranslate2"} if importlib.util.find_spec("ctranslate2") else set()
+    assert {"torch", "jax", "onnxruntime-cpu-float32"} | peer <= set(generated)
+    if not peer:
+        assert any(s["contender"] == "ctranslate2" and "not installed" in s["reason"] for s in results["skipped"])
     assert all(r["same_tokens"] for r in generated.values()), [r["note"] for r in generated.values()]
     positions = {r["position"] for r in results["decode"] if r["contender"] == "onnxruntime-cpu-float32"}
     assert len(positions) == 4

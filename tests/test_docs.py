@@ -64,10 +64,45 @@ def _masked(text: str) -> str:
     return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)
 
 
+def _versions_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.startswith("Versions: ")), "")
+
+
+def _skeleton(text: str) -> list[str]:
+    """What the page says whatever the machine: headings, excerpt titles and the code blocks.
+    The bullets between them quote measurements (a probe's verdict, an error), which another
+    framework version may legitimately change."""
+    kept, in_code = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or line.startswith(("#", "**", "```")):
+            kept.append(line)
+    return kept
+
+
 def test_the_differences_page_is_current():
-    expected = differences_page()
-    assert _masked((ROOT / "docs" / "framework-differences.md").read_text()) == _masked(expected), \
-        "regenerate with: rosetta differences --markdown docs/framework-differences.md"
+    """Word for word (numbers masked) where the installed versions are the page's own; elsewhere
+    (the frameworks of a lent GPU machine, a user's newer jax) its skeleton, so the check does not
+    depend on which packages are installed."""
+    committed, expected = (ROOT / "docs" / "framework-differences.md").read_text(), differences_page()
+    hint = "regenerate with: rosetta differences --markdown docs/framework-differences.md"
+    if _versions_line(committed) == _versions_line(expected):
+        assert _masked(committed) == _masked(expected), hint
+    else:
+        assert _skeleton(committed) == _skeleton(expected), hint
+    assert len(_skeleton(committed)) > 100
+
+
+def test_the_page_check_holds_on_other_versions():
+    """The same page under another versions line and another measured verdict still passes the
+    skeleton check, and a stale excerpt in it still fails."""
+    committed = (ROOT / "docs" / "framework-differences.md").read_text()
+    elsewhere = committed.replace(_versions_line(committed), "Versions: python 3.12.0, torch 2.11.0+cu130")
+    elsewhere = elsewhere.replace("the mean of V", "zeros")
+    assert _skeleton(elsewhere) == _skeleton(committed)
+    stale = elsewhere.replace("def split_heads(", "def split_the_heads(", 1)
+    assert _skeleton(stale) != _skeleton(committed)
 
 
 def test_excerpt_finds_functions_methods_and_refuses_unknown_names():
