@@ -101,9 +101,14 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
                           "decoder graphs come from the torch export")
     sig = signature(cfg, role)
     # jax2onnx's tracing warns about dtypes it truncates and untyped constants it skips; neither
-    # concerns the graph, which is checked by finish() and by the tests against the golden
+    # concerns the graph, which is checked by finish() and by the tests against the golden.
+    # impl_jax picks its attention path by platform (impl_jax.model.native_attention_fails), so a
+    # graph traced where the default backend is a GPU would differ from one traced on a CPU: at
+    # float16 it took jax.nn.dot_product_attention, whose conversion left a float32 scale in a
+    # float16 graph (onnx: "Mul ... B has inconsistent type tensor(float)", seen on an H100). The
+    # trace runs with the CPU as the default device: the same graph wherever it is exported.
     with (warnings.catch_warnings(), quiet_loggers("onnx_ir.serde", "jax2onnx.plugins.plugin_system"),
-          jax.default_matmul_precision("highest")):
+          jax.default_matmul_precision("highest"), jax.default_device(jax.devices("cpu")[0])):
         warnings.simplefilter("ignore")
         proto = to_onnx(_function(model, role), _symbolic_inputs(cfg, sig), opset=opset,
                         model_name=f"rosetta_{role}", input_names=sig.input_names, output_names=sig.output_names)

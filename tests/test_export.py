@@ -322,6 +322,28 @@ def test_cuda_every_node_on_cuda_and_matches_golden(preset, dtype):
     assert result.passed, result.reason
 
 
+@pytest.mark.slow
+def test_the_jax_export_is_the_same_graph_on_a_gpu_machine(tmp_path, monkeypatch):
+    """On an H100 the float16 JAX export failed onnx's checker ("Mul ... B has inconsistent type
+    tensor(float)"): traced where the default backend is a GPU, impl_jax's float16 attention took
+    jax.nn.dot_product_attention. Simulated here (the default backend is all impl_jax reads), the
+    export must give the very graph a CPU machine gives."""
+    import jax
+
+    import impl_jax.model
+    from export.jax_export import export_jax
+
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    on_cpu = onnx.load(exported(cfg, params, framework="jax", dtype="float16") / "forward.onnx")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert impl_jax.model._platform() == "gpu"
+    paths = export_jax(cfg, params, tmp_path, dtype="float16", graph_roles=(FORWARD,))
+    on_gpu = onnx.load(paths[FORWARD])
+    assert [(n.op_type, list(n.input), list(n.output)) for n in on_gpu.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in on_cpu.graph.node]
+
+
 def _with_a_node_cuda_cannot_run(directory, destination):
     """A copy of an export whose forward graph also runs Unique (onnxruntime has no CUDA kernel
     for it) on the logits, adding 0 x their sum back: same logits, one float node that must land
