@@ -143,7 +143,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
         return fail_fast and result.status in (FAIL, ERROR)
 
     in_workers = [i for i, (_, (name, _, _)) in enumerate(work) if jobs > 1 and importable_by_name(name)]
-    here = [i for i in range(len(work)) if i not in set(in_workers)]
+    here = sorted(set(range(len(work))) - set(in_workers))
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     stopped = False
     for index in here:
