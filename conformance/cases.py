@@ -60,6 +60,7 @@ MASK_CASES: dict[str, str] = {
     "lq_ne_lk": "queries and keys of different lengths, no mask",
     "single_token": "one query, one key",
     "all_pad": "one sequence entirely padding: its rows have no key to attend to",
+    "pad_start": "the target starts with pad_id, as Marian's decoder does: the start token stays real",
     "incremental": "queries after a cache: Q new positions against P+Q keys",
     "mask_k": "explicit mask of shape [K]",
     "mask_qk": "explicit mask of shape [Q, K] with a fully masked row",
@@ -74,8 +75,9 @@ _ENCODER_LAYER_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_t
                         "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
 _DECODER_LAYER_CASES = ("causal", "causal_pad", "cross_pad", "lq_ne_lk", "single_token", "all_pad")
 _STACK_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "all_pad")
-_MODEL_CASES = ("none", "pad_right", "pad_left", "pad_middle", "cross_pad", "lq_ne_lk", "single_token", "all_pad")
-_NEEDS_SOURCE = {"cross_pad", "lq_ne_lk"}  # meaningless without an encoder (for model-level cases)
+_MODEL_CASES = ("none", "pad_right", "pad_left", "pad_middle", "cross_pad", "lq_ne_lk", "single_token", "all_pad",
+                "pad_start")
+_NEEDS_SOURCE = {"cross_pad", "lq_ne_lk", "pad_start"}  # meaningless without an encoder (model-level cases)
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,9 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
     Sublayer("forward", "the whole model, teacher-forced", _MODEL_CASES, _layers_depth),
     Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
-             ("incremental", "pad_right", "pad_left"), _layers_depth),
+             ("incremental", "pad_right", "pad_left", "pad_start"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
-             ("none", "pad_right", "pad_left"), _layers_depth),
+             ("none", "pad_right", "pad_left", "pad_start"), _layers_depth),
 ]}
 
 
@@ -209,9 +211,11 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
         src_len = tgt_len = 1
     elif mask_case == "lq_ne_lk":
         src_len = min(SRC_LEN + 3, cfg.max_len)
-    target_padding = "none" if mask_case in ("cross_pad", "lq_ne_lk") else mask_case
+    target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right"}.get(mask_case, mask_case)
     source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
     tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
+    if mask_case == "pad_start":
+        tgt[:, 0] = cfg.pad_id  # the start token is the pad token (Marian): real all the same
     if not cfg.has_encoder:
         return None, tgt
     return _token_ids(rng, BATCH, src_len, cfg.src_vocab_size, cfg.pad_id, source_padding), tgt
@@ -285,7 +289,8 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         if not cfg.has_encoder:
             prompt = _token_ids(rng, BATCH, 3, cfg.tgt_vocab_size, cfg.pad_id, "pad_left" if mask_case != "none" else "none")
         new_tokens = max(1, min(MAX_NEW_TOKENS, cfg.max_len - (1 if prompt is None else 3)))
-        return {"src_ids": src_ids, "prompt_ids": prompt, "bos_id": min(BOS_ID, cfg.tgt_vocab_size - 1),
+        bos_id = cfg.pad_id if mask_case == "pad_start" else min(BOS_ID, cfg.tgt_vocab_size - 1)
+        return {"src_ids": src_ids, "prompt_ids": prompt, "bos_id": bos_id,
                 "eos_id": min(EOS_ID, cfg.tgt_vocab_size - 1), "max_new_tokens": new_tokens}, reduction
     raise KeyError(f"unknown sublayer {sublayer!r}")
 
@@ -311,7 +316,7 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     if not cfg.has_encoder:
         if sublayer == "decoder_layer":
             cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")
-        elif sublayer in ("decoder", "forward"):
+        elif sublayer in ("decoder", "forward", "decode", "generate"):
             cases = tuple(c for c in cases if c not in _NEEDS_SOURCE)
     return cases
 

@@ -24,7 +24,7 @@ from conformance.adapter import NotSupported
 from conformance.cases import SUBLAYERS
 from conformance.tolerance import compare, tolerance
 from spec import ModelConfig, params_under
-from spec.masks import causal_mask, combine_masks, key_mask
+from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
     """Stage-by-stage comparison of a backend runner against the golden on one input."""
     p = golden.cast_params(cfg, params)
     stages: list[Stage] = []
-    tgt_keep = tgt_ids != cfg.pad_id
+    tgt_keep = real_tokens(cfg, tgt_ids, "tgt")
     plan = []  # (name, sublayer, golden function of the input, backend inputs given an input)
     memory_reference = None
     if cfg.has_encoder:
-        src_keep = src_ids != cfg.pad_id
+        src_keep = real_tokens(cfg, src_ids, "src")
         src_mask = key_mask(src_keep)
         plan.append(("src embedding", "embedding", None, {"ids": src_ids, "side": "src", "offset": 0}))
         for i in range(cfg.n_encoder_layers):
@@ -100,7 +100,7 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
 
     memory = None if memory_reference is None else _f32(memory_reference)
     self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
-    cross = None if memory is None else key_mask(src_ids != cfg.pad_id)
+    cross = None if memory is None else key_mask(real_tokens(cfg, src_ids, "src"))
     plan = [("tgt embedding", "embedding", None, {"ids": tgt_ids, "side": "tgt", "offset": 0})]
     for i in range(cfg.n_decoder_layers):
         layer = params_under(p, f"decoder.layers.{i}")

@@ -36,6 +36,7 @@ from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_
 from spec import ModelConfig
 from spec.errors import InputError
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
+from spec.masks import real_tokens
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 DEVICES = ("cpu", "cuda", "auto")
@@ -187,10 +188,11 @@ class OnnxTransformer:
         return self.sessions[role]
 
     # ---- inputs ----
-    def _keep(self, ids: np.ndarray, keep, name: str) -> np.ndarray:
+    def _keep(self, ids: np.ndarray, keep, side: str, offset: int = 0) -> np.ndarray:
+        """The given keep-vector, else ids != pad_id with an encoder-decoder's start token real."""
         if keep is None:
-            return ids != self.cfg.pad_id
-        check_keep(keep, ids, name)
+            return real_tokens(self.cfg, ids, side, offset)
+        check_keep(keep, ids, f"{side}_keep")
         return np.asarray(keep, dtype=bool)
 
     def _check_length(self, length: int, name: str) -> None:
@@ -221,11 +223,11 @@ class OnnxTransformer:
         check_model_inputs(cfg, src_ids, tgt_ids)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
         self._check_length(tgt_ids.shape[1], "tgt_ids")
-        feeds = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt_keep")}
+        feeds = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt")}
         if cfg.has_encoder:
             src_ids = np.asarray(src_ids, dtype=np.int64)
             self._check_length(src_ids.shape[1], "src_ids")
-            feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src_keep"), **feeds}
+            feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src"), **feeds}
         return self._run(FORWARD, feeds)[0].numpy()
 
     def encode(self, src_ids, src_keep=None) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -239,7 +241,7 @@ class OnnxTransformer:
         check_source(self.cfg, src_ids, batch)
         src_ids = np.asarray(src_ids, dtype=np.int64)
         self._check_length(src_ids.shape[1], "src_ids")
-        keep = self._keep(src_ids, src_keep, "src_keep")
+        keep = self._keep(src_ids, src_keep, "src")
         return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep})]
 
     def start_cache(self, batch: int, src_ids=None, src_keep=None) -> OnnxCache:
@@ -256,7 +258,7 @@ class OnnxTransformer:
         cfg = self.cfg
         check_decode_step(cfg, tgt_ids, cache.length, cache.batch)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
-        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt_keep")}
+        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt", cache.length)}
         role = DECODER_FIRST
         if cache.length:
             role = DECODER_WITH_PAST

@@ -42,6 +42,7 @@ from spec.inputs import (
     check_source,
     mask_shape_4d,
 )
+from spec.masks import real_tokens
 
 ATTENTION_PATHS = ("sdpa", "math")
 PRECISIONS = ("highest", "default")
@@ -278,11 +279,16 @@ class DecoderLayer(nnx.Module):
 
 
 class Stack(nnx.Module):
-    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them."""
+    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them (with
+    cfg.embed_norm, the norm of its embeddings too)."""
 
     def __init__(self, cfg: ModelConfig, layer: type, count: int, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        self.embed_norm = Norm(cfg, dtype) if cfg.embed_norm else None
         self.layers = nnx.List([layer(cfg, path, precision, dtype, rngs) for _ in range(count)])
         self.norm = Norm(cfg, dtype) if cfg.final_norm else None
+
+    def embedding_norm(self, x: jax.Array) -> jax.Array:
+        return x if self.embed_norm is None else self.embed_norm(x)
 
     def final_norm(self, x: jax.Array) -> jax.Array:
         return x if self.norm is None else self.norm(x)
@@ -390,9 +396,10 @@ class Transformer(nnx.Module):
         return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
 
     def embed(self, ids: jax.Array, side: str, offset=0, table_rows: int | None = None) -> jax.Array:
-        """x = E[ids] (· √d) + PE[positions]. [B, T] -> [B, T, d]"""
+        """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        return x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None]
+        x = x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None]
+        return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
     def encode(self, src_ids: jax.Array, src_keep: jax.Array) -> jax.Array:
         """memory [B, S, d]"""
@@ -422,18 +429,20 @@ class Transformer(nnx.Module):
         logits = self.output_logits(h)
         return jax.nn.log_softmax(logits.astype(jnp.float32) if logits.dtype in _HALF else logits).astype(logits.dtype)
 
-    def _keep(self, ids, keep, name: str) -> jax.Array:
+    def _keep(self, ids, keep, side: str, offset: int = 0) -> jax.Array:
+        """The given keep-vector, else ids != pad_id with an encoder-decoder's start token real;
+        worked out on the host, where the ids are."""
         if keep is None:
-            return jnp.asarray(ids) != self.cfg.pad_id
-        check_keep(keep, ids, name)
+            return jnp.asarray(real_tokens(self.cfg, np.asarray(ids), side, offset))
+        check_keep(keep, ids, f"{side}_keep")
         return jnp.asarray(keep)
 
     def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> jax.Array:
         """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function."""
         check_model_inputs(self.cfg, src_ids, tgt_ids)
         tgt = _as_ids(tgt_ids)
-        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
-        src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src_keep"))
+        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt")
+        src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src"))
         with jax.default_matmul_precision(self.precision):
             return _bound(self, _forward)(src, tgt, src_keep, tgt_keep)
 
@@ -520,7 +529,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     if not cfg.has_encoder:
         return cache
     check_source(cfg, src_ids, batch)
-    src_keep = model._keep(src_ids, src_keep, "src_keep")
+    src_keep = model._keep(src_ids, src_keep, "src")
     with jax.default_matmul_precision(model.precision):
         cross_keys, cross_values = _encode_for_cache(model, _as_ids(src_ids), src_keep)
     return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep, cache.length, cross_keys, cross_values, src_keep)
@@ -541,7 +550,7 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     if length + tgt_ids.shape[1] > cache.capacity:
         raise InputError(f"the cache holds {cache.capacity} positions; {length} are used and "
                          f"{tgt_ids.shape[1]} more do not fit (start the cache with a larger capacity)")
-    keep = model._keep(tgt_ids, tgt_keep, "tgt_keep")
+    keep = model._keep(tgt_ids, tgt_keep, "tgt", length)
     with jax.default_matmul_precision(model.precision):
         return _bound(model, _decode_step)(cache, _as_ids(tgt_ids), keep)
 

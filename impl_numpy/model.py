@@ -21,7 +21,7 @@ import numpy as np
 
 from spec import ModelConfig, check_params, params_under
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
-from spec.masks import causal_mask, combine_masks, key_mask
+from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
 
 Params = Mapping[str, np.ndarray]
 
@@ -109,10 +109,12 @@ def positional_encoding(cfg: ModelConfig, params: Params, side: str, length: int
 
 
 def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: int = 0) -> np.ndarray:
-    """x = E[ids] (· √d) + PE[positions]. ids [B, T] -> [B, T, d]"""
+    """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm (BART). ids [B, T] -> [B, T, d]"""
     table = params["tgt_embed.weight"] if side == "tgt" or cfg.share_src_tgt_embed else params["src_embed.weight"]
     x = token_embedding(ids, table, cfg.embed_scale)
-    return x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None]
+    x = x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None]
+    stack = "encoder" if side == "src" else "decoder"
+    return norm(cfg, params_under(params, f"{stack}.embed_norm"), x) if cfg.embed_norm else x
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -269,11 +271,12 @@ def cast_params(cfg: ModelConfig, params: Params, dtype: np.dtype = np.float64) 
     return {name: value.astype(dtype) for name, value in params.items()}
 
 
-def token_keep(ids: np.ndarray, pad_id: int, keep: np.ndarray | None, name: str) -> np.ndarray:
-    """Which tokens are real: the given keep-vector [B, T], else ids != pad_id."""
+def token_keep(cfg: ModelConfig, ids: np.ndarray, keep: np.ndarray | None, side: str, offset: int = 0) -> np.ndarray:
+    """Which tokens are real [B, T]: the given keep-vector, else ids != pad_id with an
+    encoder-decoder's start token (target position 0) always real (SPEC.md §6)."""
     if keep is None:
-        return ids != pad_id
-    check_keep(keep, ids, name)
+        return real_tokens(cfg, ids, side, offset)
+    check_keep(keep, ids, f"{side}_keep")
     return np.asarray(keep)
 
 
@@ -285,11 +288,11 @@ def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_id
     check_model_inputs(cfg, src_ids, tgt_ids)
     p = cast_params(cfg, params, dtype)
     tgt_ids = np.asarray(tgt_ids)
-    tgt_keep = token_keep(tgt_ids, cfg.pad_id, tgt_keep, "tgt_keep")
+    tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
     memory = None
     if cfg.has_encoder:
         src_ids = np.asarray(src_ids)
-        src_keep = token_keep(src_ids, cfg.pad_id, src_keep, "src_keep")
+        src_keep = token_keep(cfg, src_ids, src_keep, "src")
         memory = encoder(cfg, p, src_ids, src_keep)
     return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep))
 
@@ -324,7 +327,7 @@ def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | N
         return cache
     check_source(cfg, src_ids, batch)
     src_ids = np.asarray(src_ids)
-    src_keep = token_keep(src_ids, cfg.pad_id, src_keep, "src_keep")
+    src_keep = token_keep(cfg, src_ids, src_keep, "src")
     memory = encoder(cfg, p, src_ids, src_keep)
     cross = [key_value_heads(params_under(p, f"decoder.layers.{i}.cross_attn"), memory, cfg.n_heads) for i in layers]
     return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep,
@@ -337,7 +340,7 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     ones; return their logits [B, n, V] and the extended cache. Equals the full forward."""
     check_decode_step(cfg, tgt_ids, cache.length, cache.tgt_keep.shape[0])
     tgt_ids = np.asarray(tgt_ids)
-    keep = np.concatenate([cache.tgt_keep, token_keep(tgt_ids, cfg.pad_id, tgt_keep, "tgt_keep")], axis=1)
+    keep = np.concatenate([cache.tgt_keep, token_keep(cfg, tgt_ids, tgt_keep, "tgt", cache.length)], axis=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
     self_mask = combine_masks(causal_mask(n_new, n_all), key_mask(keep))  # [B, 1, n, P + n]
     cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)

@@ -29,6 +29,7 @@ from spec.inputs import (
     check_source,
     mask_shape_4d,
 )
+from spec.masks import start_is_real
 
 ATTENTION_PATHS = ("sdpa", "math")
 _HALF = (torch.float16, torch.bfloat16)
@@ -242,13 +243,19 @@ class DecoderLayer(nn.Module):
 
 
 class Stack(nn.Module):
-    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them."""
+    """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them (with
+    cfg.embed_norm, the norm of its embeddings too)."""
 
     def __init__(self, cfg: ModelConfig, layer: type[nn.Module], count: int, path: str):
         super().__init__()
+        if cfg.embed_norm:
+            self.embed_norm = Norm(cfg)
         self.layers = nn.ModuleList(layer(cfg, path) for _ in range(count))
         if cfg.final_norm:
             self.norm = Norm(cfg)
+
+    def embedding_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(x) if hasattr(self, "embed_norm") else x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) if hasattr(self, "norm") else x
@@ -355,9 +362,10 @@ class Transformer(nn.Module):
         return sinusoidal_table(positions, self.cfg.d_model, self.cfg.positional).to(dtype)
 
     def embed(self, ids: torch.Tensor, side: str, offset: int = 0) -> torch.Tensor:
-        """x = E[ids] (· √d) + PE[positions]. [B, T] -> [B, T, d]"""
+        """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        return x + self.positional_encoding(side, ids.shape[1], offset)[None]
+        x = x + self.positional_encoding(side, ids.shape[1], offset)[None]
+        return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
     def encode(self, src_ids: torch.Tensor, src_keep: torch.Tensor) -> torch.Tensor:
         """memory [B, S, d]"""
@@ -389,21 +397,25 @@ class Transformer(nn.Module):
     def _ids(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, device=self.tgt_embed.weight.device).long()
 
-    def _keep(self, ids: torch.Tensor, keep, name: str) -> torch.Tensor:
-        if keep is None:
-            return ids != self.cfg.pad_id
-        check_keep(keep, ids, name)
-        return torch.as_tensor(keep, device=ids.device)
+    def _keep(self, ids: torch.Tensor, keep, side: str, offset: int = 0) -> torch.Tensor:
+        """The given keep-vector, else ids != pad_id with an encoder-decoder's start token real."""
+        if keep is not None:
+            check_keep(keep, ids, f"{side}_keep")
+            return torch.as_tensor(keep, device=ids.device)
+        real = ids != self.cfg.pad_id
+        if start_is_real(self.cfg, side, offset):
+            real[:, 0] = True
+        return real
 
     def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> torch.Tensor:
         """Teacher-forced logits [B, T, V]."""
         check_model_inputs(self.cfg, src_ids, tgt_ids)
         tgt_ids = self._ids(tgt_ids)
-        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt_keep")
+        tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt")
         memory = None
         if self.cfg.has_encoder:
             src_ids = self._ids(src_ids)
-            src_keep = self._keep(src_ids, src_keep, "src_keep")
+            src_keep = self._keep(src_ids, src_keep, "src")
             memory = self.encode(src_ids, src_keep)
         return self.output_logits(self.decode(tgt_ids, tgt_keep, memory, src_keep))
 
@@ -457,7 +469,7 @@ def start_cache(model: Transformer, batch: int, src_ids=None, src_keep=None) -> 
         return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep)
     check_source(cfg, src_ids, batch)
     src_ids = model._ids(src_ids)
-    src_keep = model._keep(src_ids, src_keep, "src_keep")
+    src_keep = model._keep(src_ids, src_keep, "src")
     memory = model.encode(src_ids, src_keep)
     cross = [layer.cross_attn.key_value_heads(memory) for layer in layers]
     return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep,
@@ -470,7 +482,7 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     cfg = model.cfg
     check_decode_step(cfg, tgt_ids, cache.length, cache.tgt_keep.shape[0])
     tgt_ids = model._ids(tgt_ids)
-    keep = torch.cat([cache.tgt_keep, model._keep(tgt_ids, tgt_keep, "tgt_keep")], dim=1)
+    keep = torch.cat([cache.tgt_keep, model._keep(tgt_ids, tgt_keep, "tgt", cache.length)], dim=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
     self_mask = _causal_mask(n_new, n_all, keep.device) & _key_mask(keep)  # [B, 1, n, P + n]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)

@@ -48,6 +48,7 @@ class ModelConfig:
     final_norm: bool = False
     positional: str = "sinusoidal"
     embed_scale: bool = True
+    embed_norm: bool = False
     activation: str = "relu"
     qkv_bias: bool = True
     bias: bool = True
@@ -113,7 +114,7 @@ _INT_FIELDS = (
     "src_vocab_size", "tgt_vocab_size", "max_len", "pad_id",
 )
 _BOOL_FIELDS = (
-    "final_norm", "embed_scale", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
+    "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
 )
 
 

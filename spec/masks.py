@@ -17,6 +17,21 @@ def padding_mask(ids: np.ndarray, pad_id: int) -> np.ndarray:
     return key_mask(np.asarray(ids) != pad_id)
 
 
+def start_is_real(cfg: Any, side: str, offset: int = 0) -> bool:
+    """Whether position 0 of these ids is an encoder-decoder's start token, which always counts as
+    a real token whatever its id (SPEC.md §6: Marian starts decoding with the pad token)."""
+    return cfg.has_encoder and side == "tgt" and offset == 0
+
+
+def real_tokens(cfg: Any, ids: np.ndarray, side: str, offset: int = 0) -> np.ndarray:
+    """Which tokens are real [B, L]: id != pad_id, except an encoder-decoder's target position 0
+    (the start token), which is always real. side 'src' | 'tgt'; offset = the first id's position."""
+    keep = np.asarray(ids) != cfg.pad_id
+    if start_is_real(cfg, side, offset):
+        keep[:, 0] = True
+    return keep
+
+
 def key_mask(keep: np.ndarray) -> np.ndarray:
     """A per-token keep vector [B, K] (True = real token) as an attention mask [B, 1, 1, K]."""
     keep = np.asarray(keep, dtype=bool)

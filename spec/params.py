@@ -53,6 +53,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.has_encoder:
             shapes["src_pos.weight"] = (cfg.max_len, d)
         shapes["tgt_pos.weight"] = (cfg.max_len, d)
+    if cfg.has_encoder and cfg.embed_norm:
+        shapes.update(_norm_shapes("encoder.embed_norm", cfg))
     for i in range(cfg.n_encoder_layers):
         layer = f"encoder.layers.{i}"
         shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))
@@ -61,6 +63,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
     if cfg.has_encoder and cfg.final_norm:
         shapes.update(_norm_shapes("encoder.norm", cfg))
+    if cfg.embed_norm:
+        shapes.update(_norm_shapes("decoder.embed_norm", cfg))
     for i in range(cfg.n_decoder_layers):
         layer = f"decoder.layers.{i}"
         shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))

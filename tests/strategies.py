@@ -20,5 +20,6 @@ def small_configs(draw):
         tgt_vocab_size=vocab, max_len=draw(st.integers(8, 16)), pad_id=draw(st.integers(0, 2)),
         norm_position=draw(st.sampled_from(["post", "pre"])), norm=draw(st.sampled_from(["layernorm", "std"])),
         final_norm=draw(st.booleans()), positional=positional, embed_scale=draw(st.booleans()),
+        embed_norm=draw(st.booleans()),
         activation=draw(st.sampled_from(["relu", "gelu", "gelu-tanh", "swish"])), qkv_bias=draw(st.booleans()),
         bias=draw(st.booleans()), head_bias=draw(st.booleans()), share_src_tgt_embed=share, tie_head=draw(st.booleans()))

@@ -93,7 +93,7 @@ def test_bench_tiny_writes_every_report(tmp_path, capsys):
     assert len(positions) == 4
     assert results["matrix"][0]["cells"] == results["matrix"][0]["passed"] > 0
     cold, warm = results["matrix_wall"]
-    assert (cold["run"], warm["run"]) == ("cold", "warm") and cold["passed"] == warm["passed"] == 83
+    assert (cold["run"], warm["run"]) == ("cold", "warm") and cold["passed"] == warm["passed"] == 87
     assert cold["failed"] == warm["failed"] == 0 and cold["seconds"] > 0 and warm["seconds"] > 0
-    assert "| cold | numpy-float32 | 83 | 0 |" in (out / "bench.md").read_text()
+    assert "| cold | numpy-float32 | 87 | 0 |" in (out / "bench.md").read_text()
     assert all(s["reason"] for s in results["skipped"])

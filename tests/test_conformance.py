@@ -119,10 +119,10 @@ def _mutant(name):
     return MutantBackend(next(m for m in MUTATIONS if m.name == name))
 
 
-def _run_mutant(name):
+def _run_mutant(name, cfg=TINY):
     register_backend("mutant", lambda: _mutant(name))
     try:
-        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["mutant"], ["float32"]))
+        results = run_matrix(cfg, init_params(cfg), plan_matrix(cfg, ["mutant"], ["float32"]))
     finally:
         unregister_backend("mutant")
     return {f"{r.sublayer}-{r.mask_case}": r for r in results}
@@ -137,9 +137,14 @@ def test_wrong_attention_scale_fails_every_attention_case():
 
 def test_nan_on_fully_masked_rows_is_caught():
     results = _run_mutant("inf_fill_nan")
-    for case in ("attention-all_pad", "mha-all_pad", "attention-mask_qk", "forward-all_pad", "decode-pad_left"):
+    for case in ("attention-all_pad", "mha-all_pad", "attention-mask_qk", "forward-all_pad"):
         assert results[case].status == FAIL and "non-finite" in results[case].reason, case
     assert results["attention-causal"].status == PASS and results["forward-pad_right"].status == PASS
+    # an encoder-decoder's target position 0 is its start token, always real, so the decoding
+    # rows that see only padding are a decoder-only model's left-padded ones
+    assert results["decode-pad_left"].status == PASS and results["decode-pad_start"].status == PASS
+    decoder_only = _run_mutant("inf_fill_nan", VARIANTS["char-lm"])
+    assert decoder_only["decode-pad_left"].status == FAIL and "non-finite" in decoder_only["decode-pad_left"].reason
 
 
 def test_a_crashing_backend_is_an_error_not_a_pass():

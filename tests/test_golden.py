@@ -150,6 +150,38 @@ def test_embedding_scale_and_tied_head():
     assert np.allclose(np.exp(g.log_probs(TINY, p, h)).sum(-1), 1.0)
 
 
+def test_embedding_norm_normalizes_the_sum_of_token_and_position():
+    cfg = TINY.replace(embed_norm=True)
+    p = g.cast_params(cfg, init_params(cfg))
+    p["encoder.embed_norm.scale"], p["encoder.embed_norm.bias"] = rng(2).standard_normal((2, 64))
+    ids = np.array([[4, 9, 11]])
+    plain = g.token_embedding(ids, p["src_embed.weight"], True) + g.sinusoidal_table(np.arange(3), 64, "sinusoidal")
+    expected = g.layer_norm(plain, p["encoder.embed_norm.scale"], p["encoder.embed_norm.bias"], 1e-6)
+    assert np.allclose(g.embed(cfg, p, ids, "src"), expected, atol=1e-14, rtol=0)
+    # the decoder has its own norm, and without embed_norm there is none
+    assert not np.allclose(g.embed(cfg, p, ids, "tgt"), g.embed(TINY, p, ids, "tgt"))
+    assert "decoder.embed_norm.scale" in p and "encoder.embed_norm.scale" not in init_params(TINY)
+
+
+def test_an_encoder_decoder_start_token_is_real_even_when_it_is_the_pad_id():
+    """SPEC.md §6: Marian starts decoding with pad_id; position 0 of the target stays a key."""
+    params = init_params(TINY)
+    src = rng(3).integers(1, 96, (2, 5))
+    tgt = rng(4).integers(1, 80, (2, 4))
+    tgt[:, 0] = TINY.pad_id
+    everything_real = g.forward(TINY, params, src, tgt, tgt_keep=np.ones(tgt.shape, bool))
+    assert np.array_equal(g.forward(TINY, params, src, tgt), everything_real)
+    # cached decoding applies the rule to the first chunk only: later pad tokens are padding
+    p = g.cast_params(TINY, params)
+    cache = g.start_cache(TINY, p, 2, src)
+    _, cache = g.decode_step(TINY, p, cache, tgt[:, :1])
+    _, cache = g.decode_step(TINY, p, cache, np.zeros((2, 1), int))
+    assert cache.tgt_keep.tolist() == [[True, False], [True, False]]
+    # a decoder-only model's position 0 follows the plain rule (left-padded prompts)
+    char_lm = get_preset("char-lm")
+    assert g.token_keep(char_lm, np.array([[0, 5]]), None, "tgt").tolist() == [[False, True]]
+
+
 def test_shared_source_and_target_embeddings():
     cfg = get_preset("learned-pos").replace(n_encoder_layers=1, n_decoder_layers=1)
     p = g.cast_params(cfg, init_params(cfg))

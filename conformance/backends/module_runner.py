@@ -86,10 +86,10 @@ class ModuleRunner:
                 self._array(inputs["cross_mask"]))
         if sublayer == "encoder":
             src_ids = self._ids(inputs["src_ids"])
-            return model.encode(src_ids, src_ids != cfg.pad_id)
+            return model.encode(src_ids, model._keep(src_ids, None, "src"))
         if sublayer == "decoder":
             tgt_ids = self._ids(inputs["tgt_ids"])
-            return model.decode(tgt_ids, tgt_ids != cfg.pad_id, self._float(inputs["memory"]),
+            return model.decode(tgt_ids, model._keep(tgt_ids, None, "tgt"), self._float(inputs["memory"]),
                                 self._array(inputs["src_keep"]))
         if sublayer == "logits":
             return model.output_logits(self._float(inputs["h"]))

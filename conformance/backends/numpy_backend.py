@@ -13,7 +13,7 @@ import impl_numpy as golden
 from conformance.cases import decode_steps
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
-from spec.masks import normalize_mask
+from spec.masks import normalize_mask, real_tokens
 
 
 class NumpyRunner:
@@ -66,10 +66,10 @@ class NumpyRunner:
             return golden.decoder_layer(cfg, layer, y, memory, self_mask, cross_mask)
         if sublayer == "encoder":
             src_ids = np.asarray(inputs["src_ids"])
-            return golden.encoder(cfg, p, src_ids, src_ids != cfg.pad_id)
+            return golden.encoder(cfg, p, src_ids, real_tokens(cfg, src_ids, "src"))
         if sublayer == "decoder":
             tgt_ids = np.asarray(inputs["tgt_ids"])
-            return golden.decoder(cfg, p, tgt_ids, tgt_ids != cfg.pad_id, self._float(inputs["memory"]),
+            return golden.decoder(cfg, p, tgt_ids, real_tokens(cfg, tgt_ids, "tgt"), self._float(inputs["memory"]),
                                   inputs["src_keep"])
         if sublayer == "logits":
             return golden.output_logits(cfg, p, self._float(inputs["h"]))
