@@ -27,7 +27,7 @@ gpu:
 # it is installed with --no-deps, what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) above.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,hf]'
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt jax2onnx
 	touch $(STAMP)
 

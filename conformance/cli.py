@@ -1,7 +1,8 @@
 """The ``rosetta`` command (also ``python -m conformance``).
 
-    rosetta check [--preset tiny | --weights FILE] [--backends a,b] [--dtypes ...] [--devices ...]
+    rosetta check [--preset tiny | --weights FILE] [--hf DIR] [--backends a,b] [--dtypes ...] [--devices ...]
                   [-k FILTER] [--fail-fast] [--report DIR] [--jobs N]
+    rosetta import DIR --out FILE.safetensors
     rosetta export [--preset tiny | --weights FILE] --out DIR [--framework torch|jax] [--dtype float32|float16]
                    [--opset 23|20] [--graphs a,b] [--triton REPO]
     rosetta generate DIR (--src "5 6 7" ... | --prompt "5 6" ...) [--bos 1] [--eos 2] [--max-new-tokens N]
@@ -62,6 +63,11 @@ def _load_model(args: argparse.Namespace):
     if args.weights:
         cfg, params = load_weights(args.weights)
         return cfg, params, {"weights": str(args.weights)}
+    if getattr(args, "hf", None) and not args.preset_given:
+        from importers import import_huggingface
+
+        imported = import_huggingface(args.hf)
+        return imported.config, imported.params, {"hf": str(args.hf), "family": imported.family}
     cfg = get_preset(args.preset)
     return cfg, init_params(cfg, args.seed), {"preset": args.preset, "seed": args.seed}
 
@@ -117,10 +123,19 @@ def _localize(cfg, params, results: list[CellResult], every_column: bool) -> dic
             failing[column] = r.mask_case if r.sublayer == "forward" else failing.get(column, "pad_right")
     localizations = {}
     for (backend, dtype, device), mask_case in failing.items():
+        if not _runs_layers(backend):  # a whole-model column (transformers) has no stages to feed one by one
+            continue
         if cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk"):
             localizations[f"{backend}/{dtype}/{device} (forward-{mask_case})"] = localize_column(
                 cfg, params, backend, dtype, device, mask_case)
     return localizations
+
+
+def _runs_layers(name: str) -> bool:
+    from conformance.adapter import get_backend
+
+    backend, _ = get_backend(name)
+    return backend is not None and getattr(backend, "supports_sublayer", lambda sublayer: None)("decoder_layer") is None
 
 
 def writable_folder(path: Path, option: str) -> Path:
@@ -149,9 +164,16 @@ def _positive(value: str, option: str) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     if args.weights and args.preset_given:
         raise UsageError("give either --preset or --weights, not both")
+    if args.hf and args.preset_given:
+        raise UsageError("--hf runs the Hugging Face model of DIR: give it alone (the weights are DIR's import) "
+                         "or with --weights FILE made by `rosetta import`, not with --preset")
     if args.report:
         writable_folder(Path(args.report), "--report")
+    if args.hf:
+        _register_transformers(args.hf)
     backends = _split(args.backends)
+    if backends and "transformers" in backends and not args.hf:
+        raise UsageError("the transformers column runs a Hugging Face model directory: give it with --hf DIR")
     if backends:
         unknown = [b for b in backends if b not in backend_names()]
         if unknown:
@@ -172,7 +194,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress, jobs=jobs)
     seconds = time.perf_counter() - start
     counts = summary_counts(results)
-    label = source.get("preset") or source.get("weights")
+    label = source.get("preset") or source.get("weights") or source.get("hf")
     title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
     problems = format_problems(results)
     if sys.stdout.isatty():
@@ -206,7 +228,34 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if counts[FAIL] or counts[ERROR] else 0
 
 
+def _register_transformers(directory: Path) -> None:
+    """The transformers column for one model directory. Registered with a callable, so it runs
+    in this process (a worker process could not be handed the directory by name)."""
+    from conformance.adapter import register_backend
+    from conformance.backends.transformers_backend import TransformersBackend
+
+    if not Path(directory).is_dir():
+        raise UsageError(f"--hf {directory}: not a directory")
+    register_backend("transformers", lambda: TransformersBackend(directory))
+
+
 # ---- small commands -------------------------------------------------------------------------
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """A Hugging Face model directory -> an ordinary weights file."""
+    from importers import import_to_file
+
+    imported = import_to_file(args.directory, args.out)
+    cfg = imported.config
+    print(f"imported {imported.family} from {args.directory}: {cfg.arch}, d_model {cfg.d_model}, {cfg.n_heads} heads, "
+          f"{cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers, vocabulary {cfg.tgt_vocab_size}, "
+          f"{count_params(cfg):,} parameters")
+    for note in imported.notes:
+        print(f"  note: {note}")
+    print(f"wrote {args.out} (sha256 {params_digest(imported.params)}); check it with "
+          f"`rosetta check --weights {args.out} --hf {args.directory}`")
+    return 0
+
 
 def cmd_mutations(args: argparse.Namespace) -> int:
     """Run the mutation gallery: every mistake must be caught and localized."""
@@ -445,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="run the conformance matrix against the golden")
     check.add_argument("--preset", default=None, help="preset config with init_params (default: tiny)")
     check.add_argument("--weights", type=Path, help="a weights file (config read from it)")
+    check.add_argument("--hf", type=Path, help="a Hugging Face model directory: adds the transformers column (and, "
+                       "without --weights, imports its weights)")
     check.add_argument("--seed", type=int, default=0, help="init seed for --preset (default 0)")
     check.add_argument("--backends", help=f"comma-separated (default all: {', '.join(backend_names())})")
     check.add_argument("--dtypes", help=f"comma-separated (default all: {', '.join(DTYPES)})")
@@ -458,6 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--jobs", default="auto",
                        help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.set_defaults(handler=cmd_check)
+    importer = commands.add_parser("import", help="import a Hugging Face model directory (GPT-2, Marian, BART) "
+                                   "into a weights file")
+    importer.add_argument("directory", type=Path, help="holds config.json and model.safetensors")
+    importer.add_argument("--out", type=Path, required=True, help="the weights file to write (.safetensors)")
+    importer.set_defaults(handler=cmd_import)
+
     mutations = commands.add_parser("mutations", help="run the mutation gallery (proof the harness can fail)")
     mutations.add_argument("--preset", default="tiny")
     mutations.add_argument("--seed", type=int, default=0)

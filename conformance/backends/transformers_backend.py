@@ -1,0 +1,193 @@
+"""The ``transformers`` column: Hugging Face's own implementation of an imported checkpoint.
+
+The runner loads the model from its Hugging Face directory with transformers (GPT2LMHeadModel,
+MarianMTModel, BartForConditionalGeneration) and runs the whole-model cases through Hugging
+Face's API: forward logits, the encoder, cached decoding (past_key_values) and greedy
+generation (generate). The weights under test must be that directory's import (checked by
+digest), so the column says whether Hugging Face and the spec compute the same function.
+
+Where the two conventions differ, the runner states the spec's in Hugging Face's terms:
+- padding: the spec's keep-vectors (spec.masks.real_tokens) become attention_mask and
+  decoder_attention_mask;
+- positions: the spec numbers slots from 0 whatever the padding; generate() numbers a padded
+  prompt's real tokens instead, so generation passes the slot positions explicitly;
+- Marian's sinusoid table: Hugging Face builds it in float32 even in a float64 model; the spec
+  evaluates angles in float64, so the table is rebuilt at the run's dtype by Marian's formula;
+- generation settings: the model's generation_config (bad words, forced tokens, penalties) is
+  replaced by plain greedy decoding, which is what the spec defines.
+The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
+column does not change with the default. Its "eager" attention differs from the spec on a query
+row with no key to attend to (it adds a large negative number to every score of the row, so the
+softmax sees every key again); SDPA gives the spec's zeros. See docs/huggingface.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conformance.adapter import NotSupported
+from spec import ModelConfig, params_digest
+from spec.errors import WeightsError
+from spec.masks import real_tokens
+
+MODEL_CASES = ("forward", "encoder", "decode", "generate")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+class TransformersRunner:
+    def __init__(self, directory: Path, cfg: ModelConfig, dtype: str, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # a loading bar per column would bury the matrix's own progress
+
+        self.torch, self.cfg, self.device = torch, cfg, torch.device(device)
+        torch_dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+                       "bfloat16": torch.bfloat16}[dtype]
+        loader = AutoModelForSeq2SeqLM if cfg.has_encoder else AutoModelForCausalLM
+        self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation="sdpa")
+        self.model = self.model.to(self.device).eval()
+        self.model.generation_config = GenerationConfig()  # plain greedy: no bad words, forced or suppressed tokens
+        self._rebuild_sinusoids(torch_dtype)
+
+    def _rebuild_sinusoids(self, dtype) -> None:
+        """Marian's table by its own formula, evaluated in float64 and rounded to the run's dtype."""
+        from impl_numpy.model import sinusoidal_table
+
+        for module in self.model.modules():
+            if type(module).__name__ == "MarianSinusoidalPositionalEmbedding":
+                rows, d_model = module.weight.shape
+                table = sinusoidal_table(np.arange(rows), d_model, "sinusoidal-concat")
+                module.weight.data = self.torch.from_numpy(table).to(self.device, dtype)
+
+    # ---- inputs ----
+    def _ids(self, ids) -> Any:
+        return self.torch.as_tensor(np.asarray(ids), dtype=self.torch.long, device=self.device)
+
+    def _keep(self, ids, side: str, offset: int = 0) -> Any:
+        keep = real_tokens(self.cfg, np.asarray(ids), side, offset)
+        return self.torch.as_tensor(keep.astype(np.int64), device=self.device)
+
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
+        if sublayer not in MODEL_CASES:
+            raise NotSupported(f"transformers runs whole models ({', '.join(MODEL_CASES)}), not {sublayer}")
+        with self.torch.inference_mode():
+            out = getattr(self, sublayer)(inputs)
+        return out.to("cpu", self.torch.float64).numpy() if out.is_floating_point() else out.cpu().numpy()
+
+    # ---- the whole-model cases ----
+    def forward(self, inputs: Mapping[str, Any]):
+        tgt = inputs["tgt_ids"]
+        if not self.cfg.has_encoder:
+            return self.model(input_ids=self._ids(tgt), attention_mask=self._keep(tgt, "tgt")).logits
+        src = inputs["src_ids"]
+        return self.model(input_ids=self._ids(src), attention_mask=self._keep(src, "src"),
+                          decoder_input_ids=self._ids(tgt), decoder_attention_mask=self._keep(tgt, "tgt")).logits
+
+    def encoder(self, inputs: Mapping[str, Any]):
+        src = inputs["src_ids"]
+        return self.model.get_encoder()(input_ids=self._ids(src), attention_mask=self._keep(src, "src")).last_hidden_state
+
+    def decode(self, inputs: Mapping[str, Any]):
+        """Prefill tgt_ids[:, :prefix] in one call, then one token per call, through past_key_values."""
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        tgt, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
+        keep = self._keep(tgt, "tgt")
+        arguments: dict[str, Any] = {"use_cache": True}
+        if self.cfg.has_encoder:
+            src = inputs["src_ids"]
+            arguments["attention_mask"] = self._keep(src, "src")
+            arguments["encoder_outputs"] = self.model.get_encoder()(input_ids=self._ids(src),
+                                                                    attention_mask=arguments["attention_mask"])
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        else:
+            cache = DynamicCache()
+        steps, start = [], 0
+        for stop in [prefix, *range(prefix + 1, tgt.shape[1] + 1)]:
+            chunk = self._ids(tgt[:, start:stop])
+            if self.cfg.has_encoder:
+                output = self.model(decoder_input_ids=chunk, decoder_attention_mask=keep[:, :stop],
+                                    past_key_values=cache, **arguments)
+            else:
+                output = self.model(input_ids=chunk, attention_mask=keep[:, :stop], past_key_values=cache, use_cache=True)
+            cache = output.past_key_values
+            if start >= prefix:
+                steps.append(output.logits)
+            start = stop
+        return self.torch.cat(steps, dim=1)
+
+    def generate(self, inputs: Mapping[str, Any]):
+        """generate() with plain greedy settings; the spec's slot positions for a padded prompt."""
+        from transformers import GenerationConfig
+
+        cfg, count = self.cfg, inputs["max_new_tokens"]
+        settings = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=count, min_new_tokens=0,
+                                    pad_token_id=cfg.pad_id, eos_token_id=inputs["eos_id"], use_cache=True)
+        if cfg.has_encoder:
+            src = inputs["src_ids"]
+            settings.decoder_start_token_id = inputs["bos_id"]
+            tokens = self.model.generate(input_ids=self._ids(src), attention_mask=self._keep(src, "src"),
+                                         generation_config=settings)[:, 1:]  # after the start token
+        else:
+            prompt = np.asarray(inputs["prompt_ids"])
+            positions = self.torch.arange(prompt.shape[1], device=self.device).expand(prompt.shape[0], -1)
+            tokens = self.model.generate(input_ids=self._ids(prompt), attention_mask=self._keep(prompt, "tgt"),
+                                         position_ids=positions, generation_config=settings)[:, prompt.shape[1]:]
+        if tokens.shape[1] < count:  # generate stops once every row has finished; the spec pads
+            tokens = self.torch.nn.functional.pad(tokens, (0, count - tokens.shape[1]), value=cfg.pad_id)
+        return tokens
+
+
+class TransformersBackend:
+    """Hugging Face transformers running the model of one directory (``rosetta check --hf DIR``)."""
+
+    name = "transformers"
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._imported = None
+
+    def availability(self) -> str | None:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as error:
+            return f"not installed: {error}"
+        return None
+
+    def devices(self) -> list[str]:
+        import torch
+
+        return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+    def device_name(self, device: str) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+
+    def supports(self, dtype: str, device: str) -> str | None:
+        if dtype not in DTYPES:
+            return f"dtype {dtype} is not run by transformers (it runs {', '.join(DTYPES)})"
+        return None
+
+    def supports_sublayer(self, sublayer: str) -> str | None:
+        if sublayer not in MODEL_CASES:
+            return f"transformers runs whole models ({', '.join(MODEL_CASES)}); its sublayers have no common entry point"
+        return None
+
+    def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> TransformersRunner:
+        from importers import import_huggingface
+
+        if self._imported is None:
+            self._imported = import_huggingface(self.directory)
+        if cfg != self._imported.config or params_digest(params) != params_digest(self._imported.params):
+            raise WeightsError(f"the weights under test are not the import of {self.directory}: the transformers "
+                               "column runs that directory's model, so it must hold the same config and tensors "
+                               f"(rosetta import {self.directory} --out FILE makes the matching weights file)")
+        return TransformersRunner(self.directory, cfg, dtype, device)

@@ -1,0 +1,504 @@
+"""Hugging Face model directories -> the canonical config and parameters.
+
+One explicit mapping per family, in the manner of Hugging Face's own conversion scripts: every
+tensor of the checkpoint is named in a rule (source key, expected source shape, canonical name,
+what is done to it), every shape is checked, and a mismatch is refused with the whole key diff
+(missing, unexpected, mis-shaped) at once. Families:
+
+- ``gpt2`` (GPT2LMHeadModel): decoder-only, pre-LN with a final norm, learned positions, tied
+  head. Its Conv1D layers already store weights [in, out] (the spec's layout); q, k and v are
+  one fused ``c_attn`` [d, 3d] whose column blocks are q, k, v.
+- ``marian`` (MarianMTModel): encoder-decoder, post-LN, sinusoidal positions laid out in halves
+  (not stored: the spec computes them; a stored table is checked against ours), scaled shared
+  embeddings, ``final_logits_bias`` as the head bias.
+- ``bart`` (BartForConditionalGeneration): as Marian, with learned positions whose first two
+  rows are never read (BART numbers positions from 2) and a norm after the embeddings
+  (``embed_norm`` in the spec).
+
+nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
+cannot express is refused with a ConfigError naming the config.json field and its value.
+Reads NumPy and safetensors only: transformers is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spec import ModelConfig, check_params, save_weights
+from spec.errors import ConfigError, WeightsError
+from spec.weights import read_header
+
+FAMILIES = {
+    "gpt2": "GPT2LMHeadModel",
+    "marian": "MarianMTModel",
+    "bart": "BartForConditionalGeneration",
+}
+
+# Families we know the spec cannot express, and the config.json field that says why.
+_OUT_OF_SPEC = {
+    "t5": ("relative_attention_num_buckets", "T5 adds a learned relative position bias to the attention scores and "
+           "normalises with RMSNorm (no mean, no bias); the spec has absolute positions and LayerNorm only"),
+    "mt5": ("relative_attention_num_buckets", "mT5 is T5: relative position bias and RMSNorm"),
+    "llama": ("rope_theta", "rotary position embeddings and RMSNorm are not in the spec"),
+    "mistral": ("rope_theta", "rotary position embeddings and RMSNorm are not in the spec"),
+    "gpt_neox": ("rotary_pct", "rotary position embeddings are not in the spec"),
+    "mbart": ("add_final_layer_norm", "mBART is pre-LN with its norms after the embeddings and after each stack; "
+              "import it as a separate family once the spec grows that combination"),
+    "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
+}
+
+_ACTIVATIONS = {
+    "relu": "relu",
+    "gelu": "gelu",
+    "gelu_new": "gelu-tanh",
+    "gelu_pytorch_tanh": "gelu-tanh",
+    "swish": "swish",
+    "silu": "swish",
+}
+
+# nn.LayerNorm's default epsilon: Marian and BART use it without recording it in config.json.
+_TORCH_LAYER_NORM_EPS = 1e-5
+
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A checkpoint in canonical form, with every decision the import took."""
+
+    family: str
+    config: ModelConfig
+    params: dict[str, np.ndarray]
+    notes: tuple[str, ...]
+    directory: Path
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tensor of the checkpoint: where it goes and what is done to it on the way."""
+
+    source: str
+    source_shape: tuple[int, ...]
+    target: str
+    how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0"
+
+    def take(self, value: np.ndarray) -> np.ndarray:
+        if self.how == "copy":
+            return value
+        if self.how == "transpose":  # nn.Linear stores [out, in]; the spec [in, out]
+            return value.T
+        if self.how.startswith(("columns ", "slice ")):
+            start, stop = (int(part) for part in self.how.split()[1].split(":"))
+            return value[:, start:stop] if self.how.startswith("columns ") else value[start:stop]
+        if self.how.startswith("rows "):
+            return value[int(self.how.split()[1].rstrip(":")):]
+        if self.how == "row 0":
+            return value[0]
+        raise ValueError(f"unknown transform {self.how!r}")
+
+
+# ---- the directory ---------------------------------------------------------------------------
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not directory.is_dir():
+        raise WeightsError(f"{directory} is not a directory (a Hugging Face model directory holds config.json "
+                           "and model.safetensors)")
+    if not path.is_file():
+        raise ConfigError(f"{directory} has no config.json: not a Hugging Face model directory")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """model.safetensors, or the shards its index lists. Pickles are refused, never opened."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise WeightsError(f"{index} is not a safetensors index (a JSON object with a weight_map): {error}") from None
+        shards = sorted({directory / name for name in weight_map.values()})
+        missing = [shard.name for shard in shards if not shard.is_file()]
+        if missing:
+            raise WeightsError(f"{index} lists shards that are not in {directory}: {', '.join(missing)}")
+        return shards
+    pickles = [name for name in _PICKLE_FILES if (directory / name).exists()]
+    if pickles:
+        raise WeightsError(
+            f"{directory} holds {pickles[0]}, not model.safetensors. {pickles[0]} is a pickle (or another "
+            "framework's format), which this project never opens: a pickle can run code when loaded. Convert it "
+            "to safetensors first, where you trust the file: with transformers, "
+            "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` (or AutoModelForSeq2SeqLM) "
+            "writes NEW_DIR/model.safetensors; then import NEW_DIR.")
+    raise WeightsError(f"{directory} has no model.safetensors (nor a model.safetensors.index.json)")
+
+
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+
+
+def _read_tensors(files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint as float32. float16 and bfloat16 widen exactly; float64 is
+    rounded (the spec's weights are float32), and the import says so."""
+    tensors: dict[str, np.ndarray] = {}
+    rounded = []
+    for path in files:
+        header = read_header(path)  # checks the framing: header length, JSON, byte ranges
+        start = 8 + int.from_bytes(path.open("rb").read(8), "little")
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            kind = entry.get("dtype")
+            if kind not in _FLOAT_TYPES:
+                raise WeightsError(f"{path.name}: tensor {name} has dtype {kind}; the importer reads "
+                                   f"{', '.join(_FLOAT_TYPES)} only")
+            begin, end = entry["data_offsets"]
+            raw = np.frombuffer(data[start + begin:start + end], dtype=np.dtype(_FLOAT_TYPES[kind]).newbyteorder("<"))
+            if kind == "BF16":  # bfloat16 is the top half of a float32
+                value = (raw.astype(np.uint32) << 16).view(np.float32)
+            else:
+                value = raw.astype(np.float32)
+                if kind == "F64" and not np.array_equal(value.astype(np.float64), raw):
+                    rounded.append(name)
+            if name in tensors:
+                raise WeightsError(f"tensor {name} appears in more than one shard")
+            tensors[name] = value.reshape(entry["shape"])
+    if rounded:
+        notes.append(f"{len(rounded)} float64 tensor(s) rounded to float32, the spec's weight dtype "
+                     f"(first: {rounded[0]})")
+    return tensors
+
+
+# ---- config.json -> ModelConfig ------------------------------------------------------------------
+
+
+def _require(hf: Mapping[str, Any], name: str, family: str) -> Any:
+    if name not in hf or hf[name] is None:
+        raise ConfigError(f"config.json of this {family} model has no {name}")
+    return hf[name]
+
+
+def _activation(hf: Mapping[str, Any], name: str) -> str:
+    value = hf.get(name)
+    if value not in _ACTIVATIONS:
+        raise ConfigError(f"{name} = {value!r} is not in the spec (it has {', '.join(_ACTIVATIONS)}); "
+                          "gelu_fast and quick_gelu are approximations the spec does not define")
+    return _ACTIVATIONS[value]
+
+
+def _refuse_if(hf: Mapping[str, Any], name: str, bad: Callable[[Any], bool], why: str) -> None:
+    if name in hf and bad(hf[name]):
+        raise ConfigError(f"{name} = {json.dumps(hf[name])}: {why}")
+
+
+def _pad_id(hf: Mapping[str, Any], vocab: int, notes: list[str]) -> int:
+    """pad_token_id, else eos_token_id (as transformers' generate does for GPT-2), inside the vocabulary."""
+    pad = hf.get("pad_token_id")
+    if isinstance(pad, int) and 0 <= pad < vocab:
+        return pad
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if isinstance(eos, int) and 0 <= eos < vocab:
+        notes.append(f"pad_token_id is {json.dumps(pad)}: pad_id is eos_token_id ({eos}), so ids equal to it count "
+                     "as padding unless keep-vectors say otherwise")
+        return eos
+    raise ConfigError(f"pad_token_id = {json.dumps(pad)} and eos_token_id = {json.dumps(hf.get('eos_token_id'))}: "
+                      f"the spec needs a padding id inside the vocabulary (0 .. {vocab - 1}); set pad_token_id")
+
+
+def _gpt2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    _refuse_if(hf, "scale_attn_weights", lambda v: v is False,
+               "attention without the 1/sqrt(d_k) scale is not in the spec")
+    _refuse_if(hf, "scale_attn_by_inverse_layer_idx", bool,
+               "scores divided by the layer number as well are not in the spec")
+    _refuse_if(hf, "add_cross_attention", bool, "a GPT-2 with cross-attention is not a decoder-only model")
+    d_model = _require(hf, "n_embd", "gpt2")
+    vocab = _require(hf, "vocab_size", "gpt2")
+    return ModelConfig(
+        arch="decoder-only", d_model=d_model, n_heads=_require(hf, "n_head", "gpt2"),
+        d_ff=hf.get("n_inner") or 4 * d_model, n_decoder_layers=_require(hf, "n_layer", "gpt2"),
+        tgt_vocab_size=vocab, max_len=_require(hf, "n_positions", "gpt2"), pad_id=_pad_id(hf, vocab, notes),
+        norm_position="pre", norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        final_norm=True, positional="learned", embed_scale=False,
+        activation=_activation(hf, "activation_function"), qkv_bias=True, bias=True, head_bias=False,
+        tie_head=bool(hf.get("tie_word_embeddings", True)), dropout=float(hf.get("resid_pdrop", 0.0)),
+    )
+
+
+def _seq2seq_sizes(hf: Mapping[str, Any], family: str) -> dict[str, int]:
+    """The sizes Marian and BART record per stack, which the spec has once."""
+    for encoder_field, decoder_field in (("encoder_attention_heads", "decoder_attention_heads"),
+                                         ("encoder_ffn_dim", "decoder_ffn_dim")):
+        encoder, decoder = _require(hf, encoder_field, family), _require(hf, decoder_field, family)
+        if encoder != decoder:
+            raise ConfigError(f"{encoder_field} = {encoder} but {decoder_field} = {decoder}: the spec has one "
+                              "size for both stacks")
+    return {"d_model": _require(hf, "d_model", family), "n_heads": hf["encoder_attention_heads"],
+            "d_ff": hf["encoder_ffn_dim"], "n_encoder_layers": _require(hf, "encoder_layers", family),
+            "n_decoder_layers": _require(hf, "decoder_layers", family)}
+
+
+def _seq2seq_refusals(hf: Mapping[str, Any]) -> None:
+    _refuse_if(hf, "normalize_before", bool, "pre-LN layers are not what this family's model class computes")
+    _refuse_if(hf, "add_final_layer_norm", bool, "a norm after each stack is not what this family's model class "
+               "computes (mBART's is)")
+
+
+def _marian_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    _seq2seq_refusals(hf)
+    vocab = _require(hf, "vocab_size", "marian")
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    target_vocab = vocab if shared else (hf.get("decoder_vocab_size") or vocab)
+    pad = _require(hf, "pad_token_id", "marian")
+    if hf.get("decoder_start_token_id", pad) == pad:
+        notes.append(f"Marian decodes from the pad token ({pad}); the spec keeps an encoder-decoder's start token "
+                     "real whatever its id (SPEC.md §6)")
+    return ModelConfig(
+        **_seq2seq_sizes(hf, "marian"), src_vocab_size=vocab, tgt_vocab_size=target_vocab,
+        max_len=_require(hf, "max_position_embeddings", "marian"), pad_id=pad, norm_position="post",
+        norm="layernorm", norm_eps=_TORCH_LAYER_NORM_EPS, final_norm=False, positional="sinusoidal-concat",
+        embed_scale=bool(hf.get("scale_embedding", False)), activation=_activation(hf, "activation_function"),
+        qkv_bias=True, bias=True, head_bias=True, share_src_tgt_embed=shared,
+        tie_head=bool(hf.get("tie_word_embeddings", True)), dropout=float(hf.get("dropout", 0.0)),
+    )
+
+
+def _bart_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    _seq2seq_refusals(hf)
+    vocab = _require(hf, "vocab_size", "bart")
+    notes.append("BART's position tables have 2 rows more than max_position_embeddings: positions start at row 2, "
+                 "rows 0 and 1 are never read and are not imported")
+    return ModelConfig(
+        **_seq2seq_sizes(hf, "bart"), src_vocab_size=vocab, tgt_vocab_size=vocab,
+        max_len=_require(hf, "max_position_embeddings", "bart"), pad_id=_require(hf, "pad_token_id", "bart"),
+        norm_position="post", norm="layernorm", norm_eps=_TORCH_LAYER_NORM_EPS, final_norm=False,
+        positional="learned", embed_scale=bool(hf.get("scale_embedding", False)), embed_norm=True,
+        activation=_activation(hf, "activation_function"), qkv_bias=True, bias=True, head_bias=True,
+        share_src_tgt_embed=True, tie_head=bool(hf.get("tie_word_embeddings", True)),
+        dropout=float(hf.get("dropout", 0.0)),
+    )
+
+
+# ---- the mappings ------------------------------------------------------------------------------
+
+def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int) -> None:
+    """An nn.Linear with a bias: weight [out, in] transposed, bias copied."""
+    rules.append(Rule(f"{source}.weight", (n_out, n_in), f"{target}.weight", "transpose"))
+    rules.append(Rule(f"{source}.bias", (n_out,), f"{target}.bias", "copy"))
+
+
+def _layer_norm(rules: list[Rule], source: str, target: str, d: int) -> None:
+    rules.append(Rule(f"{source}.weight", (d,), f"{target}.scale", "copy"))
+    rules.append(Rule(f"{source}.bias", (d,), f"{target}.bias", "copy"))
+
+
+def gpt2_mapping(cfg: ModelConfig, prefix: str = "transformer.") -> list[Rule]:
+    """GPT2LMHeadModel -> canonical. ``prefix`` is "" for checkpoints saved from GPT2Model (the
+    original openai-community/gpt2 file)."""
+    d, d_ff, rules = cfg.d_model, cfg.d_ff, []
+    rules.append(Rule(f"{prefix}wte.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    rules.append(Rule(f"{prefix}wpe.weight", (cfg.max_len, d), "tgt_pos.weight", "copy"))
+    for i in range(cfg.n_decoder_layers):
+        hf, ours = f"{prefix}h.{i}", f"decoder.layers.{i}"
+        _layer_norm(rules, f"{hf}.ln_1", f"{ours}.self_attn_norm", d)
+        # Conv1D stores [in, out] already; c_attn's columns are q | k | v
+        for block, projection in enumerate("qkv"):
+            columns = f"columns {block * d}:{(block + 1) * d}"
+            rules.append(Rule(f"{hf}.attn.c_attn.weight", (d, 3 * d), f"{ours}.self_attn.{projection}.weight", columns))
+        for block, projection in enumerate("qkv"):
+            rules.append(Rule(f"{hf}.attn.c_attn.bias", (3 * d,), f"{ours}.self_attn.{projection}.bias",
+                              f"slice {block * d}:{(block + 1) * d}"))
+        rules.append(Rule(f"{hf}.attn.c_proj.weight", (d, d), f"{ours}.self_attn.o.weight", "copy"))
+        rules.append(Rule(f"{hf}.attn.c_proj.bias", (d,), f"{ours}.self_attn.o.bias", "copy"))
+        _layer_norm(rules, f"{hf}.ln_2", f"{ours}.ffn_norm", d)
+        rules.append(Rule(f"{hf}.mlp.c_fc.weight", (d, d_ff), f"{ours}.ffn.w1.weight", "copy"))
+        rules.append(Rule(f"{hf}.mlp.c_fc.bias", (d_ff,), f"{ours}.ffn.w1.bias", "copy"))
+        rules.append(Rule(f"{hf}.mlp.c_proj.weight", (d_ff, d), f"{ours}.ffn.w2.weight", "copy"))
+        rules.append(Rule(f"{hf}.mlp.c_proj.bias", (d,), f"{ours}.ffn.w2.bias", "copy"))
+    _layer_norm(rules, f"{prefix}ln_f", "decoder.norm", d)
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    return rules
+
+
+_SEQ2SEQ_ATTENTION = {"self_attn": "self_attn", "encoder_attn": "cross_attn"}
+_SEQ2SEQ_NORMS = {"self_attn_layer_norm": "self_attn_norm", "encoder_attn_layer_norm": "cross_attn_norm",
+                  "final_layer_norm": "ffn_norm"}
+
+
+def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
+    """MarianMTModel or BartForConditionalGeneration -> canonical (they share the layer names)."""
+    d, d_ff, rules = cfg.d_model, cfg.d_ff, []
+    if cfg.share_src_tgt_embed:
+        rules.append(Rule("model.shared.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    else:
+        rules.append(Rule("model.encoder.embed_tokens.weight", (cfg.src_vocab_size, d), "src_embed.weight", "copy"))
+        rules.append(Rule("model.decoder.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    if family == "bart":
+        for stack, side in (("encoder", "src"), ("decoder", "tgt")):
+            rules.append(Rule(f"model.{stack}.embed_positions.weight", (cfg.max_len + 2, d), f"{side}_pos.weight",
+                              "rows 2:"))
+            _layer_norm(rules, f"model.{stack}.layernorm_embedding", f"{stack}.embed_norm", d)
+    for stack, count in (("encoder", cfg.n_encoder_layers), ("decoder", cfg.n_decoder_layers)):
+        for i in range(count):
+            hf, ours = f"model.{stack}.layers.{i}", f"{stack}.layers.{i}"
+            for theirs, attention in _SEQ2SEQ_ATTENTION.items():
+                if stack == "encoder" and theirs == "encoder_attn":
+                    continue
+                for projection, canonical in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o")):
+                    _linear(rules, f"{hf}.{theirs}.{projection}", f"{ours}.{attention}.{canonical}", d, d)
+            for theirs, norm in _SEQ2SEQ_NORMS.items():
+                if stack == "encoder" and theirs == "encoder_attn_layer_norm":
+                    continue
+                _layer_norm(rules, f"{hf}.{theirs}", f"{ours}.{norm}", d)
+            _linear(rules, f"{hf}.fc1", f"{ours}.ffn.w1", d, d_ff)
+            _linear(rules, f"{hf}.fc2", f"{ours}.ffn.w2", d_ff, d)
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    if cfg.head_bias:
+        rules.append(Rule("final_logits_bias", (1, cfg.tgt_vocab_size), "head.bias", "row 0"))
+    return rules
+
+
+def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
+    """Keys a checkpoint may hold as copies of a mapped tensor (tied weights): key -> the key it
+    must equal. They are checked, not imported."""
+    copies: dict[str, str] = {}
+    if family == "gpt2":
+        if cfg.tie_head:
+            copies["lm_head.weight"] = f"{prefix}wte.weight"
+        return copies
+    table = "model.shared.weight" if cfg.share_src_tgt_embed else "model.decoder.embed_tokens.weight"
+    if cfg.share_src_tgt_embed:
+        copies["model.encoder.embed_tokens.weight"] = table
+        copies["model.decoder.embed_tokens.weight"] = table
+    if cfg.tie_head:
+        copies["lm_head.weight"] = table
+    return copies
+
+
+def _ignored(family: str, key: str) -> str | None:
+    """Why a checkpoint key that no rule reads may be left out, or None."""
+    if family == "gpt2" and re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", key):
+        return "GPT-2's causal-mask buffers (older checkpoints store them)"
+    if family == "marian" and re.fullmatch(r"model\.(encoder|decoder)\.embed_positions\.weight", key):
+        return "Marian's sinusoid tables (checked against the spec's, which are computed)"
+    return None
+
+
+# ---- applying a mapping --------------------------------------------------------------------------
+
+def _apply(rules: list[Rule], tensors: Mapping[str, np.ndarray], copies: Mapping[str, str], family: str,
+           notes: list[str]) -> dict[str, np.ndarray]:
+    """Run the rules over the checkpoint; refuse with the whole key diff if it does not fit."""
+    problems: list[str] = []
+    expected = {}
+    for rule in rules:
+        expected.setdefault(rule.source, rule.source_shape)
+    missing = [key for key in expected if key not in tensors]
+    if missing:
+        problems.append("missing: " + ", ".join(missing))
+    for key, shape in expected.items():
+        if key in tensors and tuple(tensors[key].shape) != shape:
+            problems.append(f"{key}: shape {list(tensors[key].shape)}, expected {list(shape)}")
+    for key, original in copies.items():
+        if key in tensors and original in tensors and not np.array_equal(tensors[key], tensors[original]):
+            problems.append(f"{key} should equal {original} (tied in config.json) but differs")
+    ignored = {key: _ignored(family, key) for key in tensors if key not in expected and key not in copies}
+    unexpected = sorted(key for key, why in ignored.items() if why is None)
+    if unexpected:
+        problems.append("unexpected: " + ", ".join(unexpected))
+    if problems:
+        raise WeightsError(f"the checkpoint does not match its config.json as a {family} model:\n  "
+                           + "\n  ".join(problems))
+    for why in sorted({why for why in ignored.values() if why}):
+        keys = [key for key, reason in ignored.items() if reason == why]
+        notes.append(f"ignored {len(keys)} tensor(s): {why}")
+    present_copies = [key for key in copies if key in tensors]
+    if present_copies:
+        notes.append(f"checked {len(present_copies)} tied copy(ies) equal to their original: {', '.join(present_copies)}")
+    return {rule.target: np.ascontiguousarray(rule.take(tensors[rule.source]), dtype=np.float32) for rule in rules}
+
+
+def _check_marian_positions(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
+    """A stored Marian sinusoid table must be the spec's sinusoidal-concat, rounded to float32."""
+    from impl_numpy.model import sinusoidal_table  # the golden's table is the spec's definition
+
+    for stack in ("encoder", "decoder"):
+        stored = tensors.get(f"model.{stack}.embed_positions.weight")
+        if stored is None:
+            continue
+        ours = sinusoidal_table(np.arange(stored.shape[0]), cfg.d_model, cfg.positional)
+        if stored.shape[1] != cfg.d_model or np.max(np.abs(stored - ours)) > 2.0 ** -20:
+            raise WeightsError(f"model.{stack}.embed_positions.weight is not the sinusoid table the spec computes "
+                               "for Marian (sin in the first half, cos in the second, frequencies 10000^(-2i/d))")
+
+
+# ---- the entry points ------------------------------------------------------------------------------
+
+def detect_family(hf: Mapping[str, Any]) -> str:
+    """The family of a config.json, or a ConfigError naming the field that puts it out of reach."""
+    model_type = hf.get("model_type")
+    if model_type in _OUT_OF_SPEC:
+        field, why = _OUT_OF_SPEC[model_type]
+        value = json.dumps(hf.get(field)) if field in hf else "(absent)"
+        raise ConfigError(f"model_type = {json.dumps(model_type)} cannot be imported: {field} = {value}: {why}")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type = {json.dumps(model_type)} is not a family the importer knows "
+                          f"(it knows {', '.join(FAMILIES)})")
+    architectures = hf.get("architectures")
+    if architectures and FAMILIES[model_type] not in architectures:
+        raise ConfigError(f"architectures = {json.dumps(architectures)}: only {FAMILIES[model_type]} has the output "
+                          "head the spec describes (a language-model head over the vocabulary)")
+    return model_type
+
+
+_CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config}
+
+
+def import_huggingface(directory: str | os.PathLike) -> Imported:
+    """Read a Hugging Face model directory into the canonical config and float32 parameters."""
+    directory = Path(directory)
+    hf = _read_config(directory)
+    family = detect_family(hf)
+    notes: list[str] = []
+    cfg = _CONFIGS[family](hf, notes)
+    tensors = _read_tensors(_checkpoint_files(directory), notes)
+    if family == "gpt2":
+        prefix = "transformer." if any(key.startswith("transformer.") for key in tensors) else ""
+        rules = gpt2_mapping(cfg, prefix)
+    else:
+        prefix = ""
+        rules = seq2seq_mapping(cfg, family)
+        if family == "marian":
+            _check_marian_positions(cfg, tensors)
+    params = _apply(rules, tensors, _copies(family, cfg, prefix), family, notes)
+    bad = [name for name, value in params.items() if not np.isfinite(value).all()]
+    if bad:
+        raise WeightsError(f"the checkpoint holds NaN or Inf in: {', '.join(bad)}")
+    check_params(cfg, params, where=f"the {family} import")
+    return Imported(family, cfg, params, tuple(notes), directory)
+
+
+def import_to_file(directory: str | os.PathLike, out: str | os.PathLike) -> Imported:
+    """Import a Hugging Face model directory and write an ordinary weights file (spec §9)."""
+    imported = import_huggingface(directory)
+    save_weights(out, imported.config, imported.params)
+    return imported
+
