@@ -502,3 +502,34 @@ def import_to_file(directory: str | os.PathLike, out: str | os.PathLike) -> Impo
     save_weights(out, imported.config, imported.params)
     return imported
 
+
+
+def mapping_markdown(family: str) -> str:
+    """The family's mapping as a Markdown table (layer 0 written as {i}), for docs/huggingface.md."""
+    examples = {
+        "gpt2": (gpt2_mapping, ModelConfig(arch="decoder-only", d_model=8, n_heads=2, d_ff=16, n_decoder_layers=1,
+                                           tgt_vocab_size=10, max_len=4, norm_position="pre", final_norm=True,
+                                           positional="learned", embed_scale=False, tie_head=True)),
+        "marian": (lambda cfg: seq2seq_mapping(cfg, "marian"), ModelConfig(
+            d_model=8, n_heads=2, d_ff=16, n_encoder_layers=1, n_decoder_layers=1, src_vocab_size=10,
+            tgt_vocab_size=10, max_len=4, positional="sinusoidal-concat", head_bias=True, share_src_tgt_embed=True,
+            tie_head=True)),
+        "bart": (lambda cfg: seq2seq_mapping(cfg, "bart"), ModelConfig(
+            d_model=8, n_heads=2, d_ff=16, n_encoder_layers=1, n_decoder_layers=1, src_vocab_size=10,
+            tgt_vocab_size=10, max_len=4, positional="learned", embed_norm=True, head_bias=True,
+            share_src_tgt_embed=True, tie_head=True)),
+    }
+    mapping, cfg = examples[family]
+    hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
+    lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
+    for rule in mapping(cfg):
+        how = hows.get(rule.how, rule.how)
+        if rule.how.startswith(("columns", "slice")):
+            block = int(rule.how.split()[1].split(":")[0]) // cfg.d_model
+            how = f"{'columns' if rule.how.startswith('columns') else 'entries'} {block}·d … {block + 1}·d − 1"
+        elif rule.how.startswith("rows"):
+            how = "rows 2 … (rows 0 and 1 are never read)"
+        source = re.sub(r"\.0\.", ".{i}.", rule.source)
+        target = re.sub(r"\.0\.", ".{i}.", rule.target)
+        lines.append(f"| `{source}` | `{target}` | {how} |")
+    return "\n".join(lines)

@@ -110,3 +110,11 @@ def test_excerpt_finds_functions_methods_and_refuses_unknown_names():
     assert excerpt("impl_torch/model.py", "Transformer.from_params").startswith("@classmethod")
     with pytest.raises(KeyError, match="no_such_function"):
         excerpt("impl_numpy/model.py", "no_such_function")
+
+
+def test_the_huggingface_mapping_tables_are_the_code():
+    from importers.huggingface import mapping_markdown
+
+    page = (ROOT / "docs" / "huggingface.md").read_text()
+    for family in ("gpt2", "marian", "bart"):
+        assert mapping_markdown(family) in page, f"regenerate the {family} table of docs/huggingface.md"
