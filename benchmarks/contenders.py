@@ -49,14 +49,21 @@ class Contender:
             return {"src_ids": src, "bos_id": BOS_ID}
         return {"prompt_ids": src}
 
-    def _cached_step(self, src: np.ndarray, past_len: int) -> Callable[[], object]:
-        """For a model with start_cache(batch, src) and decode_step(cache, ids) (impl_torch, the
-        onnxruntime runner): prefill past_len positions, then return one more step to time."""
+    def _cached_step(self, src: np.ndarray, past_len: int, *, preallocated: bool = False,
+                     finish: Callable[[object], object] = lambda result: result) -> Callable[[], object]:
+        """For a model with start_cache and decode_step (impl_torch, impl_jax, the onnxruntime
+        runner): prefill past_len positions, then return one more step to time. A preallocated
+        cache gets room for exactly past_len + 1; every timed call continues the same prefilled
+        cache (where the cache is written in place, a rewind to the same position)."""
         batch = len(src)
-        cache = self.model.start_cache(batch, src if self.cfg.has_encoder else None)
+        source = src if self.cfg.has_encoder else None
+        if preallocated:
+            cache = self.model.start_cache(batch, past_len + 1, source)
+        else:
+            cache = self.model.start_cache(batch, source)
         _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
         token = self._prefix(batch, 1)
-        return lambda: self.model.decode_step(cache, token)
+        return lambda: finish(self.model.decode_step(cache, token))
 
     def _prefix(self, batch: int, past_len: int) -> np.ndarray:
         return np.full((batch, past_len), 3 % self.cfg.tgt_vocab_size, dtype=np.int64)
@@ -106,7 +113,7 @@ class TorchEager(Contender):
                                           max_new_tokens=max_new_tokens).numpy()
 
     def step(self, src, past_len):
-        return self._cached_step(src, past_len)
+        return self._cached_step(src, past_len, preallocated=True)
 
 
 class TorchNoCache(TorchEager):
@@ -171,11 +178,7 @@ class JaxJit(Contender):
                                                      max_new_tokens=max_new_tokens))
 
     def step(self, src, past_len):
-        batch = len(src)
-        cache = self.model.start_cache(batch, past_len + 1, src if self.cfg.has_encoder else None)
-        _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
-        token = self._prefix(batch, 1)
-        return lambda: self.model.decode_step(cache, token)[0].block_until_ready()
+        return self._cached_step(src, past_len, preallocated=True, finish=lambda result: result[0].block_until_ready())
 
 
 class OnnxRuntime(Contender):

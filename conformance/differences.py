@@ -73,7 +73,9 @@ SECTIONS = [
             {"PyTorch": "conformance/backends/torch_backend.py::matmul_precision",
              "JAX / Flax": "conformance/backends/jax_backend.py::JaxRunner._scope"}),
     Section("KV-cache shapes",
-            "L decoder layers × (keys, values) of [B, H, P, d_k], plus the keep-vector of the P positions.",
+            "The golden: L decoder layers × (keys, values) of [B, H, P, d_k] for the P positions decoded, "
+            "plus their keep-vector. The frameworks: keys and values of [L, B, H, C, d_k] for a capacity C, "
+            "the keep-vector [B, C] and the length P.",
             {name: "KVCache" for name in IMPLEMENTATIONS}),
 ]
 
@@ -192,9 +194,11 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
             f"`jax.nn.gelu` default: {p('GELU default', 'jax.nn.gelu')}. Both are chosen explicitly from the config.",
         ],
         "KV-cache shapes": [
-            "impl_torch grows the cache by concatenation (new shapes are free in eager PyTorch); impl_jax "
-            "preallocates `capacity` positions and writes with `dynamic_update_slice`, because XLA compiles "
-            "once per shape.",
+            "Both preallocate `capacity` positions and attend over all of them under a mask, for different "
+            "reasons: impl_jax because XLA compiles once per shape, so it writes with `dynamic_update_slice` "
+            "and returns a new cache; impl_torch because a growing cache allocates every step and, on a GPU, "
+            "plans a new attention kernel for every key length, so it writes into its buffers in place (a "
+            "cache is continued one way; `copy()` one to branch, and a stale branch is refused).",
             f"The ONNX decoder_with_past graph takes {', '.join(past)}, … and returns {', '.join(present)}, …; "
             "the runner keeps them on the device between steps.",
         ],

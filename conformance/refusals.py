@@ -435,7 +435,8 @@ def _call_input(models: _Models, backend: str, case: BadInput) -> Callable[[], A
     if case.call == "decode_step":
         def step():
             batch, src = arguments["batch"], arguments["src_ids"]
-            cache = model.start_cache(batch, 4, src) if backend == "jax" else model.start_cache(batch, src)
+            # the framework caches are preallocated (a capacity); the ONNX runner's grows
+            cache = model.start_cache(batch, src) if backend == "onnx" else model.start_cache(batch, 4, src)
             return model.decode_step(cache, arguments["tgt_ids"])
         return step
     if backend == "torch":

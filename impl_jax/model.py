@@ -33,8 +33,9 @@ from flax import nnx
 from jax import lax
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.errors import InputError
 from spec.inputs import (
+    check_cache_capacity,
+    check_cache_room,
     check_decode_step,
     check_generation,
     check_keep,
@@ -521,6 +522,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     """An empty cache of `capacity` positions; for an encoder-decoder, run the encoder once and
     keep each layer's cross-attention K and V of the memory."""
     cfg = model.cfg
+    capacity = check_cache_capacity(capacity)
     if cfg.positional == "learned" and capacity > cfg.max_len:
         capacity = cfg.max_len  # positions past the learned table are refused at decode time
     shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
@@ -547,9 +549,7 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     cfg = model.cfg
     length = int(cache.length)
     check_decode_step(cfg, tgt_ids, length, cache.tgt_keep.shape[0])
-    if length + tgt_ids.shape[1] > cache.capacity:
-        raise InputError(f"the cache holds {cache.capacity} positions; {length} are used and "
-                         f"{tgt_ids.shape[1]} more do not fit (start the cache with a larger capacity)")
+    check_cache_room(cache.capacity, length, np.shape(tgt_ids)[1])
     keep = model._keep(tgt_ids, tgt_keep, "tgt", length)
     with jax.default_matmul_precision(model.precision):
         return _bound(model, _decode_step)(cache, _as_ids(tgt_ids), keep)

@@ -11,9 +11,10 @@ else changes: embeddings are [V, d] in both, norms are vectors.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,7 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.errors import InputError
 from spec.inputs import (
+    check_cache_capacity,
+    check_cache_room,
     check_decode_step,
     check_generation,
     check_keep,
@@ -420,8 +424,8 @@ class Transformer(nn.Module):
         return self.output_logits(self.decode(tgt_ids, tgt_keep, memory, src_keep))
 
     # ---- incremental decoding ----
-    def start_cache(self, batch: int, src_ids=None, src_keep=None) -> "KVCache":
-        return start_cache(self, batch, src_ids, src_keep)
+    def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":
+        return start_cache(self, batch, capacity, src_ids, src_keep)
 
     def decode_step(self, cache: "KVCache", tgt_ids, tgt_keep=None) -> tuple[torch.Tensor, "KVCache"]:
         return decode_step(self, cache, tgt_ids, tgt_keep)
@@ -438,42 +442,78 @@ def _linear_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
-# ---- incremental decoding with a KV cache ---------------------------------------------------
+# ---- incremental decoding with a preallocated KV cache --------------------------------------
+
+class _Writes:
+    """Which caches over one set of buffers are still whole. decode_step writes into the buffers
+    in place, so a cache stays valid while it is the newest one or an ancestor of it (continuing
+    an ancestor rewrites the positions after its length: a rewind). A cache left on another
+    branch would read positions since overwritten, so using it is refused, never silently wrong."""
+
+    def __init__(self):
+        self.chain, self.issued = [0], 0  # versions from the empty cache to the newest, increasing
+
+    def check(self, version: int) -> None:
+        at = bisect.bisect_left(self.chain, version)
+        if at == len(self.chain) or self.chain[at] != version:
+            raise InputError("this cache's buffers were since written by a decode step from another branch "
+                             "(decode_step writes in place): copy() a cache before continuing it two ways")
+
+    def advance(self, version: int) -> int:
+        self.issued += 1
+        del self.chain[bisect.bisect_right(self.chain, version):]
+        self.chain.append(self.issued)
+        return self.issued
+
 
 @dataclass(frozen=True)
 class KVCache:
-    """As impl_numpy.KVCache, holding tensors. L decoder layers, P positions decoded so far."""
+    """Preallocated for `capacity` positions and written in place, so a decode step allocates
+    nothing and every step has the same shapes (a new key length is a new kernel plan on a GPU,
+    and CUDA graphs need fixed buffers). L decoder layers, C = capacity."""
 
-    self_keys: tuple[torch.Tensor, ...]  # L × [B, H, P, d_k]
-    self_values: tuple[torch.Tensor, ...]
-    tgt_keep: torch.Tensor  # [B, P]
-    cross_keys: tuple[torch.Tensor, ...] | None = None  # L × [B, H, S, d_k]
-    cross_values: tuple[torch.Tensor, ...] | None = None
+    self_keys: torch.Tensor  # [L, B, H, C, d_k]
+    self_values: torch.Tensor  # [L, B, H, C, d_k]
+    tgt_keep: torch.Tensor  # [B, C]: real tokens among the decoded positions; stale past `length`
+    length: int  # positions decoded so far: a host integer, so no step waits on the device for it
+    cross_keys: torch.Tensor | None = None  # [L, B, H, S, d_k], computed once
+    cross_values: torch.Tensor | None = None
     src_keep: torch.Tensor | None = None  # [B, S]
+    writes: _Writes = field(default_factory=_Writes, repr=False, compare=False)
+    version: int = 0
 
     @property
-    def length(self) -> int:
+    def capacity(self) -> int:
         return self.tgt_keep.shape[1]
+
+    def copy(self) -> "KVCache":
+        """A cache with buffers of its own, to continue independently of this one."""
+        self.writes.check(self.version)
+        keys, values, keep = (t.clone() for t in (self.self_keys, self.self_values, self.tgt_keep))
+        return replace(self, self_keys=keys, self_values=values, tgt_keep=keep, writes=_Writes(), version=0)
 
 
 @torch.inference_mode()
-def start_cache(model: Transformer, batch: int, src_ids=None, src_keep=None) -> KVCache:
-    """An empty cache; for an encoder-decoder, run the encoder once and keep each layer's
-    cross-attention K and V of the memory."""
+def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src_keep=None) -> KVCache:
+    """An empty cache of `capacity` positions; for an encoder-decoder, run the encoder once and
+    keep each layer's cross-attention K and V of the memory."""
     cfg = model.cfg
+    capacity = check_cache_capacity(capacity)
+    if cfg.positional == "learned" and capacity > cfg.max_len:
+        capacity = cfg.max_len  # positions past the learned table are refused at decode time
     weight = model.tgt_embed.weight
-    empty = torch.zeros(batch, cfg.n_heads, 0, cfg.d_head, dtype=weight.dtype, device=weight.device)
-    layers = model.decoder.layers
-    keep = torch.zeros(batch, 0, dtype=torch.bool, device=weight.device)
+    shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
+    keys, values = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(2))
+    cache = KVCache(keys, values, torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0)
     if not cfg.has_encoder:
-        return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep)
+        return cache
     check_source(cfg, src_ids, batch)
     src_ids = model._ids(src_ids)
     src_keep = model._keep(src_ids, src_keep, "src")
     memory = model.encode(src_ids, src_keep)
-    cross = [layer.cross_attn.key_value_heads(memory) for layer in layers]
-    return KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), keep,
-                   tuple(k for k, _ in cross), tuple(v for _, v in cross), src_keep)
+    pairs = [layer.cross_attn.key_value_heads(memory) for layer in model.decoder.layers]
+    return replace(cache, cross_keys=torch.stack([k for k, _ in pairs]),
+                   cross_values=torch.stack([v for _, v in pairs]), src_keep=src_keep)
 
 
 @torch.inference_mode()
@@ -481,21 +521,31 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     """Feed the next n target tokens [B, n] after the cached ones: logits [B, n, V], new cache."""
     cfg = model.cfg
     check_decode_step(cfg, tgt_ids, cache.length, cache.tgt_keep.shape[0])
+    check_cache_room(cache.capacity, cache.length, np.shape(tgt_ids)[1])
+    cache.writes.check(cache.version)
     tgt_ids = model._ids(tgt_ids)
-    keep = torch.cat([cache.tgt_keep, model._keep(tgt_ids, tgt_keep, "tgt", cache.length)], dim=1)
-    n_new, n_all = tgt_ids.shape[1], keep.shape[1]
-    self_mask = _causal_mask(n_new, n_all, keep.device) & _key_mask(keep)  # [B, 1, n, P + n]
+    return _decode_step_body(model, cache, tgt_ids, model._keep(tgt_ids, tgt_keep, "tgt", cache.length))
+
+
+def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
+                      new_keep: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    cfg = model.cfg
+    start, n_new, capacity = cache.length, tgt_ids.shape[1], cache.capacity
+    cache.tgt_keep[:, start:start + n_new] = new_keep
+    query_positions = torch.arange(start, start + n_new, device=tgt_ids.device)
+    causal = torch.arange(capacity, device=tgt_ids.device)[None, :] <= query_positions[:, None]  # [n, C]
+    # the stale entries past the new positions are hidden by the causal mask, whatever they hold
+    self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
-    y = model.embed(tgt_ids, "tgt", offset=cache.length)
-    keys, values = [], []
+    y = model.embed(tgt_ids, "tgt", offset=start)
     for i, layer in enumerate(model.decoder.layers):
 
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
-            # K, V of the new positions joined to the cached ones: [B, H, P + n, d_k]
+            # write K, V of the new positions into the preallocated cache at `length`
             k, v = layer.self_attn.key_value_heads(h)
-            keys.append(torch.cat([cache.self_keys[i], k], dim=2))
-            values.append(torch.cat([cache.self_values[i], v], dim=2))
-            return layer.self_attn.attend(h, keys[-1], values[-1], self_mask)
+            cache.self_keys[i, :, :, start:start + n_new] = k
+            cache.self_values[i, :, :, start:start + n_new] = v
+            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask)
 
         y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
         if cache.cross_keys is not None:
@@ -503,7 +553,10 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
                          lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = layer.ffn_block(y)
     logits = model.output_logits(model.decoder.final_norm(y))
-    return logits, KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)
+    return logits, replace(cache, length=start + n_new, version=cache.writes.advance(cache.version))
+
+
+STOP_CHECK_EVERY = 8  # steps between the host's looks at whether every row has finished
 
 
 @torch.inference_mode()
@@ -519,18 +572,27 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
     else:
         first = model._ids(prompt_ids)
         first_keep = first != cfg.pad_id
-    cache = start_cache(model, batch, src_ids)
+    cache = start_cache(model, batch, first.shape[1] + max_new_tokens - 1, src_ids)
     tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    one_real = torch.ones(batch, 1, dtype=torch.bool, device=device)
     step_ids, step_keep = first, first_keep
     for t in range(max_new_tokens):
-        logits, cache = decode_step(model, cache, step_ids, step_keep)
+        # generated ids are the model's own, in range by construction: the checked decode_step
+        # would read them back to the host every step, and the GPU would wait for it
+        logits, cache = _decode_step_body(model, cache, step_ids, step_keep)
         # argmax of float32 logits: ties go to the lowest id, as in the golden
         next_token = torch.where(finished, cfg.pad_id, logits[:, -1].float().argmax(dim=-1))
         tokens[:, t] = next_token
         if eos_id is not None:
             finished |= next_token == eos_id
-        if bool(finished.all()):
-            break
-        step_ids, step_keep = next_token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=device)
+            # a look at `finished` waits for the device, so it is taken every few steps only:
+            # the rows already finished go on producing pad, as the golden's do
+            if (t + 1) % STOP_CHECK_EVERY == 0 and _all_finished(finished):
+                break
+        step_ids, step_keep = next_token[:, None], one_real
     return tokens
+
+
+def _all_finished(finished: torch.Tensor) -> bool:
+    return bool(finished.all())  # the host waits for the device here

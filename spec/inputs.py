@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from spec.config import ModelConfig
 from spec.errors import InputError
 
@@ -150,6 +152,20 @@ def check_decode_step(cfg: ModelConfig, tgt_ids: Any, cache_length: int, cache_b
     check_positions(cfg, length, cache_length, "tgt_ids")
     if batch != cache_batch:
         raise InputError(f"tgt_ids batch {batch} differs from the cache's {cache_batch}")
+
+
+def check_cache_capacity(capacity: Any) -> int:
+    """A preallocated KV cache's capacity: a positive number of positions."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise InputError(f"cache capacity must be a positive integer (positions), got {capacity!r}")
+    return int(capacity)
+
+
+def check_cache_room(capacity: int, length: int, n_new: int) -> None:
+    """n_new more positions after `length` must fit a preallocated cache of `capacity`."""
+    if length + n_new > capacity:
+        raise InputError(f"the cache holds {capacity} positions; {length} are used and {n_new} more do not "
+                         f"fit (start the cache with a larger capacity)")
 
 
 def check_generation(cfg: ModelConfig, src_ids: Any, prompt_ids: Any, bos_id: Any, max_new_tokens: Any) -> tuple[int, int]:

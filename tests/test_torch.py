@@ -5,6 +5,8 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import impl_numpy as golden
 from conformance.harness import PASS, plan_matrix, run_matrix
@@ -127,7 +129,7 @@ def test_cached_decode_equals_full_forward_float64(variant, attention):
         src[1, 3:] = cfg.pad_id
     with torch.inference_mode():
         full = model(src, tgt).numpy()
-    cache = model.start_cache(3, src)
+    cache = model.start_cache(3, 6, src)
     steps = []
     for t in range(6):
         logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
@@ -144,6 +146,105 @@ def test_generation_matches_the_golden():
     for attention in ("sdpa", "math"):
         model = Transformer.from_params(TINY, params, dtype=torch.float64, attention=attention)
         assert np.array_equal(model.greedy_generate(src, bos_id=1, eos_id=2, max_new_tokens=8).numpy(), expected)
+
+
+# ---- the preallocated cache ------------------------------------------------------------------
+
+def _tiny_float64():
+    params = init_params(TINY, seed=4)
+    return Transformer.from_params(TINY, params, dtype=torch.float64), params
+
+
+@settings(max_examples=12, deadline=None)
+@given(chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5), spare=st.integers(0, 3))
+def test_any_split_into_steps_equals_the_forward(chunks, spare):
+    """Feeding the target in chunks of any sizes, into a cache with room to spare, gives the
+    forward's logits: the capacity's unused positions never leak into attention."""
+    model, params = _tiny_float64()
+    length = sum(chunks)
+    generator = np.random.default_rng(length)
+    src = generator.integers(1, TINY.src_vocab_size, (2, 4))
+    tgt = generator.integers(1, TINY.tgt_vocab_size, (2, length))
+    tgt[1, 0] = TINY.pad_id  # the start token stays real (SPEC.md §6)
+    expected = golden.forward(TINY, params, src, tgt)
+    cache, steps, at = model.start_cache(2, length + spare, src), [], 0
+    for n in chunks:
+        logits, cache = model.decode_step(cache, tgt[:, at:at + n])
+        steps.append(logits.numpy())
+        at += n
+    assert cache.length == length
+    assert np.abs(np.concatenate(steps, axis=1) - expected).max() <= 1e-10
+
+
+def test_a_step_writes_into_the_buffers_it_was_given():
+    model, _ = _tiny_float64()
+    cache = model.start_cache(2, 5, np.ones((2, 3), np.int64))
+    keys, values = cache.self_keys.data_ptr(), cache.self_values.data_ptr()
+    for _ in range(5):
+        _, cache = model.decode_step(cache, np.full((2, 1), 4))
+    assert (cache.self_keys.data_ptr(), cache.self_values.data_ptr()) == (keys, values)
+    assert cache.self_keys.shape == (TINY.n_decoder_layers, 2, TINY.n_heads, 5, TINY.d_head)
+
+
+def test_continuing_an_ancestor_rewinds_and_a_stale_branch_is_refused():
+    model, params = _tiny_float64()
+    src = np.array([[5, 6, 7]])
+    tgt = np.array([[1, 8, 9, 10]])
+    root = model.start_cache(1, 4, src)
+    _, prefix = model.decode_step(root, tgt[:, :2])
+    _, branch_a = model.decode_step(prefix, tgt[:, 2:3])
+    # a rewind: continuing the prefix again rewrites position 2 with another token
+    other, branch_b = model.decode_step(prefix, np.array([[11]]))
+    expected = golden.forward(TINY, params, src, np.array([[1, 8, 11]]))[:, -1:]
+    assert np.abs(other.numpy() - expected).max() <= 1e-10
+    with pytest.raises(InputError, match="copy\\(\\) a cache"):
+        model.decode_step(branch_a, tgt[:, 3:4])  # its position 2 now holds branch b's token
+    # a copy is a branch of its own
+    _, copied = model.decode_step(prefix.copy(), tgt[:, 2:3])
+    model.decode_step(branch_b, np.array([[12]]))
+    last, _ = model.decode_step(copied, tgt[:, 3:4])
+    assert np.abs(last.numpy() - golden.forward(TINY, params, src, tgt)[:, -1:]).max() <= 1e-10
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.5, "4", True])
+def test_a_capacity_that_is_not_a_positive_integer_is_refused(capacity):
+    model, _ = _tiny_float64()
+    with pytest.raises(InputError, match="cache capacity must be a positive integer"):
+        model.start_cache(1, capacity, np.ones((1, 3), np.int64))
+
+
+def test_a_full_cache_is_refused():
+    model, _ = _tiny_float64()
+    cache = model.start_cache(1, 2, np.ones((1, 3), np.int64))
+    _, cache = model.decode_step(cache, np.ones((1, 2), np.int64))
+    with pytest.raises(InputError, match="the cache holds 2 positions; 2 are used and 1 more do not fit"):
+        model.decode_step(cache, np.ones((1, 1), np.int64))
+
+
+def test_generation_looks_at_the_device_only_every_few_steps(monkeypatch):
+    """The loop never reads a generated token back to the host, and asks whether every row has
+    finished once per STOP_CHECK_EVERY steps: the tokens are the golden's all the same."""
+    import impl_torch.model as torch_model
+
+    params = init_params(TINY, seed=3)
+    src = np.random.default_rng(1).integers(3, 96, (4, 6))
+    model = Transformer.from_params(TINY, params, dtype=torch.float64)
+    looks, steps = [], []
+    monkeypatch.setattr(torch_model, "_all_finished", lambda finished: looks.append(1) or bool(finished.all()))
+    monkeypatch.setattr(torch_model, "check_decode_step", lambda *args: pytest.fail("generate checked its own ids"))
+    body = torch_model._decode_step_body
+    monkeypatch.setattr(torch_model, "_decode_step_body", lambda *args: steps.append(1) or body(*args))
+    every = torch_model.STOP_CHECK_EVERY
+    first = golden.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=1)[:, 0]
+    # every row's first token is the eos: all finish at step 1, the loop stops at the first look
+    same = np.repeat(src[:1], 4, axis=0)
+    for source, eos_id, expected_steps, expected_looks in [(same, int(first[0]), every, 1), (src, None, 30, 0),
+                                                           (src, int(first[0]), 30, 30 // every)]:
+        looks.clear(), steps.clear()
+        expected = golden.greedy_generate(TINY, params, source, bos_id=1, eos_id=eos_id, max_new_tokens=30)
+        tokens = model.greedy_generate(source, bos_id=1, eos_id=eos_id, max_new_tokens=30).numpy()
+        assert np.array_equal(tokens, expected)
+        assert (len(steps), len(looks)) == (expected_steps, expected_looks)
 
 
 # ---- the fully-masked-row rule and native behaviour -------------------------------------------
@@ -188,7 +289,8 @@ def test_learned_positions_past_max_len():
     model = Transformer.from_params(cfg, init_params(cfg))
     with pytest.raises(InputError, match="past the learned position table"):
         model(np.ones((1, 7), np.int64), np.ones((1, 2), np.int64))
-    cache = model.start_cache(1, np.ones((1, 2), np.int64))
+    cache = model.start_cache(1, 8, np.ones((1, 2), np.int64))  # capacity: the table's 6 positions
+    assert cache.capacity == 6
     for _ in range(6):
         _, cache = model.decode_step(cache, np.ones((1, 1), np.int64))
     with pytest.raises(InputError, match="reaches position 6"):

@@ -76,9 +76,6 @@ class JaxRunner(ModuleRunner):
     def _concatenate(self, arrays):
         return jnp.concatenate(arrays, axis=1)
 
-    def _start_cache(self, batch, length, src_ids):
-        return self.model.start_cache(batch, length, src_ids)  # preallocated: XLA wants fixed shapes
-
     def _to_numpy(self, out) -> np.ndarray:
         out = np.asarray(out.astype(jnp.float32) if out.dtype == jnp.bfloat16 else out)
         return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out.astype(np.int64)

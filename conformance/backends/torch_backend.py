@@ -51,9 +51,6 @@ class TorchRunner(ModuleRunner):
     def _concatenate(self, arrays):
         return torch.cat(arrays, dim=1)
 
-    def _start_cache(self, batch, length, src_ids):
-        return self.model.start_cache(batch, src_ids)  # grows by concatenation: no capacity
-
     def _to_numpy(self, out) -> np.ndarray:
         if out.is_floating_point():
             return out.to("cpu", torch.float64).numpy()
