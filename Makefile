@@ -4,16 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test install clean gpu
 
 demo: $(STAMP)
 	$(BIN)/rosetta check --preset tiny --report reports/demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
 # The GPU report (rosetta gpu) on whatever CUDA device is present. No venv is insisted on: a lent
 # GPU machine has the frameworks in its own Python, so .venv is used only where it exists, and
@@ -25,11 +26,17 @@ gpu:
 # A venv left half-made by an interrupted run has python but no pip: it is made again.
 # jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's module;
 # it is installed with --no-deps, what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) above.
+# The demo needs the project alone; the tests add pytest, hypothesis and transformers (the
+# Hugging Face importers' tests run its models), about 20 more packages.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,hf]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt jax2onnx
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,hf]'
+	touch $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
