@@ -6,6 +6,10 @@ canonical weights, behind one small interface the workloads time.
     step(src, past_len)           a function that runs one cached decode step at position past_len
                                   (the cache is prefilled outside the timing)
 
+On a GPU the clock must not stop before the device has finished: every timed call ends with
+finish(), which waits for the device, and leaves its output there; to_host() is the copy to the
+host, timed as a figure of its own.
+
 A method a contender does not have raises Skip with the reason; so does a contender whose
 framework is not installed or whose device is absent.
 """
@@ -27,6 +31,12 @@ class Skip(Exception):
     """This contender cannot run this workload here (the reason is reported)."""
 
 
+def _name(base: str, dtype: str, device: str) -> str:
+    """'torch' for the CPU float32 contender (the reference of every CPU ratio), else
+    'torch-cuda-float16' and so on."""
+    return base if (dtype, device) == ("float32", "cpu") else f"{base}-{device}-{dtype}"
+
+
 class Contender:
     name: str
     dtype = "float32"
@@ -35,8 +45,17 @@ class Contender:
     def prepare(self, cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> None:
         self.cfg, self.params = cfg, params
 
-    def forward(self, src: np.ndarray | None, tgt: np.ndarray) -> None:
+    def forward(self, src: np.ndarray | None, tgt: np.ndarray) -> object:
+        """The logits, computed to completion and left where they were computed."""
         raise Skip("no teacher-forced forward")
+
+    def finish(self, output: object) -> object:
+        """The output once the device has computed it (the clock stops after this)."""
+        return output
+
+    def to_host(self, output: object) -> object:
+        """The output copied into host memory (timed apart from the forward on a GPU)."""
+        return np.asarray(output)
 
     def generate(self, src: np.ndarray, max_new_tokens: int) -> np.ndarray:
         raise Skip("no greedy generation")
@@ -78,7 +97,7 @@ class Golden(Contender):
         self.cast = golden.cast_params(cfg, params, np.dtype(self.dtype))
 
     def forward(self, src, tgt):
-        golden.forward(self.cfg, self.params, src, tgt, dtype=np.dtype(self.dtype))
+        return golden.forward(self.cfg, self.params, src, tgt, dtype=np.dtype(self.dtype))
 
     def generate(self, src, max_new_tokens):
         return golden.greedy_generate(self.cfg, self.params, **self._generation_arguments(src), eos_id=EOS_ID,
@@ -93,7 +112,11 @@ class Golden(Contender):
 
 
 class TorchEager(Contender):
-    name = "torch"
+    base = "torch"
+
+    def __init__(self, dtype: str = "float32", device: str = "cpu"):
+        self.dtype, self.device = dtype, device
+        self.name = _name(self.base, dtype, device)
 
     def prepare(self, cfg, params):
         super().prepare(cfg, params)
@@ -101,25 +124,35 @@ class TorchEager(Contender):
 
         from impl_torch import Transformer
 
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise Skip("no CUDA device here")
         self.torch = torch
-        self.model = Transformer.from_params(cfg, params)
+        self.model = Transformer.from_params(cfg, params, dtype=getattr(torch, self.dtype), device=self.device)
+
+    def finish(self, output):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()  # kernels are queued: the clock waits for them
+        return output
+
+    def to_host(self, output):
+        return output.cpu()
 
     def forward(self, src, tgt):
         with self.torch.inference_mode():
-            self.model(src, tgt)
+            return self.finish(self.model(src, tgt))
 
     def generate(self, src, max_new_tokens):
         return self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
-                                          max_new_tokens=max_new_tokens).numpy()
+                                          max_new_tokens=max_new_tokens).cpu().numpy()
 
     def step(self, src, past_len):
-        return self._cached_step(src, past_len, preallocated=True)
+        return self._cached_step(src, past_len, preallocated=True, finish=self.finish)
 
 
 class TorchNoCache(TorchEager):
     """Generation without a cache: every step runs the whole prefix again (the curve beside the cache's)."""
 
-    name = "torch-no-cache"
+    base = "torch-no-cache"
 
     def forward(self, src, tgt):
         raise Skip("the same forward as torch")
@@ -134,7 +167,12 @@ class TorchNoCache(TorchEager):
 
 
 class TorchCompiled(TorchEager):
-    name = "torch.compile"
+    """torch.compile of the forward; on a GPU also mode="reduce-overhead" (CUDA graphs)."""
+
+    def __init__(self, dtype: str = "float32", device: str = "cpu", mode: str = "default"):
+        self.mode = mode
+        self.base = "torch.compile" if mode == "default" else f"torch.compile-{mode}"
+        super().__init__(dtype, device)
 
     def prepare(self, cfg, params):
         super().prepare(cfg, params)
@@ -144,15 +182,16 @@ class TorchCompiled(TorchEager):
             memory = model.encode(src, src_keep) if model.cfg.has_encoder else None
             return model.output_logits(model.decode(tgt, tgt_keep, memory, src_keep))
 
-        self.compiled = self.torch.compile(logits)
+        self.compiled = self.torch.compile(logits, mode=self.mode)
 
     def forward(self, src, tgt):
         torch = self.torch
         # tensors under no_grad: Dynamo does not trace NumPy inputs under inference_mode
-        tgt_t = torch.as_tensor(tgt)
-        src_t = torch.as_tensor(src) if src is not None else None
+        tgt_t = torch.as_tensor(tgt, device=self.device)
+        src_t = torch.as_tensor(src, device=self.device) if src is not None else None
         with torch.no_grad():
-            self.compiled(src_t, tgt_t, None if src_t is None else src_t != self.cfg.pad_id, tgt_t != self.cfg.pad_id)
+            return self.finish(self.compiled(src_t, tgt_t, None if src_t is None else src_t != self.cfg.pad_id,
+                                             tgt_t != self.cfg.pad_id))
 
     def generate(self, src, max_new_tokens):
         raise Skip("a compiled cached decode loop is not built; torch eager's is timed")
@@ -162,23 +201,46 @@ class TorchCompiled(TorchEager):
 
 
 class JaxJit(Contender):
-    name = "jax"
+    base = "jax"
+
+    def __init__(self, dtype: str = "float32", device: str = "cpu"):
+        self.dtype, self.device = dtype, device
+        self.name = _name(self.base, dtype, device)
 
     def prepare(self, cfg, params):
         super().prepare(cfg, params)
+        import jax
+
         from impl_jax import Transformer
 
-        self.model = Transformer.from_params(cfg, params)
+        platform = "gpu" if self.device == "cuda" else "cpu"
+        try:
+            self.placement = jax.default_device(jax.devices(platform)[0])
+        except RuntimeError:
+            raise Skip(f"JAX sees no {platform} device here") from None
+        with self.placement:
+            self.model = Transformer.from_params(cfg, params, dtype=self.dtype)
+
+    def finish(self, output):
+        return output.block_until_ready()  # JAX dispatches asynchronously on every device
 
     def forward(self, src, tgt):
-        self.model(src, tgt).block_until_ready()
+        with self.placement:
+            return self.finish(self.model(src, tgt))
 
     def generate(self, src, max_new_tokens):
-        return np.asarray(self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
-                                                     max_new_tokens=max_new_tokens))
+        with self.placement:
+            return np.asarray(self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
+                                                         max_new_tokens=max_new_tokens))
 
     def step(self, src, past_len):
-        return self._cached_step(src, past_len, preallocated=True, finish=lambda result: result[0].block_until_ready())
+        with self.placement:
+            step = self._cached_step(src, past_len, preallocated=True, finish=lambda result: self.finish(result[0]))
+
+        def placed_step():
+            with self.placement:
+                return step()
+        return placed_step
 
 
 class OnnxRuntime(Contender):
@@ -196,7 +258,11 @@ class OnnxRuntime(Contender):
         self.model = OnnxTransformer(exported(cfg, params, dtype=self.dtype), device=self.device)
 
     def forward(self, src, tgt):
-        self.model.forward(src, tgt)
+        # onnxruntime's run waits for the provider's stream before it returns: nothing to finish
+        return self.model.forward_on_device(src, tgt)
+
+    def to_host(self, output):
+        return output.numpy()
 
     def generate(self, src, max_new_tokens):
         return self.model.greedy_generate(**self._generation_arguments(src), eos_id=EOS_ID,
@@ -236,10 +302,16 @@ class CTranslate2(Contender):
 
 
 def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
-    """Every contender, golden first, torch eager (the reference of every ratio) second."""
-    chosen: list[Contender] = [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(),
-                               JaxJit()]
-    for device in devices:
-        chosen += [OnnxRuntime("float32", device), OnnxRuntime("float16", device)]
-    chosen.append(CTranslate2())
+    """Every contender on each device asked for. On the CPU: golden first, torch eager (the
+    reference of every CPU ratio) second, CTranslate2 last. On a GPU: every framework at float16
+    (torch eager first, the reference of the GPU ratios), float32 and bfloat16 where it runs them."""
+    chosen: list[Contender] = []
+    if "cpu" in devices:
+        chosen += [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(), JaxJit(),
+                   OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"), CTranslate2()]
+    if "cuda" in devices:
+        chosen += [TorchEager("float16", "cuda"), TorchEager("bfloat16", "cuda"), TorchEager("float32", "cuda"),
+                   TorchCompiled("float16", "cuda"), TorchCompiled("float16", "cuda", mode="reduce-overhead"),
+                   JaxJit("float16", "cuda"), JaxJit("bfloat16", "cuda"), JaxJit("float32", "cuda"),
+                   OnnxRuntime("float16", "cuda"), OnnxRuntime("float32", "cuda")]
     return chosen

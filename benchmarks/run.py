@@ -32,7 +32,8 @@ import numpy as np
 
 import impl_numpy as golden
 from benchmarks.contenders import BOS_ID, EOS_ID, Contender, Skip, contenders
-from benchmarks.limits import decode_step_flops, forward_flops, matmul_flops_per_second, memory_bytes_per_second
+from benchmarks.limits import (cuda_matmul_flops_per_second, decode_step_flops, forward_flops,
+                               matmul_flops_per_second, memory_bytes_per_second)
 from spec import ModelConfig, get_preset, init_params
 
 
@@ -55,6 +56,21 @@ PLANS = {
                        positions=(64, 128, 256, 512), warmup=1, repeats=3),
 }
 DEFAULT_PLAN = PLANS["tiny"]
+# On a GPU the workloads of issue 14: forward at batch 64 × 128/128, generation at batch 64,
+# and more warm-up runs (CUDA graphs are recorded in the first calls of reduce-overhead mode)
+GPU_PLANS = {
+    "tiny": Plan(batches=(1, 64), lengths=(16, 48), generate_batch=64, generate_source=16, new_tokens=16,
+                 positions=(8, 16, 32, 60), warmup=3, repeats=10),
+    "paper-base": Plan(batches=(1, 64), lengths=(16, 128), generate_batch=64, generate_source=64, new_tokens=64,
+                       positions=(64, 128, 256, 512), warmup=3, repeats=10),
+}
+
+
+def plan_for(preset: str, devices: tuple[str, ...]) -> Plan:
+    """The GPU workloads when only a GPU is benchmarked, else the CPU's (whose batch-64 runs
+    would take the CPU contenders far too long)."""
+    plans = GPU_PLANS if "cpu" not in devices else PLANS
+    return plans.get(preset, plans["tiny"] if plans is GPU_PLANS else DEFAULT_PLAN)
 
 
 @dataclass
@@ -109,25 +125,48 @@ def _versions() -> dict:
     return found
 
 
-def _machine(quick: bool) -> dict:
-    import os
-
+def _machine(quick: bool, devices: tuple[str, ...] = ("cpu",)) -> dict:
     limits = matmul_flops_per_second("float32", size=1024 if quick else 2048)
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "matmul_float32_flops": max(limits.values()), "matmul_float32_by": limits,
-            "copy_bytes_per_second": memory_bytes_per_second(64 if quick else 256)}
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "matmul_float32_flops": max(limits.values()), "matmul_float32_by": limits,
+               "copy_bytes_per_second": memory_bytes_per_second(64 if quick else 256)}
+    if "cuda" in devices:
+        # the GPU's GEMM limit per dtype (8192³ matrices in torch), None without a GPU
+        machine["cuda_matmul_flops"] = {dtype: cuda_matmul_flops_per_second(dtype, size=2048 if quick else 8192)
+                                        for dtype in ("float16", "bfloat16", "float32")}
+        machine["cuda_device"] = _cuda_device_name()
+    return machine
+
+
+def _cuda_device_name() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def matmul_limit(machine: dict, contender: Contender) -> float | None:
+    """The limit a contender's FLOP/s are a fraction of: the GPU's for its dtype on a GPU, the
+    CPU's float32 limit on the CPU (None where it was not measured)."""
+    if contender.device == "cuda":
+        return (machine.get("cuda_matmul_flops") or {}).get(contender.dtype)
+    return machine["matmul_float32_flops"]
+
+
+def _fraction(flops_per_second: float, limit: float | None) -> float | None:
+    return flops_per_second / limit if limit else None
 
 
 def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[str, ...] | None = None,
               devices: tuple[str, ...] = ("cpu",), matrix_backends: tuple[str, ...] = ("numpy-float32", "torch", "onnx"),
               log: Callable[[str], None] = print) -> Results:
     cfg = get_preset(preset)
-    plan = plan or PLANS.get(preset, DEFAULT_PLAN)
+    plan = plan or plan_for(preset, devices)
     params = init_params(cfg, seed=0)
     rng = np.random.default_rng(0)
     log("measuring the machine's limits ...")
-    results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny"), _versions())
-    limit = results.machine["matmul_float32_flops"]
+    results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny", devices=devices), _versions())
     chosen = [c for c in contenders(devices) if names is None or c.name in names]
     src_vocab = cfg.src_vocab_size if cfg.has_encoder else cfg.tgt_vocab_size
     generate_src = _ids(rng, cfg, plan.generate_batch, plan.generate_source, src_vocab)
@@ -143,6 +182,7 @@ def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[st
             log(f"  {contender.name:24} skipped: {reason}")
             continue
         log(f"  {contender.name:24} prepared in {time.perf_counter() - start:.1f} s")
+        limit = matmul_limit(results.machine, contender)
         _forward(results, contender, cfg, plan, rng, limit)
         _generate(results, contender, cfg, plan, generate_src, want_tokens, step_logits)
         _decode(results, contender, cfg, plan, rng, limit)
@@ -168,10 +208,14 @@ def _forward(results, contender, cfg, plan, rng, limit) -> None:
                 return _skip(results, contender, "forward", reason)
             flops = forward_flops(cfg, batch, length if cfg.has_encoder else 0, length)
             tokens = batch * length * (2 if cfg.has_encoder else 1)
-            results.forward.append({"contender": contender.name, "batch": batch, "length": length,
-                                    **vars(timing), "tokens_per_second": tokens / timing.median,
-                                    "flops_per_second": flops / timing.median,
-                                    "fraction_of_matmul_limit": flops / timing.median / limit})
+            row = {"contender": contender.name, "batch": batch, "length": length, **vars(timing),
+                   "tokens_per_second": tokens / timing.median, "flops_per_second": flops / timing.median,
+                   "fraction_of_matmul_limit": _fraction(flops / timing.median, limit)}
+            if contender.device != "cpu":
+                # taken after the timed runs: a CUDA graph's output is overwritten by the next run
+                logits = contender.forward(src, tgt)
+                row["host_copy_median"] = Timing.of(lambda: contender.to_host(logits), 1, plan.repeats).median
+            results.forward.append(row)
 
 
 def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> None:
@@ -211,17 +255,23 @@ def _decode(results, contender, cfg, plan, rng, limit) -> None:
         timing = Timing.of(step, plan.warmup + 1, max(plan.repeats, 5))
         flops = decode_step_flops(cfg, 1, position, 16 if cfg.has_encoder else 0)
         results.decode.append({"contender": contender.name, "position": position, **vars(timing),
-                               "fraction_of_matmul_limit": flops / timing.median / limit})
+                               "fraction_of_matmul_limit": _fraction(flops / timing.median, limit)})
+
+
+REFERENCES = ("torch", "torch-cuda-float16")  # torch eager on the CPU, else on the GPU
 
 
 def _ratios(results: Results) -> None:
-    """Each figure relative to torch eager in the same run (> 1 is faster than torch)."""
-    reference = {(r["batch"], r["length"]): r["median"] for r in results.forward if r["contender"] == "torch"}
+    """Each figure relative to torch eager in the same run (> 1 is faster than torch): the CPU's
+    torch eager where it ran, else the GPU's at float16."""
+    ran = {r["contender"] for r in results.forward + results.generate}
+    torch_name = next((name for name in REFERENCES if name in ran), None)
+    reference = {(r["batch"], r["length"]): r["median"] for r in results.forward if r["contender"] == torch_name}
     for row in results.forward:
         base = reference.get((row["batch"], row["length"]))
         row["speedup_vs_torch"] = base / row["median"] if base else None
     torch_rate = next((r["tokens_per_second"] for r in results.generate
-                       if r["contender"] == "torch" and r["same_tokens"]), None)
+                       if r["contender"] == torch_name and r["same_tokens"]), None)
     for row in results.generate:
         if row.get("same_tokens") and torch_rate:
             row["speedup_vs_torch"] = row["tokens_per_second"] / torch_rate
@@ -289,6 +339,7 @@ def targets(results: Results) -> list[dict]:
             ratio = ours["tokens_per_second"] / peer["tokens_per_second"]
             found.append({"target": "CPU generation, batch 8, 64 tokens: onnxruntime >= 1.0x CTranslate2 float32",
                           "measured": f"{ratio:.2f}x", "met": ratio >= 1.0})
+    found += gpu_targets(results)
     positions = sorted({r["position"] for r in results.decode})
     if len(positions) >= 2:
         low, high = positions[0], positions[-1]
@@ -301,29 +352,78 @@ def targets(results: Results) -> list[dict]:
     return found
 
 
+def gpu_targets(results: Results) -> list[dict]:
+    """Issue 14's GPU targets, from the rows this run measured (float16 at batch 64)."""
+    found = []
+    ort, eager = "onnxruntime-cuda-float16", "torch-cuda-float16"
+    length = max((r["length"] for r in results.forward if r["contender"] == ort), default=None)
+    onnx = _find(results.forward, contender=ort, batch=64, length=length)
+    compiled = [r for r in results.forward if r["contender"].startswith("torch.compile")
+                and r["contender"].endswith("-cuda-float16") and r["batch"] == 64 and r["length"] == length]
+    if onnx and compiled:
+        best = min(compiled, key=lambda r: r["median"])
+        ratio = best["median"] / onnx["median"]
+        found.append({"target": f"GPU forward b64 x {length}/{length} float16: onnxruntime >= 1.0x the best "
+                                f"torch.compile ({best['contender']})", "measured": f"{ratio:.2f}x", "met": ratio >= 1.0})
+    for name, share, row in ((ort, 0.45, onnx), (eager, 0.25, _find(results.forward, contender=eager, batch=64,
+                                                                     length=length))):
+        if row and row["fraction_of_matmul_limit"] is not None:
+            found.append({"target": f"GPU forward b64 x {length}/{length} float16: {name} >= {share:.0%} of the "
+                                    "measured float16 matmul peak",
+                          "measured": f"{100 * row['fraction_of_matmul_limit']:.0f}%",
+                          "met": row["fraction_of_matmul_limit"] >= share})
+    for name, rate in ((ort, 30_000), (eager, 15_000), ("jax-cuda-float16", 15_000)):
+        row = _find(results.generate, contender=name)
+        if row is None:
+            continue
+        same = row.get("same_tokens")
+        found.append({"target": f"GPU greedy generation b{row.get('batch', 64)} float16: {name} >= {rate:,} "
+                                "tokens/s with the golden's tokens",
+                      "measured": f"{row['tokens_per_second']:,.0f} tokens/s" if same else "tokens differ",
+                      "met": bool(same) and row["tokens_per_second"] >= rate})
+    gpu_steps = [r for r in results.decode if "-cuda-" in r["contender"]]
+    for name in dict.fromkeys(r["contender"] for r in gpu_steps):
+        rows = {r["position"]: r["median"] for r in gpu_steps if r["contender"] == name}
+        low, high = min(rows), max(rows)
+        if low != high:
+            ratio = rows[high] / rows[low]
+            found.append({"target": f"GPU {name}: cached step at {high} <= 1.5x the step at {low} (batch 1)",
+                          "measured": f"{ratio:.2f}x", "met": ratio <= 1.5})
+    return found
+
+
 # ---- reports --------------------------------------------------------------------------------
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
 def markdown(results: Results) -> str:
     m = results.machine
     lines = [f"# Benchmark: {results.preset}", "",
              f"Machine: {m['cpu']}, {m['cores']} cores; measured float32 matrix-product limit "
-             f"{m['matmul_float32_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {m['copy_bytes_per_second'] / 1e9:.1f} GB/s.",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in results.versions.items() if v), "",
-             "## Teacher-forced forward (median ms, spread p25-p75; speed-up vs torch eager)", "",
-             "| contender | batch | length | ms | spread | tokens/s | GFLOP/s | % of limit | vs torch |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{m['matmul_float32_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {m['copy_bytes_per_second'] / 1e9:.1f} GB/s."]
+    if "cuda_matmul_flops" in m:
+        peaks = ", ".join(f"{dtype} {flops / 1e12:.0f} TFLOP/s" for dtype, flops in m["cuda_matmul_flops"].items()
+                          if flops)
+        lines.append(f"GPU: {m.get('cuda_device') or 'none found'}" + (f"; measured matmul peaks {peaks}" if peaks else "")
+                     + " (a GPU contender's % of limit is of its dtype's peak).")
+    copies = any("host_copy_median" in r for r in results.forward)
+    lines += ["Versions: " + ", ".join(f"{k} {v}" for k, v in results.versions.items() if v), "",
+              "## Teacher-forced forward (median ms, spread p25-p75; speed-up vs torch eager)", "",
+              "| contender | batch | length | ms | spread | tokens/s | GFLOP/s | % of limit | vs torch |"
+              + (" copy to host ms |" if copies else ""),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if copies else "")]
     for r in results.forward:
+        speedup = f"{r['speedup_vs_torch']:.2f}x" if r.get("speedup_vs_torch") else "-"
+        copy = (f" {_ms(r['host_copy_median'])} |" if "host_copy_median" in r else " - |") if copies else ""
         lines.append(f"| {r['contender']} | {r['batch']} | {r['length']} | {_ms(r['median'])} | "
                      f"{_ms(r['p25'])}-{_ms(r['p75'])} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['flops_per_second'] / 1e9:.2f} | {100 * r['fraction_of_matmul_limit']:.1f}% | "
-                     f"{r['speedup_vs_torch']:.2f}x |" if r.get("speedup_vs_torch") else
-                     f"| {r['contender']} | {r['batch']} | {r['length']} | {_ms(r['median'])} | "
-                     f"{_ms(r['p25'])}-{_ms(r['p75'])} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['flops_per_second'] / 1e9:.2f} | {100 * r['fraction_of_matmul_limit']:.1f}% | - |")
+                     f"{r['flops_per_second'] / 1e9:.2f} | {_share(r['fraction_of_matmul_limit'])} | {speedup} |" + copy)
     lines += ["", "## Greedy generation with the KV cache", "",
               "| contender | tokens | ms | spread | tokens/s | vs torch |", "|---|---|---:|---:|---:|---:|"]
     for r in results.generate:

@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--backends", default="torch,torch-math,jax,jax-math,onnx,onnx-jax",
                      help="backends of the matrix (default: every GPU backend)")
     gpu.add_argument("--bench-preset", default="paper-base", help="preset of the benchmark, or none")
-    gpu.add_argument("--bench-contenders", help="default: torch eager and every contender on the device")
+    gpu.add_argument("--bench-contenders", help="default: every contender on the device")
     gpu.set_defaults(handler=cmd_gpu)
     export = commands.add_parser("export", help="export ONNX graphs (and a Triton model repository)")
     export.add_argument("--preset", default="tiny", help="preset config with init_params (default: tiny)")
@@ -571,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", default="tiny", help="tiny (CI smoke run) or paper-base")
     bench.add_argument("--out", default="reports/bench/tmp", help="folder for bench.json, bench.md, bench.png")
     bench.add_argument("--contenders", help="comma-separated names (default: all)")
-    bench.add_argument("--devices", help="cpu and/or cuda for onnxruntime (default: cpu)")
+    bench.add_argument("--devices", help="cpu and/or cuda: the contenders of each (default: cpu); cuda alone times the GPU workloads (batch 64)")
     bench.add_argument("--matrix-backends", default="numpy-float32,torch,onnx",
                        help="backends whose conformance-matrix wall time is measured (or none)")
     bench.set_defaults(handler=cmd_bench)

@@ -219,6 +219,10 @@ class OnnxTransformer:
     # ---- the model ----
     def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> np.ndarray:
         """Teacher-forced logits [B, T, V] (the forward graph)."""
+        return self.forward_on_device(src_ids, tgt_ids, src_keep, tgt_keep).numpy()
+
+    def forward_on_device(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> ort.OrtValue:
+        """The forward's logits left on the session's device; .numpy() copies them to the host."""
         cfg = self.cfg
         check_model_inputs(cfg, src_ids, tgt_ids)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
@@ -228,7 +232,7 @@ class OnnxTransformer:
             src_ids = np.asarray(src_ids, dtype=np.int64)
             self._check_length(src_ids.shape[1], "src_ids")
             feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src"), **feeds}
-        return self._run(FORWARD, feeds)[0].numpy()
+        return self._run(FORWARD, feeds)[0]
 
     def encode(self, src_ids, src_keep=None) -> tuple[np.ndarray, list[np.ndarray]]:
         """memory [B, S, d] and each decoder layer's cross-attention key and value [B, H, S, d_k]."""

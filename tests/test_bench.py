@@ -97,3 +97,104 @@ def test_bench_tiny_writes_every_report(tmp_path, capsys):
     assert cold["failed"] == warm["failed"] == 0 and cold["seconds"] > 0 and warm["seconds"] > 0
     assert "| cold | numpy-float32 | 87 | 0 |" in (out / "bench.md").read_text()
     assert all(s["reason"] for s in results["skipped"])
+
+
+# ---- the GPU side, as far as it runs without a GPU ----------------------------------------------
+
+def _without_cuda():
+    import torch
+
+    from export.runner import cuda_available
+
+    return not torch.cuda.is_available() and not cuda_available()
+
+
+@pytest.mark.skipif(not _without_cuda(), reason="this machine has a GPU: the contenders run there (tests marked gpu)")
+def test_every_gpu_contender_says_why_it_cannot_run_here():
+    from benchmarks.contenders import Skip, contenders
+
+    chosen = contenders(("cuda",))
+    assert chosen[0].name == "torch-cuda-float16" and all(c.device == "cuda" for c in chosen)
+    for contender in chosen:
+        with pytest.raises(Skip, match="no CUDA|JAX sees no gpu|no CUDA provider"):
+            contender.prepare(TINY, init_params(TINY))
+
+
+def test_gpu_workloads_and_the_limit_a_contender_is_measured_against():
+    from benchmarks.contenders import JaxJit, TorchEager
+    from benchmarks.run import PLANS, matmul_limit, plan_for
+
+    gpu = plan_for("paper-base", ("cuda",))
+    assert (64 in gpu.batches, 128 in gpu.lengths, gpu.generate_batch, gpu.new_tokens) == (True, True, 64, 64)
+    assert plan_for("paper-base", ("cpu", "cuda")) == PLANS["paper-base"] == plan_for("paper-base", ("cpu",))
+    machine = {"matmul_float32_flops": 1e11, "cuda_matmul_flops": {"float16": 7e14, "bfloat16": 7e14, "float32": None}}
+    assert matmul_limit(machine, TorchEager("float16", "cuda")) == 7e14
+    assert matmul_limit(machine, JaxJit("float32", "cuda")) is None  # not measured: no fraction, not a wrong one
+    assert matmul_limit(machine, TorchEager()) == 1e11
+
+
+def test_a_device_contender_is_timed_to_completion_and_its_copy_to_host_apart():
+    """The GPU code path of the forward workload, run on the CPU by a contender that says it is on
+    a GPU: every timed call ends in finish(), and the copy to the host is a figure of its own."""
+    from benchmarks.contenders import TorchEager
+    from benchmarks.run import Plan, Results, _forward, markdown
+
+    class PretendGpu(TorchEager):
+        finished = 0
+
+        def finish(self, output):
+            self.finished += 1
+            return output
+
+    contender = PretendGpu("float16", "cpu")
+    contender.prepare(TINY, init_params(TINY))
+    contender.device, contender.name = "cuda", "torch-cuda-float16"
+    plan = Plan(batches=(2,), lengths=(5,), generate_batch=2, generate_source=5, new_tokens=2, positions=(3,),
+                warmup=1, repeats=3)
+    machine = {"cpu": "x", "cores": 2, "matmul_float32_flops": 1e11, "copy_bytes_per_second": 1e10,
+               "cuda_matmul_flops": {"float16": 1e12}, "cuda_device": None}
+    results = Results("tiny", TINY.to_dict(), machine, {})
+    _forward(results, contender, TINY, plan, np.random.default_rng(0), 1e12)
+    row, = results.forward
+    assert contender.finished == plan.warmup + plan.repeats + 1  # the +1 is the output copied to the host
+    assert row["host_copy_median"] > 0 and row["fraction_of_matmul_limit"] == pytest.approx(
+        row["flops_per_second"] / 1e12)
+    assert "copy to host ms" in markdown(results)
+
+
+def _row(contender, median, **extra):
+    return {"contender": contender, "median": median, **extra}
+
+
+def test_the_gpu_targets_are_read_from_the_rows_a_run_measured():
+    from benchmarks.run import Results, gpu_targets
+
+    results = Results("paper-base", {}, {}, {})
+    forward = dict(batch=64, length=128)
+    results.forward = [_row("onnxruntime-cuda-float16", 0.003, fraction_of_matmul_limit=0.50, **forward),
+                       _row("torch.compile-cuda-float16", 0.004, fraction_of_matmul_limit=0.4, **forward),
+                       _row("torch.compile-reduce-overhead-cuda-float16", 0.0035, fraction_of_matmul_limit=0.4,
+                            **forward),
+                       _row("torch-cuda-float16", 0.008, fraction_of_matmul_limit=0.2, **forward)]
+    results.generate = [_row("onnxruntime-cuda-float16", 1, same_tokens=True, tokens_per_second=31_000, batch=64),
+                        _row("torch-cuda-float16", 1, same_tokens=True, tokens_per_second=9_000, batch=64),
+                        _row("jax-cuda-float16", 1, same_tokens=False, tokens_per_second=20_000, batch=64)]
+    results.decode = [_row("torch-cuda-float16", 0.010, position=64), _row("torch-cuda-float16", 0.014, position=512),
+                      _row("jax-cuda-float16", 0.010, position=64), _row("jax-cuda-float16", 0.020, position=512),
+                      _row("torch", 0.010, position=64), _row("torch", 0.030, position=512)]
+    found = {t["target"]: (t["measured"], t["met"]) for t in gpu_targets(results)}
+    best = "GPU forward b64 x 128/128 float16: onnxruntime >= 1.0x the best torch.compile " \
+           "(torch.compile-reduce-overhead-cuda-float16)"
+    assert found[best] == ("1.17x", True)
+    assert found["GPU forward b64 x 128/128 float16: onnxruntime-cuda-float16 >= 45% of the measured float16 "
+                 "matmul peak"] == ("50%", True)
+    assert found["GPU forward b64 x 128/128 float16: torch-cuda-float16 >= 25% of the measured float16 "
+                 "matmul peak"] == ("20%", False)
+    generation = {name: found[key] for key in found for name in ("onnxruntime", "torch-cuda", "jax")
+                  if key.startswith("GPU greedy") and f": {name}" in key}
+    assert generation == {"onnxruntime": ("31,000 tokens/s", True), "torch-cuda": ("9,000 tokens/s", False),
+                          "jax": ("tokens differ", False)}
+    steps = {key: value for key, value in found.items() if "cached step" in key}
+    assert steps == {"GPU torch-cuda-float16: cached step at 512 <= 1.5x the step at 64 (batch 1)": ("1.40x", True),
+                     "GPU jax-cuda-float16: cached step at 512 <= 1.5x the step at 64 (batch 1)": ("2.00x", False)}
+    assert gpu_targets(Results("paper-base", {}, {}, {})) == []  # nothing measured, nothing claimed

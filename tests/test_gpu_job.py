@@ -20,8 +20,10 @@ def test_the_default_plan(tmp_path):
     bench = steps[-1].argv
     assert bench[bench.index("--preset") + 1] == "paper-base" and bench[bench.index("--devices") + 1] == "cuda"
     contenders = bench[bench.index("--contenders") + 1].split(",")
-    assert contenders[0] == "torch" and {"onnxruntime-cuda-float32", "onnxruntime-cuda-float16"} <= set(contenders)
-    assert not [c for c in contenders[1:] if "cpu" in c]
+    assert contenders[0] == "torch-cuda-float16"
+    assert {"onnxruntime-cuda-float32", "onnxruntime-cuda-float16", "jax-cuda-float16",
+            "torch.compile-reduce-overhead-cuda-float16", "torch.compile-cuda-float16"} <= set(contenders)
+    assert all("-cuda-" in c for c in contenders)
     assert [s.name for s in plan_steps(tmp_path, "cuda", presets=("tiny",), bench_preset=None)] == ["check-tiny", "probe"]
 
 
