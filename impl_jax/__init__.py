@@ -20,6 +20,7 @@ from impl_jax.model import (
     greedy_generate,
     layer_norm,
     merge_heads,
+    on_device,
     residual,
     scaled_dot_product_attention,
     sinusoidal_table,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
-from impl_jax import Transformer, scaled_dot_product_attention, view_mask
+from impl_jax import Transformer, on_device, scaled_dot_product_attention, view_mask
 from spec import ModelConfig
 
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
@@ -60,14 +60,16 @@ class JaxRunner(ModuleRunner):
                                                  precision=self.precision)
         self.dtype, self.precision = self.model.dtype, self.model.precision  # half dtypes use 'default'
 
+    # converted on the host and put on the device (impl_jax.on_device): jnp.asarray compiles a
+    # program per shape
     def _float(self, x):
-        return None if x is None else jnp.asarray(np.asarray(x), dtype=self.dtype)
+        return None if x is None else on_device(x, self.dtype)
 
     def _array(self, x):
-        return None if x is None else jnp.asarray(np.asarray(x))
+        return None if x is None else on_device(x)
 
     def _ids(self, x):
-        return jnp.asarray(np.asarray(x), jnp.int32)
+        return on_device(x, np.int32)
 
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
