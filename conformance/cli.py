@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,9 +31,10 @@ from pathlib import Path
 from rich.console import Console
 
 from conformance import terminal
-from conformance.adapter import backend_names
+from conformance.adapter import backend_names, importable_by_name
+from conformance.gpu_job import NVIDIA_DRIVER
 from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult, plan_matrix, run_matrix
-from conformance.parallel import auto_jobs
+from conformance.parallel import WorkerPool, auto_jobs
 from conformance.report import columns_and_rows, summary_counts, write_report
 from conformance.tolerance import DTYPES
 from spec import (
@@ -161,6 +163,21 @@ def _positive(value: str, option: str) -> int:
     return number
 
 
+def _early_workers(jobs: int | None, backends: list[str] | None, dtypes: list[str] | None,
+                   devices: list[str] | None) -> WorkerPool | None:
+    """Worker processes started before the model is loaded and the matrix planned, importing the
+    frameworks meanwhile (planning imports them here too): ~2 s of a warm check. None where the
+    run will be one process: --jobs 1, or a GPU (auto gives one process where any column is on
+    a GPU, so none is started where a device other than the CPU is asked for or present)."""
+    if jobs is None:
+        if (devices and set(devices) != {"cpu"}) or (not devices and NVIDIA_DRIVER.exists()):
+            return None
+        jobs = os.cpu_count() or 1
+    names = [name for name in (backends or backend_names()) if importable_by_name(name)]
+    count = min(jobs, len(names) * len(dtypes or DTYPES))  # at most one worker per column
+    return WorkerPool(count, preload=names) if count > 1 else None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.weights and args.preset_given:
         raise UsageError("give either --preset or --weights, not both")
@@ -184,14 +201,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown dtype(s) {', '.join(unknown)}; known: {', '.join(DTYPES)}")
     devices = _split(args.devices)
-    cfg, params, source = _load_model(args)
+    jobs = None if args.jobs == "auto" else _positive(args.jobs, "--jobs")
     start = time.perf_counter()
-    plan = plan_matrix(cfg, backends, dtypes, devices)
-    jobs = auto_jobs(plan.columns) if args.jobs == "auto" else _positive(args.jobs, "--jobs")
-    # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
-    show_progress = sys.stderr.isatty() and not args.quiet
-    with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
-        results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress, jobs=jobs)
+    pool = _early_workers(jobs, backends, dtypes, devices)
+    try:
+        cfg, params, source = _load_model(args)
+        plan = plan_matrix(cfg, backends, dtypes, devices)
+        jobs = auto_jobs(plan.columns) if jobs is None else jobs
+        # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
+        show_progress = sys.stderr.isatty() and not args.quiet
+        with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
+            results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress,
+                                 jobs=jobs, pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
     seconds = time.perf_counter() - start
     counts = summary_counts(results)
     label = source.get("preset") or source.get("weights") or source.get("hf")

@@ -13,7 +13,7 @@ import numpy as np
 from conformance.adapter import NotSupported, backend_names, get_backend, importable_by_name
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, Case, catalogue
-from conformance.parallel import run_in_workers
+from conformance.parallel import WorkerPool, run_in_workers
 from conformance.tolerance import DTYPES, compare, compare_generation, tolerance
 from spec import ModelConfig
 
@@ -108,10 +108,20 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
 
 def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
                pattern: str | None = None, fail_fast: bool = False,
-               progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1) -> list[CellResult]:
+               progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1,
+               pool: WorkerPool | None = None) -> list[CellResult]:
     """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
-    With jobs > 1, columns run in that many worker processes (conformance.parallel); the
-    results come back in the same order either way."""
+    With jobs > 1, columns run in that many worker processes (conformance.parallel), taken from
+    `pool` where the caller started them ahead (it is closed here, used or not); the results
+    come back in the same order either way."""
+    try:
+        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
@@ -152,7 +162,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
         if stopped := record(index, run_cell(cfg, params, case, name, dtype, device, reference, runners)):
             break
     if in_workers and not stopped:
-        run_in_workers(cfg, params, [(i, work[i][0].name, work[i][1]) for i in in_workers], jobs, record)
+        run_in_workers(cfg, params, [(i, work[i][0].name, work[i][1]) for i in in_workers], jobs, record, pool)
     return results + [finished[index] for index in sorted(finished)]
 
 

@@ -89,13 +89,14 @@ def _cost_rank(column: tuple[str, str, str]) -> int:
 class _Worker:
     """One worker process, and a thread that turns its answers into messages on a queue."""
 
-    def __init__(self, number: int, setup: tuple, inbox: queue.Queue):
+    def __init__(self, number: int, threads: int, inbox: queue.Queue, preload: Sequence[str] = ()):
         self.number, self.column = number, None
         self.stderr = tempfile.TemporaryFile()
         # torch sizes its thread pool at import: the cores are shared among the workers
-        environment = {**os.environ, "OMP_NUM_THREADS": str(setup[-1])}
-        self.process = subprocess.Popen([sys.executable, "-m", "conformance.parallel"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self.stderr, env=environment)
+        environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        argv = [sys.executable, "-m", "conformance.parallel"] + (["--preload", ",".join(preload)] if preload else [])
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        env=environment)
         threading.Thread(target=self._listen, args=(inbox,), daemon=True).start()
 
     def send(self, message) -> None:
@@ -129,11 +130,39 @@ class _Worker:
         self.stderr.close()
 
 
+class WorkerPool:
+    """Worker processes started before there is work for them, so that importing the frameworks
+    (~2-3 s a process) overlaps whatever the caller does meanwhile (`rosetta check` plans the
+    matrix, which imports them in its own process). `preload` names the backends a worker imports
+    while it waits. Used by one run_in_workers, which closes it; close() is safe to repeat."""
+
+    def __init__(self, count: int, preload: Sequence[str] = ()):
+        self.inbox: queue.Queue = queue.Queue()
+        self.threads = max(1, (os.cpu_count() or 1) // count)
+        self.preload = tuple(preload)
+        self.workers = [_Worker(number, self.threads, self.inbox, self.preload) for number in range(count)]
+
+    def add(self) -> _Worker:
+        self.workers.append(worker := _Worker(len(self.workers), self.threads, self.inbox, self.preload))
+        return worker
+
+    def keep(self, count: int) -> None:
+        """Close the workers past the first `count`."""
+        for worker in self.workers[count:]:
+            worker.close()
+        del self.workers[count:]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
-                   jobs: int, on_result: Callable[[int, object], bool]) -> None:
+                   jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
-    time each. on_result(index, result) is called in this process as each cell finishes; it
-    returns True to stop the run."""
+    time each, from `pool` where one was started ahead (it is closed here either way).
+    on_result(index, result) is called in this process as each cell finishes; it returns True to
+    stop the run."""
     from conformance.harness import ERROR, CellResult
 
     by_column: dict[tuple, list[tuple[int, str]]] = {}
@@ -145,8 +174,12 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
 
     setup = (cfg.to_json(), save({name: np.ascontiguousarray(value) for name, value in params.items()}),
              registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
-    inbox: queue.Queue = queue.Queue()
-    workers = [_Worker(number, setup, inbox) for number in range(jobs)]
+    if pool is None:
+        pool = WorkerPool(jobs)
+    pool.keep(jobs)
+    while len(pool.workers) < jobs:
+        pool.add()
+    inbox, workers = pool.inbox, list(pool.workers)
     unfinished = {index for index, _, _ in work}
 
     def give_work(worker: _Worker) -> None:
@@ -160,6 +193,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
         running = len(workers)
         while running:
             worker, (kind, payload) = inbox.get()
+            if worker not in workers:  # a worker of the pool closed unused says it exited: not ours
+                continue
             if kind == "cell":
                 index, result = payload
                 unfinished.discard(index)
@@ -180,13 +215,12 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                                                            reason=f"the worker process running this column died ({words})")):
                                 return
                     if columns:  # the crash stays with its column: a new worker takes the rest
-                        workers.append(replacement := _Worker(len(workers), setup, inbox))
+                        workers.append(replacement := pool.add())
                         replacement.send_setup(setup)
                         running += 1
                         give_work(replacement)
     finally:
-        for worker in workers:
-            worker.close()
+        pool.close()
 
 
 def _serve() -> None:
@@ -197,9 +231,16 @@ def _serve() -> None:
 
     from safetensors.numpy import load
 
+    from conformance.adapter import get_backend
     from conformance.cases import catalogue
     from conformance.harness import golden_runner_for, reference_for, run_cell
 
+    if sys.argv[1:2] == ["--preload"]:
+        for name in sys.argv[2].split(","):
+            try:
+                get_backend(name)  # imports its framework now; a failure is reported when a column asks
+            except Exception:  # noqa: BLE001
+                pass
     setup = _receive(requests)
     params = load(_read(requests))
     for name, path in setup["backends"].items():  # as registered in the calling process, at run time too

@@ -86,3 +86,47 @@ def test_auto_jobs(monkeypatch):
 def test_jobs_must_be_positive(jobs, capsys):
     assert main(["check", "--backends", "numpy-float32", "--jobs", jobs]) == 2
     assert "--jobs takes a positive integer or auto" in capsys.readouterr().err
+
+
+def test_a_pool_started_ahead_runs_the_matrix_and_is_closed():
+    """Workers started before the plan (importing their frameworks, and a name that is not a
+    backend, meanwhile) give the sequential results; afterwards no process is left."""
+    from conformance.parallel import WorkerPool
+
+    pool = WorkerPool(3, preload=["numpy-float32", "torch", "no-such-backend"])
+    plan = _plan(["numpy-float32", "torch"])  # three columns: numpy float32, torch float32 and float16
+    results = run_matrix(CFG, PARAMS, plan, jobs=2, pool=pool, pattern="mha-*")
+    assert [(r.test_id, r.status) for r in results] == [
+        (r.test_id, r.status) for r in run_matrix(CFG, PARAMS, plan, jobs=1, pattern="mha-*")]
+    assert [r.status for r in results].count(PASS) == 3 * 14
+    assert len(pool.workers) == 2  # the third was closed unused
+    assert all(worker.process.poll() is not None for worker in pool.workers)
+
+
+def test_a_pool_is_closed_when_the_run_needs_no_worker():
+    from conformance.parallel import WorkerPool
+
+    pool = WorkerPool(2)
+    run_matrix(CFG, PARAMS, _plan(["numpy-float32"]), jobs=1, pattern="mha-none-*")
+    run_matrix(CFG, PARAMS, _plan(["numpy-float32"]), jobs=1, pool=pool, pattern="mha-none-*")
+    assert all(worker.process.poll() is not None for worker in pool.workers)
+
+
+def test_workers_are_started_early_only_where_the_run_will_use_them(monkeypatch, tmp_path):
+    from conformance import cli
+
+    monkeypatch.setattr(cli, "NVIDIA_DRIVER", tmp_path / "absent")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(cli, "WorkerPool", lambda count, preload: started.append((count, list(preload))) or "pool")
+    assert cli._early_workers(None, ["numpy-float32", "torch"], None, None) == "pool"
+    assert started[-1] == (2, ["numpy-float32", "torch"])
+    assert cli._early_workers(1, None, None, None) is None  # --jobs 1: one process
+    assert cli._early_workers(None, None, None, ["cuda"]) is None  # a GPU column: one process
+    assert cli._early_workers(None, ["torch"], ["float32"], None) is None  # one column: no worker at all
+    (tmp_path / "driver").write_text("NVRM version: 580.95.05")
+    monkeypatch.setattr(cli, "NVIDIA_DRIVER", tmp_path / "driver")
+    assert cli._early_workers(None, None, None, None) is None  # every device present: a GPU here
+    assert cli._early_workers(None, None, None, ["cpu"]) == "pool"
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert cli._early_workers(None, None, None, ["cpu"]) is None
