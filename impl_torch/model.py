@@ -357,15 +357,18 @@ class Transformer(nn.Module):
     def _table(self, side: str) -> nn.Embedding:
         return self.src_embed if side == "src" and hasattr(self, "src_embed") else self.tgt_embed
 
-    def positional_encoding(self, side: str, length: int, offset: int = 0) -> torch.Tensor:
+    def positional_encoding(self, side: str, length: int, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """[T, d] for positions offset..offset+length-1."""
         device, dtype = self.tgt_embed.weight.device, self.tgt_embed.weight.dtype
-        positions = torch.arange(offset, offset + length, device=device)
+        if isinstance(offset, torch.Tensor):  # a decode step's position, kept on the device
+            positions = offset + torch.arange(length, device=device)
+        else:
+            positions = torch.arange(offset, offset + length, device=device)
         if self.cfg.positional == "learned":
             return getattr(self, f"{side}_pos")(positions)
         return sinusoidal_table(positions, self.cfg.d_model, self.cfg.positional).to(dtype)
 
-    def embed(self, ids: torch.Tensor, side: str, offset: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, side: str, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
         x = x + self.positional_encoding(side, ids.shape[1], offset)[None]
@@ -524,16 +527,32 @@ def decode_step(model: Transformer, cache: KVCache, tgt_ids, tgt_keep=None) -> t
     check_cache_room(cache.capacity, cache.length, np.shape(tgt_ids)[1])
     cache.writes.check(cache.version)
     tgt_ids = model._ids(tgt_ids)
-    return _decode_step_body(model, cache, tgt_ids, model._keep(tgt_ids, tgt_keep, "tgt", cache.length))
+    keep = model._keep(tgt_ids, tgt_keep, "tgt", cache.length)
+    logits = _decode_step_body(model, cache, tgt_ids, keep, _position(cache.length, tgt_ids.device))
+    return logits, _advanced(cache, tgt_ids.shape[1])
 
 
-def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
-                      new_keep: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+def _position(length: int, device: torch.device) -> torch.Tensor:
+    # filled on the device (torch.tensor(length, device=...) would copy from the host, and on a
+    # GPU a copy from pageable memory waits for the stream)
+    return torch.full((), length, dtype=torch.long, device=device)
+
+
+def _advanced(cache: KVCache, n_new: int) -> KVCache:
+    """The cache after a step wrote n_new positions: host bookkeeping only."""
+    return replace(cache, length=cache.length + n_new, version=cache.writes.advance(cache.version))
+
+
+def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor, new_keep: torch.Tensor,
+                      start: torch.Tensor) -> torch.Tensor:
+    """The step's tensor work: writes K, V and keep at positions start … start+n−1 and returns
+    the logits [B, n, V]. `start` is a 0-d tensor on the device, not an int, so the position never
+    crosses to the host and torch.compile traces one graph for every position (a graph per
+    position would recompile each step and defeat CUDA graphs)."""
     cfg = model.cfg
-    start, n_new, capacity = cache.length, tgt_ids.shape[1], cache.capacity
-    cache.tgt_keep[:, start:start + n_new] = new_keep
-    query_positions = torch.arange(start, start + n_new, device=tgt_ids.device)
-    causal = torch.arange(capacity, device=tgt_ids.device)[None, :] <= query_positions[:, None]  # [n, C]
+    positions = start + torch.arange(tgt_ids.shape[1], device=start.device)  # [n]
+    cache.tgt_keep.index_copy_(1, positions, new_keep)
+    causal = torch.arange(cache.capacity, device=start.device)[None, :] <= positions[:, None]  # [n, C]
     # the stale entries past the new positions are hidden by the causal mask, whatever they hold
     self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
@@ -541,10 +560,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     for i, layer in enumerate(model.decoder.layers):
 
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
-            # write K, V of the new positions into the preallocated cache at `length`
+            # write K, V of the new positions into the preallocated cache at their positions
             k, v = layer.self_attn.key_value_heads(h)
-            cache.self_keys[i, :, :, start:start + n_new] = k
-            cache.self_values[i, :, :, start:start + n_new] = v
+            cache.self_keys[i].index_copy_(2, positions, k)
+            cache.self_values[i].index_copy_(2, positions, v)
             return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask)
 
         y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
@@ -552,8 +571,7 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
             y = residual(cfg, layer.cross_attn_norm, y,
                          lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = layer.ffn_block(y)
-    logits = model.output_logits(model.decoder.final_norm(y))
-    return logits, replace(cache, length=start + n_new, version=cache.writes.advance(cache.version))
+    return model.output_logits(model.decoder.final_norm(y))
 
 
 STOP_CHECK_EVERY = 8  # steps between the host's looks at whether every row has finished
@@ -576,11 +594,12 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
     tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     one_real = torch.ones(batch, 1, dtype=torch.bool, device=device)
-    step_ids, step_keep = first, first_keep
+    step_ids, step_keep, start = first, first_keep, _position(0, device)
     for t in range(max_new_tokens):
         # generated ids are the model's own, in range by construction: the checked decode_step
         # would read them back to the host every step, and the GPU would wait for it
-        logits, cache = _decode_step_body(model, cache, step_ids, step_keep)
+        logits = _decode_step_body(model, cache, step_ids, step_keep, start)
+        cache, start = _advanced(cache, step_ids.shape[1]), start + step_ids.shape[1]
         # argmax of float32 logits: ties go to the lowest id, as in the golden
         next_token = torch.where(finished, cfg.pad_id, logits[:, -1].float().argmax(dim=-1))
         tokens[:, t] = next_token

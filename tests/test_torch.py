@@ -206,6 +206,40 @@ def test_continuing_an_ancestor_rewinds_and_a_stale_branch_is_refused():
     assert np.abs(last.numpy() - golden.forward(TINY, params, src, tgt)[:, -1:]).max() <= 1e-10
 
 
+@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+def test_the_step_is_one_graph_for_every_position(variant):
+    """torch.compile traces the decode step's tensor work as one graph, without a break (no value
+    read back to the host) and without a new graph per position: what CUDA graphs and
+    mode="reduce-overhead" need on a GPU. Checked here with Dynamo's tracing alone (backend
+    'eager': the captured graph runs as plain PyTorch); the logits are the uncompiled step's."""
+    import torch._dynamo
+
+    import impl_torch.model as torch_model
+
+    cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
+    params = init_params(cfg, seed=5)
+    model = Transformer.from_params(cfg, params, dtype=torch.float64)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(torch_model._decode_step_body, backend=counting_backend, fullgraph=True, dynamic=False)
+    source = np.full((2, 4), 5) if cfg.has_encoder else None
+    ids = np.random.default_rng(0).integers(3, cfg.tgt_vocab_size, (2, 6))
+    compiled, plain = model.start_cache(2, 6, source), model.start_cache(2, 6, source)
+    keep = torch.ones(2, 1, dtype=torch.bool)
+    with torch.inference_mode():
+        for t in range(6):
+            token, start = torch.as_tensor(ids[:, t:t + 1]), torch.full((), t, dtype=torch.long)
+            assert torch.equal(step(model, compiled, token, keep, start),
+                               torch_model._decode_step_body(model, plain, token, keep, start))
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("capacity", [0, -1, 2.5, "4", True])
 def test_a_capacity_that_is_not_a_positive_integer_is_refused(capacity):
     model, _ = _tiny_float64()
