@@ -12,6 +12,7 @@ from impl_torch.model import (
     Norm,
     Stack,
     Transformer,
+    compiled_step,
     decode_step,
     greedy_generate,
     layer_norm,

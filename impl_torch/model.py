@@ -574,13 +574,21 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     return model.output_logits(model.decoder.final_norm(y))
 
 
+def compiled_step(**compile_options) -> Callable:
+    """The step's tensor work under torch.compile as one graph for every position (fullgraph,
+    no recompiling per position): with mode="reduce-overhead" on a GPU, a CUDA graph replayed
+    each step. For greedy_generate(step=...)."""
+    return torch.compile(_decode_step_body, fullgraph=True, dynamic=False, **compile_options)
+
+
 STOP_CHECK_EVERY = 8  # steps between the host's looks at whether every row has finished
 
 
 @torch.inference_mode()
 def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
-                    eos_id: int | None = None, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (SPEC.md §7)."""
+                    eos_id: int | None = None, max_new_tokens: int, step: Callable | None = None) -> torch.Tensor:
+    """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (SPEC.md §7).
+    step: the step's tensor work, compiled (compiled_step()), else run eagerly."""
     cfg = model.cfg
     batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
     device = model.tgt_embed.weight.device
@@ -591,6 +599,12 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
         first = model._ids(prompt_ids)
         first_keep = first != cfg.pad_id
     cache = start_cache(model, batch, first.shape[1] + max_new_tokens - 1, src_ids)
+    if step is not None:
+        # the buffers written in place keep their addresses: a CUDA graph may then write into
+        # them rather than into copies of them
+        for buffer in (cache.self_keys, cache.self_values, cache.tgt_keep):
+            torch._dynamo.mark_static_address(buffer)
+    body = step or _decode_step_body
     tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     one_real = torch.ones(batch, 1, dtype=torch.bool, device=device)
@@ -598,7 +612,7 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
     for t in range(max_new_tokens):
         # generated ids are the model's own, in range by construction: the checked decode_step
         # would read them back to the host every step, and the GPU would wait for it
-        logits = _decode_step_body(model, cache, step_ids, step_keep, start)
+        logits = body(model, cache, step_ids, step_keep, start)
         cache, start = _advanced(cache, step_ids.shape[1]), start + step_ids.shape[1]
         # argmax of float32 logits: ties go to the lowest id, as in the golden
         next_token = torch.where(finished, cfg.pad_id, logits[:, -1].float().argmax(dim=-1))

@@ -240,6 +240,35 @@ def test_the_step_is_one_graph_for_every_position(variant):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+def test_generation_with_the_compiled_step_gives_the_goldens_tokens(variant):
+    """greedy_generate(step=compiled_step(...)) runs the traced graph each step (here with
+    Dynamo's 'eager' backend; on a GPU mode="reduce-overhead" would replay it as a CUDA graph):
+    the golden's tokens, one graph per chunk length (the prompt's, then one token)."""
+    import torch._dynamo
+
+    from impl_torch import compiled_step
+
+    cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
+    params = init_params(cfg, seed=3)
+    model = Transformer.from_params(cfg, params, dtype=torch.float64)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    source = np.random.default_rng(1).integers(3, 50, (3, 5))
+    arguments = ({"src_ids": source, "bos_id": 1} if cfg.has_encoder else {"prompt_ids": source})
+    expected = golden.greedy_generate(cfg, params, **arguments, eos_id=2, max_new_tokens=12)
+    tokens = model.greedy_generate(**arguments, eos_id=2, max_new_tokens=12,
+                                   step=compiled_step(backend=counting_backend))
+    assert np.array_equal(tokens.numpy(), expected)
+    assert len(graphs) == (1 if cfg.has_encoder else 2)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("capacity", [0, -1, 2.5, "4", True])
 def test_a_capacity_that_is_not_a_positive_integer_is_refused(capacity):
     model, _ = _tiny_float64()
