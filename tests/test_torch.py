@@ -206,27 +206,40 @@ def test_continuing_an_ancestor_rewinds_and_a_stale_branch_is_refused():
     assert np.abs(last.numpy() - golden.forward(TINY, params, src, tgt)[:, -1:]).max() <= 1e-10
 
 
-@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
-def test_the_step_is_one_graph_for_every_position(variant):
-    """torch.compile traces the decode step's tensor work as one graph, without a break (no value
-    read back to the host) and without a new graph per position: what CUDA graphs and
-    mode="reduce-overhead" need on a GPU. Checked here with Dynamo's tracing alone (backend
-    'eager': the captured graph runs as plain PyTorch); the logits are the uncompiled step's."""
+@pytest.fixture
+def counted_graphs():
+    """A torch.compile backend that counts the graphs Dynamo hands it and runs each as plain
+    PyTorch (no code generated): the graphs list and the backend."""
     import torch._dynamo
 
-    import impl_torch.model as torch_model
-
-    cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
-    params = init_params(cfg, seed=5)
-    model = Transformer.from_params(cfg, params, dtype=torch.float64)
     graphs = []
 
-    def counting_backend(graph_module, example_inputs):
+    def backend(graph_module, example_inputs):
         graphs.append(graph_module)
         return graph_module.forward
 
     torch._dynamo.reset()
-    step = torch.compile(torch_model._decode_step_body, backend=counting_backend, fullgraph=True, dynamic=False)
+    yield graphs, backend
+    torch._dynamo.reset()
+
+
+def _float64_model(variant: str, seed: int):
+    cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
+    params = init_params(cfg, seed=seed)
+    return cfg, params, Transformer.from_params(cfg, params, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+def test_the_step_is_one_graph_for_every_position(variant, counted_graphs):
+    """torch.compile traces the decode step's tensor work as one graph, without a break (no value
+    read back to the host) and without a new graph per position: what CUDA graphs and
+    mode="reduce-overhead" need on a GPU. The logits are the uncompiled step's."""
+    import impl_torch.model as torch_model
+    from impl_torch import compiled_step
+
+    graphs, backend = counted_graphs
+    cfg, _, model = _float64_model(variant, seed=5)
+    step = compiled_step(backend=backend)
     source = np.full((2, 4), 5) if cfg.has_encoder else None
     ids = np.random.default_rng(0).integers(3, cfg.tgt_vocab_size, (2, 6))
     compiled, plain = model.start_cache(2, 6, source), model.start_cache(2, 6, source)
@@ -237,36 +250,23 @@ def test_the_step_is_one_graph_for_every_position(variant):
             assert torch.equal(step(model, compiled, token, keep, start),
                                torch_model._decode_step_body(model, plain, token, keep, start))
     assert len(graphs) == 1
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("variant", ["tiny", "char-lm"])
-def test_generation_with_the_compiled_step_gives_the_goldens_tokens(variant):
-    """greedy_generate(step=compiled_step(...)) runs the traced graph each step (here with
-    Dynamo's 'eager' backend; on a GPU mode="reduce-overhead" would replay it as a CUDA graph):
-    the golden's tokens, one graph per chunk length (the prompt's, then one token)."""
-    import torch._dynamo
-
+def test_generation_with_the_compiled_step_gives_the_goldens_tokens(variant, counted_graphs):
+    """greedy_generate(step=compiled_step(...)) runs the traced graph each step (on a GPU,
+    mode="reduce-overhead" would replay it as a CUDA graph): the golden's tokens, one graph per
+    chunk length (the prompt's, then one token)."""
     from impl_torch import compiled_step
 
-    cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
-    params = init_params(cfg, seed=3)
-    model = Transformer.from_params(cfg, params, dtype=torch.float64)
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
+    graphs, backend = counted_graphs
+    cfg, params, model = _float64_model(variant, seed=3)
     source = np.random.default_rng(1).integers(3, 50, (3, 5))
     arguments = ({"src_ids": source, "bos_id": 1} if cfg.has_encoder else {"prompt_ids": source})
     expected = golden.greedy_generate(cfg, params, **arguments, eos_id=2, max_new_tokens=12)
-    tokens = model.greedy_generate(**arguments, eos_id=2, max_new_tokens=12,
-                                   step=compiled_step(backend=counting_backend))
+    tokens = model.greedy_generate(**arguments, eos_id=2, max_new_tokens=12, step=compiled_step(backend=backend))
     assert np.array_equal(tokens.numpy(), expected)
     assert len(graphs) == (1 if cfg.has_encoder else 2)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("capacity", [0, -1, 2.5, "4", True])
