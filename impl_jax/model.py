@@ -364,9 +364,16 @@ class Transformer(nnx.Module):
         """Build from canonical float32 NumPy parameters (checked against the spec first).
         options: attention ('sdpa' | 'math'), precision ('highest' | 'default'), dtype."""
         check_params(cfg, params)
-        model = cls(cfg, **options)
-        for name in param_shapes(cfg):
-            _variable(model, name)[...] = on_device(params[name], model.dtype)
+        # Built from shapes alone: the constructor's random initialisation compiles and runs some
+        # 20 XLA programs (threefry, truncated normal, one per weight shape) for weights that are
+        # replaced at once, ~0.6 s of every load and ~1.5 s of a first load with empty caches.
+        model = nnx.eval_shape(lambda: cls(cfg, **options))
+        for name, shape in param_shapes(cfg).items():
+            variable = _variable(model, name)
+            if tuple(variable.shape) != shape or variable.dtype != model.dtype:
+                raise AssertionError(f"impl_jax builds {name} as {variable.dtype}{list(variable.shape)}, "
+                                     f"the spec says {np.dtype(model.dtype)}{list(shape)}")
+            variable.set_value(on_device(params[name], model.dtype))
         return model
 
     @classmethod
