@@ -86,11 +86,26 @@ def _cost_rank(column: tuple[str, str, str]) -> int:
     return next((rank for rank, prefix in enumerate(_SLOW_FIRST) if name.startswith(prefix)), len(_SLOW_FIRST))
 
 
+def column_groups(columns: Sequence[tuple[str, str, str]]) -> list[list[tuple[str, str, str]]]:
+    """Columns that compile the same programs, in the order given, as one group for one worker:
+    a backend's optional `program_family` (jax and jax-math differ only in attention) with the
+    dtype and device. A worker runs its group's columns one after another, so the later ones find
+    the earlier one's programs traced, lowered and compiled in the same process."""
+    from conformance.adapter import get_backend
+
+    groups: dict[tuple, list[tuple[str, str, str]]] = {}
+    for column in columns:
+        name, dtype, device = column
+        backend, _ = get_backend(name)
+        groups.setdefault((getattr(backend, "program_family", name), dtype, device), []).append(column)
+    return list(groups.values())
+
+
 class _Worker:
     """One worker process, and a thread that turns its answers into messages on a queue."""
 
     def __init__(self, number: int, threads: int, inbox: queue.Queue, preload: Sequence[str] = ()):
-        self.number, self.column = number, None
+        self.number, self.column, self.group = number, None, []
         self.stderr = tempfile.TemporaryFile()
         # torch sizes its thread pool at import: the cores are shared among the workers
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -168,8 +183,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     by_column: dict[tuple, list[tuple[int, str]]] = {}
     for index, case_name, column in work:
         by_column.setdefault(column, []).append((index, case_name))
-    columns = sorted(by_column, key=_cost_rank)
-    jobs = max(1, min(jobs, len(columns)))
+    groups = column_groups(sorted(by_column, key=_cost_rank))
+    jobs = max(1, min(jobs, len(groups)))
     from safetensors.numpy import save
 
     setup = (cfg.to_json(), save({name: np.ascontiguousarray(value) for name, value in params.items()}),
@@ -183,7 +198,10 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     unfinished = {index for index, _, _ in work}
 
     def give_work(worker: _Worker) -> None:
-        worker.column = columns.pop(0) if columns else None
+        """The next column of the worker's group, else the first column of the next group."""
+        if not worker.group and groups:
+            worker.group = groups.pop(0)
+        worker.column = worker.group.pop(0) if worker.group else None
         worker.send(None if worker.column is None else [worker.column, by_column[worker.column]])
 
     try:
@@ -214,7 +232,10 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                             if on_result(index, CellResult(name, device, dtype, sublayer, mask_case, ERROR,
                                                            reason=f"the worker process running this column died ({words})")):
                                 return
-                    if columns:  # the crash stays with its column: a new worker takes the rest
+                    if worker.group:  # its group's columns not started go first to the next worker
+                        groups.insert(0, worker.group)
+                        worker.group = []
+                    if groups:  # the crash stays with its column: a new worker takes the rest
                         workers.append(replacement := pool.add())
                         replacement.send_setup(setup)
                         running += 1

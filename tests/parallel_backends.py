@@ -41,3 +41,29 @@ class ZerosBackend(NumpyFloat32Backend):
                 return np.zeros_like(runner.run(sublayer, inputs))
 
         return Zeros()
+
+
+class SiblingBackend(NumpyFloat32Backend):
+    """numpy float32 under another name, of the program family 'siblings'; it writes its name,
+    dtype and process id to the file $ROSETTA_TEST_LOAD_NOTES when it loads."""
+
+    name = "sibling"
+    program_family = "siblings"
+
+    def load(self, cfg, params, dtype, device):
+        notes = os.environ.get("ROSETTA_TEST_LOAD_NOTES")
+        if notes:
+            with open(notes, "a") as file:
+                file.write(f"{self.name} {dtype} {os.getpid()}\n")
+        return super().load(cfg, params, dtype, device)
+
+
+class OtherSiblingBackend(SiblingBackend):
+    name = "other-sibling"
+
+
+class CrashingSiblingBackend(CrashingBackend):
+    """The crashing backend in the 'siblings' family: its worker dies inside the group."""
+
+    name = "crashing-sibling"
+    program_family = "siblings"

@@ -74,6 +74,43 @@ def test_a_backend_registered_with_a_callable_runs_here():
     assert {r.status for r in results if r.dtype == "float32"} == {PASS}
 
 
+@pytest.fixture
+def siblings(tmp_path, monkeypatch):
+    """Three backends of one program family; the file each load is noted in."""
+    names = {"sibling": "SiblingBackend", "other-sibling": "OtherSiblingBackend",
+             "crashing-sibling": "CrashingSiblingBackend"}
+    for name, factory in names.items():
+        register_backend(name, f"tests.parallel_backends:{factory}")
+    monkeypatch.setenv("ROSETTA_TEST_LOAD_NOTES", str(tmp_path / "loads"))
+    yield tmp_path / "loads"
+    for name in names:
+        unregister_backend(name)
+
+
+def test_columns_of_one_program_family_run_in_one_worker(siblings):
+    """jax and jax-math share their programs: a dtype's two columns go to one worker, in turn."""
+    from conformance.parallel import column_groups
+
+    columns = [("sibling", "float32", "cpu"), ("numpy-float32", "float32", "cpu"),
+               ("other-sibling", "float32", "cpu"), ("sibling", "float16", "cpu")]
+    assert column_groups(columns) == [[columns[0], columns[2]], [columns[1]], [columns[3]]]
+    assert [len(group) for group in column_groups([("jax", "float32", "cpu"), ("jax-math", "float32", "cpu"),
+                                                   ("jax-math", "float64", "cpu")])] == [2, 1]
+    results = run_matrix(CFG, PARAMS, _plan(["sibling", "numpy-float32", "other-sibling"]), jobs=2)
+    assert {r.status for r in results if r.dtype == "float32"} == {PASS}
+    loads = [line.split() for line in siblings.read_text().splitlines()]
+    assert sorted(name for name, _, _ in loads) == ["other-sibling", "sibling"]
+    assert loads[0][2] == loads[1][2]  # one process
+
+
+def test_a_worker_dying_inside_a_group_leaves_the_rest_of_the_group_to_another(siblings):
+    results = run_matrix(CFG, PARAMS, _plan(["crashing-sibling", "sibling", "numpy-float32"]), jobs=2)
+    crashed = [r for r in results if r.backend == "crashing-sibling" and r.dtype == "float32"]
+    assert [r.status for r in crashed[:3]] == [PASS] * 3 and {r.status for r in crashed[3:]} == {ERROR}
+    for name in ("sibling", "numpy-float32"):
+        assert {r.status for r in results if r.backend == name and r.dtype == "float32"} == {PASS}
+
+
 def test_auto_jobs(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     cpu = [("torch", "float32", "cpu"), ("jax", "float32", "cpu"), ("jax", "float16", "cpu")]
