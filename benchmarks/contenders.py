@@ -68,18 +68,15 @@ class Contender:
             return {"src_ids": src, "bos_id": BOS_ID}
         return {"prompt_ids": src}
 
-    def _cached_step(self, src: np.ndarray, past_len: int, *, preallocated: bool = False,
+    def _cached_step(self, src: np.ndarray, past_len: int, *,
                      finish: Callable[[object], object] = lambda result: result) -> Callable[[], object]:
         """For a model with start_cache and decode_step (impl_torch, impl_jax, the onnxruntime
-        runner): prefill past_len positions, then return one more step to time. A preallocated
-        cache gets room for exactly past_len + 1; every timed call continues the same prefilled
-        cache (where the cache is written in place, a rewind to the same position)."""
+        runner): prefill past_len positions, then return one more step to time. The cache is
+        preallocated with room for exactly past_len + 1; every timed call continues the same
+        prefilled cache (where the cache is written in place, a rewind to the same position)."""
         batch = len(src)
         source = src if self.cfg.has_encoder else None
-        if preallocated:
-            cache = self.model.start_cache(batch, past_len + 1, source)
-        else:
-            cache = self.model.start_cache(batch, source)
+        cache = self.model.start_cache(batch, past_len + 1, source)
         _, cache = self.model.decode_step(cache, self._prefix(batch, past_len))
         token = self._prefix(batch, 1)
         return lambda: finish(self.model.decode_step(cache, token))
@@ -146,7 +143,7 @@ class TorchEager(Contender):
                                           max_new_tokens=max_new_tokens).cpu().numpy()
 
     def step(self, src, past_len):
-        return self._cached_step(src, past_len, preallocated=True, finish=self.finish)
+        return self._cached_step(src, past_len, finish=self.finish)
 
 
 class TorchNoCache(TorchEager):
@@ -243,7 +240,7 @@ class JaxJit(Contender):
 
     def step(self, src, past_len):
         with self.placement:
-            step = self._cached_step(src, past_len, preallocated=True, finish=lambda result: self.finish(result[0]))
+            step = self._cached_step(src, past_len, finish=lambda result: self.finish(result[0]))
 
         def placed_step():
             with self.placement:

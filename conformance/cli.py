@@ -569,8 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     export.add_argument("--opset", type=int, choices=(23, 20), default=23,
                         help="23: attention as ONNX's Attention op; 20: decomposed attention")
-    export.add_argument("--graphs", help="comma-separated roles (default all: forward, encoder, decoder_first, "
-                        "decoder_with_past)")
+    export.add_argument("--graphs", help="comma-separated roles (default all: forward, encoder, decoder_step)")
     export.add_argument("--triton", type=Path, help="also write a Triton model repository here")
     export.add_argument("--triton-kind", choices=("KIND_GPU", "KIND_CPU"), default="KIND_GPU")
     export.add_argument("--max-batch-size", type=int, default=16, help="Triton max_batch_size (default 16)")

@@ -129,10 +129,10 @@ def _onnx_ops() -> dict[str, Counter]:
 
 
 def _kv_names() -> tuple[list[str], list[str]]:
-    from export.graphs import DECODER_WITH_PAST, signature
+    from export.graphs import DECODER_STEP, signature
     from spec import get_preset
 
-    sig = signature(get_preset("tiny"), DECODER_WITH_PAST)
+    sig = signature(get_preset("tiny"), DECODER_STEP)
     return ([f"`{t.name}` {list(t.dims)}" for t in sig.inputs if t.name.startswith("past")][:2],
             [f"`{t.name}` {list(t.dims)}" for t in sig.outputs if t.name.startswith("present")][:2])
 
@@ -199,8 +199,10 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
             "and returns a new cache; impl_torch because a growing cache allocates every step and, on a GPU, "
             "plans a new attention kernel for every key length, so it writes into its buffers in place (a "
             "cache is continued one way; `copy()` one to branch, and a stale branch is refused).",
-            f"The ONNX decoder_with_past graph takes {', '.join(past)}, … and returns {', '.join(present)}, …; "
-            "the runner keeps them on the device between steps.",
+            f"The ONNX decoder_step graph is impl_torch's step: it takes {', '.join(past)}, … and returns "
+            f"{', '.join(present)}, … at the same capacity, the new positions written into copies (a graph "
+            "never writes its inputs); the runner keeps two sets of buffers on the device and swaps them each "
+            "step, so every step binds the same buffers.",
         ],
         "Matmul precision (TF32)": [
             f"torch's default here: {p('matmul precision', 'torch')}; jax's: {p('matmul precision', 'jax')}. "

@@ -435,8 +435,7 @@ def _call_input(models: _Models, backend: str, case: BadInput) -> Callable[[], A
     if case.call == "decode_step":
         def step():
             batch, src = arguments["batch"], arguments["src_ids"]
-            # the framework caches are preallocated (a capacity); the ONNX runner's grows
-            cache = model.start_cache(batch, src) if backend == "onnx" else model.start_cache(batch, 4, src)
+            cache = model.start_cache(batch, 4, src)  # every runner's cache is preallocated (a capacity)
             return model.decode_step(cache, arguments["tgt_ids"])
         return step
     if backend == "torch":

@@ -1,6 +1,6 @@
 """ONNX export and onnxruntime serving.
 
-- export.graphs: the graph roles (forward, encoder, decoder_first, decoder_with_past) and their
+- export.graphs: the graph roles (forward, encoder, decoder_step) and their
   input/output names and layouts, shared by both exporters and the runner.
 - export.torch_export: every graph from impl_torch with torch.onnx.export(dynamo=True).
 - export.jax_export: the forward and encoder graphs from impl_jax with jax2onnx.

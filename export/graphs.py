@@ -1,22 +1,24 @@
 """The exported graphs, their roles and their input/output names: one table both exporters
 (torch and JAX) and the runner read, so every graph of a role has the same interface.
 
-Layouts (B batch, S source length, T new target tokens, P cached positions, H heads,
-d_k head size, V target vocabulary). Token ids are int64, keep-vectors are bool (True = a real
-token, SPEC.md §6), every float is the export's dtype (float32 or float16):
+Layouts (B batch, S source length, T new target tokens, C the cache's capacity in positions,
+H heads, d_k head size, V target vocabulary). Token ids are int64, keep-vectors are bool (True =
+a real token, SPEC.md §6), every float is the export's dtype (float32 or float16):
 
-    forward            src_ids [B,S], src_keep [B,S], tgt_ids [B,T], tgt_keep [B,T]
-                         -> logits [B,T,V]                      (teacher-forced, for conformance)
-    encoder            src_ids [B,S], src_keep [B,S]
-                         -> memory [B,S,d], cross.{i}.key / cross.{i}.value [B,H,S,d_k]
-    decoder_first      tgt_ids [B,T], tgt_keep [B,T] (+ src_keep, cross.{i}.*)
-                         -> logits [B,T,V], present.{i}.key / .value [B,H,T,d_k], present_keep [B,T]
-    decoder_with_past  tgt_ids [B,T], tgt_keep [B,T], past_keep [B,P], past.{i}.key / .value
-                       [B,H,P,d_k] (+ src_keep, cross.{i}.*)
-                         -> logits [B,T,V], present.{i}.* [B,H,P+T,d_k], present_keep [B,P+T]
+    forward       src_ids [B,S], src_keep [B,S], tgt_ids [B,T], tgt_keep [B,T]
+                    -> logits [B,T,V]                      (teacher-forced, for conformance)
+    encoder       src_ids [B,S], src_keep [B,S]
+                    -> memory [B,S,d], cross.{i}.key / cross.{i}.value [B,H,S,d_k]
+    decoder_step  tgt_ids [B,T], tgt_keep [B,T], start [] (int64: the position of tgt_ids[:, 0]),
+                  past_keep [B,C], past.{i}.key / .value [B,H,C,d_k] (+ src_keep, cross.{i}.*)
+                    -> logits [B,T,V], present.{i}.key / .value [B,H,C,d_k], present_keep [B,C]
 
-Decoder-only models have no encoder graph and no src_keep/cross inputs; their decoder_first is
-the prompt's prefill. Every dimension above except d, H, d_k and V is dynamic.
+decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7): it writes the
+new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
+over all C positions under the causal mask, so every step of a generation has the same shapes,
+and its present buffers can be the next step's past (export.runner keeps two sets and swaps
+them). The prompt's prefill is a step at start 0. Decoder-only models have no encoder graph and
+no src_keep/cross inputs. Every dimension above except d, H, d_k and V is dynamic.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ import numpy as np
 
 from spec import ModelConfig
 
-FORWARD, ENCODER, DECODER_FIRST, DECODER_WITH_PAST = "forward", "encoder", "decoder_first", "decoder_with_past"
-ROLES = (FORWARD, ENCODER, DECODER_FIRST, DECODER_WITH_PAST)
+FORWARD, ENCODER, DECODER_STEP = "forward", "encoder", "decoder_step"
+ROLES = (FORWARD, ENCODER, DECODER_STEP)
 
 
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    kind: str  # "ids" (int64), "keep" (bool) or "float" (the export's dtype)
+    kind: str  # "ids" (int64), "keep" (bool), "position" (an int64 scalar) or "float" (the export's dtype)
     dims: tuple[str | int, ...]  # symbolic names for dynamic axes
 
 
@@ -57,7 +59,7 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
     """The graphs a model exports: the full forward plus the deployment layout."""
     if cfg.has_encoder:
         return ROLES
-    return (FORWARD, DECODER_FIRST, DECODER_WITH_PAST)
+    return (FORWARD, DECODER_STEP)
 
 
 def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
@@ -78,24 +80,21 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     if role == ENCODER:
         memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
         return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))
-    if role == DECODER_FIRST:
-        return GraphSignature(role, tgt + cross,
-                              (logits,) + _kv("present", cfg, "tgt_len")
-                              + (Tensor("present_keep", "keep", ("batch", "tgt_len")),))
-    past = (Tensor("past_keep", "keep", ("batch", "past_len")),) + _kv("past", cfg, "past_len")
-    return GraphSignature(role, tgt + past + cross,
-                          (logits,) + _kv("present", cfg, "past_len+tgt_len")
-                          + (Tensor("present_keep", "keep", ("batch", "past_len+tgt_len")),))
+    past = (Tensor("past_keep", "keep", ("batch", "capacity")),) + _kv("past", cfg, "capacity")
+    present = _kv("present", cfg, "capacity") + (Tensor("present_keep", "keep", ("batch", "capacity")),)
+    return GraphSignature(role, tgt + (Tensor("start", "position", ()),) + past + cross, (logits,) + present)
 
 
 # Example sizes. torch.export treats an axis of size 0 or 1 as a constant, so every dynamic
 # axis is traced at 2 or more; the graphs then run at any size (the tests run 1).
-EXAMPLE_SIZES = {"batch": 2, "src_len": 5, "tgt_len": 3, "past_len": 4}
+EXAMPLE_SIZES = {"batch": 2, "src_len": 5, "tgt_len": 3, "capacity": 7}
+EXAMPLE_START = 2  # the example step writes positions 2 … 4 of a cache of 7
 
 
 def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndarray]:
     """Valid inputs of a graph's signature at EXAMPLE_SIZES: ids of real tokens (never pad_id),
-    keep-vectors all True, random floats in the export's dtype. For tracing and for profiling."""
+    keep-vectors all True, random floats in the export's dtype, the step at EXAMPLE_START. For
+    tracing and for profiling."""
     rng = np.random.default_rng(0)
     inputs = {}
     for tensor in signature(cfg, role).inputs:
@@ -104,6 +103,8 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
             vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
             ids = rng.integers(0, vocab - 1, shape)
             inputs[tensor.name] = np.where(ids >= cfg.pad_id, ids + 1, ids).astype(np.int64)
+        elif tensor.kind == "position":
+            inputs[tensor.name] = np.array(EXAMPLE_START, dtype=np.int64)
         elif tensor.kind == "keep":
             inputs[tensor.name] = np.ones(shape, dtype=bool)
         else:

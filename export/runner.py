@@ -22,7 +22,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import DECODER_FIRST, DECODER_WITH_PAST, ENCODER, FORWARD, example_inputs
+from export.graphs import DECODER_STEP, ENCODER, FORWARD, example_inputs
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
 from spec.errors import InputError
-from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
+from spec.inputs import (CacheWrites, check_cache_capacity, check_cache_room, check_decode_step, check_generation,
+                         check_keep, check_model_inputs, check_source)
 from spec.masks import real_tokens
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -104,15 +105,41 @@ def session_options(*, optimization: str, deterministic: bool, threads: int | No
 
 @dataclass(frozen=True)
 class OnnxCache:
-    """The decoder's state between steps, as onnxruntime values on the session's device.
-    past: L × (key, value) [B, H, P, d_k]; keep [B, P]; cross: L × (key, value) [B, H, S, d_k]."""
+    """The decoder's state between steps, as onnxruntime values on the session's device, for
+    `capacity` positions (SPEC.md §7, a preallocated cache). past and spare are two sets of
+    buffers of the same shapes, L × (key, value) [B, H, C, d_k] then the keep-vector [B, C]: a
+    step reads past and writes spare, and the cache it returns has the two swapped, so a
+    generation binds the same few buffers at every step (what onnxruntime's CUDA graphs need)
+    and allocates nothing for its cache. cross: L × (key, value) [B, H, S, d_k]."""
 
     batch: int
     length: int
-    past: tuple[ort.OrtValue, ...] = ()
-    keep: ort.OrtValue | None = None
+    past: tuple[ort.OrtValue, ...]
+    spare: tuple[ort.OrtValue, ...]
     cross: tuple[ort.OrtValue, ...] = ()
     src_keep: ort.OrtValue | None = None
+    # the step writes into the buffers an older cache of the line reads: a stale branch is refused
+    writes: CacheWrites = field(default_factory=CacheWrites, repr=False, compare=False)
+    version: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.past[-1].shape()[1]
+
+    def copy(self) -> "OnnxCache":
+        """A cache with buffers of its own, to continue independently of this one."""
+        self.writes.check(self.version)
+        return replace(self, past=tuple(_buffer(value.numpy(), value.device_name()) for value in self.past),
+                       spare=tuple(_buffer(np.zeros_like(value.numpy()), value.device_name()) for value in self.spare),
+                       writes=CacheWrites(), version=0)
+
+
+def _buffer(array: np.ndarray, device: str) -> ort.OrtValue:
+    """New memory on the device holding a copy of `array`. (ortvalue_from_numpy would share a
+    CPU array's memory: buffers made from one array of zeros would all be one buffer.)"""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, device.lower())
+    value.update_inplace(np.ascontiguousarray(array))
+    return value
 
 
 class OnnxTransformer:
@@ -201,9 +228,10 @@ class OnnxTransformer:
             raise InputError(f"{name}: {length} positions, but this export's graphs take at most {limit} "
                              "(a JAX export holds a position table of max_len rows)")
 
-    def _run(self, role: str, feeds: Mapping[str, Any], outputs: list[str] | None = None) -> list:
+    def _run(self, role: str, feeds: Mapping[str, Any], into: Mapping[str, ort.OrtValue] | None = None) -> list:
         """Run a graph with IO binding: inputs may be NumPy arrays or OrtValues already on the
-        device; outputs stay on the device as OrtValues."""
+        device; outputs stay on the device as OrtValues, written into the buffers `into` names
+        and allocated by onnxruntime for the others. Returns every output in the graph's order."""
         session = self._require(role)
         binding = session.io_binding()
         for name, value in feeds.items():
@@ -211,8 +239,12 @@ class OnnxTransformer:
                 binding.bind_ortvalue_input(name, value)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name in outputs or [o.name for o in session.get_outputs()]:
-            binding.bind_output(name, self.device)
+        into = into or {}
+        for output in session.get_outputs():
+            if output.name in into:
+                binding.bind_ortvalue_output(output.name, into[output.name])
+            else:
+                binding.bind_output(output.name, self.device)
         session.run_with_iobinding(binding)
         return binding.get_outputs()
 
@@ -248,32 +280,45 @@ class OnnxTransformer:
         keep = self._keep(src_ids, src_keep, "src")
         return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep})]
 
-    def start_cache(self, batch: int, src_ids=None, src_keep=None) -> OnnxCache:
-        """An empty cache; for an encoder-decoder the encoder graph runs once here."""
-        if not self.cfg.has_encoder:
-            if src_ids is not None:
-                raise InputError("a decoder-only model takes no source: src_ids must be None")
-            return OnnxCache(batch, 0)
-        keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
-        return OnnxCache(batch, 0, cross=tuple(cross), src_keep=ort.OrtValue.ortvalue_from_numpy(keep, self.device))
+    def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> OnnxCache:
+        """An empty cache of `capacity` positions on the session's device; for an
+        encoder-decoder the encoder graph runs once here."""
+        cfg = self.cfg
+        capacity = check_cache_capacity(capacity)
+        if cfg.positional == "learned" and capacity > cfg.max_len:
+            capacity = cfg.max_len  # positions past the learned table are refused at decode time
+        if not cfg.has_encoder and src_ids is not None:
+            raise InputError("a decoder-only model takes no source: src_ids must be None")
+        cross, keep = (), None
+        if cfg.has_encoder:
+            keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
+            keep = _buffer(keep, self.device)
+        # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
+        kv = np.zeros((batch, cfg.n_heads, capacity, cfg.d_head), dtype=np.float16 if self.dtype == "float16" else np.float32)
+
+        def buffers() -> tuple[ort.OrtValue, ...]:
+            return (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
+                    _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
+
+        return OnnxCache(batch, 0, buffers(), buffers(), tuple(cross), keep)
 
     def decode_step(self, cache: OnnxCache, tgt_ids, tgt_keep=None) -> tuple[np.ndarray, OnnxCache]:
         """Feed the next tokens [B, n] after the cached ones: logits [B, n, V] and the new cache."""
         cfg = self.cfg
         check_decode_step(cfg, tgt_ids, cache.length, cache.batch)
+        check_cache_room(cache.capacity, cache.length, np.shape(tgt_ids)[1])
+        cache.writes.check(cache.version)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
-        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt", cache.length)}
-        role = DECODER_FIRST
-        if cache.length:
-            role = DECODER_WITH_PAST
-            feeds["past_keep"] = cache.keep
-            feeds.update(zip(_names("past", cfg), cache.past))
+        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt", cache.length),
+                                 "start": np.array(cache.length, dtype=np.int64), "past_keep": cache.past[-1],
+                                 **dict(zip(_names("past", cfg), cache.past))}
         if cfg.has_encoder:
             feeds["src_keep"] = cache.src_keep
             feeds.update(zip(_names("cross", cfg), cache.cross))
-        logits, *present, keep = self._run(role, feeds)
-        return logits.numpy(), OnnxCache(cache.batch, cache.length + tgt_ids.shape[1], tuple(present), keep,
-                                         cache.cross, cache.src_keep)
+        present = dict(zip(_names("present", cfg) + ["present_keep"], cache.spare))
+        logits = self._run(DECODER_STEP, feeds, into=present)[0]
+        return logits.numpy(), replace(cache, length=cache.length + tgt_ids.shape[1], past=cache.spare,
+                                       spare=cache.past, version=cache.writes.advance(cache.version))
 
     def greedy_generate(self, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
                         eos_id: int | None = None, max_new_tokens: int) -> np.ndarray:
@@ -287,7 +332,8 @@ class OnnxTransformer:
         else:
             step_ids = np.asarray(prompt_ids, dtype=np.int64)
             step_keep = step_ids != cfg.pad_id
-        cache = self.start_cache(batch, src_ids)
+        # room for the first tokens and every generated one but the last, which is never fed back
+        cache = self.start_cache(batch, step_ids.shape[1] + max_new_tokens - 1, src_ids)
         tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
         finished = np.zeros(batch, dtype=bool)
         for t in range(max_new_tokens):

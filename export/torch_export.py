@@ -1,7 +1,7 @@
 """Export impl_torch's Transformer to ONNX with torch.onnx.export(dynamo=True).
 
 Each graph role (export/graphs.py) is a small nn.Module over the same Transformer, calling the
-same pieces the conformance harness checks (encode, decode, decode_step's attention), so an
+same pieces the conformance harness checks (encode, decode, the decode step's body), so an
 exported graph is the checked model and not a re-implementation of it.
 """
 
@@ -18,10 +18,9 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_WITH_PAST, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs,
-                           roles, signature)
+from export.graphs import ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs, roles, signature
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
-from impl_torch.model import Transformer, _causal_mask, _key_mask, residual
+from impl_torch.model import KVCache, Transformer, _decode_step_body
 from spec import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -59,45 +58,28 @@ class EncoderGraph(nn.Module):
         return (memory, *cross)
 
 
-class DecoderGraph(nn.Module):
-    """One decoder call over the new tokens, with (decoder_with_past) or without a cache:
-    the same computation as impl_torch.decode_step, on explicit tensors."""
+class DecoderStepGraph(nn.Module):
+    """impl_torch's decode step over a preallocated cache (impl_torch._decode_step_body, the step
+    the conformance matrix and greedy_generate run) on explicit tensors: it writes in place, and
+    a graph's inputs are never written, so it writes into copies of the past, which are the
+    present outputs."""
 
-    def __init__(self, model: Transformer, with_past: bool):
+    def __init__(self, model: Transformer):
         super().__init__()
-        self.model, self.with_past = model, with_past
+        self.model = model
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model, cfg = self.model, self.model.cfg
-        n_layers = cfg.n_decoder_layers
-        tgt_ids, tgt_keep, *rest = tensors
-        past_keep, past = None, None
-        if self.with_past:
-            past_keep, *rest = rest
-            past, rest = rest[:2 * n_layers], rest[2 * n_layers:]
-        src_keep, cross = (rest[0], rest[1:]) if cfg.has_encoder else (None, None)
-        keep = tgt_keep if past_keep is None else torch.cat([past_keep, tgt_keep], dim=1)  # [B, P + T]
-        offset = 0 if past is None else past[0].shape[2]
-        self_mask = _causal_mask(tgt_ids.shape[1], keep.shape[1], keep.device) & _key_mask(keep)
-        cross_mask = None if src_keep is None else _key_mask(src_keep)
-        y = model.embed(tgt_ids, "tgt", offset=offset)
-        present = []
-        for i, layer in enumerate(model.decoder.layers):
-
-            def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
-                k, v = layer.self_attn.key_value_heads(h)
-                if past is not None:
-                    k, v = torch.cat([past[2 * i], k], dim=2), torch.cat([past[2 * i + 1], v], dim=2)
-                present.extend((k, v))
-                return layer.self_attn.attend(h, k, v, self_mask)
-
-            y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
-            if cross is not None:
-                y = residual(cfg, layer.cross_attn_norm, y,
-                             lambda h: layer.cross_attn.attend(h, cross[2 * i], cross[2 * i + 1], cross_mask))
-            y = layer.ffn_block(y)
-        logits = model.output_logits(model.decoder.final_norm(y))
-        return (logits, *present, keep)
+        n_layers = self.model.cfg.n_decoder_layers
+        tgt_ids, tgt_keep, start, past_keep, *rest = tensors
+        past, rest = rest[:2 * n_layers], rest[2 * n_layers:]
+        src_keep, cross = (rest[0], rest[1:]) if self.model.cfg.has_encoder else (None, None)
+        # per-layer tensors where impl_torch stacks the layers: the step only indexes them by layer
+        cache = KVCache([k.clone() for k in past[0::2]], [v.clone() for v in past[1::2]], past_keep.clone(), 0,
+                        None if cross is None else list(cross[0::2]), None if cross is None else list(cross[1::2]),
+                        src_keep)
+        logits = _decode_step_body(self.model, cache, tgt_ids, tgt_keep, start)
+        present = [t for pair in zip(cache.self_keys, cache.self_values) for t in pair]
+        return (logits, *present, cache.tgt_keep)
 
 
 def _wrapper(model: Transformer, role: str) -> nn.Module:
@@ -105,7 +87,7 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
         return ForwardGraph(model)
     if role == ENCODER:
         return EncoderGraph(model)
-    return DecoderGraph(model, with_past=role == DECODER_WITH_PAST)
+    return DecoderStepGraph(model)
 
 
 def _dynamic_shapes(sig: GraphSignature) -> tuple:

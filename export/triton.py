@@ -4,15 +4,16 @@ graphs beyond one machine.
     repository/
       rosetta_encoder/config.pbtxt          platform "onnxruntime_onnx", dynamic batching,
       rosetta_encoder/1/model.onnx          an instance group per model
-      rosetta_decoder_first/...
-      rosetta_decoder_with_past/...
+      rosetta_decoder_step/...
       rosetta_forward/...
 
 Each config.pbtxt is written from the graph's own inputs and outputs and then validated against
 it (validate_repository): the same names, the same types and the same dimensions, with the batch
 axis left to Triton (max_batch_size > 0) and every other dynamic axis written -1. Requests are
-batched only when their non-batch shapes match, so decoder_with_past batches steps of equal
-cache length; the client keeps the cache between steps as export.runner does.
+batched only when their non-batch shapes match. decoder_step takes its position as one scalar
+for the whole batch, which Triton cannot stack across requests: it is written with
+max_batch_size 0 (each request brings its own batch), and the client keeps the cache between
+steps as export.runner does.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ def write_repository(export_dir: str | Path, repository: str | Path, *, prefix: 
         directory = repository / name
         (directory / "1").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(export_dir / file, directory / "1" / "model.onnx")
+        # an input without a batch axis (decoder_step's position) cannot be stacked across requests
+        batchable = all(value.type.tensor_type.shape.dim for value in model.graph.input)
         (directory / "config.pbtxt").write_text(model_config(
-            model, name, max_batch_size=max_batch_size, kind=kind, instances=instances, queue_delay_us=queue_delay_us))
+            model, name, max_batch_size=max_batch_size if batchable else 0, kind=kind, instances=instances,
+            queue_delay_us=queue_delay_us))
         written.append(directory)
     validate_repository(repository)
     return written
@@ -197,8 +201,9 @@ def validate_repository(repository: str | Path) -> None:
             for name in sorted(set(graph) & set(by_name)):
                 want, got = graph[name], by_name[name]
                 want_dims = want["dims"][1:] if batched else want["dims"]
-                if batched and want["dims"][:1] not in ([-1], []):
-                    problems.append(f"{directory.name}: {name} has a fixed first axis but max_batch_size > 0")
+                if batched and want["dims"][:1] != [-1]:
+                    problems.append(f"{directory.name}: {name} has no dynamic first axis to batch (dims "
+                                    f"{want['dims']}) but max_batch_size > 0")
                 if got.get("data_type") != want["data_type"]:
                     problems.append(f"{directory.name}: {name} is {got.get('data_type')} in config.pbtxt, "
                                     f"{want['data_type']} in the graph")

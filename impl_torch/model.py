@@ -11,7 +11,6 @@ else changes: embeddings are [V, d] in both, norms are vectors.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from torch import nn
 from spec import ModelConfig, check_params, load_weights, param_shapes
 from spec.errors import InputError
 from spec.inputs import (
+    CacheWrites,
     check_cache_capacity,
     check_cache_room,
     check_decode_step,
@@ -447,28 +447,6 @@ def _linear_weight_names(model: nn.Module) -> set[str]:
 
 # ---- incremental decoding with a preallocated KV cache --------------------------------------
 
-class _Writes:
-    """Which caches over one set of buffers are still whole. decode_step writes into the buffers
-    in place, so a cache stays valid while it is the newest one or an ancestor of it (continuing
-    an ancestor rewrites the positions after its length: a rewind). A cache left on another
-    branch would read positions since overwritten, so using it is refused, never silently wrong."""
-
-    def __init__(self):
-        self.chain, self.issued = [0], 0  # versions from the empty cache to the newest, increasing
-
-    def check(self, version: int) -> None:
-        at = bisect.bisect_left(self.chain, version)
-        if at == len(self.chain) or self.chain[at] != version:
-            raise InputError("this cache's buffers were since written by a decode step from another branch "
-                             "(decode_step writes in place): copy() a cache before continuing it two ways")
-
-    def advance(self, version: int) -> int:
-        self.issued += 1
-        del self.chain[bisect.bisect_right(self.chain, version):]
-        self.chain.append(self.issued)
-        return self.issued
-
-
 @dataclass(frozen=True)
 class KVCache:
     """Preallocated for `capacity` positions and written in place, so a decode step allocates
@@ -482,7 +460,7 @@ class KVCache:
     cross_keys: torch.Tensor | None = None  # [L, B, H, S, d_k], computed once
     cross_values: torch.Tensor | None = None
     src_keep: torch.Tensor | None = None  # [B, S]
-    writes: _Writes = field(default_factory=_Writes, repr=False, compare=False)
+    writes: CacheWrites = field(default_factory=CacheWrites, repr=False, compare=False)
     version: int = 0
 
     @property
@@ -493,7 +471,7 @@ class KVCache:
         """A cache with buffers of its own, to continue independently of this one."""
         self.writes.check(self.version)
         keys, values, keep = (t.clone() for t in (self.self_keys, self.self_values, self.tgt_keep))
-        return replace(self, self_keys=keys, self_values=values, tgt_keep=keep, writes=_Writes(), version=0)
+        return replace(self, self_keys=keys, self_values=values, tgt_keep=keep, writes=CacheWrites(), version=0)
 
 
 @torch.inference_mode()

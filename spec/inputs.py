@@ -7,6 +7,7 @@ they accept NumPy, PyTorch and JAX arrays alike.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,30 @@ def check_cache_room(capacity: int, length: int, n_new: int) -> None:
     if length + n_new > capacity:
         raise InputError(f"the cache holds {capacity} positions; {length} are used and {n_new} more do not "
                          f"fit (start the cache with a larger capacity)")
+
+
+class CacheWrites:
+    """Which caches over one set of buffers written in place are still whole (impl_torch's
+    preallocated cache, the onnxruntime runner's pair of buffers). A cache stays valid while it is
+    the newest one or an ancestor of it: continuing an ancestor rewrites only the positions after
+    its length (a rewind). A cache left on another branch would read positions since
+    overwritten, so using it is refused, never silently wrong."""
+
+    def __init__(self):
+        self.chain, self.issued = [0], 0  # versions from the empty cache to the newest, increasing
+
+    def check(self, version: int) -> None:
+        at = bisect.bisect_left(self.chain, version)
+        if at == len(self.chain) or self.chain[at] != version:
+            raise InputError("this cache's buffers were since written by a decode step from another branch "
+                             "(decode_step writes in place): copy() a cache before continuing it two ways")
+
+    def advance(self, version: int) -> int:
+        """The version of the cache a step from `version` makes; later versions are dropped."""
+        self.issued += 1
+        del self.chain[bisect.bisect_right(self.chain, version):]
+        self.chain.append(self.issued)
+        return self.issued
 
 
 def check_generation(cfg: ModelConfig, src_ids: Any, prompt_ids: Any, bos_id: Any, max_new_tokens: Any) -> tuple[int, int]:

@@ -44,11 +44,15 @@ def preset(request):
 _exports: dict = {}
 
 
-def _export(cfg: ModelConfig, params, framework: str, dtype: str) -> OnnxTransformer:
-    key = (cfg.to_json(), framework, dtype)
+def _export(cfg: ModelConfig, params, framework: str, dtype: str, device: str = "cpu") -> OnnxTransformer:
+    key = (cfg.to_json(), framework, dtype, device)
     if key not in _exports:
-        _exports[key] = OnnxTransformer(exported(cfg, params, framework=framework, dtype=dtype), device="cpu")
+        _exports[key] = OnnxTransformer(exported(cfg, params, framework=framework, dtype=dtype), device=device)
     return _exports[key]
+
+
+ON_CUDA_TOO = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")])]
 
 
 def _ids(rng, cfg: ModelConfig, batch: int, length: int, vocab: int, padding: str) -> np.ndarray:
@@ -106,8 +110,10 @@ def test_forward_matches_golden(preset, shape, padding, dtype, framework):
     assert result.passed, result.reason or f"error {result.max_abs_err:.3g} > tol {result.tol:.3g}"
 
 
+@pytest.mark.parametrize("device", ON_CUDA_TOO)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_tokens_equal_golden(preset, dtype):
+def test_greedy_tokens_equal_golden(preset, dtype, device):
+    """Generation through decoder_step and its two sets of buffers (on CUDA too, where one is)."""
     _, cfg, params = preset
     rng = np.random.default_rng(7)
     batch = 4
@@ -120,7 +126,8 @@ def test_greedy_tokens_equal_golden(preset, dtype):
         prompt[0, :2] = cfg.pad_id  # left padding
         options = dict(prompt_ids=prompt)
     new_tokens = 10
-    tokens = _export(cfg, params, "torch", dtype).greedy_generate(**options, eos_id=EOS_ID, max_new_tokens=new_tokens)
+    tokens = _export(cfg, params, "torch", dtype, device).greedy_generate(**options, eos_id=EOS_ID,
+                                                                          max_new_tokens=new_tokens)
     want, step_logits = golden.greedy_generate(cfg, params, **options, eos_id=EOS_ID, max_new_tokens=new_tokens,
                                                return_step_logits=True)
     if dtype == "float32":
@@ -130,22 +137,54 @@ def test_greedy_tokens_equal_golden(preset, dtype):
         assert result.passed, result.reason
 
 
+def _addresses(values) -> tuple[int, ...]:
+    return tuple(value.data_ptr() for value in values)
+
+
 def test_decoder_steps_equal_forward(preset):
-    """Prefill of 3 tokens, then one token per decoder_with_past step, against the forward graph."""
+    """Prefill of 3 tokens, then one token per decoder_step, against the forward graph; every
+    step binds one of the same two sets of cache buffers."""
     _, cfg, params = preset
     model = _export(cfg, params, "torch", "float32")
     rng = np.random.default_rng(11)
     src = _ids(rng, cfg, 2, 5, cfg.src_vocab_size, "pad_right") if cfg.has_encoder else None
     tgt = _ids(rng, cfg, 2, 7, cfg.tgt_vocab_size, "none")
     full = model.forward(src, tgt)
-    cache = model.start_cache(2, src)
+    cache = model.start_cache(2, 7, src)
+    buffers = {_addresses(cache.past), _addresses(cache.spare)}
     first, cache = model.decode_step(cache, tgt[:, :3])
     steps = [first]
     for t in range(3, 7):
         logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
         steps.append(logits)
-    assert cache.length == 7
+        assert {_addresses(cache.past), _addresses(cache.spare)} == buffers
+    assert cache.length == cache.capacity == 7
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
+    with pytest.raises(InputError, match="the cache holds 7 positions; 7 are used and 1 more do not fit"):
+        model.decode_step(cache, tgt[:, :1])
+
+
+def test_a_cache_continued_two_ways_is_refused_unless_copied():
+    """The two buffer sets are written in turn, so a cache whose set a step from another branch
+    has since written is refused; a rewind along one line and a copy() are fine (SPEC.md §7)."""
+    cfg = get_preset("tiny")
+    params = init_params(cfg, seed=0)
+    model = _export(cfg, params, "torch", "float32")
+    rng = np.random.default_rng(12)
+    src, tgt = _ids(rng, cfg, 2, 5, cfg.src_vocab_size, "none"), _ids(rng, cfg, 2, 4, cfg.tgt_vocab_size, "none")
+    full = model.forward(src, tgt)
+    scale = 1e-5 * np.abs(full).max()
+    root = model.start_cache(2, 4, src)
+    _, prefix = model.decode_step(root, tgt[:, :2])
+    branch = prefix.copy()
+    _, one = model.decode_step(prefix, tgt[:, 2:3])
+    _, other = model.decode_step(prefix, tgt[:, 3:4])  # writes the buffers `one` reads
+    with pytest.raises(InputError, match="another branch"):
+        model.decode_step(one, tgt[:, 3:4])
+    logits, _ = model.decode_step(branch, tgt[:, 2:3])  # the copy was taken before: its own buffers
+    np.testing.assert_allclose(logits, full[:, 2:3], rtol=0, atol=scale)
+    logits, _ = model.decode_step(root, tgt[:, :3])  # a rewind to the start of the line
+    np.testing.assert_allclose(logits, full[:, :3], rtol=0, atol=scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -185,8 +224,9 @@ def test_graphs_are_checked_and_stamped(preset):
             assert [i.name for i in model.graph.input] == sig.input_names
             assert [o.name for o in model.graph.output] == sig.output_names
             types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
-            for tensor in sig.inputs:  # ids int64 and keeps bool from both exporters
-                want = {"ids": onnx.TensorProto.INT64, "keep": onnx.TensorProto.BOOL, "float": onnx.TensorProto.FLOAT}
+            for tensor in sig.inputs:  # ids and positions int64 and keeps bool from both exporters
+                want = {"ids": onnx.TensorProto.INT64, "position": onnx.TensorProto.INT64, "keep": onnx.TensorProto.BOOL,
+                        "float": onnx.TensorProto.FLOAT}
                 assert types[tensor.name] == want[tensor.kind], tensor.name
             ops = {node.op_type for node in model.graph.node}
             if framework == "torch" and role != ENCODER or framework == "torch" and cfg.has_encoder:
@@ -228,13 +268,13 @@ def test_runner_refuses_bad_inputs():
         model.forward(good.astype(np.float32), good)
     with pytest.raises(InputError, match="max_new_tokens"):
         model.greedy_generate(good, bos_id=1, max_new_tokens=0)
-    cache = model.start_cache(2, good)
+    cache = model.start_cache(2, 4, good)
     with pytest.raises(InputError, match="batch"):
         model.decode_step(cache, np.ones((3, 1), dtype=np.int64))
     jax_model = _export(cfg, params, "jax", "float32")
     with pytest.raises(InputError, match="at most 64"):
         jax_model.forward(np.ones((1, 65), dtype=np.int64), good[:1])
-    with pytest.raises(ExportError, match="no decoder_first graph"):
+    with pytest.raises(ExportError, match="no decoder_step graph"):
         jax_model.greedy_generate(good, bos_id=1, max_new_tokens=2)
 
 
@@ -404,13 +444,18 @@ def test_triton_repository_matches_the_graphs(tmp_path):
     directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
     models = write_repository(directory, tmp_path / "repo", max_batch_size=8, kind="KIND_CPU", instances=2)
     assert sorted(m.name for m in models) == sorted(f"rosetta_{role}" for role in roles(cfg))
-    config = parse_pbtxt((tmp_path / "repo" / "rosetta_decoder_with_past" / "config.pbtxt").read_text())
+    config = parse_pbtxt((tmp_path / "repo" / "rosetta_encoder" / "config.pbtxt").read_text())
     assert config["platform"] == "onnxruntime_onnx" and config["max_batch_size"] == 8
     assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
     assert "max_queue_delay_microseconds" in config["dynamic_batching"]
     inputs = {entry["name"]: entry for entry in config["input"]}
-    assert inputs["tgt_ids"] == {"name": "tgt_ids", "data_type": "TYPE_INT64", "dims": [-1]}
-    assert inputs["past.0.key"]["dims"] == [cfg.n_heads, -1, cfg.d_head]  # batch axis left to Triton
+    assert inputs["src_ids"] == {"name": "src_ids", "data_type": "TYPE_INT64", "dims": [-1]}  # batch axis left to Triton
+    # the step's position is one scalar for its whole batch: no batching across requests there
+    config = parse_pbtxt((tmp_path / "repo" / "rosetta_decoder_step" / "config.pbtxt").read_text())
+    assert config["max_batch_size"] == 0 and "dynamic_batching" not in config
+    inputs = {entry["name"]: entry for entry in config["input"]}
+    assert inputs["start"] == {"name": "start", "data_type": "TYPE_INT64", "dims": []}
+    assert inputs["past.0.key"]["dims"] == [-1, cfg.n_heads, -1, cfg.d_head]
     assert {entry["name"] for entry in config["output"]} >= {"logits", "present_keep"}
 
     # a config that drifts from its graph is caught, every problem named
@@ -422,6 +467,11 @@ def test_triton_repository_matches_the_graphs(tmp_path):
     assert "src_ids is TYPE_INT32 in config.pbtxt, TYPE_INT64 in the graph" in message
     assert "input 'source_keep' is not in the graph" in message
     assert "the graph's input 'src_keep' is missing" in message
+    # a step batched by Triton would stack its scalar position across requests
+    path = tmp_path / "repo" / "rosetta_decoder_step" / "config.pbtxt"
+    path.write_text(path.read_text().replace("max_batch_size: 0", "max_batch_size: 8"))
+    with pytest.raises(ExportError, match=r"start has no dynamic first axis to batch \(dims \[\]\)"):
+        validate_repository(tmp_path / "repo")
     with pytest.raises(ExportError, match="instance kind"):
         write_repository(directory, tmp_path / "other", kind="KIND_TPU")
 
@@ -453,8 +503,8 @@ def test_cli_export_and_generate(tmp_path, capsys):
     (["generate", "{export}", "--src", "5 999"], "outside the vocabulary"),
     (["generate", "{export}", "--src", "5", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
     (["export", "--preset", "tiny", "--out", "{tmp}/x", "--graphs", "decoder"], "cannot write graph role(s) decoder"),
-    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--framework", "jax", "--graphs", "decoder_first"],
-     "cannot write graph role(s) decoder_first"),
+    (["export", "--preset", "tiny", "--out", "{tmp}/x", "--framework", "jax", "--graphs", "decoder_step"],
+     "cannot write graph role(s) decoder_step"),
 ] + ([] if HAS_CUDA else [(["generate", "{export}", "--src", "5", "--device", "cuda"], "CUDA provider cannot run here")]))
 def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
     from conformance.cli import main

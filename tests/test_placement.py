@@ -76,8 +76,8 @@ def test_a_compute_node_among_allowed_ones_is_named():
                   name="node_MatMul_7")
     fallbacks = cpu_fallbacks([*SEEN_ON_H100, matmul])
     assert [placed.name for placed, _ in fallbacks] == ["node_MatMul_7"]
-    message = fallback_message("decoder_with_past.onnx", fallbacks)
-    assert "decoder_with_past.onnx: 1 compute node(s)" in message
+    message = fallback_message("decoder_step.onnx", fallbacks)
+    assert "decoder_step.onnx: 1 compute node(s)" in message
     assert "node_MatMul_7: MatMul(float[2, 5, 32], float[32, 32]) -> float[2, 5, 32]" in message
 
 
@@ -122,8 +122,9 @@ def test_profile_events_parse_into_nodes():
     assert cpu_fallbacks(nodes) == []
 
 
-# CPU nodes per graph that the H100 left on the host for tiny at float32 (issue 13)
-H100_CPU_NODES_TINY = {"forward": 9, "encoder": 4, "decoder_first": 5, "decoder_with_past": 9}
+# CPU nodes per graph that the H100 left on the host for tiny at float32 (issue 13); decoder_step
+# came later and has not met a GPU
+H100_CPU_NODES_TINY = {"forward": 9, "encoder": 4}
 SHAPE_ARITHMETIC = {"Shape", "Concat", "Squeeze", "Unsqueeze", "Add", "Reshape", "Range"}
 
 
@@ -147,5 +148,5 @@ def test_real_profiles_sort_compute_from_shape_arithmetic(preset, dtype):
         allowed = [n for n in nodes if n.name not in refused]
         assert {n.op_type for n in allowed} <= SHAPE_ARITHMETIC, role
         assert all(t.element == "int64" and len(t.shape) <= 1 for n in allowed for t in n.outputs), role
-        if preset == "tiny":
+        if preset == "tiny" and role in H100_CPU_NODES_TINY:
             assert len(allowed) >= H100_CPU_NODES_TINY[role], role

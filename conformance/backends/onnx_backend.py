@@ -16,7 +16,7 @@ import numpy as np
 from conformance.adapter import NotSupported
 from conformance.cases import decode_steps
 from export.cache import exported
-from export.graphs import DECODER_FIRST
+from export.graphs import DECODER_STEP
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
@@ -30,7 +30,7 @@ class OnnxRunner:
 
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         model = self.model
-        if sublayer not in WHOLE_MODEL or (sublayer in ("decode", "generate") and not model.has(DECODER_FIRST)):
+        if sublayer not in WHOLE_MODEL or (sublayer in ("decode", "generate") and not model.has(DECODER_STEP)):
             raise NotSupported(f"the {self.source} export has no graph for {sublayer}")
         if sublayer == "forward":
             out = model.forward(inputs["src_ids"], inputs["tgt_ids"])
@@ -44,7 +44,9 @@ class OnnxRunner:
         return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        cache = self.model.start_cache(np.shape(inputs["tgt_ids"])[0], inputs["src_ids"])
+        batch, length = np.shape(inputs["tgt_ids"])
+        # preallocated as the framework columns' caches are: room for exactly the case's positions
+        cache = self.model.start_cache(batch, length, inputs["src_ids"])
         return np.concatenate(decode_steps(inputs, cache, self.model.decode_step), axis=1)
 
 
