@@ -528,8 +528,13 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     crosses to the host and torch.compile traces one graph for every position (a graph per
     position would recompile each step and defeat CUDA graphs)."""
     cfg = model.cfg
-    positions = start + torch.arange(tgt_ids.shape[1], device=start.device)  # [n]
-    cache.tgt_keep.index_copy_(1, positions, new_keep)
+    batch, n_new = tgt_ids.shape
+    positions = start + torch.arange(n_new, device=start.device)  # [n]
+    # scatter_ along the position axis rather than index_copy_: the same writes, but torch.onnx
+    # exports index_copy_ on an inner axis as transposes of the whole cache around a ScatterND
+    # (four per layer and step), scatter_ as one ScatterElements on that axis
+    cache.tgt_keep.scatter_(1, positions[None, :].expand(batch, n_new), new_keep)
+    at_positions = positions[None, None, :, None].expand(batch, cfg.n_heads, n_new, cfg.d_head)  # [B, H, n, d_k]
     causal = torch.arange(cache.capacity, device=start.device)[None, :] <= positions[:, None]  # [n, C]
     # the stale entries past the new positions are hidden by the causal mask, whatever they hold
     self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
@@ -540,8 +545,8 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
             # write K, V of the new positions into the preallocated cache at their positions
             k, v = layer.self_attn.key_value_heads(h)
-            cache.self_keys[i].index_copy_(2, positions, k)
-            cache.self_values[i].index_copy_(2, positions, v)
+            cache.self_keys[i].scatter_(2, at_positions, k)
+            cache.self_values[i].scatter_(2, at_positions, v)
             return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask)
 
         y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
