@@ -129,8 +129,10 @@ class OnnxCache:
     def copy(self) -> "OnnxCache":
         """A cache with buffers of its own, to continue independently of this one."""
         self.writes.check(self.version)
-        return replace(self, past=tuple(_buffer(value.numpy(), value.device_name()) for value in self.past),
-                       spare=tuple(_buffer(np.zeros_like(value.numpy()), value.device_name()) for value in self.spare),
+        device = self.past[0].device_name()
+        past = [value.numpy() for value in self.past]  # the spare set has the same shapes and types
+        return replace(self, past=tuple(_buffer(array, device) for array in past),
+                       spare=tuple(_buffer(np.zeros_like(array), device) for array in past),
                        writes=CacheWrites(), version=0)
 
 
