@@ -286,9 +286,7 @@ class OnnxTransformer:
         """An empty cache of `capacity` positions on the session's device; for an
         encoder-decoder the encoder graph runs once here."""
         cfg = self.cfg
-        capacity = check_cache_capacity(capacity)
-        if cfg.positional == "learned" and capacity > cfg.max_len:
-            capacity = cfg.max_len  # positions past the learned table are refused at decode time
+        capacity = check_cache_capacity(cfg, capacity)
         if not cfg.has_encoder and src_ids is not None:
             raise InputError("a decoder-only model takes no source: src_ids must be None")
         cross, keep = (), None

@@ -536,9 +536,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     """An empty cache of `capacity` positions; for an encoder-decoder, run the encoder once and
     keep each layer's cross-attention K and V of the memory."""
     cfg = model.cfg
-    capacity = check_cache_capacity(capacity)
-    if cfg.positional == "learned" and capacity > cfg.max_len:
-        capacity = cfg.max_len  # positions past the learned table are refused at decode time
+    capacity = check_cache_capacity(cfg, capacity)
     shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
     empty = jnp.zeros(shape, model.dtype)
     cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32))

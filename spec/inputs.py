@@ -155,11 +155,12 @@ def check_decode_step(cfg: ModelConfig, tgt_ids: Any, cache_length: int, cache_b
         raise InputError(f"tgt_ids batch {batch} differs from the cache's {cache_batch}")
 
 
-def check_cache_capacity(capacity: Any) -> int:
-    """A preallocated KV cache's capacity: a positive number of positions."""
+def check_cache_capacity(cfg: ModelConfig, capacity: Any) -> int:
+    """A preallocated KV cache's capacity: a positive number of positions, cut to the table's
+    max_len where positions are learned (positions past the table are refused at decode time)."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise InputError(f"cache capacity must be a positive integer (positions), got {capacity!r}")
-    return int(capacity)
+    return min(int(capacity), cfg.max_len) if cfg.positional == "learned" else int(capacity)
 
 
 def check_cache_room(capacity: int, length: int, n_new: int) -> None:
