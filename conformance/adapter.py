@@ -14,6 +14,7 @@ To be driven by the harness a backend implements:
         def load(self, cfg, params, dtype, device) -> Runner
         def supports_sublayer(self, sublayer) -> str | None   # optional: None, else why not
         program_family: str                         # optional: backends that compile the same programs
+        family_spans_dtypes: bool                   # optional: the family shares start-up work across dtypes
 
     class Runner:
         def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py

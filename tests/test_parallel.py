@@ -103,6 +103,19 @@ def test_columns_of_one_program_family_run_in_one_worker(siblings):
     assert loads[0][2] == loads[1][2]  # one process
 
 
+def test_an_exporters_columns_of_every_dtype_share_one_worker():
+    """onnx's float32 and float16 exports share torch.onnx's start-up (family_spans_dtypes); the
+    onnx-jax columns are another exporter's group; the longest groups are handed out first."""
+    from conformance.parallel import _cost_rank, column_groups
+
+    columns = [("onnx", "float32", "cpu"), ("onnx-jax", "float32", "cpu"), ("onnx", "float16", "cpu"),
+               ("onnx-jax", "float16", "cpu"), ("onnx", "float32", "cuda")]
+    assert column_groups(columns) == [[columns[0], columns[2]], [columns[1], columns[3]], [columns[4]]]
+    order = [("torch", "float32", "cpu"), ("jax", "float64", "cpu"), ("jax", "bfloat16", "cpu"),
+             ("onnx", "float32", "cpu"), ("my-plugin", "float32", "cpu")]
+    assert sorted(order, key=_cost_rank) == [order[3], order[2], order[1], order[0], order[4]]
+
+
 def test_a_worker_dying_inside_a_group_leaves_the_rest_of_the_group_to_another(siblings):
     results = run_matrix(CFG, PARAMS, _plan(["crashing-sibling", "sibling", "numpy-float32"]), jobs=2)
     crashed = [r for r in results if r.backend == "crashing-sibling" and r.dtype == "float32"]

@@ -55,6 +55,14 @@ class OnnxBackend:
 
     name = "onnx"
     framework = "torch"
+    # an exporter's first graph in a process pays its start-up (imports, registries): a second
+    # dtype exported after the first costs ~8 s less CPU, so the parallel harness gives every
+    # dtype's column of one of these backends a single worker
+    family_spans_dtypes = True
+
+    @property
+    def program_family(self) -> str:
+        return self.name
 
     def availability(self) -> str | None:
         return None
