@@ -112,7 +112,6 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
-@partial(jax.jit, static_argnames=("path", "precision"))
 def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
                                  path: str = "sdpa", precision: str = "highest") -> jax.Array:
     """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
@@ -120,7 +119,16 @@ def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
     # which leaves float64 attention float32-accurate (errors ~1e-7): float64 uses the math path,
     # and so does every case where the native primitive fails to compile (native_attention_fails).
-    if path == "math" or q.dtype == jnp.float64 or native_attention_fails(q.dtype, _platform(), q.shape[-2]):
+    # Decided before the jit, so both paths' calls that end up explicit share one program.
+    if q.dtype == jnp.float64 or native_attention_fails(q.dtype, _platform(), q.shape[-2]):
+        path = "math"
+    return _attention(q, k, v, mask, path, precision)
+
+
+@partial(jax.jit, static_argnames=("path", "precision"))
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, path: str,
+               precision: str) -> jax.Array:
+    if path == "math":
         scores = jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
         weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
         return jnp.matmul(weights, v, precision=precision)
@@ -161,7 +169,10 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
         d = cfg.d_model
-        self.n_heads, self.path, self.precision = cfg.n_heads, path, precision
+        # float64 attention always takes the math path (scaled_dot_product_attention): stored so,
+        # a float64 model's programs are the same for either path, traced and compiled once
+        self.n_heads, self.precision = cfg.n_heads, precision
+        self.path = "math" if jnp.dtype(dtype) == jnp.float64 else path
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
         self.q = linear(d, d, use_bias=cfg.qkv_bias)
         self.k = linear(d, d, use_bias=cfg.qkv_bias)
