@@ -43,7 +43,7 @@ def excerpt(path: str, name: str) -> str:
 class Section:
     title: str
     intro: str
-    names: dict[str, str]  # implementation label -> function/class name in its file
+    names: dict[str, str | tuple[str, ...]]  # implementation label -> function/class name(s) in its file
 
 
 SECTIONS = [
@@ -57,7 +57,8 @@ SECTIONS = [
     Section("Where 1/√d_k is applied, mask polarity and rows with no key",
             "softmax(QKᵀ/√d_k)V with a boolean keep-mask (True = may attend); a query row with no key "
             "outputs zeros (SPEC.md §6).",
-            {name: "scaled_dot_product_attention" for name in IMPLEMENTATIONS}),
+            {"NumPy (golden)": "scaled_dot_product_attention", "PyTorch": "scaled_dot_product_attention",
+             "JAX / Flax": ("scaled_dot_product_attention", "_attention")}),
     Section("Splitting heads",
             "Heads are contiguous blocks of d_k columns: [B, T, d] → [B, H, T, d_k].",
             {name: "split_heads" for name in IMPLEMENTATIONS}),
@@ -227,9 +228,10 @@ def differences_page() -> str:
              "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
     for section in SECTIONS:
         lines += [f"## {section.title}", "", section.intro, ""]
-        for label, name in section.names.items():
-            path, name = name.split("::") if "::" in name else (IMPLEMENTATIONS[label], name)
-            lines += [f"**{label}** — `{path}` · `{name}`", "", "```python", source_of(path, name), "```", ""]
+        for label, names in section.names.items():
+            for name in (names,) if isinstance(names, str) else names:
+                path, name = name.split("::") if "::" in name else (IMPLEMENTATIONS[label], name)
+                lines += [f"**{label}** — `{path}` · `{name}`", "", "```python", source_of(path, name), "```", ""]
         lines += ["What differs, measured:", ""]
         lines += [f"- {item}" for item in found[section.title]]
         lines.append("")
