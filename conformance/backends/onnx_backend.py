@@ -60,10 +60,6 @@ class OnnxBackend:
     # dtype's column of one of these backends a single worker
     family_spans_dtypes = True
 
-    @property
-    def program_family(self) -> str:
-        return self.name
-
     def availability(self) -> str | None:
         return None
 
