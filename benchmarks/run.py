@@ -228,7 +228,7 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
         return _skip(results, contender, "generate", reason)
     if contender.dtype == "float16":
         relative = tolerance("float16", cfg.d_ff, SUBLAYERS["generate"].depth(cfg))
-        check = compare_generation(tokens, want_tokens, step_logits, relative)
+        check = compare_generation(tokens, want_tokens, step_logits, relative, EOS_ID)
         same, note = check.passed, check.reason or "equal to the golden's (near-ties allowed at float16)"
     else:
         same = np.array_equal(tokens, want_tokens)

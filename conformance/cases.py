@@ -32,12 +32,13 @@ with size-1 axes broadcasting) or None; a backend must normalize them (spec.inpu
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+import impl_numpy as golden
 from spec import ModelConfig
 from spec.masks import causal_mask, combine_masks, key_mask
 
@@ -48,6 +49,7 @@ PAST_LEN = 4  # cached positions before the query in the 'incremental' mask case
 BOS_ID = 1
 EOS_ID = 2
 MAX_NEW_TOKENS = 5
+GENERATION_CANDIDATES = 8  # source or prompt rows drawn for each row of a generate case
 
 MASK_CASES: dict[str, str] = {
     "none": "no mask, no padding",
@@ -98,13 +100,15 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("embedding", "token embedding (x sqrt(d)) plus positional encoding", ("none",), lambda c: 1),
     Sublayer("positional", "positional encoding table rows", ("none",), lambda c: 1),
     Sublayer("attention", "scaled dot-product attention with a mask", _ATTENTION_CASES, lambda c: 1),
-    Sublayer("mha", "multi-head self-attention (encoder layer 0, or decoder layer 0)", _ATTENTION_CASES, lambda c: 1),
-    Sublayer("mha_cross", "multi-head cross-attention (decoder layer 0)", _CROSS_CASES, lambda c: 1, True),
+    Sublayer("mha", "multi-head self-attention (the encoder's layers in turn, or the decoder's)", _ATTENTION_CASES,
+             lambda c: 1),
+    Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
     Sublayer("norm", "the config's norm (layernorm or std)", ("none",), lambda c: 1),
     Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
-    Sublayer("encoder_layer", "encoder layer 0", _ENCODER_LAYER_CASES, lambda c: 4, True),
-    Sublayer("decoder_layer", "decoder layer 0", _DECODER_LAYER_CASES, lambda c: 6),
+    Sublayer("encoder_layer", "an encoder layer (each mask case the next layer)", _ENCODER_LAYER_CASES, lambda c: 4,
+             True),
+    Sublayer("decoder_layer", "a decoder layer (each mask case the next layer)", _DECODER_LAYER_CASES, lambda c: 6),
     Sublayer("encoder", "embedding, every encoder layer, final norm", _STACK_CASES,
              lambda c: 2 * c.n_encoder_layers + 2, True),
     Sublayer("decoder", "embedding, every decoder layer, final norm", _MODEL_CASES,
@@ -204,6 +208,15 @@ def _lengths(mask_case: str) -> tuple[int, int]:
     return q_len, k_len
 
 
+def _layer(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
+    """The layer a layer-level case runs: its mask cases take the stack's layers in turn, so every
+    layer's attention is checked on its own inputs (a deep layer's parameters reach the whole
+    model's output only faintly)."""
+    stack = cfg.n_encoder_layers if sublayer == "encoder_layer" or (sublayer == "mha" and cfg.has_encoder) \
+        else cfg.n_decoder_layers
+    return applicable_cases(cfg, sublayer).index(mask_case) % stack
+
+
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
     """(src_ids, tgt_ids) for a model-level case; lengths capped at max_len."""
     src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
@@ -221,7 +234,8 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
     return _token_ids(rng, BATCH, src_len, cfg.src_vocab_size, cfg.pad_id, source_padding), tgt
 
 
-def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Generator) -> tuple[dict[str, Any], int]:
+def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+           rng: np.random.Generator) -> tuple[dict[str, Any], int]:
     """(inputs, reduction length) for one case."""
     d, d_ff, heads = cfg.d_model, cfg.d_ff, cfg.n_heads
     stack = "encoder" if cfg.has_encoder else "decoder"
@@ -245,7 +259,8 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         x = _normal(rng, BATCH, q_len, d)
         self_attention = sublayer == "mha" and q_len == k_len
         context = x if self_attention else _normal(rng, BATCH, k_len, d)
-        module = f"{stack}.layers.0.self_attn" if sublayer == "mha" else "decoder.layers.0.cross_attn"
+        module = (f"{stack}.layers.{_layer(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
+                  else f"decoder.layers.{_layer(cfg, sublayer, mask_case)}.cross_attn")
         return {"module": module, "x": x, "context": context,
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(d, k_len)
     if sublayer in ("ffn", "norm", "ffn_block"):
@@ -254,7 +269,7 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, d if sublayer == "norm" else max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
-        return {"index": 0, "x": _normal(rng, BATCH, length, d),
+        return {"index": _layer(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, length, length)}, max(d, d_ff, length)
     if sublayer == "decoder_layer":
         t_len, s_len = (1, 1) if mask_case == "single_token" else (TGT_LEN, SRC_LEN)
@@ -268,7 +283,8 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
         cross = None
         if cfg.has_encoder and mask_case in ("cross_pad", "all_pad"):
             cross = key_mask(_keep(BATCH, s_len, "pad_right" if mask_case == "cross_pad" else "all_pad"))
-        return {"index": 0, "y": _normal(rng, BATCH, t_len, d), "memory": memory, "self_mask": self_mask,
+        return {"index": _layer(cfg, sublayer, mask_case), "y": _normal(rng, BATCH, t_len, d), "memory": memory,
+                "self_mask": self_mask,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
     reduction = max(d, d_ff, SRC_LEN + 3, (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2)
@@ -285,14 +301,51 @@ def _build(cfg: ModelConfig, sublayer: str, mask_case: str, rng: np.random.Gener
     if sublayer == "decode":
         return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": min(2, tgt_ids.shape[1] - 1)}, reduction
     if sublayer == "generate":
-        prompt = None
-        if not cfg.has_encoder:
-            prompt = _token_ids(rng, BATCH, 3, cfg.tgt_vocab_size, cfg.pad_id, "pad_left" if mask_case != "none" else "none")
-        new_tokens = max(1, min(MAX_NEW_TOKENS, cfg.max_len - (1 if prompt is None else 3)))
-        bos_id = cfg.pad_id if mask_case == "pad_start" else min(BOS_ID, cfg.tgt_vocab_size - 1)
-        return {"src_ids": src_ids, "prompt_ids": prompt, "bos_id": bos_id,
-                "eos_id": min(EOS_ID, cfg.tgt_vocab_size - 1), "max_new_tokens": new_tokens}, reduction
+        return _generation_inputs(cfg, params, rng, mask_case), reduction
     raise KeyError(f"unknown sublayer {sublayer!r}")
+
+
+def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: np.random.Generator,
+                       mask_case: str) -> dict[str, Any]:
+    """A generate case whose greedy output tells a working loop from a broken one (SPEC.md §11):
+    each batch row is the candidate, of GENERATION_CANDIDATES drawn with the row's padding, whose
+    golden tokens are the most varied (a loop that never advances repeats its first token), and
+    eos_id is a token that ends some rows early, at different steps, and not others."""
+    candidates = BATCH * GENERATION_CANDIDATES  # candidate j of row r is row r + BATCH·j: same padding
+    src_ids = prompt = None
+    if cfg.has_encoder:
+        padding = "pad_right" if mask_case == "pad_start" else mask_case
+        src_ids = _token_ids(rng, candidates, min(SRC_LEN, cfg.max_len), cfg.src_vocab_size, cfg.pad_id, padding)
+    else:
+        prompt = _token_ids(rng, candidates, 3, cfg.tgt_vocab_size, cfg.pad_id, "pad_left" if mask_case != "none" else "none")
+    new_tokens = max(1, min(MAX_NEW_TOKENS, cfg.max_len - (1 if prompt is None else 3)))
+    bos_id = cfg.pad_id if mask_case == "pad_start" else min(BOS_ID, cfg.tgt_vocab_size - 1)
+    tokens = golden.greedy_generate(cfg, params, src_ids, prompt_ids=prompt, bos_id=bos_id, eos_id=None,
+                                    max_new_tokens=new_tokens)
+    rows: list[int] = []
+    for slot in range(BATCH):  # the most varied candidate, then the one least like the rows chosen
+        options = range(slot, candidates, BATCH)
+        rows.append(max(options, key=lambda j: (len(set(tokens[j].tolist())),
+                                                sum(int((tokens[j] != tokens[i]).sum()) for i in rows), -j)))
+    return {"src_ids": None if src_ids is None else src_ids[rows], "prompt_ids": None if prompt is None else prompt[rows],
+            "bos_id": bos_id, "eos_id": end_of_sequence(tokens[rows], min(EOS_ID, cfg.tgt_vocab_size - 1), cfg.pad_id),
+            "max_new_tokens": new_tokens}
+
+
+def end_of_sequence(tokens: np.ndarray, default: int, pad_id: int) -> int:
+    """The eos_id for free-running greedy tokens [B, N]: the token whose first appearances end the
+    most rows at distinct steps 1..N-2 (a row's tokens, then padding), then the most rows, always
+    leaving a row that never ends; ties go to the lowest id, pad_id is never chosen (the padding
+    after an end must be told from the end). `default` when no token ends a row."""
+    best, best_score = default, None
+    for token in sorted(set(tokens.ravel().tolist()) - {pad_id}):
+        ends = [int(np.flatnonzero(row == token)[0]) for row in tokens if (row == token).any()]
+        if len(ends) == tokens.shape[0]:
+            continue  # every row would end: nothing shows that a row without it must go on
+        score = (len({step for step in ends if 1 <= step <= tokens.shape[1] - 2}), len(ends))
+        if best_score is None or score > best_score:
+            best, best_score = token, score
+    return best
 
 
 def decode_steps(inputs: dict[str, Any], cache: Any, decode_step: Callable[[Any, np.ndarray], tuple[Any, Any]]) -> list:
@@ -321,12 +374,18 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     return cases
 
 
-def catalogue(cfg: ModelConfig) -> list[Case]:
+def case_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(sublayer, mask case) of every case of the config's catalogue, in order."""
+    return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer)]
+
+
+def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str) -> Case:
+    """One case, its inputs built (the generate cases read the golden's tokens on `params`)."""
+    rng = np.random.default_rng(case_seed(sublayer, mask_case))
+    inputs, reduction = _build(cfg, params, sublayer, mask_case, rng)
+    return Case(sublayer, mask_case, inputs, reduction)
+
+
+def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> list[Case]:
     """Every applicable (sublayer, mask case) of the config, inputs built."""
-    cases = []
-    for sublayer in SUBLAYERS:
-        for mask_case in applicable_cases(cfg, sublayer):
-            rng = np.random.default_rng(case_seed(sublayer, mask_case))
-            inputs, reduction = _build(cfg, sublayer, mask_case, rng)
-            cases.append(Case(sublayer, mask_case, inputs, reduction))
-    return cases
+    return [build_case(cfg, params, sublayer, mask_case) for sublayer, mask_case in case_names(cfg)]

@@ -39,6 +39,7 @@ from conformance.report import columns_and_rows, summary_counts, write_report
 from conformance.tolerance import DTYPES
 from spec import (
     SpecError,
+    conformance_params,
     count_params,
     describe_preset,
     get_preset,
@@ -71,7 +72,7 @@ def _load_model(args: argparse.Namespace):
         imported = import_huggingface(args.hf)
         return imported.config, imported.params, {"hf": str(args.hf), "family": imported.family}
     cfg = get_preset(args.preset)
-    return cfg, init_params(cfg, args.seed), {"preset": args.preset, "seed": args.seed}
+    return cfg, conformance_params(cfg, args.seed), {"preset": args.preset, "seed": args.seed}
 
 
 def _cell_text(result: CellResult) -> str:
@@ -286,7 +287,7 @@ def cmd_mutations(args: argparse.Namespace) -> int:
     from conformance.mutations import MUTATIONS, gallery_table, run_mutation
 
     cfg = get_preset(args.preset)
-    params = init_params(cfg, args.seed)
+    params = conformance_params(cfg, args.seed)
     start = time.perf_counter()
     verdicts = [run_mutation(cfg, params, mutation) for mutation in MUTATIONS]
     table = gallery_table(verdicts)
@@ -516,11 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "four implementations, checked against one golden reference.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="run the conformance matrix against the golden")
-    check.add_argument("--preset", default=None, help="preset config with init_params (default: tiny)")
+    check.add_argument("--preset", default=None, help="preset config with its conformance weights, "
+                       "spec.conformance_params (default: tiny)")
     check.add_argument("--weights", type=Path, help="a weights file (config read from it)")
     check.add_argument("--hf", type=Path, help="a Hugging Face model directory: adds the transformers column (and, "
                        "without --weights, imports its weights)")
-    check.add_argument("--seed", type=int, default=0, help="init seed for --preset (default 0)")
+    check.add_argument("--seed", type=int, default=0, help="weights seed for --preset (default 0)")
     check.add_argument("--backends", help=f"comma-separated (default all: {', '.join(backend_names())})")
     check.add_argument("--dtypes", help=f"comma-separated (default all: {', '.join(DTYPES)})")
     check.add_argument("--devices", help="comma-separated, or auto (default: every device present)")

@@ -71,10 +71,10 @@ def matches(test_id: str, pattern: str | None) -> bool:
 
 @dataclass
 class Plan:
-    """What a matrix run will do: the cells to run and the ones skipped up front."""
+    """What a matrix run will do: the columns to run and the ones skipped up front (the cases
+    are built when the weights are known: the generate cases read the golden's tokens)."""
 
     cfg: ModelConfig
-    cases: list[Case]
     columns: list[tuple[str, str, str]]  # (backend, dtype, device) that can run
     skipped_columns: dict[tuple[str, str, str], str]  # (backend, dtype, device) -> reason
 
@@ -103,7 +103,7 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
                     skipped[key] = why
                 else:
                     columns.append(key)
-    return Plan(cfg, catalogue(cfg), columns, skipped)
+    return Plan(cfg, columns, skipped)
 
 
 def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
@@ -123,9 +123,10 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
 
 def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
+    cases = catalogue(cfg, params)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
-        for case in plan.cases:
+        for case in cases:
             if matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
                 results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason))
     work = []
@@ -135,7 +136,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool) -> 
         # is not made for a column whose every cell would be skipped
         backend, _ = get_backend(name)
         why_not = getattr(backend, "supports_sublayer", lambda sublayer: None)
-        for case in plan.cases:
+        for case in cases:
             if not matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
                 continue
             if (why := why_not(case.sublayer)) is not None:
@@ -195,7 +196,7 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     seconds = time.perf_counter() - start
     relative = tolerance(dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(cfg))
     if case.sublayer == "generate":
-        result = compare_generation(output, *reference, relative)
+        result = compare_generation(output, *reference, relative, case.inputs["eos_id"])
     else:
         result = compare(output, reference, relative)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,

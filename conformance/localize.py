@@ -156,11 +156,11 @@ def localize_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_
                     mask_case: str = "pad_right") -> Localization:
     """Localize one matrix column on the inputs of the catalogue's forward case `mask_case`."""
     from conformance.adapter import get_backend
-    from conformance.cases import catalogue
+    from conformance.cases import build_case
 
     backend, reason = get_backend(backend_name)
     if backend is None:
         raise RuntimeError(f"backend {backend_name} is unavailable: {reason}")
-    case = next(c for c in catalogue(cfg) if c.sublayer == "forward" and c.mask_case == mask_case)
+    case = build_case(cfg, params, "forward", mask_case)
     runner = backend.load(cfg, params, dtype, device)
     return localize(cfg, params, runner, dtype, case.inputs["src_ids"], case.inputs["tgt_ids"])

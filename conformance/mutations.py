@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
 from conformance.cases import SUBLAYERS
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
 from conformance.localize import localize_column
-from spec import ModelConfig
+from spec import ModelConfig, conformance_params, param_shapes
 
 
 # ---- the mistakes -----------------------------------------------------------------------------
@@ -109,6 +109,68 @@ def _cross_attention_ignores_padding(cfg, p, y, memory, self_mask, cross_mask):
     return _original("decoder_layer")(cfg, p, y, memory, self_mask, None)  # source padding not masked
 
 
+def _ffn_first_bias_dropped(p, x, activation):
+    hidden = model.ACTIVATIONS[activation](model.linear(x, p["w1.weight"]))  # w1's bias never added
+    return model.linear(hidden, p["w2.weight"], p.get("w2.bias"))
+
+
+def _qk_biases_swapped(p, x, k, v, mask, n_heads):
+    # a loader that filled q.bias from k.bias and k.bias from q.bias; k's bias adds the same number
+    # to every score of a query (softmax ignores it), so the swap shows through q alone
+    q = model.split_heads(model.linear(x, p["q.weight"], p.get("k.bias")), n_heads)
+    heads = model.scaled_dot_product_attention(q, k, v, mask)
+    return model.linear(model.merge_heads(heads), p["o.weight"], p.get("o.bias"))
+
+
+def _layer_norm_without_scale(x, scale, bias, eps):
+    centered = x - x.mean(axis=-1, keepdims=True)
+    variance = (centered * centered).mean(axis=-1, keepdims=True)
+    return centered / np.sqrt(variance + eps) + bias  # γ never applied
+
+
+def _layer_norm_without_bias(x, scale, bias, eps):
+    centered = x - x.mean(axis=-1, keepdims=True)
+    variance = (centered * centered).mean(axis=-1, keepdims=True)
+    return centered / np.sqrt(variance + eps) * scale  # β never added
+
+
+def _head_bias_dropped(cfg, params, h):
+    weight = params["tgt_embed.weight"].T if cfg.tie_head else params["head.weight"]
+    return model.linear(h, weight)  # head.bias never added
+
+
+def _generation_ignores_eos(cfg, params, src_ids=None, *, eos_id=None, **options):
+    return _original("greedy_generate")(cfg, params, src_ids, eos_id=None, **options)  # eos_id dropped
+
+
+def _loop_never_advances(cfg, params, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None,
+                         max_new_tokens, dtype=np.float64):
+    p = model.cast_params(cfg, params, dtype)
+    batch = len(src_ids if cfg.has_encoder else prompt_ids)
+    first, first_keep, cache = model.generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
+    tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
+    finished = np.zeros(batch, dtype=bool)
+    for t in range(max_new_tokens):
+        logits, _ = model.decode_step(cfg, p, cache, first, first_keep)  # the first step, every step
+        tokens[:, t] = np.where(finished, cfg.pad_id, logits[:, -1].argmax(axis=-1))
+        finished |= tokens[:, t] == eos_id
+    return tokens
+
+
+def _loop_feeds_back_its_input(cfg, params, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None,
+                               max_new_tokens, dtype=np.float64):
+    p = model.cast_params(cfg, params, dtype)
+    batch = len(src_ids if cfg.has_encoder else prompt_ids)
+    step_ids, step_keep, cache = model.generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
+    tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
+    finished = np.zeros(batch, dtype=bool)
+    for t in range(max_new_tokens):
+        logits, cache = model.decode_step(cfg, p, cache, step_ids, step_keep)  # step_ids: never the new token
+        tokens[:, t] = np.where(finished, cfg.pad_id, logits[:, -1].argmax(axis=-1))
+        finished |= tokens[:, t] == eos_id
+    return tokens
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -118,6 +180,7 @@ class Mutation:
     expected_sublayer: str  # the smallest catalogue sublayer that must fail
     expected_stage: str | None  # the localization stage that must fail first (None: none fails alone)
     localize_on: str = "pad_right"  # the forward case whose inputs the localization uses
+    config: Mapping[str, object] | None = None  # config fields the mistake needs (a head bias to drop)
 
 
 MUTATIONS: list[Mutation] = [
@@ -150,6 +213,22 @@ MUTATIONS: list[Mutation] = [
              "ffn", "encoder.layers.0"),
     Mutation("cross_padding", "cross-attention ignores the source padding mask", "decoder_layer",
              _cross_attention_ignores_padding, "decoder_layer", "decoder.layers.0"),
+    Mutation("ffn_bias_dropped", "the FFN's first linear layer without its bias", "feed_forward",
+             _ffn_first_bias_dropped, "ffn", "encoder.layers.0"),
+    Mutation("qk_biases_swapped", "q and k projection biases swapped", "attend", _qk_biases_swapped, "mha",
+             "encoder.layers.0"),
+    Mutation("norm_without_scale", "layer norm without its scale γ", "layer_norm", _layer_norm_without_scale,
+             "norm", "encoder.layers.0"),
+    Mutation("norm_without_bias", "layer norm without its bias β", "layer_norm", _layer_norm_without_bias,
+             "norm", "encoder.layers.0"),
+    Mutation("head_bias_dropped", "the output projection without its bias (a config with head_bias)",
+             "output_logits", _head_bias_dropped, "logits", "head", config={"head_bias": True}),
+    Mutation("ignores_eos", "greedy generation ignores eos_id: finished rows go on", "greedy_generate",
+             _generation_ignores_eos, "generate", None),
+    Mutation("loop_never_advances", "a generation loop that never advances: every step reruns the first",
+             "greedy_generate", _loop_never_advances, "generate", None),
+    Mutation("loop_feeds_back_input", "a generation loop that feeds back its previous input, not the new token",
+             "greedy_generate", _loop_feeds_back_its_input, "generate", None),
 ]
 
 _ORIGINALS = {name: getattr(model, name) for name in {m.target for m in MUTATIONS}}
@@ -208,7 +287,18 @@ class Verdict:
         return self.first_sublayer == self.mutation.expected_sublayer and self.first_stage == self.mutation.expected_stage
 
 
+def mutation_model(cfg: ModelConfig, params, mutation: Mutation) -> tuple[ModelConfig, dict]:
+    """The config a mutation runs on, and its weights: the given ones, and the conformance
+    weights of whatever the mutation's config adds."""
+    if not mutation.config:
+        return cfg, dict(params)
+    cfg = cfg.replace(**mutation.config)
+    added = conformance_params(cfg)
+    return cfg, {name: params[name] if name in params else added[name] for name in param_shapes(cfg)}
+
+
 def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
+    cfg, params = mutation_model(cfg, params, mutation)
     name = f"mutant-{mutation.name}"
     register_backend(name, lambda: MutantBackend(mutation))
     try:

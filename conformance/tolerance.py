@@ -104,11 +104,13 @@ def _describe(actual: np.ndarray, expected: np.ndarray, worst: tuple, max_abs: f
 
 
 def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_logits: np.ndarray,
-                       relative_tol: float) -> Comparison:
-    """Greedy tokens must equal the golden's, except where the golden itself had a near-tie: at
-    the first step where a row differs, the golden's logit for the backend's token must be within
-    the logit tolerance of the golden's best. That row is not compared after it (the prefixes
-    differ from there on). golden_step_logits [B, N, V] are the golden's logits at each step."""
+                       relative_tol: float, eos_id: int | None) -> Comparison:
+    """Greedy tokens must equal the golden's, except at a near-tie (SPEC.md §8): at the first step
+    where a row differs, the golden's logit for the backend's token must be within the logit
+    tolerance of the golden's best logit at that step; the row is not compared after it (the
+    prefixes differ from there on). A row the golden ended with eos_id is padding from then on,
+    exactly: a different token there is never a tie (the golden chose nothing at those steps).
+    golden_step_logits [B, N, V] are the golden's logits at each step."""
     golden_tokens = np.asarray(golden_tokens)
     try:
         actual = np.asarray(actual)
@@ -124,12 +126,17 @@ def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_lo
         if differ.size == 0:
             continue
         step = int(differ[0])
-        token = int(actual[row, step])
+        token, expected = int(actual[row, step]), int(golden_tokens[row, step])
+        ended = np.flatnonzero(golden_tokens[row, :step] == eos_id) if eos_id is not None else np.array([])
+        if ended.size:
+            return Comparison(False, math.inf, math.inf, tol, (row, step), float(token), float(expected),
+                              f"row {row} step {step}: got token {token} after the golden ended the row with "
+                              f"eos_id {eos_id} at step {int(ended[0])}; from there every token is {expected}")
         logits = golden_step_logits[row, step]
-        margin = float(logits[golden_tokens[row, step]] - logits[token]) if 0 <= token < logits.shape[0] else math.inf
+        margin = float(logits.max() - logits[token]) if 0 <= token < logits.shape[0] else math.inf
         if not margin <= tol:
-            return Comparison(False, margin, math.inf, tol, (row, step), float(token), float(golden_tokens[row, step]),
-                              f"row {row} step {step}: got token {token}, golden {golden_tokens[row, step]}, whose "
+            return Comparison(False, margin, math.inf, tol, (row, step), float(token), float(expected),
+                              f"row {row} step {step}: got token {token}, golden {expected}, whose "
                               f"logit is higher by {margin:.3g} > tol {tol:.3g} (not a tie)")
         worst_margin = max(worst_margin, margin)
         ties.append(f"row {row} step {step}")

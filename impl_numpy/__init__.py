@@ -16,6 +16,7 @@ from impl_numpy.model import (
     final_norm,
     forward,
     gelu,
+    generation_start,
     gelu_tanh,
     greedy_generate,
     key_value_heads,

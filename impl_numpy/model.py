@@ -369,6 +369,17 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     return logits, new_cache
 
 
+def generation_start(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | None,
+                     prompt_ids: np.ndarray | None, bos_id: int | None) -> tuple[np.ndarray, np.ndarray, KVCache]:
+    """The first step's input and its keep-vector [B, n], and the empty cache: an encoder-decoder
+    starts from bos_id (always real), a decoder-only model from its prompt (pad_id is padding)."""
+    if cfg.has_encoder:
+        first = np.full((batch, 1), bos_id, dtype=np.int64)
+        return first, np.ones_like(first, dtype=bool), start_cache(cfg, p, batch, src_ids)
+    first = np.asarray(prompt_ids)
+    return first, first != cfg.pad_id, start_cache(cfg, p, batch)
+
+
 def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None = None, *,
                     prompt_ids: np.ndarray | None = None, bos_id: int | None = None,
                     eos_id: int | None = None, max_new_tokens: int, dtype: np.dtype = np.float64,
@@ -382,17 +393,10 @@ def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None
     tokens, even if an id equals pad_id."""
     batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
     p = cast_params(cfg, params, dtype)
-    if cfg.has_encoder:
-        first = np.full((batch, 1), bos_id, dtype=np.int64)
-        first_keep = np.ones_like(first, dtype=bool)
-    else:
-        first = np.asarray(prompt_ids)
-        first_keep = first != cfg.pad_id
-    cache = start_cache(cfg, p, batch, src_ids)
+    step_ids, step_keep, cache = generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
     step_logits = np.zeros((batch, max_new_tokens, cfg.tgt_vocab_size), dtype=p["tgt_embed.weight"].dtype)
-    step_ids, step_keep = first, first_keep
     for t in range(max_new_tokens):
         logits, cache = decode_step(cfg, p, cache, step_ids, step_keep)
         step_logits[:, t] = logits[:, -1]

@@ -18,6 +18,7 @@ from spec.masks import (
 from spec.params import (
     PARAM_DTYPE,
     check_params,
+    conformance_params,
     count_params,
     init_params,
     param_shapes,
@@ -31,7 +32,7 @@ from spec.weights import load_weights, read_config, save_weights
 __all__ = [
     "ACTIVATIONS", "ARCHS", "NORMS", "NORM_POSITIONS", "POSITIONALS",
     "ModelConfig", "get_preset", "list_presets", "describe_preset",
-    "init_params", "param_shapes", "count_params", "check_params", "params_digest", "params_under",
+    "init_params", "conformance_params", "param_shapes", "count_params", "check_params", "params_digest", "params_under",
     "PARAM_DTYPE", "save_weights", "load_weights", "read_config",
     "padding_mask", "key_mask", "causal_mask", "combine_masks", "normalize_mask",
     "encoder_self_mask", "decoder_self_mask", "cross_mask",

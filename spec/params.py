@@ -111,11 +111,15 @@ def _normal(stream: np.random.Generator, shape: tuple[int, ...], std: float) -> 
     return (std * radius * np.cos(2.0 * math.pi * u2)).reshape(shape)
 
 
+def _check_seed(seed: object) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic float32 parameters: Xavier-uniform matrices, N(0, std=d^-0.5) embeddings
     (token and learned-position tables), zero biases, unit norm scales."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be a non-negative integer below 2**63, got {seed!r}")
+    _check_seed(seed)
     params: dict[str, np.ndarray] = {}
     for name, shape in param_shapes(cfg).items():
         stream = _name_stream(int(seed), name)
@@ -129,6 +133,45 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             fan_in, fan_out = shape
             values = _uniform(stream, shape, math.sqrt(6.0 / (fan_in + fan_out)))
         params[name] = values.astype(PARAM_DTYPE)
+    return params
+
+
+# ---- conformance weights ------------------------------------------------------------------
+
+# The paper's initialisation hides whole classes of parameters: a zero bias that is dropped, a
+# unit norm scale that is ignored, leave every output unchanged. The conformance matrix runs on
+# weights in which every tensor is drawn away from its trivial value (SPEC.md §4.1).
+CONFORMANCE_BIAS = 0.2  # biases (attention, FFN, head, norms): U(-0.2, 0.2)
+CONFORMANCE_SCALE = 0.2  # norm scales: U(1 - 0.2, 1 + 0.2)
+# Greedy decoding of a random post-LN encoder-decoder repeats one token: what a step changes (the
+# last token, the position) is small beside what every step shares (the cross-attention over a
+# fixed memory, the biases). A stronger FFN, a random function of the step's own input, makes
+# each step's token depend on the last one (conformance/cases.py then picks varied rows).
+CONFORMANCE_GAINS = {"ffn": 3.0}  # × the Xavier limit of those matrices
+
+
+def _gain(name: str) -> float:
+    module = name.split(".")[-3] if name.count(".") >= 2 else ""
+    return CONFORMANCE_GAINS.get(module, 1.0)
+
+
+def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic float32 parameters in which every tensor matters: init_params' matrices
+    (the FFN's ×3) and embeddings, with biases drawn from U(-0.2, 0.2) and norm
+    scales from U(0.8, 1.2). The weights `rosetta check --preset` and the tests run on."""
+    _check_seed(seed)
+    params: dict[str, np.ndarray] = {}
+    for name, value in init_params(cfg, seed).items():
+        stream = _name_stream(int(seed), name)  # the stream init_params leaves unread for these
+        if name.endswith(".scale"):
+            value = 1.0 + _uniform(stream, value.shape, CONFORMANCE_SCALE)
+        elif name.endswith(".bias"):
+            value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
+        elif name.endswith("embed.weight") or name.endswith("pos.weight"):
+            value = value.astype(np.float64)
+        else:  # a [in, out] matrix
+            value = _gain(name) * value.astype(np.float64)
+        params[name] = value.astype(PARAM_DTYPE)
     return params
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import impl_numpy as golden
 from conformance.cases import SUBLAYERS
 from conformance.tolerance import compare, tolerance
-from spec import get_preset, init_params
+from spec import get_preset, conformance_params
 
 
 def check_preset_forward(name: str, forward) -> None:
@@ -15,7 +15,7 @@ def check_preset_forward(name: str, forward) -> None:
     do not cover)."""
     cfg = get_preset(name)
     cfg = cfg.replace(n_encoder_layers=min(cfg.n_encoder_layers, 1), n_decoder_layers=1)
-    params = init_params(cfg)
+    params = conformance_params(cfg)
     generator = np.random.default_rng(0)
     tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
     src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None

@@ -7,10 +7,10 @@ from conformance.adapter import register_backend, unregister_backend
 from conformance.byo import CustomBackend, map_parameters
 from conformance.harness import FAIL, PASS, SKIP, plan_matrix, run_matrix
 from examples import nanogpt_style
-from spec import WeightsError, get_preset, init_params
+from spec import WeightsError, get_preset, conformance_params
 
 CHAR_LM = get_preset("char-lm").replace(n_decoder_layers=2)
-PARAMS = init_params(CHAR_LM, seed=3)
+PARAMS = conformance_params(CHAR_LM, seed=3)
 
 
 def _run(backend):

@@ -10,20 +10,21 @@ import pytest
 
 from conformance.adapter import NotSupported, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
-from conformance.cases import MASK_CASES, SUBLAYERS, catalogue
+from conformance.cases import MASK_CASES, SUBLAYERS, case_names, catalogue
 from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.mutations import MUTATIONS, MutantBackend
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
-from spec import init_params
+from spec import conformance_params
 from tests.variants import TINY, VARIANTS
+
+PARAMS = conformance_params(TINY)
 
 def _cells(variant):
     cfg = VARIANTS[variant]
     prefix = "" if variant == "tiny" else f"{variant}:"
-    return [pytest.param(variant, case.sublayer, case.mask_case,
-                         id=f"{prefix}{case.sublayer}-{case.mask_case}-float32-numpy-float32-cpu")
-            for case in catalogue(cfg)]
+    return [pytest.param(variant, sublayer, mask_case, id=f"{prefix}{sublayer}-{mask_case}-float32-numpy-float32-cpu")
+            for sublayer, mask_case in case_names(cfg)]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def matrices():
     """Each variant's matrix, run once through the harness."""
     results = {}
     for variant, cfg in VARIANTS.items():
-        cells = run_matrix(cfg, init_params(cfg, seed=1), plan_matrix(cfg, ["numpy-float32"], ["float32"]))
+        cells = run_matrix(cfg, conformance_params(cfg, seed=1), plan_matrix(cfg, ["numpy-float32"], ["float32"]))
         results[variant] = {(r.sublayer, r.mask_case): r for r in cells}
     return results
 
@@ -44,15 +45,15 @@ def test_catalogue_float32_against_golden(matrices, variant, sublayer, mask_case
 
 
 def test_catalogue_covers_every_mask_case_and_sublayer():
-    cases = catalogue(TINY)
+    cases = catalogue(TINY, PARAMS)
     assert {c.mask_case for c in cases} == set(MASK_CASES)
     assert {c.sublayer for c in cases} == set(SUBLAYERS)
-    decoder_only = catalogue(VARIANTS["char-lm"])
+    decoder_only = catalogue(VARIANTS["char-lm"], conformance_params(VARIANTS["char-lm"]))
     assert not any(c.sublayer in ("encoder", "encoder_layer", "mha_cross") for c in decoder_only)
 
 
 def test_catalogue_is_deterministic():
-    first, second = catalogue(TINY), catalogue(TINY)
+    first, second = catalogue(TINY, PARAMS), catalogue(TINY, PARAMS)
     for a, b in zip(first, second):
         for key, value in a.inputs.items():
             other = b.inputs[key]
@@ -60,7 +61,7 @@ def test_catalogue_is_deterministic():
 
 
 def test_all_pad_cases_really_have_rows_with_no_key():
-    for case in catalogue(TINY):
+    for case in catalogue(TINY, PARAMS):
         if case.mask_case == "all_pad" and case.sublayer in ("attention", "mha"):
             assert not case.inputs["mask"].any(axis=-1).all()
         if case.mask_case == "all_pad" and case.sublayer == "forward":
@@ -122,7 +123,7 @@ def _mutant(name):
 def _run_mutant(name, cfg=TINY):
     register_backend("mutant", lambda: _mutant(name))
     try:
-        results = run_matrix(cfg, init_params(cfg), plan_matrix(cfg, ["mutant"], ["float32"]))
+        results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["mutant"], ["float32"]))
     finally:
         unregister_backend("mutant")
     return {f"{r.sublayer}-{r.mask_case}": r for r in results}
@@ -159,7 +160,7 @@ def test_a_crashing_backend_is_an_error_not_a_pass():
 
     register_backend("broken", Broken)
     try:
-        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["broken"], ["float32"]))
+        results = run_matrix(TINY, conformance_params(TINY), plan_matrix(TINY, ["broken"], ["float32"]))
     finally:
         unregister_backend("broken")
     statuses = {r.sublayer: r.status for r in results}
@@ -172,14 +173,14 @@ def test_a_missing_framework_is_reported_unavailable():
     try:
         backend, reason = get_backend("ghost")
         assert backend is None and "not installed" in reason
-        results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["ghost"], ["float32"]))
+        results = run_matrix(TINY, conformance_params(TINY), plan_matrix(TINY, ["ghost"], ["float32"]))
         assert results and all(r.status == SKIP and "not installed" in r.reason for r in results)
     finally:
         unregister_backend("ghost")
 
 
 def test_unsupported_dtypes_and_devices_are_skipped_with_a_reason():
-    results = run_matrix(TINY, init_params(TINY), plan_matrix(TINY, ["numpy-float32"], ["float16"], ["cpu", "cuda"]),
+    results = run_matrix(TINY, conformance_params(TINY), plan_matrix(TINY, ["numpy-float32"], ["float16"], ["cpu", "cuda"]),
                          pattern="ffn")
     reasons = {(r.device, r.status, r.reason) for r in results}
     assert ("cpu", SKIP, "numpy-float32 runs at float32 only (float64 is the golden itself)") in reasons

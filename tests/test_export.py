@@ -28,7 +28,7 @@ from export.graphs import ENCODER, FORWARD, roles, signature
 from export.onnx_model import ExportError, metadata
 from export.placement import MATRIX_AND_NORM_OPS, cpu_fallbacks, fallback_message
 from export.runner import CPU, OnnxTransformer, ProviderFallbackError, cuda_available
-from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, init_params, params_digest
+from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, conformance_params, params_digest
 
 PRESETS = ("tiny", "char-lm")  # an encoder-decoder and a decoder-only model
 DTYPES = ("float32", "float16")
@@ -38,7 +38,7 @@ HAS_CUDA = cuda_available()
 @pytest.fixture(scope="module", params=PRESETS)
 def preset(request):
     cfg = get_preset(request.param)
-    return request.param, cfg, init_params(cfg, seed=0)
+    return request.param, cfg, conformance_params(cfg, seed=0)
 
 
 _exports: dict = {}
@@ -133,7 +133,8 @@ def test_greedy_tokens_equal_golden(preset, dtype, device):
     if dtype == "float32":
         np.testing.assert_array_equal(tokens, want)
     else:  # half precision may flip a near-tie: the policy's token check allows exactly that
-        result = compare_generation(tokens, want, step_logits, tolerance(dtype, _reduction(cfg, 6, new_tokens), _depth(cfg)))
+        result = compare_generation(tokens, want, step_logits, tolerance(dtype, _reduction(cfg, 6, new_tokens), _depth(cfg)),
+                                    EOS_ID)
         assert result.passed, result.reason
 
 
@@ -168,7 +169,7 @@ def test_a_cache_continued_two_ways_is_refused_unless_copied():
     """The two buffer sets are written in turn, so a cache whose set a step from another branch
     has since written is refused; a rewind along one line and a copy() are fine (SPEC.md §7)."""
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     model = _export(cfg, params, "torch", "float32")
     rng = np.random.default_rng(12)
     src, tgt = _ids(rng, cfg, 2, 5, cfg.src_vocab_size, "none"), _ids(rng, cfg, 2, 4, cfg.tgt_vocab_size, "none")
@@ -235,7 +236,7 @@ def test_graphs_are_checked_and_stamped(preset):
 
 def test_fallback_opset_decomposes_attention():
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     directory = exported(cfg, params, opset=20)  # the same export docs/framework-differences.md counts
     model = onnx.load(str(directory / "forward.onnx"))
     ops = {node.op_type for node in model.graph.node}
@@ -255,7 +256,7 @@ def test_fallback_opset_decomposes_attention():
 
 def test_runner_refuses_bad_inputs():
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     model = _export(cfg, params, "torch", "float32")
     good = np.ones((2, 3), dtype=np.int64)
     with pytest.raises(InputError, match="outside the vocabulary"):
@@ -280,13 +281,13 @@ def test_runner_refuses_bad_inputs():
 
 def test_runner_refuses_bad_directories(tmp_path):
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     with pytest.raises(ExportError, match="no manifest.json"):
         OnnxTransformer(tmp_path)
     # a graph from another export (other weights) slipped into the directory
     mixed = tmp_path / "mixed"
     shutil.copytree(exported(cfg, params, framework="torch"), mixed)
-    other = exported(cfg, init_params(cfg, seed=4), framework="jax")
+    other = exported(cfg, conformance_params(cfg, seed=4), framework="jax")
     shutil.copy(other / "forward.onnx", mixed / "forward.onnx")
     with pytest.raises(ExportError, match="params_sha256 metadata does not match"):
         OnnxTransformer(mixed, device="cpu")
@@ -299,7 +300,7 @@ def test_runner_refuses_bad_directories(tmp_path):
 @pytest.mark.skipif(HAS_CUDA, reason="checks the refusal on a machine without a usable CUDA provider")
 def test_cuda_refused_where_it_cannot_run():
     cfg = get_preset("tiny")
-    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")
     with pytest.raises(ProviderFallbackError, match="CUDA provider cannot run here"):
         OnnxTransformer(directory, device="cuda")
     assert OnnxTransformer(directory, device="auto").device == "cpu"
@@ -307,7 +308,7 @@ def test_cuda_refused_where_it_cannot_run():
 
 def test_one_session_shared_by_eight_threads():
     cfg = get_preset("tiny")
-    model = _export(cfg, init_params(cfg, seed=0), "torch", "float32")
+    model = _export(cfg, conformance_params(cfg, seed=0), "torch", "float32")
     rng = np.random.default_rng(9)
     jobs = [(_ids(rng, cfg, 2, 4 + i % 5, 96, "pad_right"), _ids(rng, cfg, 2, 2 + i % 3, 80, "none")) for i in range(32)]
     sequential = [(model.forward(s, t), model.greedy_generate(s, bos_id=1, eos_id=2, max_new_tokens=6)) for s, t in jobs]
@@ -330,7 +331,7 @@ def test_one_session_shared_by_eight_threads():
 
 def test_every_node_placed_on_the_cpu_provider():
     cfg = get_preset("tiny")
-    placement = _export(cfg, init_params(cfg, seed=0), "torch", "float32").placement()
+    placement = _export(cfg, conformance_params(cfg, seed=0), "torch", "float32").placement()
     assert set(placement) == set(roles(cfg))
     for role, nodes in placement.items():
         assert nodes and {node.provider for node in nodes} == {CPU}, role
@@ -374,7 +375,7 @@ def test_the_jax_export_is_the_same_graph_on_a_gpu_machine(tmp_path, monkeypatch
     from export.jax_export import export_jax
 
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     on_cpu = onnx.load(exported(cfg, params, framework="jax", dtype="float16") / "forward.onnx")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert impl_jax.model._platform() == "gpu"
@@ -412,7 +413,7 @@ def _with_a_node_cuda_cannot_run(directory, destination):
 def test_the_forced_cpu_node_graph_computes_the_same_logits(tmp_path):
     """The graph the GPU test below refuses is a valid graph with unchanged logits."""
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     directory = exported(cfg, params, framework="torch")
     forced = OnnxTransformer(_with_a_node_cuda_cannot_run(directory, tmp_path / "forced"), device="cpu")
     rng = np.random.default_rng(4)
@@ -425,7 +426,7 @@ def test_the_forced_cpu_node_graph_computes_the_same_logits(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")
 def test_cuda_refuses_a_compute_node_on_the_cpu(tmp_path):
     cfg = get_preset("tiny")
-    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")
     forced = _with_a_node_cuda_cannot_run(directory, tmp_path / "forced")
     with pytest.raises(ProviderFallbackError, match="node_Unique_forced: Unique"):
         OnnxTransformer(forced, device="cuda")
@@ -441,7 +442,7 @@ def test_triton_repository_matches_the_graphs(tmp_path):
     from export.triton import parse_pbtxt, validate_repository, write_repository
 
     cfg = get_preset("tiny")
-    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")
     models = write_repository(directory, tmp_path / "repo", max_batch_size=8, kind="KIND_CPU", instances=2)
     assert sorted(m.name for m in models) == sorted(f"rosetta_{role}" for role in roles(cfg))
     config = parse_pbtxt((tmp_path / "repo" / "rosetta_encoder" / "config.pbtxt").read_text())
@@ -482,7 +483,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     from conformance.cli import main
 
     cfg = get_preset("tiny")
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     assert main(["export", "--preset", "tiny", "--out", str(tmp_path / "onnx"), "--graphs", "forward"]) == 0
     out = capsys.readouterr().out
     assert "forward graph vs golden" in out and "(pass)" in out
@@ -510,7 +511,7 @@ def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
     from conformance.cli import main
 
     cfg = get_preset("tiny")
-    directory = exported(cfg, init_params(cfg, seed=0), framework="torch")
+    directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{export}", str(directory)) for a in argv]
     assert main(argv) == 2
     error = capsys.readouterr().err

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import impl_numpy as g
-from spec import InputError, get_preset, init_params, params_under
+from spec import InputError, get_preset, conformance_params, params_under
 from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
 from tests.strategies import small_configs
 
@@ -105,7 +105,7 @@ def test_split_and_merge_heads_are_inverse_and_contiguous():
 
 def test_fully_masked_rows_output_the_o_bias():
     cfg = TINY
-    p = g.cast_params(cfg, init_params(cfg))
+    p = g.cast_params(cfg, conformance_params(cfg))
     attention = params_under(p, "encoder.layers.0.self_attn")
     attention["o.bias"] = np.arange(64, dtype=float)
     x = rng().standard_normal((2, 5, 64))
@@ -118,7 +118,7 @@ def test_fully_masked_rows_output_the_o_bias():
 
 def test_causal_output_at_t_ignores_later_tokens():
     cfg = TINY
-    params = init_params(cfg)
+    params = conformance_params(cfg)
     src = rng(1).integers(1, 96, (2, 6))
     tgt = rng(2).integers(1, 80, (2, 7))
     changed = tgt.copy()
@@ -128,7 +128,7 @@ def test_causal_output_at_t_ignores_later_tokens():
 
 
 def test_padding_keys_do_not_matter():
-    params = init_params(TINY)
+    params = conformance_params(TINY)
     src = rng(1).integers(1, 96, (2, 6))
     src[0, 4:] = 0
     other = src.copy()
@@ -141,7 +141,7 @@ def test_padding_keys_do_not_matter():
 
 
 def test_embedding_scale_and_tied_head():
-    p = g.cast_params(TINY, init_params(TINY))
+    p = g.cast_params(TINY, conformance_params(TINY))
     ids = np.array([[3, 5]])
     x = g.token_embedding(ids, p["tgt_embed.weight"], True)
     assert np.allclose(x[0, 1], p["tgt_embed.weight"][5] * 8.0)
@@ -152,7 +152,7 @@ def test_embedding_scale_and_tied_head():
 
 def test_embedding_norm_normalizes_the_sum_of_token_and_position():
     cfg = TINY.replace(embed_norm=True)
-    p = g.cast_params(cfg, init_params(cfg))
+    p = g.cast_params(cfg, conformance_params(cfg))
     p["encoder.embed_norm.scale"], p["encoder.embed_norm.bias"] = rng(2).standard_normal((2, 64))
     ids = np.array([[4, 9, 11]])
     plain = g.token_embedding(ids, p["src_embed.weight"], True) + g.sinusoidal_table(np.arange(3), 64, "sinusoidal")
@@ -160,12 +160,12 @@ def test_embedding_norm_normalizes_the_sum_of_token_and_position():
     assert np.allclose(g.embed(cfg, p, ids, "src"), expected, atol=1e-14, rtol=0)
     # the decoder has its own norm, and without embed_norm there is none
     assert not np.allclose(g.embed(cfg, p, ids, "tgt"), g.embed(TINY, p, ids, "tgt"))
-    assert "decoder.embed_norm.scale" in p and "encoder.embed_norm.scale" not in init_params(TINY)
+    assert "decoder.embed_norm.scale" in p and "encoder.embed_norm.scale" not in conformance_params(TINY)
 
 
 def test_an_encoder_decoder_start_token_is_real_even_when_it_is_the_pad_id():
     """SPEC.md §6: Marian starts decoding with pad_id; position 0 of the target stays a key."""
-    params = init_params(TINY)
+    params = conformance_params(TINY)
     src = rng(3).integers(1, 96, (2, 5))
     tgt = rng(4).integers(1, 80, (2, 4))
     tgt[:, 0] = TINY.pad_id
@@ -184,7 +184,7 @@ def test_an_encoder_decoder_start_token_is_real_even_when_it_is_the_pad_id():
 
 def test_shared_source_and_target_embeddings():
     cfg = get_preset("learned-pos").replace(n_encoder_layers=1, n_decoder_layers=1)
-    p = g.cast_params(cfg, init_params(cfg))
+    p = g.cast_params(cfg, conformance_params(cfg))
     ids = np.array([[4, 9]])
     assert np.array_equal(g.embed(cfg, p, ids, "src") - p["src_pos.weight"][:2],
                           g.embed(cfg, p, ids, "tgt") - p["tgt_pos.weight"][:2])
@@ -204,7 +204,7 @@ CACHE_CONFIGS = {
 @pytest.mark.parametrize("name", CACHE_CONFIGS)
 def test_kv_cache_decode_equals_full_forward(name, padding):
     cfg = CACHE_CONFIGS[name]
-    params = init_params(cfg, seed=5)
+    params = conformance_params(cfg, seed=5)
     src = None if not cfg.has_encoder else rng(1).integers(1, cfg.src_vocab_size, (3, 6))
     tgt = rng(2).integers(1, cfg.tgt_vocab_size, (3, 7))
     if padding == "right":
@@ -226,7 +226,7 @@ def test_kv_cache_decode_equals_full_forward(name, padding):
 
 
 def test_greedy_generation_matches_argmax_of_full_forward():
-    params = init_params(TINY, seed=2)
+    params = conformance_params(TINY, seed=2)
     src = rng(4).integers(3, 96, (2, 5))
     src[1, 3:] = 0
     tokens = g.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=6)
@@ -238,7 +238,7 @@ def test_greedy_generation_matches_argmax_of_full_forward():
 
 
 def test_greedy_generation_pads_after_eos():
-    params = init_params(TINY, seed=2)
+    params = conformance_params(TINY, seed=2)
     src = rng(4).integers(3, 96, (2, 5))
     free = g.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=6)
     eos = int(free[0, 1])
@@ -253,7 +253,7 @@ def test_greedy_generation_pads_after_eos():
 
 def test_decoder_only_generation_from_a_padded_prompt():
     cfg = get_preset("char-lm").replace(n_decoder_layers=2)
-    params = init_params(cfg)
+    params = conformance_params(cfg)
     prompt = np.array([[0, 0, 65, 66], [67, 68, 69, 70]])
     tokens = g.greedy_generate(cfg, params, prompt_ids=prompt, max_new_tokens=4)
     logits = g.forward(cfg, params, None, prompt)
@@ -265,26 +265,26 @@ def test_decoder_only_generation_from_a_padded_prompt():
 @pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
 def test_bad_inputs_are_refused(src, tgt, message):
     with pytest.raises(InputError, match=message):
-        g.forward(TINY, init_params(TINY), src, tgt)
+        g.forward(TINY, conformance_params(TINY), src, tgt)
 
 
 def test_length_limits_depend_on_the_positional_kind():
     learned = TINY.replace(positional="learned", max_len=8)
     with pytest.raises(InputError, match="past the learned position table"):
-        g.forward(learned, init_params(learned), np.ones((1, 9), int), np.ones((1, 2), int))
+        g.forward(learned, conformance_params(learned), np.ones((1, 9), int), np.ones((1, 2), int))
     short = TINY.replace(max_len=8)  # sinusoidal: defined for every position
-    assert np.isfinite(g.forward(short, init_params(short), np.ones((1, 20), int), np.ones((1, 12), int))).all()
+    assert np.isfinite(g.forward(short, conformance_params(short), np.ones((1, 20), int), np.ones((1, 12), int))).all()
 
 
 def test_decoder_only_refuses_a_source():
     cfg = get_preset("char-lm")
     with pytest.raises(InputError, match="takes no src_ids"):
-        g.forward(cfg, init_params(cfg), np.ones((1, 2), int), np.ones((1, 2), int))
+        g.forward(cfg, conformance_params(cfg), np.ones((1, 2), int), np.ones((1, 2), int))
 
 
 def test_bad_keep_vector():
     with pytest.raises(InputError, match="tgt_keep must be a boolean array of shape \\[1, 3\\]"):
-        g.forward(TINY, init_params(TINY), np.ones((1, 2), int), np.ones((1, 3), int), tgt_keep=np.ones((1, 2), bool))
+        g.forward(TINY, conformance_params(TINY), np.ones((1, 2), int), np.ones((1, 3), int), tgt_keep=np.ones((1, 2), bool))
 
 
 @given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**32 - 1))
@@ -292,7 +292,7 @@ def test_float32_golden_tracks_float64(batch, src_len, tgt_len, seed):
     generator = np.random.default_rng(seed)
     src = generator.integers(0, 96, (batch, src_len))
     tgt = generator.integers(0, 80, (batch, tgt_len))
-    params = init_params(TINY)
+    params = conformance_params(TINY)
     reference = g.forward(TINY, params, src, tgt)
     single = g.forward(TINY, params, src, tgt, dtype=np.float32)
     assert single.dtype == np.float32 and np.isfinite(reference).all()
@@ -319,7 +319,7 @@ def test_residual_post_and_pre():
 @given(small_configs(), st.integers(0, 2**31 - 1), st.data())
 def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data):
     generator = np.random.default_rng(seed)
-    params = init_params(cfg, seed=seed % 7)
+    params = conformance_params(cfg, seed=seed % 7)
     batch, length = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 8))
     tgt = generator.integers(0, cfg.tgt_vocab_size, (batch, length))
     src = None if not cfg.has_encoder else generator.integers(0, cfg.src_vocab_size, (batch, data.draw(st.integers(1, 8))))
@@ -339,4 +339,4 @@ def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data)
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
 def test_bad_generation_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
-        g.greedy_generate(TINY, init_params(TINY), **kwargs)
+        g.greedy_generate(TINY, conformance_params(TINY), **kwargs)

@@ -8,14 +8,14 @@ import pytest
 from flax import nnx
 
 import impl_numpy as golden
-from conformance.cases import catalogue
+from conformance.cases import case_names
 from conformance.harness import PASS, plan_matrix, run_matrix
 from conformance.tolerance import compare, tolerance
 from impl_jax import Transformer, scaled_dot_product_attention
 from spec import (
     InputError,
     WeightsError,
-    init_params,
+    conformance_params,
     list_presets,
     param_shapes,
     params_digest,
@@ -47,7 +47,7 @@ CPU_COLUMNS["char-lm"] = [("jax", "float64"), ("jax", "float32"), ("jax-math", "
 def cpu_matrix():
     results = {}
     for variant, cfg in VARIANTS.items():
-        params = init_params(cfg, seed=1)
+        params = conformance_params(cfg, seed=1)
         for backend, dtype in CPU_COLUMNS[variant]:
             plan = plan_matrix(cfg, [backend], [dtype], ["cpu"])
             assert not plan.skipped_columns, plan.skipped_columns
@@ -60,9 +60,9 @@ def _cell_ids():
     ids = []
     for variant, cfg in VARIANTS.items():
         prefix = "" if variant == "tiny" else f"{variant}:"
-        for case in catalogue(cfg):
+        for sublayer, mask_case in case_names(cfg):
             for backend, dtype in CPU_COLUMNS[variant]:
-                test_id = f"{case.sublayer}-{case.mask_case}-{dtype}-{backend}-cpu"
+                test_id = f"{sublayer}-{mask_case}-{dtype}-{backend}-cpu"
                 ids.append(pytest.param(variant, test_id, id=prefix + test_id))
     return ids
 
@@ -81,7 +81,7 @@ def test_catalogue_gpu():
     for variant in ("tiny", "char-lm"):
         cfg = VARIANTS[variant]
         plan = plan_matrix(cfg, ["jax", "jax-math"], ["float32", "tf32", "float16", "bfloat16"], ["cuda"])
-        failures += [f"{variant}:{r.test_id}: {r.status} {r.reason}" for r in run_matrix(cfg, init_params(cfg), plan)
+        failures += [f"{variant}:{r.test_id}: {r.status} {r.reason}" for r in run_matrix(cfg, conformance_params(cfg), plan)
                      if r.status != PASS]
     assert not failures, "\n".join(failures)
 
@@ -91,7 +91,7 @@ def test_catalogue_gpu():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_is_bit_exact(variant):
     cfg = VARIANTS[variant]
-    params = init_params(cfg, seed=4)
+    params = conformance_params(cfg, seed=4)
     back = Transformer.from_params(cfg, params).to_params()
     assert list(back) == list(param_shapes(cfg)) and params_digest(back) == params_digest(params)
     with jax.enable_x64(True):
@@ -100,7 +100,7 @@ def test_round_trip_is_bit_exact(variant):
 
 
 def test_no_transpose_and_the_leaf_names():
-    params = init_params(TINY)
+    params = conformance_params(TINY)
     model = Transformer.from_params(TINY, params)
     assert np.array_equal(model.encoder.layers[0].ffn.w1.kernel[...], params["encoder.layers.0.ffn.w1.weight"])
     assert np.array_equal(model.tgt_embed.embedding[...], params["tgt_embed.weight"])
@@ -111,14 +111,14 @@ def test_no_transpose_and_the_leaf_names():
 
 def test_float64_needs_x64_and_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="x64"):
-        Transformer.from_params(TINY, init_params(TINY), dtype="float64")
+        Transformer.from_params(TINY, conformance_params(TINY), dtype="float64")
     with pytest.raises(ValueError, match="attention must be one of sdpa, math"):
         Transformer(TINY, attention="flash")
     with pytest.raises(ValueError, match="precision must be one of highest, default"):
         Transformer(TINY, precision="fast")
-    save_weights(tmp_path / "w.safetensors", TINY, init_params(TINY))
+    save_weights(tmp_path / "w.safetensors", TINY, conformance_params(TINY))
     assert Transformer.from_file(tmp_path / "w.safetensors", attention="math").cfg == TINY
-    bad = init_params(TINY)
+    bad = conformance_params(TINY)
     bad["decoder.layers.0.ffn.w2.weight"] = bad["decoder.layers.0.ffn.w2.weight"].T.copy()
     with pytest.raises(WeightsError, match=r"ffn.w2.weight: shape \[64, 256\], expected \[256, 64\]"):
         Transformer.from_params(TINY, bad)
@@ -129,7 +129,7 @@ def test_float64_needs_x64_and_options_are_checked(tmp_path):
 @pytest.mark.parametrize("variant", ["tiny", "tiny.pre_std_final", "char-lm"])
 def test_cached_decode_equals_full_forward_float64(variant):
     cfg = VARIANTS[variant]
-    params = init_params(cfg, seed=2)
+    params = conformance_params(cfg, seed=2)
     generator = np.random.default_rng(0)
     src = None if not cfg.has_encoder else generator.integers(1, cfg.src_vocab_size, (3, 5))
     tgt = generator.integers(1, cfg.tgt_vocab_size, (3, 6))
@@ -149,7 +149,7 @@ def test_cached_decode_equals_full_forward_float64(variant):
 
 
 def test_cache_capacity_is_enforced():
-    model = Transformer.from_params(TINY, init_params(TINY))
+    model = Transformer.from_params(TINY, conformance_params(TINY))
     cache = model.start_cache(1, 2, np.ones((1, 3), np.int64))
     _, cache = model.decode_step(cache, np.ones((1, 2), np.int64))
     with pytest.raises(InputError, match="the cache holds 2 positions"):
@@ -159,7 +159,7 @@ def test_cache_capacity_is_enforced():
 @pytest.mark.parametrize("variant", ["tiny", "char-lm"])
 def test_jitted_generation_matches_the_golden(variant):
     cfg = VARIANTS[variant]
-    params = init_params(cfg, seed=3)
+    params = conformance_params(cfg, seed=3)
     generator = np.random.default_rng(1)
     if cfg.has_encoder:
         src = generator.integers(3, cfg.src_vocab_size, (4, 6))
@@ -236,7 +236,7 @@ def test_jax_gelu_default_is_the_tanh_form():
 # ---- Flax's own MultiHeadAttention agrees with ours and the golden ----------------------------
 
 def test_flax_multi_head_attention_agrees():
-    params = init_params(TINY, seed=9)
+    params = conformance_params(TINY, seed=9)
     attention = params_under(params, "encoder.layers.0.self_attn")
     heads, d_head, d = TINY.n_heads, TINY.d_head, TINY.d_model
     flax_attention = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=nnx.Rngs(0),
@@ -264,16 +264,16 @@ def test_flax_multi_head_attention_agrees():
 
 @pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
 def test_bad_inputs_raise_the_goldens_error(src, tgt, message):
-    model = Transformer.from_params(TINY, init_params(TINY))
+    model = Transformer.from_params(TINY, conformance_params(TINY))
     with pytest.raises(InputError, match=message) as jax_error:
         model(src, tgt)
     with pytest.raises(InputError) as golden_error:
-        golden.forward(TINY, init_params(TINY), src, tgt)
+        golden.forward(TINY, conformance_params(TINY), src, tgt)
     assert str(jax_error.value) == str(golden_error.value)
 
 
 def test_bad_inputs_as_jax_arrays_and_masks():
-    model = Transformer.from_params(TINY, init_params(TINY))
+    model = Transformer.from_params(TINY, conformance_params(TINY))
     with pytest.raises(InputError, match="token id 96"):
         model(jnp.full((1, 2), 96), jnp.ones((1, 2), jnp.int32))
     with pytest.raises(InputError, match="integer token ids"):
@@ -287,7 +287,7 @@ def test_bad_inputs_as_jax_arrays_and_masks():
 
 def test_learned_positions_past_max_len():
     cfg = VARIANTS["tiny.nobias_gelutanh"]  # learned positions, max_len 6
-    model = Transformer.from_params(cfg, init_params(cfg))
+    model = Transformer.from_params(cfg, conformance_params(cfg))
     with pytest.raises(InputError, match="past the learned position table"):
         model(np.ones((1, 7), np.int64), np.ones((1, 2), np.int64))
 
@@ -302,13 +302,13 @@ def test_every_preset_matches_the_golden(name):
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
 def test_bad_generation_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
-        Transformer.from_params(TINY, init_params(TINY)).greedy_generate(**kwargs)
+        Transformer.from_params(TINY, conformance_params(TINY)).greedy_generate(**kwargs)
 
 
 def test_every_module_jit_compiles():
     """Beyond the jitted forward, decode step and generation loop: each module traces under
     nnx.jit and gives what it gives eagerly."""
-    model = Transformer.from_params(TINY, init_params(TINY, seed=5))
+    model = Transformer.from_params(TINY, conformance_params(TINY, seed=5))
     x = jax.random.normal(jax.random.key(0), (2, 5, 64))
     memory = jax.random.normal(jax.random.key(1), (2, 7, 64))
     mask = jnp.ones((2, 1, 5, 5), bool).at[0, :, :, 3:].set(False)

@@ -8,10 +8,10 @@ from conformance.adapter import register_backend, unregister_backend
 from conformance.cli import main
 from conformance.localize import localize_column
 from conformance.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
-from spec import get_preset, init_params
+from spec import get_preset, conformance_params
 
 TINY = get_preset("tiny")
-PARAMS = init_params(TINY)
+PARAMS = conformance_params(TINY)
 
 
 def test_at_least_twelve_distinct_mistakes():
@@ -58,7 +58,7 @@ def test_correct_backends_localize_to_nothing():
 
 def test_decoder_only_stages():
     cfg = get_preset("char-lm").replace(n_decoder_layers=2)
-    localization = localize_column(cfg, init_params(cfg), "numpy-float32", "float32", "cpu")
+    localization = localize_column(cfg, conformance_params(cfg), "numpy-float32", "float32", "cpu")
     assert [s.name for s in localization.stages] == ["tgt embedding", "decoder.layers.0", "decoder.layers.1",
                                                      "decoder.norm", "head"]
 

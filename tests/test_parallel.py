@@ -12,10 +12,10 @@ from conformance.byo import CustomBackend  # noqa: F401 - registered with a call
 from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
 from conformance.parallel import auto_jobs
-from spec import get_preset, init_params
+from spec import get_preset, conformance_params
 
 CFG = get_preset("tiny")
-PARAMS = init_params(CFG, seed=0)
+PARAMS = conformance_params(CFG, seed=0)
 
 
 @pytest.fixture

@@ -137,10 +137,10 @@ def test_real_profiles_sort_compute_from_shape_arithmetic(preset, dtype):
     the nodes the H100 kept on the CPU."""
     from export.cache import exported
     from export.runner import OnnxTransformer
-    from spec import get_preset, init_params
+    from spec import get_preset, conformance_params
 
     cfg = get_preset(preset)
-    model = OnnxTransformer(exported(cfg, init_params(cfg, seed=0), framework="torch", dtype=dtype), device="cpu")
+    model = OnnxTransformer(exported(cfg, conformance_params(cfg, seed=0), framework="torch", dtype=dtype), device="cpu")
     for role, nodes in model.placement().items():
         assert nodes and {n.provider for n in nodes} == {CPU_PROVIDER}, role
         refused = {n.name for n, _ in cpu_fallbacks(nodes)}

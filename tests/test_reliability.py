@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import impl_numpy as golden
 from conformance.cases import SUBLAYERS
 from conformance.tolerance import compare, tolerance
-from spec import InputError, get_preset, init_params
+from spec import InputError, get_preset, conformance_params
 from tests.strategies import small_configs
 
 TINY = get_preset("tiny")
@@ -39,7 +39,7 @@ def test_random_configs_and_padding_agree_with_the_golden(cfg, data):
     from impl_jax import Transformer as JaxTransformer
     from impl_torch import Transformer as TorchTransformer
 
-    params = init_params(cfg, seed=data.draw(st.integers(0, 5)))
+    params = conformance_params(cfg, seed=data.draw(st.integers(0, 5)))
     batch = data.draw(st.integers(1, 3))
     tgt_len = data.draw(st.integers(1, cfg.max_len if cfg.positional == "learned" else 12))
     tgt = _padded_ids(data, cfg, cfg.tgt_vocab_size, batch, tgt_len)
@@ -98,7 +98,7 @@ def tiny_models():
     from impl_jax import Transformer as JaxTransformer
     from impl_torch import Transformer as TorchTransformer
 
-    params = init_params(TINY, seed=0)
+    params = conformance_params(TINY, seed=0)
     return {
         "golden": lambda src, tgt: golden.forward(TINY, params, src, tgt),
         "torch": TorchTransformer.from_params(TINY, params),
@@ -136,7 +136,7 @@ def test_a_thousand_generations_do_not_grow_memory(backend):
     from export.runner import OnnxTransformer
     from impl_torch import Transformer as TorchTransformer
 
-    params = init_params(TINY, seed=0)
+    params = conformance_params(TINY, seed=0)
     model = (OnnxTransformer(exported(TINY, params), device="cpu") if backend == "onnx"
              else TorchTransformer.from_params(TINY, params))
     rng = np.random.default_rng(0)

@@ -12,13 +12,13 @@ from rich.console import Console
 
 from conformance import terminal
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
-from spec import get_preset, init_params
+from spec import get_preset, conformance_params
 
 
 @pytest.fixture(scope="module")
 def results():
     cfg = get_preset("tiny")
-    return run_matrix(cfg, init_params(cfg, seed=0), plan_matrix(cfg, ["numpy-float32"], ["float32"], ["cpu"]),
+    return run_matrix(cfg, conformance_params(cfg, seed=0), plan_matrix(cfg, ["numpy-float32"], ["float32"], ["cpu"]),
                       pattern="attention-*")
 
 

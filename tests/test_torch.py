@@ -16,7 +16,7 @@ from spec import (
     InputError,
     WeightsError,
     get_preset,
-    init_params,
+    conformance_params,
     list_presets,
     param_shapes,
     params_digest,
@@ -36,7 +36,7 @@ def _matrix(device, dtypes):
     for variant, cfg in VARIANTS.items():
         plan = plan_matrix(cfg, BACKENDS, dtypes, [device])
         assert not plan.skipped_columns, plan.skipped_columns
-        for r in run_matrix(cfg, init_params(cfg, seed=1), plan):
+        for r in run_matrix(cfg, conformance_params(cfg, seed=1), plan):
             results[(variant, r.test_id)] = r
     return results
 
@@ -47,13 +47,13 @@ def cpu_matrix():
 
 
 def _cell_ids(device, dtypes):
-    from conformance.cases import catalogue
+    from conformance.cases import case_names
     ids = []
     for variant, cfg in VARIANTS.items():
-        for case in catalogue(cfg):
+        for sublayer, mask_case in case_names(cfg):
             for backend in BACKENDS:
                 for dtype in dtypes:
-                    test_id = f"{case.sublayer}-{case.mask_case}-{dtype}-{backend}-{device}"
+                    test_id = f"{sublayer}-{mask_case}-{dtype}-{backend}-{device}"
                     prefix = "" if variant == "tiny" else f"{variant}:"
                     ids.append(pytest.param(variant, test_id, id=prefix + test_id))
     return ids
@@ -78,7 +78,7 @@ def test_catalogue_cuda():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_state_dict_keys_are_the_canonical_names(variant):
     cfg = VARIANTS[variant]
-    model = Transformer.from_params(cfg, init_params(cfg))
+    model = Transformer.from_params(cfg, conformance_params(cfg))
     assert set(model.state_dict()) == set(param_shapes(cfg))
 
 
@@ -86,13 +86,13 @@ def test_state_dict_keys_are_the_canonical_names(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_is_bit_exact(variant, dtype):
     cfg = VARIANTS[variant]
-    params = init_params(cfg, seed=4)
+    params = conformance_params(cfg, seed=4)
     back = Transformer.from_params(cfg, params, dtype=dtype).to_params()
     assert list(back) == list(param_shapes(cfg)) and params_digest(back) == params_digest(params)
 
 
 def test_linear_weights_are_transposed_and_nothing_else():
-    params = init_params(TINY)
+    params = conformance_params(TINY)
     model = Transformer.from_params(TINY, params)
     assert torch.equal(model.encoder.layers[0].ffn.w1.weight, torch.from_numpy(params["encoder.layers.0.ffn.w1.weight"].T))
     assert torch.equal(model.tgt_embed.weight, torch.from_numpy(params["tgt_embed.weight"]))
@@ -102,7 +102,7 @@ def test_linear_weights_are_transposed_and_nothing_else():
 
 def test_from_file_and_refusals(tmp_path):
     cfg = VARIANTS["tiny.concat_gelu_untied"]
-    params = init_params(cfg)
+    params = conformance_params(cfg)
     save_weights(tmp_path / "w.safetensors", cfg, params)
     model = Transformer.from_file(tmp_path / "w.safetensors", attention="math")
     assert model.cfg == cfg and params_digest(model.to_params()) == params_digest(params)
@@ -120,7 +120,7 @@ def test_from_file_and_refusals(tmp_path):
 @pytest.mark.parametrize("variant", ["tiny", "tiny.pre_std_final", "char-lm"])
 def test_cached_decode_equals_full_forward_float64(variant, attention):
     cfg = VARIANTS[variant]
-    model = Transformer.from_params(cfg, init_params(cfg, seed=2), dtype=torch.float64, attention=attention)
+    model = Transformer.from_params(cfg, conformance_params(cfg, seed=2), dtype=torch.float64, attention=attention)
     generator = np.random.default_rng(0)
     src = None if not cfg.has_encoder else generator.integers(1, cfg.src_vocab_size, (3, 5))
     tgt = generator.integers(1, cfg.tgt_vocab_size, (3, 6))
@@ -135,11 +135,11 @@ def test_cached_decode_equals_full_forward_float64(variant, attention):
         logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
         steps.append(logits.numpy())
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-10
-    assert np.abs(full - golden.forward(cfg, init_params(cfg, seed=2), src, tgt)).max() <= 1e-10
+    assert np.abs(full - golden.forward(cfg, conformance_params(cfg, seed=2), src, tgt)).max() <= 1e-10
 
 
 def test_generation_matches_the_golden():
-    params = init_params(TINY, seed=3)
+    params = conformance_params(TINY, seed=3)
     src = np.random.default_rng(1).integers(3, 96, (4, 6))
     src[2, 4:] = 0
     expected = golden.greedy_generate(TINY, params, src, bos_id=1, eos_id=2, max_new_tokens=8)
@@ -151,7 +151,7 @@ def test_generation_matches_the_golden():
 # ---- the preallocated cache ------------------------------------------------------------------
 
 def _tiny_float64():
-    params = init_params(TINY, seed=4)
+    params = conformance_params(TINY, seed=4)
     return Transformer.from_params(TINY, params, dtype=torch.float64), params
 
 
@@ -225,7 +225,7 @@ def counted_graphs():
 
 def _float64_model(variant: str, seed: int):
     cfg = VARIANTS[variant] if variant in VARIANTS else get_preset(variant)
-    params = init_params(cfg, seed=seed)
+    params = conformance_params(cfg, seed=seed)
     return cfg, params, Transformer.from_params(cfg, params, dtype=torch.float64)
 
 
@@ -289,7 +289,7 @@ def test_generation_looks_at_the_device_only_every_few_steps(monkeypatch):
     finished once per STOP_CHECK_EVERY steps: the tokens are the golden's all the same."""
     import impl_torch.model as torch_model
 
-    params = init_params(TINY, seed=3)
+    params = conformance_params(TINY, seed=3)
     src = np.random.default_rng(1).integers(3, 96, (4, 6))
     model = Transformer.from_params(TINY, params, dtype=torch.float64)
     looks, steps = [], []
@@ -337,19 +337,19 @@ def test_nn_multihead_attention_gives_nan_where_the_spec_gives_zeros():
 @pytest.mark.parametrize("src, tgt, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_FORWARD_INPUTS])
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "tensor"])
 def test_bad_inputs_raise_the_goldens_error(src, tgt, message, as_tensor):
-    model = Transformer.from_params(TINY, init_params(TINY))
+    model = Transformer.from_params(TINY, conformance_params(TINY))
     def convert(a):  # torch has no string tensors: those stay NumPy
         return torch.as_tensor(a) if as_tensor and isinstance(a, np.ndarray) and a.dtype.kind in "biuf" else a
     with pytest.raises(InputError, match=message) as torch_error:
         model(convert(src), convert(tgt))
     with pytest.raises(InputError) as golden_error:
-        golden.forward(TINY, init_params(TINY), src, tgt)
+        golden.forward(TINY, conformance_params(TINY), src, tgt)
     assert str(torch_error.value) == str(golden_error.value)
 
 
 def test_learned_positions_past_max_len():
     cfg = VARIANTS["tiny.nobias_gelutanh"]  # learned positions, max_len 6
-    model = Transformer.from_params(cfg, init_params(cfg))
+    model = Transformer.from_params(cfg, conformance_params(cfg))
     with pytest.raises(InputError, match="past the learned position table"):
         model(np.ones((1, 7), np.int64), np.ones((1, 2), np.int64))
     cache = model.start_cache(1, 8, np.ones((1, 2), np.int64))  # capacity: the table's 6 positions
@@ -366,7 +366,7 @@ def test_learned_positions_past_max_len():
     (torch.ones(1, 1, 1, 1, 5, dtype=torch.bool), "rank 1 to 4"),
 ])
 def test_bad_masks(mask, message):
-    model = Transformer.from_params(TINY, init_params(TINY))
+    model = Transformer.from_params(TINY, conformance_params(TINY))
     x = torch.randn(2, 5, 64)
     with pytest.raises(InputError, match=message):
         model.encoder.layers[0].self_attn(x, x, mask)
@@ -375,7 +375,7 @@ def test_bad_masks(mask, message):
 def test_bad_activations_in_the_harness_adapter():
     from conformance.backends.torch_backend import TorchBackend
 
-    runner = TorchBackend().load(TINY, init_params(TINY), "float32", "cpu")
+    runner = TorchBackend().load(TINY, conformance_params(TINY), "float32", "cpu")
     with pytest.raises(InputError, match=re.escape("x must have shape [batch, length, 64]")):
         runner.run("mha", {"module": "encoder.layers.0.self_attn", "x": np.zeros((2, 3, 63), np.float32),
                            "context": np.zeros((2, 3, 64), np.float32), "mask": None})
@@ -385,7 +385,7 @@ def test_bad_activations_in_the_harness_adapter():
 
 @pytest.mark.slow
 def test_torch_compile_conforms():
-    params = init_params(TINY, seed=6)
+    params = conformance_params(TINY, seed=6)
     model = Transformer.from_params(TINY, params)
     compiled = torch.compile(model)
     src = np.random.default_rng(2).integers(1, 96, (2, 7))
@@ -410,7 +410,7 @@ TORCH_NN = get_preset("torch-nn").replace(n_encoder_layers=2, n_decoder_layers=2
 
 
 def test_torch_nn_round_trip_is_exact():
-    params = init_params(TORCH_NN, seed=1)
+    params = conformance_params(TORCH_NN, seed=1)
     state, extras = to_torch_nn(TORCH_NN, params)
     reference = torch_nn_transformer(TORCH_NN)
     reference.load_state_dict(state, strict=True)  # every key and shape accepted by torch itself
@@ -419,7 +419,7 @@ def test_torch_nn_round_trip_is_exact():
 
 
 def test_torch_nn_key_diff_is_readable():
-    state, extras = to_torch_nn(TORCH_NN, init_params(TORCH_NN))
+    state, extras = to_torch_nn(TORCH_NN, conformance_params(TORCH_NN))
     state.pop("encoder.layers.0.linear1.bias")
     state["encoder.layers.0.extra"] = torch.zeros(1)
     state["decoder.layers.1.norm3.weight"] = torch.zeros(7)
@@ -433,14 +433,14 @@ def test_torch_nn_key_diff_is_readable():
 
 def test_torch_nn_refuses_what_it_cannot_express():
     with pytest.raises(WeightsError, match="norm must be layernorm.*qkv_bias must equal bias"):
-        to_torch_nn(get_preset("annotated"), init_params(get_preset("annotated").replace(n_encoder_layers=1, n_decoder_layers=1)))
+        to_torch_nn(get_preset("annotated"), conformance_params(get_preset("annotated").replace(n_encoder_layers=1, n_decoder_layers=1)))
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
 def test_golden_equals_torch_nn_transformer(norm_position):
     """Same weights, same padding and causal masks: our golden and torch.nn.Transformer agree."""
     cfg = TORCH_NN.replace(norm_position=norm_position)
-    params = init_params(cfg, seed=7)
+    params = conformance_params(cfg, seed=7)
     state, extras = to_torch_nn(cfg, params)
     reference = torch_nn_transformer(cfg).double()
     reference.load_state_dict({k: v.double() for k, v in state.items()})
@@ -474,4 +474,4 @@ def test_every_preset_matches_the_golden(name):
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
 def test_bad_generation_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
-        Transformer.from_params(TINY, init_params(TINY)).greedy_generate(**kwargs)
+        Transformer.from_params(TINY, conformance_params(TINY)).greedy_generate(**kwargs)

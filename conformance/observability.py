@@ -1,0 +1,128 @@
+"""Observability: does every parameter and every behavioural input reach a checked output?
+
+A conformance cell can only catch a mistake in something its output depends on. A parameter
+that no cell observes (a zero bias on the paper's initialisation, a norm scale of exactly one, a
+token the generate cases never emit) is a hole in the catalogue: a backend may drop it, add it
+twice or swap it and pass. This module perturbs one thing at a time — a parameter tensor by a
+relative amount well above the tolerance, or a behavioural input (eos_id, bos_id, a keep-mask,
+a cache position) — and asks the golden whether some case's output moves beyond the case's
+tolerance. What moves nothing is reported, with the reason when the spec says why (SPEC.md §4.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from conformance.backends.numpy_backend import NumpyRunner, golden_output
+from conformance.cases import SUBLAYERS, TGT_LEN, Case, catalogue
+from conformance.tolerance import compare, compare_generation, tolerance
+from spec import ModelConfig
+
+# Parameters no output can depend on, whatever the weights: a key bias adds q·b_k to every
+# score of a query, the same number for every key, and softmax ignores a shift of its row.
+INVISIBLE = {"k.bias": "softmax(s + c) = softmax(s) for a constant c per query: no output depends on a key bias"}
+
+# The whole-model cases see every layer, so they come first: most tensors are seen by the first.
+_ORDER = ("forward", "encoder", "decoder", "decode", "generate")
+
+
+def invisible_reason(name: str) -> str | None:
+    """Why a parameter can be seen by no output at all, or None."""
+    return next((why for suffix, why in INVISIBLE.items() if name.endswith(suffix)), None)
+
+
+@dataclass(frozen=True)
+class Observation:
+    subject: str  # a parameter name, or an input like "generate-pad_right: eos_id"
+    seen_by: str | None  # the first case whose output moved beyond its tolerance
+    ratio: float  # that output's change / tolerance (0 when none moved)
+
+
+class _Golden:
+    """The golden's outputs of every case, on given weights, with each case's tolerance."""
+
+    def __init__(self, cfg: ModelConfig, cases: list[Case], dtype: str):
+        self.cfg, self.dtype = cfg, dtype
+        self.cases = sorted(cases, key=lambda c: _ORDER.index(c.sublayer) if c.sublayer in _ORDER else len(_ORDER))
+
+    def tolerance(self, case: Case) -> float:
+        return tolerance(self.dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(self.cfg))
+
+    def output(self, params, case: Case, inputs=None, runner: NumpyRunner | None = None):
+        return golden_output(self.cfg, params, case.sublayer, case.inputs if inputs is None else inputs,
+                             runner or NumpyRunner(self.cfg, params, "float64"))
+
+    def moved(self, case: Case, before, after) -> float:
+        """How far an output moved, in tolerances (above 1: a backend could not hide it)."""
+        if case.sublayer == "generate":
+            tokens, logits = before
+            result = compare_generation(after[0], tokens, logits, self.tolerance(case), case.inputs["eos_id"])
+            return 0.0 if result.passed else np.inf
+        return compare(after, before, self.tolerance(case)).ratio
+
+
+def _perturbed(value: np.ndarray, relative: float, seed: int) -> np.ndarray:
+    """value · (1 ± relative), the sign drawn per element."""
+    signs = np.where(np.random.default_rng(seed).random(value.shape) < 0.5, -1.0, 1.0)
+    return (value * (1.0 + relative * signs)).astype(value.dtype)
+
+
+def parameter_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float32",
+                           margin: float = 10.0) -> Iterator[Observation]:
+    """For each parameter tensor, the first case whose golden output moves beyond its `dtype`
+    tolerance when the tensor is scaled by 1 ± margin × (the largest tolerance of any case)."""
+    golden = _Golden(cfg, catalogue(cfg, params), dtype)
+    relative = margin * max(golden.tolerance(case) for case in golden.cases)
+    reference = {case.name: golden.output(params, case) for case in golden.cases}
+    for index, name in enumerate(params):
+        changed = {**params, name: _perturbed(params[name], relative, index)}
+        yield _first_seen(golden, name, changed, reference)
+
+
+def _first_seen(golden: _Golden, subject: str, params, reference) -> Observation:
+    best, runner = 0.0, NumpyRunner(golden.cfg, params, "float64")  # the weights cast once
+    for case in golden.cases:
+        ratio = golden.moved(case, reference[case.name], golden.output(params, case, None, runner))
+        if ratio > 1.0:
+            return Observation(subject, case.name, ratio)
+        best = max(best, ratio)
+    return Observation(subject, None, best)
+
+
+def input_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float32") -> list[Observation]:
+    """Each behavioural input of the catalogue changed on its own: eos_id and bos_id of every
+    generate case (moved to another id), every keep-mask (its first kept position masked), and
+    every position offset (a step's cache length, one more)."""
+    cases = catalogue(cfg, params)
+    golden = _Golden(cfg, cases, dtype)
+    observations = []
+    for case in cases:
+        reference = golden.output(params, case)
+        for label, inputs in _input_changes(cfg, case):
+            ratio = golden.moved(case, reference, golden.output(params, case, inputs))
+            observations.append(Observation(f"{case.name}: {label}", case.name if ratio > 1.0 else None, ratio))
+    return observations
+
+
+def _input_changes(cfg: ModelConfig, case: Case) -> Iterator[tuple[str, dict]]:
+    inputs = case.inputs
+    vocab = cfg.tgt_vocab_size
+    if case.sublayer == "generate":
+        yield "eos_id", {**inputs, "eos_id": _another_id(inputs["eos_id"], vocab, cfg.pad_id)}
+        if cfg.has_encoder:
+            yield "bos_id", {**inputs, "bos_id": _another_id(inputs["bos_id"], vocab, cfg.pad_id)}
+    if "offset" in inputs and (cfg.positional != "learned" or inputs["offset"] + TGT_LEN < cfg.max_len):
+        yield "position offset", {**inputs, "offset": inputs["offset"] + 1}
+    for key in ("mask", "self_mask", "cross_mask"):
+        mask = inputs.get(key)
+        if mask is not None and np.asarray(mask).any():
+            flipped = np.array(mask, copy=True)
+            flipped.flat[int(np.flatnonzero(flipped)[0])] = False  # the first kept position, masked
+            yield key, {**inputs, key: flipped}
+
+
+def _another_id(token: int, vocab: int, pad_id: int) -> int:
+    return next(t for t in ((token + step) % vocab for step in range(1, vocab)) if t != pad_id)
