@@ -30,7 +30,11 @@ def _padded_ids(data, cfg, vocab: int, batch: int, length: int) -> np.ndarray:
     """Random ids with pad_id at random places (a whole padded row included sometimes)."""
     ids = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length),
                                       min_size=batch, max_size=batch)), dtype=np.int64)
-    return ids
+    padded = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=length, max_size=length),
+                                         min_size=batch, max_size=batch)), dtype=bool)
+    if data.draw(st.booleans()):
+        padded[data.draw(st.integers(0, batch - 1))] = True  # a row that is all padding
+    return np.where(padded, cfg.pad_id, ids)
 
 
 @CROSS_BACKEND
