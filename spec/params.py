@@ -167,9 +167,7 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
             value = 1.0 + _uniform(stream, value.shape, CONFORMANCE_SCALE)
         elif name.endswith(".bias"):
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
-        elif name.endswith("embed.weight") or name.endswith("pos.weight"):
-            value = value.astype(np.float64)
-        else:  # a [in, out] matrix
+        elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix
             value = _gain(name) * value.astype(np.float64)
         params[name] = value.astype(PARAM_DTYPE)
     return params
