@@ -18,6 +18,7 @@ To be driven by the harness a backend implements:
 
     class Runner:
         def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py
+        def attention_path(self, sublayer, inputs) -> str   # optional: the attention this case ran
 
 ``params`` are the canonical float32 NumPy parameters (spec.param_shapes); a runner raises
 ``NotSupported`` for a sublayer it does not implement (reported as skipped, with the reason).

@@ -32,6 +32,7 @@ with size-1 axes broadcasting) or None; a backend must normalize them (spec.inpu
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -308,9 +309,10 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
 def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: np.random.Generator,
                        mask_case: str) -> dict[str, Any]:
     """A generate case whose greedy output tells a working loop from a broken one (SPEC.md §11):
-    each batch row is the candidate, of GENERATION_CANDIDATES drawn with the row's padding, whose
-    golden tokens are the most varied (a loop that never advances repeats its first token), and
-    eos_id is a token that ends some rows early, at different steps, and not others."""
+    GENERATION_CANDIDATES candidates are drawn for each batch row, with the row's padding, and
+    the rows and eos_id are chosen together (choose_generation_rows) so that eos_id ends some
+    rows early, at different steps, and not others, and the rows' tokens are varied (a loop that
+    never advances repeats its first token)."""
     candidates = BATCH * GENERATION_CANDIDATES  # candidate j of row r is row r + BATCH·j: same padding
     src_ids = prompt = None
     if cfg.has_encoder:
@@ -322,30 +324,69 @@ def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: 
     bos_id = cfg.pad_id if mask_case == "pad_start" else min(BOS_ID, cfg.tgt_vocab_size - 1)
     tokens = golden.greedy_generate(cfg, params, src_ids, prompt_ids=prompt, bos_id=bos_id, eos_id=None,
                                     max_new_tokens=new_tokens)
-    rows: list[int] = []
-    for slot in range(BATCH):  # the most varied candidate, then the one least like the rows chosen
-        options = range(slot, candidates, BATCH)
-        rows.append(max(options, key=lambda j: (len(set(tokens[j].tolist())),
-                                                sum(int((tokens[j] != tokens[i]).sum()) for i in rows), -j)))
+    rows, eos_id = choose_generation_rows(tokens, BATCH, min(EOS_ID, cfg.tgt_vocab_size - 1), cfg.pad_id)
     return {"src_ids": None if src_ids is None else src_ids[rows], "prompt_ids": None if prompt is None else prompt[rows],
-            "bos_id": bos_id, "eos_id": end_of_sequence(tokens[rows], min(EOS_ID, cfg.tgt_vocab_size - 1), cfg.pad_id),
-            "max_new_tokens": new_tokens}
+            "bos_id": bos_id, "eos_id": eos_id, "max_new_tokens": new_tokens}
 
 
-def end_of_sequence(tokens: np.ndarray, default: int, pad_id: int) -> int:
-    """The eos_id for free-running greedy tokens [B, N]: the token whose first appearances end the
-    most rows at distinct steps 1..N-2 (a row's tokens, then padding), then the most rows, always
-    leaving a row that never ends; ties go to the lowest id, pad_id is never chosen (the padding
-    after an end must be told from the end). `default` when no token ends a row."""
-    best, best_score = default, None
+def choose_generation_rows(tokens: np.ndarray, batch: int, default_eos: int, pad_id: int) -> tuple[list[int], int]:
+    """The batch rows, one per slot (slot r chooses among candidates r, r + batch, ...), and the
+    eos_id, from free-running greedy tokens [candidates, N]. Every choice of rows is weighed:
+    first by end_of_sequence's score (rows its eos ends at distinct steps, then rows it ends),
+    then by the fewest distinct tokens in a row, then by distinct tokens in all rows, then by
+    positions where two rows differ; ties go to the lowest candidates."""
+    options = [range(slot, tokens.shape[0], batch) for slot in range(batch)]
+    best, best_key = None, None
+    for rows in itertools.product(*options):
+        chosen = tokens[list(rows)]
+        eos_id, score = end_of_sequence(chosen, default_eos, pad_id)
+        variety = [len(set(row.tolist())) for row in chosen]
+        differences = sum(int((chosen[i] != chosen[j]).sum()) for i in range(batch) for j in range(i))
+        key = (score, min(variety), sum(variety), differences, tuple(-r for r in rows))
+        if best_key is None or key > best_key:
+            best, best_key = (list(rows), eos_id), key
+    assert best is not None
+    return best
+
+
+def end_of_sequence(tokens: np.ndarray, default: int, pad_id: int) -> tuple[int, tuple[int, int]]:
+    """The eos_id for free-running greedy tokens [B, N], with its score: the token whose first
+    appearances end the most rows at distinct steps 1..N-2 (a row's tokens, then padding), then
+    the most rows, always leaving a row that never ends; ties go to the lowest id, pad_id is never
+    chosen (the padding after an end must be told from the end). `default`, scored (0, 0), when
+    no token ends a row."""
+    best, best_score = default, (0, 0)
     for token in sorted(set(tokens.ravel().tolist()) - {pad_id}):
         ends = [int(np.flatnonzero(row == token)[0]) for row in tokens if (row == token).any()]
         if len(ends) == tokens.shape[0]:
             continue  # every row would end: nothing shows that a row without it must go on
         score = (len({step for step in ends if 1 <= step <= tokens.shape[1] - 2}), len(ends))
-        if best_score is None or score > best_score:
+        if score > best_score:
             best, best_score = token, score
-    return best
+    return best, best_score
+
+
+def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
+    """The query lengths with which a case's attention runs; empty where the sublayer has none.
+    A backend whose attention path depends on the query length names its path from these."""
+    src = inputs.get("src_ids")
+    encoder = set() if src is None else {np.shape(src)[1]}
+    if sublayer == "attention":
+        return {np.shape(inputs["q"])[-2]}
+    if sublayer in ("mha", "mha_cross", "encoder_layer"):
+        return {np.shape(inputs["x"])[1]}
+    if sublayer == "decoder_layer":
+        return {np.shape(inputs["y"])[1]}
+    if sublayer == "encoder":
+        return encoder
+    if sublayer in ("decoder", "forward"):
+        return {np.shape(inputs["tgt_ids"])[1]} | encoder
+    if sublayer == "decode":  # the prefix in one chunk, then one token a step
+        return {inputs["prefix"], 1} | encoder
+    if sublayer == "generate":  # a decoder-only model prefills its prompt first
+        prompt = inputs.get("prompt_ids")
+        return {1} | encoder | (set() if prompt is None else {np.shape(prompt)[1]})
+    return set()
 
 
 def decode_steps(inputs: dict[str, Any], cache: Any, decode_step: Callable[[Any, np.ndarray], tuple[Any, Any]]) -> list:

@@ -35,7 +35,8 @@ from conformance.adapter import backend_names, importable_by_name
 from conformance.gpu_job import NVIDIA_DRIVER
 from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult, plan_matrix, run_matrix
 from conformance.parallel import WorkerPool, auto_jobs
-from conformance.report import columns_and_rows, summary_counts, write_report
+from conformance.report import (attention_paths, columns_and_rows, format_attention_paths, summary_counts,
+                                write_report)
 from conformance.tolerance import DTYPES
 from spec import (
     SpecError,
@@ -238,6 +239,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print("\n" + problems)
     print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
           f"in {seconds:.2f} s")
+    if paths := format_attention_paths(attention_paths(results)):
+        print(paths)
     localizations = _localize(cfg, params, results, args.localize)
     for column, localization in localizations.items():
         first = localization.first_failure

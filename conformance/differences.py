@@ -140,77 +140,93 @@ def _kv_names() -> tuple[list[str], list[str]]:
 
 # ---- the page ----------------------------------------------------------------------------------
 
-def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]) -> dict[str, list[str]]:
+MEASURED, EXPLAINED = "measured", "explained"  # a number this run saw, or a reading of the code
+
+
+def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]) -> dict[str, list[tuple[str, str]]]:
+    """Each section's items, as (MEASURED, text) when the text quotes what this run measured or
+    computed, (EXPLAINED, text) when it reads the code above or the frameworks' documentation."""
     p = lambda topic, primitive: observation(observed, topic, primitive)  # noqa: E731
     past, present = _kv_names()
     linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
     return {
         "Weight layouts and transposes": [
-            "PyTorch's `nn.Linear` stores `[out, in]` and computes `x @ Wᵀ`: every Linear weight is transposed "
-            "on the way in and out, nothing else changes (`tests/test_torch.py`).",
-            "Flax's `nnx.Linear` kernel is `[in, out]` like the spec: no transpose, only the leaf name "
-            "(`kernel` for `weight`, `embedding` for an embedding's `weight`).",
-            f"ONNX (torch export): the tiny forward graph holds {linear_ops['23']} MatMul/Gemm nodes whose weights are "
-            "initializers in the exporter's own layout; the graph's metadata carries the weights' SHA-256, so "
-            "a graph is tied to the file it came from (`rosetta export`).",
+            (MEASURED, f"ONNX (torch export): the tiny forward graph holds {linear_ops['23']} MatMul/Gemm nodes whose "
+                       "weights are initializers in the exporter's own layout."),
+            (EXPLAINED, "PyTorch's `nn.Linear` stores `[out, in]` and computes `x @ Wᵀ`: every Linear weight is "
+                        "transposed on the way in and out, nothing else changes (`tests/test_torch.py`)."),
+            (EXPLAINED, "Flax's `nnx.Linear` kernel is `[in, out]` like the spec: no transpose, only the leaf name "
+                        "(`kernel` for `weight`, `embedding` for an embedding's `weight`)."),
+            (EXPLAINED, "An exported graph's metadata carries the weights' SHA-256, so a graph is tied to the file it "
+                        "came from (`rosetta export`)."),
         ],
         "Positional encoding layouts": [
-            f"Angles in float64, rounded to float32 at the end (impl_torch, impl_jax, the golden at float32): "
-            f"max error {positional['float64 angles']:.1e} over positions 0–4095 at d=512; the same table from "
-            f"float32 angles: {positional['float32 angles']:.1e}. (`rosetta differences` computes both.)",
-            "impl_jax makes the table on the host in NumPy (JAX has float64 only in x64 mode); so its ONNX export "
-            "holds a table of max_len positions, while the torch export computes the sinusoids in the graph "
-            "(docs/onnx.md).",
+            (MEASURED, f"Angles in float64, rounded to float32 at the end (impl_torch, impl_jax, the golden at "
+                       f"float32): max error {positional['float64 angles']:.1e} over positions 0–4095 at d=512; the "
+                       f"same table from float32 angles: {positional['float32 angles']:.1e}."),
+            (EXPLAINED, "impl_jax makes the table on the host in NumPy (JAX has float64 only in x64 mode); so its ONNX "
+                        "export holds a table of max_len positions, while the torch export computes the sinusoids in "
+                        "the graph (docs/onnx.md)."),
         ],
         "Where 1/√d_k is applied, mask polarity and rows with no key": [
-            f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention')}; "
-            f"`nn.MultiheadAttention`: {p('fully masked row', 'torch nn.MultiheadAttention')}; "
-            f"`jax.nn.dot_product_attention`: {p('fully masked row', 'jax.nn.dot_product_attention')}; "
-            f"onnxruntime `Attention`: {p('fully masked row', 'onnxruntime Attention')}. Every implementation "
-            "enforces the spec's zeros itself (`rosetta probe`).",
-            f"Mask polarity: SDPA's boolean mask is True = attend ({p('mask forms', 'torch F.scaled_dot_product_attention')}); "
-            "`nn.MultiheadAttention`'s `key_padding_mask` is the opposite (True = ignore).",
-            f"Fill values before a softmax, for an all-masked row: {p('fill values, all-masked row', 'torch.softmax after a fill')} "
-            "(`rosetta probe`); no fill gives the spec's zeros, hence the explicit row rule.",
-            f"`jax.nn.dot_product_attention` at float64: {p('float64 attention', 'jax.nn.dot_product_attention')} "
-            "(its softmax is always float32), so impl_jax sends float64 through its explicit path.",
-            f"ONNX: at opset 23 the tiny forward graph has {ops['23']['Attention']} `Attention` nodes and "
-            f"{ops['23']['Softmax']} `Softmax`; at opset 20 it has {ops['20']['Attention']} and {ops['20']['Softmax']}. "
-            f"onnxruntime's Attention and a `[B,1,1,K]` mask: {p('mask broadcasting', 'onnxruntime Attention')}.",
+            (MEASURED, f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention')}; "
+                       f"`nn.MultiheadAttention`: {p('fully masked row', 'torch nn.MultiheadAttention')}; "
+                       f"`jax.nn.dot_product_attention`: {p('fully masked row', 'jax.nn.dot_product_attention')}; "
+                       f"onnxruntime `Attention`: {p('fully masked row', 'onnxruntime Attention')}."),
+            (MEASURED, f"SDPA's boolean mask: {p('mask forms', 'torch F.scaled_dot_product_attention')}."),
+            (MEASURED, f"Fill values before a softmax, for an all-masked row: "
+                       f"{p('fill values, all-masked row', 'torch.softmax after a fill')}."),
+            (MEASURED, f"`jax.nn.dot_product_attention` at float64: "
+                       f"{p('float64 attention', 'jax.nn.dot_product_attention')}."),
+            (MEASURED, f"ONNX: at opset 23 the tiny forward graph has {ops['23']['Attention']} `Attention` nodes and "
+                       f"{ops['23']['Softmax']} `Softmax`; at opset 20 it has {ops['20']['Attention']} and "
+                       f"{ops['20']['Softmax']}. onnxruntime's Attention and a `[B,1,1,K]` mask: "
+                       f"{p('mask broadcasting', 'onnxruntime Attention')}."),
+            (EXPLAINED, "No fill value gives the spec's zeros, so every implementation enforces the row rule itself "
+                        "(the `all_pad` cells check it)."),
+            (EXPLAINED, "`nn.MultiheadAttention`'s `key_padding_mask` has the opposite polarity (True = ignore)."),
+            (EXPLAINED, "`jax.nn.dot_product_attention` takes its softmax in float32 whatever the input, so impl_jax "
+                        "sends float64 through its explicit path; the report names the path each cell took."),
         ],
         "Splitting heads": [
-            "The same reshape-then-transpose in all three; reshaping `[B, T, d]` straight to `[B, H, T, d_k]` "
-            "without the transpose is mutation `heads_reshape` (docs/mutation-gallery.md).",
-            "`jax.nn.dot_product_attention` wants `[B, T, H, d_k]` (heads after the sequence axis): impl_jax "
-            "swaps axes around the call.",
+            (EXPLAINED, "The same reshape-then-transpose in all three; reshaping `[B, T, d]` straight to "
+                        "`[B, H, T, d_k]` without the transpose is mutation `heads_reshape` "
+                        "(docs/mutation-gallery.md)."),
+            (EXPLAINED, "`jax.nn.dot_product_attention` wants `[B, T, H, d_k]` (heads after the sequence axis): "
+                        "impl_jax swaps axes around the call."),
         ],
         "LayerNorm: variance and eps": [
-            f"`torch.nn.LayerNorm` default: {p('LayerNorm defaults', 'torch.nn.LayerNorm')}; "
-            f"`flax.nnx.LayerNorm` default: {p('LayerNorm defaults', 'flax.nnx.LayerNorm')} (E[x²] − E[x]², one pass). "
-            "Our norms pass the config's eps and take two passes.",
-            "Half-precision activations: both frameworks take the statistics in float32 and cast back.",
+            (MEASURED, f"`torch.nn.LayerNorm` default: {p('LayerNorm defaults', 'torch.nn.LayerNorm')}; "
+                       f"`flax.nnx.LayerNorm` default: {p('LayerNorm defaults', 'flax.nnx.LayerNorm')}."),
+            (EXPLAINED, "Flax's `use_fast_variance` takes E[x²] − E[x]² in one pass, which cancels on values far "
+                        "from 0; our norms pass the config's eps and take two passes."),
+            (EXPLAINED, "Half-precision activations: both implementations take the statistics in float32 and cast "
+                        "back."),
         ],
         "GELU": [
-            f"`torch.nn.functional.gelu` default: {p('GELU default', 'torch.nn.functional.gelu')}; "
-            f"`jax.nn.gelu` default: {p('GELU default', 'jax.nn.gelu')}. Both are chosen explicitly from the config.",
-        ],
-        "KV-cache shapes": [
-            "Both preallocate `capacity` positions and attend over all of them under a mask, for different "
-            "reasons: impl_jax because XLA compiles once per shape, so it writes with `dynamic_update_slice` "
-            "and returns a new cache; impl_torch because a growing cache allocates every step and, on a GPU, "
-            "plans a new attention kernel for every key length, so it writes into its buffers in place (a "
-            "cache is continued one way; `copy()` one to branch, and a stale branch is refused).",
-            f"The ONNX decoder_step graph is impl_torch's step: it takes {', '.join(past)}, … and returns "
-            f"{', '.join(present)}, … at the same capacity, the new positions written into copies (a graph "
-            "never writes its inputs); the runner keeps two sets of buffers on the device and swaps them each "
-            "step, so every step binds the same buffers.",
+            (MEASURED, f"`torch.nn.functional.gelu` default: {p('GELU default', 'torch.nn.functional.gelu')}; "
+                       f"`jax.nn.gelu` default: {p('GELU default', 'jax.nn.gelu')}."),
+            (EXPLAINED, "Both implementations choose the form from the config, never the default."),
         ],
         "Matmul precision (TF32)": [
-            f"torch's default here: {p('matmul precision', 'torch')}; jax's: {p('matmul precision', 'jax')}. "
-            "On NVIDIA GPUs JAX's default float32 matmul rounds its inputs to TF32, PyTorch's does not; "
-            "both backends therefore state the precision on every run (`rosetta probe`).",
-            "ONNX graphs carry no precision setting: on CUDA, onnxruntime's provider options decide (not "
-            "measured here without a GPU; `rosetta check --devices cuda` measures the result).",
+            (MEASURED, f"torch's default here: {p('matmul precision', 'torch')}; jax's: {p('matmul precision', 'jax')}."),
+            (EXPLAINED, "On NVIDIA GPUs JAX's default float32 matmul rounds its inputs to TF32 and PyTorch's does "
+                        "not (their documentation), so both backends state the precision on every run."),
+            (EXPLAINED, "ONNX graphs carry no precision setting: on CUDA, onnxruntime's provider options decide "
+                        "(`rosetta check --devices cuda` measures the result)."),
+        ],
+        "KV-cache shapes": [
+            (MEASURED, f"The ONNX decoder_step graph takes {', '.join(past)}, … and returns {', '.join(present)}, … "
+                       "at the same capacity."),
+            (EXPLAINED, "Both preallocate `capacity` positions and attend over all of them under a mask, for "
+                        "different reasons: impl_jax because XLA compiles once per shape, so it writes with "
+                        "`dynamic_update_slice` and returns a new cache; impl_torch because a growing cache "
+                        "allocates every step and, on a GPU, plans a new attention kernel for every key length, so "
+                        "it writes into its buffers in place (a cache is continued one way; `copy()` one to branch, "
+                        "and a stale branch is refused)."),
+            (EXPLAINED, "The decoder_step graph is impl_torch's step: the new positions are written into copies (a "
+                        "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
+                        "swaps them each step, so every step binds the same buffers."),
         ],
     }
 
@@ -232,7 +248,9 @@ def differences_page() -> str:
             for name in (names,) if isinstance(names, str) else names:
                 path, name = name.split("::") if "::" in name else (IMPLEMENTATIONS[label], name)
                 lines += [f"**{label}** — `{path}` · `{name}`", "", "```python", source_of(path, name), "```", ""]
-        lines += ["What differs, measured:", ""]
-        lines += [f"- {item}" for item in found[section.title]]
-        lines.append("")
+        for kind, heading in ((MEASURED, "What differs, measured by this run (`rosetta probe`, the exported graphs):"),
+                              (EXPLAINED, "Why, from the code above and the frameworks' documentation (not measured):")):
+            items = [text for item_kind, text in found[section.title] if item_kind == kind]
+            if items:
+                lines += [heading, ""] + [f"- {text}" for text in items] + [""]
     return "\n".join(lines)

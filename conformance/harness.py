@@ -34,6 +34,7 @@ class CellResult:
     worst_index: tuple[int, ...] | None = None
     reason: str = ""
     seconds: float = 0.0
+    path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
 
     @property
     def test_id(self) -> str:
@@ -188,6 +189,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         output = runners[key].run(case.sublayer, case.inputs)
+        named = getattr(runners[key], "attention_path", None)
+        base["path"] = named(case.sublayer, case.inputs) if named else ""
     except NotSupported as reason:
         return CellResult(**base, status=SKIP, reason=f"not supported: {reason}")
     except Exception as error:  # noqa: BLE001 - any backend failure (SpecError included) is a reported error

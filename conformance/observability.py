@@ -76,16 +76,16 @@ def parameter_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], d
     tolerance when the tensor is scaled by 1 ± margin × (the largest tolerance of any case)."""
     golden = _Golden(cfg, catalogue(cfg, params), dtype)
     relative = margin * max(golden.tolerance(case) for case in golden.cases)
-    reference = {case.name: golden.output(params, case) for case in golden.cases}
+    unchanged = NumpyRunner(cfg, params, "float64")  # the weights cast once
+    reference = {case.name: golden.output(params, case, None, unchanged) for case in golden.cases}
     for index, name in enumerate(params):
-        changed = {**params, name: _perturbed(params[name], relative, index)}
-        yield _first_seen(golden, name, changed, reference)
+        yield _first_seen(golden, name, unchanged.replaced(name, _perturbed(params[name], relative, index)), reference)
 
 
-def _first_seen(golden: _Golden, subject: str, params, reference) -> Observation:
-    best, runner = 0.0, NumpyRunner(golden.cfg, params, "float64")  # the weights cast once
+def _first_seen(golden: _Golden, subject: str, runner: NumpyRunner, reference) -> Observation:
+    best = 0.0
     for case in golden.cases:
-        ratio = golden.moved(case, reference[case.name], golden.output(params, case, None, runner))
+        ratio = golden.moved(case, reference[case.name], golden.output(runner.params, case, None, runner))
         if ratio > 1.0:
             return Observation(subject, case.name, ratio)
         best = max(best, ratio)
@@ -97,12 +97,12 @@ def input_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype
     generate case (moved to another id), every keep-mask (its first kept position masked), and
     every position offset (a step's cache length, one more)."""
     cases = catalogue(cfg, params)
-    golden = _Golden(cfg, cases, dtype)
+    golden, runner = _Golden(cfg, cases, dtype), NumpyRunner(cfg, params, "float64")
     observations = []
     for case in cases:
-        reference = golden.output(params, case)
+        reference = golden.output(params, case, None, runner)
         for label, inputs in _input_changes(cfg, case):
-            ratio = golden.moved(case, reference, golden.output(params, case, inputs))
+            ratio = golden.moved(case, reference, golden.output(params, case, inputs, runner))
             observations.append(Observation(f"{case.name}: {label}", case.name if ratio > 1.0 else None, ratio))
     return observations
 

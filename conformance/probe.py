@@ -203,17 +203,36 @@ def _jax_dot_product_attention_float64(device: str) -> str:
     return f"max error vs float64 math {np.abs(native[0, :, 0] - exact).max():.1e}"
 
 
+# Values far from 0 with a small spread: E[x²] − E[x]² in float32 cancels to noise on them, a
+# two-pass (or Welford) variance does not. σ² = 0.078, 4096² in float32 is exact to ±1.
+NORM_PROBE_INPUT = 4096.0 + np.array([0.0, 0.25, 0.5, 0.75] * 2)
+
+
+def _norm_error(output) -> str:
+    """How far a norm's float32 output on NORM_PROBE_INPUT is from the exact (x − μ)/σ."""
+    centered = NORM_PROBE_INPUT - NORM_PROBE_INPUT.mean()
+    exact = centered / np.sqrt((centered * centered).mean() + 1e-6)
+    error = float(np.abs(np.asarray(output, dtype=np.float64).reshape(-1) - exact).max())
+    return f"on float32 4096 + [0, ¼, ½, ¾] (σ² 0.078) its output is off by {error:.1e}"
+
+
 def _torch_layer_norm_eps() -> str:
     import torch
 
-    return f"eps {torch.nn.LayerNorm(4).eps:g}"
+    norm = torch.nn.LayerNorm(NORM_PROBE_INPUT.size, eps=1e-6)
+    with torch.no_grad():
+        output = norm(torch.tensor(NORM_PROBE_INPUT, dtype=torch.float32)).numpy()
+    return f"eps {torch.nn.LayerNorm(4).eps:g}; {_norm_error(output)}"
 
 
 def _flax_layer_norm() -> str:
+    import jax.numpy as jnp
     from flax import nnx
 
-    norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
-    return f"epsilon {norm.epsilon:g}, use_fast_variance={norm.use_fast_variance}"
+    default = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    norm = nnx.LayerNorm(NORM_PROBE_INPUT.size, epsilon=1e-6, rngs=nnx.Rngs(0))
+    output = norm(jnp.asarray(NORM_PROBE_INPUT, dtype=jnp.float32))
+    return f"epsilon {default.epsilon:g}, use_fast_variance={default.use_fast_variance}; {_norm_error(output)}"
 
 
 def _gelu_form(value: float) -> str:

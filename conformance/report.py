@@ -9,11 +9,13 @@ report.json (schema_version 1):
     devices         {"cpu": name, "<backend>/<device>": name reported by the backend}
     tolerance_policy {"formula", "safety"}
     wall_seconds
+    attention_paths {"<backend>/<dtype>/<device>": {path: passing cells}} for backends that name the
+                    attention each cell ran (jax: jax.nn.dot_product_attention, or explicit and why)
     localization    {"<backend>/<dtype>/<device> (forward-<mask case>)": {"first_failure": stage or null,
                     "stages": [{name, sublayer, isolated_ratio, chained_ratio, note}]}} for the columns
                     localized (failing whole-model cells, or every column with --localize)
     cells           one record per cell: backend, device, dtype, sublayer, mask_case, status,
-                    passed, max_abs_err, rel_err, tol, worst_index, reason, seconds
+                    passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path
                     (infinite errors are written as the string "inf")
 """
 
@@ -59,6 +61,23 @@ def device_names(results: list[CellResult]) -> dict[str, str]:
 
 def summary_counts(results: list[CellResult]) -> dict[str, int]:
     return {status: sum(r.status == status for r in results) for status in (PASS, FAIL, ERROR, SKIP)}
+
+
+def attention_paths(results: list[CellResult]) -> dict[str, dict[str, int]]:
+    """Passing cells per attention path, by column, for the backends that name their path: a
+    cell that ran another backend's program is not evidence for this one's primitive."""
+    paths: dict[str, dict[str, int]] = {}
+    for r in results:
+        if r.status == PASS and r.path:
+            column = paths.setdefault(f"{r.backend}/{r.dtype}/{r.device}", {})
+            column[r.path] = column.get(r.path, 0) + 1
+    return paths
+
+
+def format_attention_paths(paths: dict[str, dict[str, int]]) -> str:
+    """One line per column: how many passing cells took each attention path."""
+    return "\n".join(f"attention in {column}: " + "; ".join(f"{count} cells {path}" for path, count in found.items())
+                     for column, found in paths.items())
 
 
 def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, str]], list[str]]:
@@ -149,6 +168,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * sqrt(n)) "
                                         "* max(1, max|golden|)", "safety": SAFETY},
         "wall_seconds": round(seconds, 3),
+        "attention_paths": attention_paths(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         "cells": [r.to_dict() for r in results],
     }
@@ -161,6 +181,9 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
                 f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s",
                 f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}", "",
                 "Cells show max|error| / tolerance (below 1 passes).", "", "```", table, "```", "", problems]
+    if paths := format_attention_paths(report["attention_paths"]):
+        markdown += ["", "Attention path of the passing cells, where a backend names it (an explicit path is the "
+                     "program of the `-math` column, not evidence for the native primitive):", "", "```", paths, "```"]
     if has_heatmap:
         markdown += ["", "![error / tolerance heatmap](heatmap.png)"]
         written.append(directory / "heatmap.png")

@@ -14,6 +14,7 @@ from impl_jax.model import (
     Norm,
     Stack,
     Transformer,
+    attention_path,
     decode_step,
     gelu,
     gelu_tanh,

@@ -116,13 +116,22 @@ def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask:
                                  path: str = "sdpa", precision: str = "highest") -> jax.Array:
     """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
     mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
-    # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
-    # which leaves float64 attention float32-accurate (errors ~1e-7): float64 uses the math path,
-    # and so does every case where the native primitive fails to compile (native_attention_fails).
     # Decided before the jit, so both paths' calls that end up explicit share one program.
-    if q.dtype == jnp.float64 or native_attention_fails(q.dtype, _platform(), q.shape[-2]):
-        path = "math"
+    path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path)
     return _attention(q, k, v, mask, path, precision)
+
+
+def attention_path(dtype, platform: str, n_queries: int, path: str) -> tuple[str, str | None]:
+    """The path attention asked for `path` takes ('sdpa' or 'math'), and why it is not the one
+    asked for (None when it is)."""
+    if path == "math":
+        return "math", None
+    # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
+    # which leaves float64 attention float32-accurate (errors ~1e-7)
+    if jnp.dtype(dtype) == jnp.float64:
+        return "math", "jax.nn.dot_product_attention takes its softmax in float32"
+    failure = native_attention_fails(dtype, platform, n_queries)
+    return ("math", failure) if failure else ("sdpa", None)
 
 
 @partial(jax.jit, static_argnames=("path", "precision"))

@@ -25,6 +25,7 @@ from impl_numpy.model import (
     log_probs,
     log_softmax,
     merge_heads,
+    model_logits,
     multi_head_attention,
     norm,
     output_logits,

@@ -286,7 +286,13 @@ def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_id
     """Teacher-forced logits [B, T, V]. Decoder-only: src_ids=None. Padding comes from pad_id
     unless keep-vectors (True = real token) are given."""
     check_model_inputs(cfg, src_ids, tgt_ids)
-    p = cast_params(cfg, params, dtype)
+    return model_logits(cfg, cast_params(cfg, params, dtype), src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep)
+
+
+def model_logits(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
+                 src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> np.ndarray:
+    """forward on parameters already cast to the computation dtype (cast_params)."""
+    check_model_inputs(cfg, src_ids, tgt_ids)
     tgt_ids = np.asarray(tgt_ids)
     tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
     memory = None

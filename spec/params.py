@@ -143,21 +143,30 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 # weights in which every tensor is drawn away from its trivial value (SPEC.md §4.1).
 CONFORMANCE_BIAS = 0.2  # biases (attention, FFN, head, norms): U(-0.2, 0.2)
 CONFORMANCE_SCALE = 0.2  # norm scales: U(1 - 0.2, 1 + 0.2)
-# Greedy decoding of a random post-LN encoder-decoder repeats one token: what a step changes (the
-# last token, the position) is small beside what every step shares (the cross-attention over a
-# fixed memory, the biases). A stronger FFN, a random function of the step's own input, makes
-# each step's token depend on the last one (conformance/cases.py then picks varied rows).
-CONFORMANCE_GAINS = {"ffn": 3.0}  # × the Xavier limit of those matrices
+# Greedy decoding of a random Transformer repeats one token when what a step changes (its token,
+# its position) is small beside what every step shares (SPEC.md §4.1). Two things share it out:
+# - an attention of nearly uniform weights averages its values, one vector for every query: each
+#   such sublayer halves the token's share of the residual stream, and after 6 layers it is gone.
+#   Smaller value and output matrices keep the stream's own token in it;
+# - ReLU, GELU and swish have a positive mean, so an FFN output matrix W2 [d_ff, d] adds about
+#   E[act]·Σ_j W2[j, :], one vector for every position, step and source. Centring W2 over its input
+#   axis removes it; a stronger FFN, a random function of the step's own input, then weighs more.
+CONFORMANCE_GAINS = {  # × the Xavier limit of these [in, out] matrices, by "module.matrix"
+    "ffn.w1": 3.0, "ffn.w2": 3.0,
+    "self_attn.v": 0.5, "self_attn.o": 0.5,
+    "cross_attn.v": 0.7, "cross_attn.o": 0.7,  # less: the source would weigh less than the token
+}
+CENTRED_OVER_INPUTS = ("ffn.w2.weight",)
 
 
 def _gain(name: str) -> float:
-    module = name.split(".")[-3] if name.count(".") >= 2 else ""
-    return CONFORMANCE_GAINS.get(module, 1.0)
+    return CONFORMANCE_GAINS.get(".".join(name.split(".")[-3:-1]), 1.0)
 
 
 def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic float32 parameters in which every tensor matters: init_params' matrices
-    (the FFN's ×3) and embeddings, with biases drawn from U(-0.2, 0.2) and norm
+    (the FFN's ×3, its output matrix centred over its inputs; attention's values and
+    output ×0.5, ×0.7 across) and embeddings, with biases drawn from U(-0.2, 0.2) and norm
     scales from U(0.8, 1.2). The weights `rosetta check --preset` and the tests run on."""
     _check_seed(seed)
     params: dict[str, np.ndarray] = {}
@@ -169,6 +178,8 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
         elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix
             value = _gain(name) * value.astype(np.float64)
+            if name.endswith(CENTRED_OVER_INPUTS):
+                value = value - value.mean(axis=0, keepdims=True)  # Σ_j W2[j, :] = 0
         params[name] = value.astype(PARAM_DTYPE)
     return params
 

@@ -10,12 +10,14 @@ import pytest
 
 from conformance.adapter import NotSupported, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
-from conformance.cases import MASK_CASES, SUBLAYERS, case_names, catalogue
+import impl_numpy as golden
+from conformance.cases import (MASK_CASES, SUBLAYERS, applicable_cases, attention_queries, build_case, case_names,
+                               catalogue, choose_generation_rows)
 from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.mutations import MUTATIONS, MutantBackend
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
-from spec import conformance_params
+from spec import conformance_params, get_preset, list_presets
 from tests.variants import TINY, VARIANTS
 
 PARAMS = conformance_params(TINY)
@@ -58,6 +60,57 @@ def test_catalogue_is_deterministic():
         for key, value in a.inputs.items():
             other = b.inputs[key]
             assert type(value) is type(other) and (np.array_equal(value, other) if isinstance(value, np.ndarray) else value == other)
+
+
+def _first_ends(tokens, eos_id):
+    return [int(np.flatnonzero(row == eos_id)[0]) if (row == eos_id).any() else None for row in tokens]
+
+
+@pytest.mark.parametrize("preset", [pytest.param(name, marks=pytest.mark.slow) if name.startswith("paper") else name
+                                    for name in list_presets()])
+def test_generate_cases_end_rows_at_different_steps_and_vary(preset):
+    """On every preset's conformance weights, each generate case has rows that eos_id ends at two
+    different steps and a row that never ends, and a row whose tokens are nearly all distinct: ignoring eos_id, a loop that never advances and one that feeds back its
+    input all change tokens the golden chose."""
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    for mask_case in applicable_cases(cfg, "generate"):
+        inputs = build_case(cfg, params, "generate", mask_case).inputs
+        tokens = golden.greedy_generate(cfg, params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"],
+                                        bos_id=inputs["bos_id"], eos_id=inputs["eos_id"],
+                                        max_new_tokens=inputs["max_new_tokens"])
+        ends = _first_ends(tokens, inputs["eos_id"])
+        assert None in ends, (mask_case, tokens)
+        assert len({end for end in ends if end is not None and end >= 1}) >= 2, (mask_case, tokens)
+        assert max(len(set(row.tolist())) for row in tokens) >= tokens.shape[1] - 1, (mask_case, tokens)
+
+
+def test_generation_rows_and_eos_are_chosen_together():
+    """Slot r chooses among candidates r, r + 3, ...: the rows picked are the ones with which a
+    token ends two rows at distinct steps and leaves one going, though more varied rows exist."""
+    tokens = np.array([[5, 6, 1, 8], [9, 3, 1, 6], [5, 5, 5, 5],   # candidates 0, 1, 2
+                       [4, 4, 4, 4], [4, 7, 9, 9], [8, 8, 7, 6]])  # candidates 3, 4, 5
+    rows, eos_id = choose_generation_rows(tokens, 3, default_eos=2, pad_id=0)
+    assert (rows, eos_id) == ([0, 4, 5], 7)  # not candidate 1, the most varied of its slot
+    assert _first_ends(tokens[rows], eos_id) == [None, 1, 2]
+    # no token ends a row while another goes on: the default eos, and the most varied rows
+    rows, eos_id = choose_generation_rows(np.array([[3, 4], [3, 5]]), 1, default_eos=2, pad_id=0)
+    assert eos_id == 2 and rows == [0]
+
+
+def test_attention_queries_of_each_case():
+    """The query lengths a case's attention runs with (a backend names its path from them)."""
+    char_lm = VARIANTS["char-lm"]
+    cases = {case.name: case for case in catalogue(TINY, PARAMS)}
+    lm_cases = {case.name: case for case in catalogue(char_lm, conformance_params(char_lm))}
+    source = cases["generate-none"].inputs["src_ids"].shape[1]
+    assert attention_queries("generate", cases["generate-none"].inputs) == {1, source}
+    assert attention_queries("generate", lm_cases["generate-none"].inputs) == {1, 3}
+    decode = cases["decode-pad_right"].inputs
+    assert attention_queries("decode", decode) == {decode["prefix"], 1, decode["src_ids"].shape[1]}
+    assert attention_queries("attention", cases["attention-single_token"].inputs) == {1}
+    for sublayer in ("embedding", "ffn", "norm", "logits"):
+        assert attention_queries(sublayer, cases[f"{sublayer}-none"].inputs) == set()
 
 
 def test_all_pad_cases_really_have_rows_with_no_key():

@@ -8,6 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import impl_numpy as g
+from conformance.cases import SUBLAYERS
+from conformance.tolerance import compare, tolerance
 from spec import InputError, get_preset, conformance_params, params_under
 from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
 from tests.strategies import small_configs
@@ -296,7 +298,15 @@ def test_float32_golden_tracks_float64(batch, src_len, tgt_len, seed):
     reference = g.forward(TINY, params, src, tgt)
     single = g.forward(TINY, params, src, tgt, dtype=np.float32)
     assert single.dtype == np.float32 and np.isfinite(reference).all()
-    assert np.abs(single - reference).max() <= 1e-5 * max(1.0, np.abs(reference).max())
+    _assert_within_policy(TINY, single, reference, src_len, tgt_len)
+
+
+def _assert_within_policy(cfg, single, reference, src_len, tgt_len):
+    """The golden at float32 passes as any backend must: the spec's tolerance for the whole
+    model's depth and its longest inner product (SPEC.md §8)."""
+    longest = max(cfg.d_model, cfg.d_ff, src_len, tgt_len)
+    result = compare(single, reference, tolerance("float32", longest, SUBLAYERS["forward"].depth(cfg)))
+    assert result.passed, result.reason or f"{result.max_abs_err:.3g} > tolerance {result.tol:.3g}"
 
 
 def test_feed_forward_hand_example():
@@ -333,7 +343,7 @@ def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data)
         steps.append(logits)
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-12 * max(1.0, np.abs(full).max())
     single = g.forward(cfg, params, src, tgt, dtype=np.float32)
-    assert np.abs(single - full).max() <= 1e-4 * max(1.0, np.abs(full).max())
+    _assert_within_policy(cfg, single, full, 0 if src is None else src.shape[1], length)
 
 
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])

@@ -200,6 +200,38 @@ def test_native_dot_product_attention_is_float32_accurate_at_float64():
     assert np.abs(np.asarray(ours) - exact).max() < 1e-14
 
 
+def test_each_cell_names_the_attention_path_it_took(cpu_matrix):
+    """float64 and float16-on-CPU cells of the `jax` column run the explicit program jax-math runs:
+    the report says so per cell and counts them apart, so they are not read as evidence for
+    jax.nn.dot_product_attention."""
+    from conformance.report import attention_paths, format_attention_paths
+
+    expected = {("jax", "float64"): "explicit (jax.nn.dot_product_attention takes its softmax in float32)",
+                ("jax", "float32"): "jax.nn.dot_product_attention", ("jax-math", "float32"): "explicit",
+                ("jax", "float16"): "explicit (XLA:CPU lacks the F16_F16_F32 dot algorithm)",
+                ("jax", "bfloat16"): "jax.nn.dot_product_attention"}
+    tiny = [r for (variant, _), r in cpu_matrix.items() if variant == "tiny"]
+    for r in tiny:
+        has_attention = r.sublayer not in ("embedding", "positional", "ffn", "norm", "ffn_block", "logits", "log_probs")
+        assert r.path == (expected[(r.backend, r.dtype)] if has_attention else ""), r.test_id
+    lines = format_attention_paths(attention_paths(tiny)).splitlines()
+    float64 = next(line for line in lines if line.startswith("attention in jax/float64/cpu: "))
+    assert "cells explicit (jax.nn.dot_product_attention takes its softmax in float32)" in float64
+    assert "jax.nn.dot_product_attention;" not in float64 and not float64.endswith("cells jax.nn.dot_product_attention")
+
+
+@pytest.mark.parametrize("dtype, platform, n_queries, taken", [
+    ("float64", "cpu", 4, "math"), ("float16", "gpu", 1, "math"), ("float16", "gpu", 3, "sdpa"),
+    ("float32", "cpu", 1, "sdpa"), ("bfloat16", "cpu", 2, "sdpa"),
+])
+def test_attention_path_names_the_fallback(dtype, platform, n_queries, taken):
+    from impl_jax import attention_path
+
+    path, why = attention_path(jnp.dtype(dtype), platform, n_queries, "sdpa")
+    assert path == taken and (why is None) == (taken == "sdpa")
+    assert attention_path(jnp.dtype(dtype), platform, n_queries, "math") == ("math", None)
+
+
 @pytest.mark.parametrize("dtype, platform, n_queries, fails", [
     ("float16", "cpu", 1, True), ("float16", "cpu", 5, True),
     ("float16", "gpu", 1, True), ("float16", "cuda", 1, True), ("float16", "gpu", 3, False),

@@ -3,8 +3,9 @@
 Perturbing one parameter tensor by 100 float32 tolerances (the largest of any case, about 0.3%)
 must move some case's golden output beyond that case's float32 tolerance; so must changing
 eos_id or bos_id, masking one kept position, or moving a position offset. The big presets keep
-their options with 2 layers per stack (paper-big 1) and a 512-token vocabulary: a layer past the
-second is seen the way the second is, and the vocabulary's size changes no parameter's kind.
+their options with 2 layers per stack (paper-big 1, and 2 decoder layers for the inputs) and a
+512-token vocabulary: a layer past the second is seen the way the second is, and the vocabulary's
+size changes no parameter's kind.
 """
 
 import numpy as np
@@ -16,14 +17,18 @@ from spec import conformance_params, get_preset, init_params, list_presets
 MARGIN = 100.0  # tolerances of perturbation
 
 
-def _checked(name):
+def _checked(name, generates=False):
+    """The preset, cut. paper-big keeps one layer a stack, to keep the run to a minute; where its
+    greedy tokens matter (`generates`), two decoder layers: one layer of width 1024 leaves so much
+    of the input token's embedding in the last hidden state that the tied head repeats the input
+    token, and no eos_id can end some rows and not others."""
     cfg = get_preset(name)
-    layers = 1 if cfg.d_model >= 1024 else 2  # paper-big: one layer a stack keeps the run to minutes
+    layers = 1 if cfg.d_model >= 1024 else 2
     cut = {}
     if cfg.n_encoder_layers > layers:
         cut["n_encoder_layers"] = layers
-    if cfg.n_decoder_layers > layers:
-        cut["n_decoder_layers"] = layers
+    if cfg.n_decoder_layers > (decoder_layers := 2 if generates else layers):
+        cut["n_decoder_layers"] = decoder_layers
     if cfg.tgt_vocab_size > 512:
         cut["tgt_vocab_size"] = 512
         if cfg.has_encoder:
@@ -48,7 +53,7 @@ def test_every_parameter_is_seen(preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_behavioural_input_is_seen(preset):
-    cfg = _checked(preset)
+    cfg = _checked(preset, generates=True)
     observations = input_observations(cfg, conformance_params(cfg))
     subjects = {o.subject.split(": ")[1] for o in observations}
     assert {"eos_id", "mask", "self_mask", "position offset"} <= subjects

@@ -38,10 +38,10 @@ def test_workers_give_the_sequential_results():
     two = run_matrix(CFG, PARAMS, plan, jobs=2)
     assert [(r.test_id, r.status) for r in one] == [(r.test_id, r.status) for r in two]
     assert sum(r.status == PASS for r in two) == 3 * 87  # numpy f32, torch f32 and f16
-    for a, b in zip(one, two):  # torch's thread count differs in a worker: sums may round apart
-        assert (a.max_abs_err is None) == (b.max_abs_err is None)
+    for a, b in zip(one, two):  # torch's thread count differs in a worker: sums may round apart,
+        assert (a.max_abs_err is None) == (b.max_abs_err is None)  # by a small part of the tolerance
         if a.max_abs_err is not None:
-            assert b.max_abs_err == pytest.approx(a.max_abs_err, rel=1e-3, abs=1e-6)
+            assert a.tol == b.tol and abs(a.max_abs_err - b.max_abs_err) <= 0.2 * a.tol, a.test_id
 
 
 def test_a_dying_worker_gives_errors_and_the_rest_runs(extra_backends):

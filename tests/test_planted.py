@@ -3,7 +3,8 @@
 planted. Before the conformance weights, every one of these passed all 87 tiny float32 cells.
 
 The gallery (tests/test_mutations.py) plants mistakes in the numpy-float32 backend; these are the
-same kinds of mistake written in torch and JAX code, as a user's port would have them.
+same kinds of mistake written in torch and JAX code, as a user's port would have them, and in the
+ONNX graphs exported from such a torch model (with the onnxruntime runner's own generation loop).
 """
 
 import numpy as np
@@ -104,6 +105,26 @@ def test_a_mistake_planted_in_jax_fails_the_default_run(monkeypatch, fresh_jax, 
     # the cells that must fail, and the whole-model ones, rather than the column's every program
     failed, others = _failures("jax", f"{FAILS_AT[mistake]}-*")
     assert FAILS_AT[mistake] in failed, f"{mistake}: failing sublayers {sorted(failed)}"
+    assert not others, [f"{r.test_id}: {r.status} {r.reason}" for r in others]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[f"{m}-float32-onnx-cpu" for m in MISTAKES])
+def test_a_mistake_planted_in_the_onnx_column_fails_the_default_run(monkeypatch, tmp_path, mistake):
+    """A model mistake is exported with the graph: the torch model is planted, then exported
+    afresh (the export cache keys the source files, not a monkeypatch). Generation runs in the
+    onnxruntime runner's own loop, so ignoring eos_id is planted there."""
+    pytest.importorskip("onnxruntime")
+    import export.runner as runner
+
+    if mistake == "generation_ignores_eos":
+        monkeypatch.setattr(runner.OnnxTransformer, "greedy_generate", _without_eos(runner.OnnxTransformer.greedy_generate))
+    else:
+        _plant_torch(monkeypatch, mistake)
+        monkeypatch.setenv("ROSETTA_ONNX_CACHE", str(tmp_path))
+    # the column runs the whole-model cases: a model mistake fails the forward cases
+    failed, others = _failures("onnx", "generate-*" if mistake == "generation_ignores_eos" else "forward-*")
+    assert ("generate" if mistake == "generation_ignores_eos" else "forward") in failed, sorted(failed)
     assert not others, [f"{r.test_id}: {r.status} {r.reason}" for r in others]
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import impl_numpy as golden
+from conformance.cases import end_of_sequence
 from conformance.harness import PASS, plan_matrix, run_matrix
 from impl_torch import Transformer, scaled_dot_product_attention
 from impl_torch.torch_nn import from_torch_nn, to_torch_nn, torch_nn_transformer
@@ -301,8 +302,12 @@ def test_generation_looks_at_the_device_only_every_few_steps(monkeypatch):
     first = golden.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=1)[:, 0]
     # every row's first token is the eos: all finish at step 1, the loop stops at the first look
     same = np.repeat(src[:1], 4, axis=0)
+    # an eos that ends some rows and not others: the loop runs to the end, looking every few steps
+    eos_id, (_, rows_ended) = end_of_sequence(golden.greedy_generate(TINY, params, src, bos_id=1, max_new_tokens=30),
+                                              default=2, pad_id=TINY.pad_id)
+    assert 1 <= rows_ended < 4
     for source, eos_id, expected_steps, expected_looks in [(same, int(first[0]), every, 1), (src, None, 30, 0),
-                                                           (src, int(first[0]), 30, 30 // every)]:
+                                                           (src, eos_id, 30, 30 // every)]:
         looks.clear(), steps.clear()
         expected = golden.greedy_generate(TINY, params, source, bos_id=1, eos_id=eos_id, max_new_tokens=30)
         tokens = model.greedy_generate(source, bos_id=1, eos_id=eos_id, max_new_tokens=30).numpy()

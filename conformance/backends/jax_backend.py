@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
-from impl_jax import Transformer, on_device, scaled_dot_product_attention, view_mask
+from conformance.cases import attention_queries
+from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, view_mask
 from spec import ModelConfig
 
+NATIVE_PATH, EXPLICIT_PATH = "jax.nn.dot_product_attention", "explicit"
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
               "bfloat16": "bfloat16"}
 
@@ -70,6 +72,14 @@ class JaxRunner(ModuleRunner):
 
     def _ids(self, x):
         return on_device(x, np.int32)
+
+    def attention_path(self, sublayer: str, inputs: Mapping) -> str:
+        """Which attention the case ran: 'jax.nn.dot_product_attention', or 'explicit (why)', the
+        program jax-math runs, where the native primitive cannot serve this dtype and device."""
+        platform = self.device.platform
+        taken = {attention_path(self.dtype, platform, n, self.attention) for n in sorted(attention_queries(sublayer, inputs))}
+        names = [NATIVE_PATH if path == "sdpa" else EXPLICIT_PATH + (f" ({why})" if why else "") for path, why in taken]
+        return " and ".join(sorted(names))
 
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])

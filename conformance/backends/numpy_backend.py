@@ -4,6 +4,8 @@ day one (it measures what float32 arithmetic alone does to every sublayer)."""
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,13 @@ class NumpyRunner:
         self.params = params
         self.dtype = np.dtype(dtype)
         self.p = golden.cast_params(cfg, params, self.dtype)
+
+    def replaced(self, name: str, value: np.ndarray) -> NumpyRunner:
+        """This runner with one parameter tensor replaced, the others not cast again."""
+        runner = copy.copy(self)
+        runner.params = {**self.params, name: value}
+        runner.p = {**self.p, name: value.astype(self.dtype)}
+        return runner
 
     def _float(self, x: np.ndarray | None) -> np.ndarray | None:
         return None if x is None else np.asarray(x).astype(self.dtype)
@@ -76,7 +85,7 @@ class NumpyRunner:
         if sublayer == "log_probs":
             return golden.log_probs(cfg, p, self._float(inputs["h"]))
         if sublayer == "forward":
-            return golden.forward(cfg, self.params, inputs["src_ids"], inputs["tgt_ids"], dtype=self.dtype)
+            return golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"])
         if sublayer == "decode":
             return self._decode(inputs)
         if sublayer == "generate":
