@@ -118,7 +118,8 @@ def test_a_mistake_planted_in_the_onnx_column_fails_the_default_run(monkeypatch,
     import export.runner as runner
 
     if mistake == "generation_ignores_eos":
-        monkeypatch.setattr(runner.OnnxTransformer, "greedy_generate", _without_eos(runner.OnnxTransformer.greedy_generate))
+        generate = runner.OnnxTransformer.greedy_generate
+        monkeypatch.setattr(runner.OnnxTransformer, "greedy_generate", _without_eos(generate))
     else:
         _plant_torch(monkeypatch, mistake)
         monkeypatch.setenv("ROSETTA_ONNX_CACHE", str(tmp_path))

@@ -76,8 +76,8 @@ class JaxRunner(ModuleRunner):
     def attention_path(self, sublayer: str, inputs: Mapping) -> str:
         """Which attention the case ran: 'jax.nn.dot_product_attention', or 'explicit (why)', the
         program jax-math runs, where the native primitive cannot serve this dtype and device."""
-        platform = self.device.platform
-        taken = {attention_path(self.dtype, platform, n, self.attention) for n in sorted(attention_queries(sublayer, inputs))}
+        platform, queries = self.device.platform, attention_queries(sublayer, inputs)
+        taken = {attention_path(self.dtype, platform, n, self.attention) for n in queries}
         names = [NATIVE_PATH if path == "sdpa" else EXPLICIT_PATH + (f" ({why})" if why else "") for path, why in taken]
         return " and ".join(sorted(names))
 
