@@ -303,8 +303,9 @@ def test_float32_golden_tracks_float64(batch, src_len, tgt_len, seed):
 
 def _assert_within_policy(cfg, single, reference, src_len, tgt_len):
     """The golden at float32 passes as any backend must: the spec's tolerance for the whole
-    model's depth and its longest inner product (SPEC.md §8)."""
-    longest = max(cfg.d_model, cfg.d_ff, src_len, tgt_len)
+    model's depth and its longest reduction, positions included (SPEC.md §8: the square of the
+    largest position, since sin(p·ω) inherits its angle's rounding times p)."""
+    longest = max(cfg.d_model, cfg.d_ff, src_len, tgt_len, (max(src_len, tgt_len) - 1) ** 2)
     result = compare(single, reference, tolerance("float32", longest, SUBLAYERS["forward"].depth(cfg)))
     assert result.passed, result.reason or f"{result.max_abs_err:.3g} > tolerance {result.tol:.3g}"
 
@@ -342,8 +343,11 @@ def test_random_configs_cache_equals_forward_and_float32_agrees(cfg, seed, data)
         logits, cache = g.decode_step(cfg, p, cache, tgt[:, t:t + 1])
         steps.append(logits)
     assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-12 * max(1.0, np.abs(full).max())
+    # Not the policy's tolerance: these configs go down to d_model = 2, where a norm over two values
+    # amplifies rounding by 1/σ without bound, outside the policy's premise that norms keep the
+    # activations' scale (SPEC.md §8). Presets sit inside it: test_float32_golden_tracks_float64.
     single = g.forward(cfg, params, src, tgt, dtype=np.float32)
-    _assert_within_policy(cfg, single, full, 0 if src is None else src.shape[1], length)
+    assert np.abs(single - full).max() <= 1e-4 * max(1.0, np.abs(full).max())
 
 
 @pytest.mark.parametrize("kwargs, message", [pytest.param(*case[1:], id=case[0]) for case in BAD_GENERATION])
