@@ -25,10 +25,12 @@ from impl_jax.model import (
     residual,
     scaled_dot_product_attention,
     sinusoidal_table,
+    smoothed_targets,
     softmax,
     split_heads,
     start_cache,
     std_norm,
+    token_cross_entropy,
     token_embedding,
     view_mask,
 )

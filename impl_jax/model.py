@@ -29,6 +29,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax import lax
 
@@ -343,6 +344,26 @@ def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = 
         # there are the model's own [B|1, 1, Q|1, K] ones; the ONNX runner checks user inputs.
         return mask
     return jnp.reshape(mask, mask_shape_4d(mask, batch, heads, q_len, k_len, name))
+
+
+# ---- the training loss ----------------------------------------------------------------------
+
+def smoothed_targets(targets: jax.Array, vocab_size: int, pad_id: int, label_smoothing: float, dtype) -> jax.Array:
+    """q = 1 − ε on the target token, 0 on pad, ε / (V − 2) on every other token. targets [B, T] -> [B, T, V]"""
+    other = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
+    q = jnp.full((*targets.shape, vocab_size), other, dtype=dtype).at[..., pad_id].set(0.0)
+    # optax.smooth_labels spreads ε / V over every token, pad and target included: not the spec's q
+    return jnp.where(jax.nn.one_hot(targets, vocab_size, dtype=bool), 1.0 - label_smoothing, q)
+
+
+def token_cross_entropy(cfg: ModelConfig, logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """L = (1/N) Σ_t −Σ_j q_tj log softmax(logits_t)_j over the N non-pad targets (0 when N = 0)."""
+    real = targets != cfg.pad_id  # [B, T]
+    # half-precision log-probabilities are too coarse: the loss is taken in float32 at least
+    logits = logits.astype(jnp.float32) if logits.dtype in _HALF else logits
+    q = smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing), logits.dtype)
+    per_token = optax.softmax_cross_entropy(logits, q)  # [B, T]
+    return (per_token * real).sum() / jnp.maximum(real.sum(), 1)
 
 
 # ---- the whole model ------------------------------------------------------------------------

@@ -34,11 +34,13 @@ from impl_numpy.model import (
     residual,
     scaled_dot_product_attention,
     sinusoidal_table,
+    smoothed_targets,
     softmax,
     split_heads,
     start_cache,
     std_norm,
     swish,
+    token_cross_entropy,
     token_embedding,
     token_keep,
 )

@@ -1,10 +1,12 @@
-"""The golden backward, first part: a hand-written float64 vector-Jacobian product (VJP) for the
-pieces of model.py that every sublayer is made of, one function per equation, named after it.
+"""The golden backward: a hand-written float64 vector-Jacobian product (VJP) for every piece of
+model.py, one function per equation, named after it, in model.py's order.
 
 Each takes the forward's inputs and the cotangent of its output (d_y = ∂L/∂y, same shape as y)
-and returns the cotangents of its inputs and parameters. The derivative is in each docstring's
-first line. tests/test_backward.py audits every one three ways: float64 central differences,
-torch float64 autograd and JAX with x64.
+and returns the cotangents of its inputs and parameters; it recomputes what it needs of the
+forward from those inputs. The derivative is in each docstring's first line. Parameter
+gradients come back as dicts named like the parameters they belong to; a parameter used twice
+(a tied head, a shared source/target table) gets the sum of both uses. tests/test_backward.py
+audits every one three ways: float64 central differences, torch float64 autograd and JAX x64.
 """
 
 from __future__ import annotations
@@ -14,7 +16,38 @@ from collections.abc import Callable
 
 import numpy as np
 
-from impl_numpy.model import ACTIVATIONS, _erf, softmax
+from impl_numpy.model import (
+    ACTIVATIONS,
+    Params,
+    _erf,
+    decoder,
+    decoder_layer,
+    embed,
+    encoder,
+    encoder_layer,
+    feed_forward,
+    key_value_heads,
+    linear,
+    log_softmax,
+    merge_heads,
+    model_logits,
+    multi_head_attention,
+    norm,
+    positional_encoding,
+    residual,
+    scaled_dot_product_attention,
+    smoothed_targets,
+    softmax,
+    split_heads,
+    token_cross_entropy,
+    token_embedding,
+    token_keep,
+)
+from spec import ModelConfig, params_under
+from spec.inputs import check_model_inputs, check_targets
+from spec.masks import causal_mask, combine_masks, key_mask
+
+Grads = dict[str, np.ndarray]  # parameter name (relative to a module) -> ∂L/∂parameter
 
 
 # ---- small pieces ---------------------------------------------------------------------------
@@ -86,8 +119,7 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
     hidden = ACTIVATIONS[activation](before)
     d_hidden, d_w2, d_b2 = linear_vjp(hidden, p["w2.weight"], d_y)
     d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], ACTIVATION_VJPS[activation](before, d_hidden))
-    grads = {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2}
-    return d_x, {name: grad for name, grad in grads.items() if name in p}
+    return d_x, _present(p, {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2})
 
 
 def layer_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
@@ -118,3 +150,292 @@ def std_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
 def _sum_leading(x: np.ndarray) -> np.ndarray:
     """Σ over every axis but the last: a [d] parameter's gradient from its uses at every position."""
     return x.reshape(-1, x.shape[-1]).sum(axis=0)
+
+
+def norm_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """The config's norm, back: -> d_x, {scale, bias}"""
+    kind = layer_norm_vjp if cfg.norm == "layernorm" else std_norm_vjp
+    d_x, d_scale, d_bias = kind(x, p["scale"], float(cfg.norm_eps), d_y)
+    return d_x, {"scale": d_scale, "bias": d_bias}
+
+
+# ---- embeddings and positions ---------------------------------------------------------------
+
+def token_embedding_vjp(ids: np.ndarray, n_rows: int, scale: bool, d_x: np.ndarray) -> np.ndarray:
+    """x = E[ids] (· √d):  ∂E[i] = Σ of ∂x (· √d) over the positions holding token i; the row of a
+    token that is absent stays exactly 0. ids [B, T], d_x [B, T, d] -> d_table [n_rows, d]"""
+    d_model = d_x.shape[-1]
+    d_table = np.zeros((n_rows, d_model), d_x.dtype)
+    np.add.at(d_table, ids.reshape(-1), d_x.reshape(-1, d_model))
+    return d_table * math.sqrt(d_model) if scale else d_table
+
+
+def positional_encoding_vjp(cfg: ModelConfig, length: int, offset: int, d_x: np.ndarray) -> np.ndarray | None:
+    """x = E[ids] + PE[positions]:  ∂PE[p] = Σ over the batch of ∂x at p, for learned positions
+    only (sinusoids have no parameters). d_x [B, T, d] -> d_table [max_len, d] or None"""
+    if cfg.positional != "learned":
+        return None
+    d_table = np.zeros((cfg.max_len, cfg.d_model), d_x.dtype)
+    d_table[offset:offset + length] = d_x.sum(axis=0)
+    return d_table
+
+
+def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x: np.ndarray) -> Grads:
+    """x = Norm?(E[ids] (· √d) + PE): back through the embedding norm, then to the table and the
+    positions. Names are the model's (tgt_embed.weight serves a shared source)."""
+    table = "tgt_embed.weight" if side == "tgt" or cfg.share_src_tgt_embed else "src_embed.weight"
+    grads: Grads = {}
+    if cfg.embed_norm:
+        stack = "encoder" if side == "src" else "decoder"
+        before = token_embedding(ids, params[table], cfg.embed_scale)
+        before = before + positional_encoding(cfg, params, side, ids.shape[1], 0, before.dtype)[None]
+        d_x, norm_grads = norm_vjp(cfg, params_under(params, f"{stack}.embed_norm"), before, d_x)
+        grads.update(_named(f"{stack}.embed_norm", norm_grads))
+    grads[table] = token_embedding_vjp(ids, params[table].shape[0], cfg.embed_scale, d_x)
+    d_positions = positional_encoding_vjp(cfg, ids.shape[1], 0, d_x)
+    if d_positions is not None:
+        grads[f"{side}_pos.weight"] = d_positions
+    return grads
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def attend_vjp(p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, n_heads: int,
+               d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
+    """y = Concat(heads) W^O + b, heads = Attention(x W^Q + b, K, V): back through W^O, the
+    attention, then W^Q. x [B, Q, d], k and v [B, H, K, d_k] -> d_x, d_k, d_v, {q.*, o.*}"""
+    q = split_heads(linear(x, p["q.weight"], p.get("q.bias")), n_heads)  # [B, H, Q, d_k]
+    heads = scaled_dot_product_attention(q, k, v, mask)
+    d_merged, d_wo, d_bo = linear_vjp(merge_heads(heads), p["o.weight"], d_y)
+    d_q, d_k, d_v = scaled_dot_product_attention_vjp(q, k, v, mask, split_heads(d_merged, n_heads))
+    d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_q))
+    return d_x, d_k, d_v, _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
+
+
+def key_value_heads_vjp(p: Params, context: np.ndarray, d_k: np.ndarray, d_v: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """K = c W^K + b, V = c W^V + b:  ∂c = ∂K W^Kᵀ + ∂V W^Vᵀ (heads merged back), ∂b^K = 0.
+    context [B, K, d], d_k and d_v [B, H, K, d_k] -> d_context [B, K, d], {k.*, v.*}"""
+    d_from_k, d_wk, _ = linear_vjp(context, p["k.weight"], merge_heads(d_k))
+    d_from_v, d_wv, d_bv = linear_vjp(context, p["v.weight"], merge_heads(d_v))
+    # b^K adds q·b^K to every score of a query's row, and softmax ignores a constant added to a
+    # row (Σ_k ∂S_qk = 0), so its gradient is identically zero: kept exact, not as rounding
+    d_bk = np.zeros_like(d_bv)
+    grads = {"k.weight": d_wk, "k.bias": d_bk, "v.weight": d_wv, "v.bias": d_bv}
+    return d_from_k + d_from_v, _present(p, grads)
+
+
+def multi_head_attention_vjp(p: Params, x: np.ndarray, context: np.ndarray, mask: np.ndarray | None, n_heads: int,
+                             d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, Grads]:
+    """MultiHead(x, c), back: queries through attend_vjp, keys and values through
+    key_value_heads_vjp. Self-attention (c = x) adds the two. -> d_x, d_context, {q, k, v, o}"""
+    k, v = key_value_heads(p, context, n_heads)
+    d_x, d_k, d_v, grads = attend_vjp(p, x, k, v, mask, n_heads, d_y)
+    d_context, key_value_grads = key_value_heads_vjp(p, context, d_k, d_v)
+    return d_x, d_context, {**grads, **key_value_grads}
+
+
+# ---- residual blocks, layers and stacks -----------------------------------------------------
+
+Sublayer = Callable[[np.ndarray], np.ndarray]
+SublayerVJP = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, Grads]]  # (h, d_out) -> d_h, grads
+
+
+def residual_vjp(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
+                 d_y: np.ndarray) -> tuple[np.ndarray, Grads, Grads]:
+    """post: y = Norm(s), s = x + F(x):  ∂s = Norm_vjp(∂y), ∂x = ∂s + F_vjp(x, ∂s);
+    pre:  y = x + F(Norm(x)):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), ∂y)). -> d_x, norm's grads, F's grads"""
+    if cfg.norm_position == "post":
+        d_sum, norm_grads = norm_vjp(cfg, norm_p, x + sublayer(x), d_y)
+        d_x, grads = sublayer_vjp(x, d_sum)
+        return d_sum + d_x, norm_grads, grads
+    d_normed, grads = sublayer_vjp(norm(cfg, norm_p, x), d_y)
+    d_x, norm_grads = norm_vjp(cfg, norm_p, x, d_normed)
+    return d_y + d_x, norm_grads, grads
+
+
+def block_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
+              d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """residual_vjp for the layer's sublayer `name` (self_attn, cross_attn, ffn) and its norm
+    `name_norm`, gradients named relative to the layer."""
+    d_x, norm_grads, grads = residual_vjp(cfg, params_under(p, f"{name}_norm"), x, sublayer, sublayer_vjp, d_y)
+    return d_x, {**_named(f"{name}_norm", norm_grads), **_named(name, grads)}
+
+
+def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> tuple[Sublayer, SublayerVJP]:
+    """Self-attention as a sublayer and its VJP: the input is both queries and context."""
+    attention = params_under(p, "self_attn")
+
+    def backward(h: np.ndarray, d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
+        d_queries, d_context, grads = multi_head_attention_vjp(attention, h, h, mask, cfg.n_heads, d_out)
+        return d_queries + d_context, grads
+
+    return (lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads)), backward
+
+
+def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """The FFN's residual block, back. p: the layer's parameters."""
+    ffn = params_under(p, "ffn")
+    return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn, h, cfg.activation),
+                     lambda h, d_out: feed_forward_vjp(ffn, h, cfg.activation, d_out), d_y)
+
+
+def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,
+                      d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """x1 = Block(x, SelfAttention), y = Block(x1, FFN): back through the FFN block, then the
+    attention block. -> d_x, the layer's grads"""
+    attention, attention_vjp = self_attention_vjp(cfg, p, mask)
+    x1 = residual(cfg, params_under(p, "self_attn_norm"), x, attention)
+    d_x1, ffn_grads = ffn_block_vjp(cfg, p, x1, d_y)
+    d_x, attention_grads = block_vjp(cfg, p, "self_attn", x, attention, attention_vjp, d_x1)
+    return d_x, {**attention_grads, **ffn_grads}
+
+
+def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray | None,
+                      self_mask: np.ndarray | None, cross_mask: np.ndarray | None,
+                      d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, Grads]:
+    """y1 = Block(y, masked SelfAttention), y2 = Block(y1, CrossAttention to memory), out =
+    Block(y2, FFN): back through the three blocks in reverse. -> d_y, d_memory, the layer's grads"""
+    attention, attention_vjp = self_attention_vjp(cfg, p, self_mask)
+    y1 = residual(cfg, params_under(p, "self_attn_norm"), y, attention)
+    grads: Grads = {}
+    d_memory = None
+    if memory is None:
+        d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out)
+    else:
+        cross = params_under(p, "cross_attn")
+        cross_attention = lambda h: multi_head_attention(cross, h, memory, cross_mask, cfg.n_heads)  # noqa: E731
+        y2 = residual(cfg, params_under(p, "cross_attn_norm"), y1, cross_attention)
+        d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out)
+        d_memory_parts = []
+
+        def cross_attention_vjp(h: np.ndarray, d_h_out: np.ndarray) -> tuple[np.ndarray, Grads]:
+            # the memory's gradient leaves through the side door: the block sees queries only
+            d_h, d_context, cross_grads = multi_head_attention_vjp(cross, h, memory, cross_mask, cfg.n_heads, d_h_out)
+            d_memory_parts.append(d_context)
+            return d_h, cross_grads
+
+        d_y1, cross_grads = block_vjp(cfg, p, "cross_attn", y1, cross_attention, cross_attention_vjp, d_y2)
+        grads.update(cross_grads)
+        d_memory = d_memory_parts[0]
+    d_y, attention_grads = block_vjp(cfg, p, "self_attn", y, attention, attention_vjp, d_y1)
+    return d_y, d_memory, {**attention_grads, **grads}
+
+
+def final_norm_vjp(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray,
+                   d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """The norm after a stack, back (the identity when cfg.final_norm is off)."""
+    if not cfg.final_norm:
+        return d_y, {}
+    d_x, grads = norm_vjp(cfg, params_under(params, f"{stack}.norm"), x, d_y)
+    return d_x, _named(f"{stack}.norm", grads)
+
+
+def encoder_vjp(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep: np.ndarray,
+                d_memory: np.ndarray) -> Grads:
+    """memory = Norm?(Layer_N(...Layer_1(Embed(src)))): each layer's input is recomputed
+    forward, then the VJPs run from the last layer to the embedding. -> the encoder's grads"""
+    mask = key_mask(src_keep)
+    inputs = [embed(cfg, params, src_ids, "src")]  # inputs[i]: layer i's input [B, S, d]
+    for i in range(cfg.n_encoder_layers):
+        inputs.append(encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask))
+    d_x, grads = final_norm_vjp(cfg, params, "encoder", inputs[-1], d_memory)
+    for i in reversed(range(cfg.n_encoder_layers)):
+        d_x, layer_grads = encoder_layer_vjp(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask, d_x)
+        grads.update(_named(f"encoder.layers.{i}", layer_grads))
+    return _accumulate(grads, embed_vjp(cfg, params, src_ids, "src", d_x))
+
+
+def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.ndarray, memory: np.ndarray | None,
+                src_keep: np.ndarray | None, d_h: np.ndarray) -> tuple[Grads, np.ndarray | None]:
+    """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))), back; the memory's gradient is the sum
+    over every layer's cross-attention. -> the decoder's grads, d_memory"""
+    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
+    cross_mask = None if memory is None else key_mask(src_keep)
+    inputs = [embed(cfg, params, tgt_ids, "tgt")]
+    for i in range(cfg.n_decoder_layers):
+        layer = params_under(params, f"decoder.layers.{i}")
+        inputs.append(decoder_layer(cfg, layer, inputs[i], memory, self_mask, cross_mask))
+    d_y, grads = final_norm_vjp(cfg, params, "decoder", inputs[-1], d_h)
+    d_memory = None if memory is None else np.zeros_like(memory)
+    for i in reversed(range(cfg.n_decoder_layers)):
+        layer = params_under(params, f"decoder.layers.{i}")
+        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg, layer, inputs[i], memory, self_mask, cross_mask, d_y)
+        grads.update(_named(f"decoder.layers.{i}", layer_grads))
+        if d_memory is not None:
+            d_memory += d_layer_memory
+    return _accumulate(grads, embed_vjp(cfg, params, tgt_ids, "tgt", d_y)), d_memory
+
+
+def output_logits_vjp(cfg: ModelConfig, params: Params, h: np.ndarray, d_logits: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """logits = h W_head + b:  ∂h = ∂logits W_headᵀ, ∂W_head = Σ hᵀ ∂logits; tied (W_head = Eᵀ):
+    ∂E gets ∂W_headᵀ. h [B, T, d], d_logits [B, T, V] -> d_h, {head.* or tgt_embed.weight}"""
+    weight = params["tgt_embed.weight"].T if cfg.tie_head else params["head.weight"]
+    d_h, d_weight, d_bias = linear_vjp(h, weight, d_logits)
+    grads = {"tgt_embed.weight": d_weight.T} if cfg.tie_head else {"head.weight": d_weight}
+    if "head.bias" in params:
+        grads["head.bias"] = d_bias
+    return d_h, grads
+
+
+# ---- the loss and the whole model -----------------------------------------------------------
+
+def token_cross_entropy_vjp(cfg: ModelConfig, logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """L = (1/N) Σ_t −Σ_j q_tj log softmax(logits_t)_j:  ∂logits_t = (softmax(logits_t) − q_t) / N at
+    the N non-pad targets (Σ_j q_tj = 1), exactly 0 at pad targets. -> d_logits [B, T, V]"""
+    real = targets != cfg.pad_id  # [B, T]
+    q = smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing))
+    d_logits = (np.exp(log_softmax(logits)) - q) / max(int(real.sum()), 1)
+    return np.where(real[..., None], d_logits, 0.0)
+
+
+def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, d_logits: np.ndarray, *,
+              src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> Grads:
+    """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
+    in the computation dtype). Every canonical name is present; a row no token reached is 0."""
+    check_model_inputs(cfg, src_ids, tgt_ids)
+    tgt_ids = np.asarray(tgt_ids)
+    tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
+    memory = None
+    if cfg.has_encoder:
+        src_ids = np.asarray(src_ids)
+        src_keep = token_keep(cfg, src_ids, src_keep, "src")
+        memory = encoder(cfg, p, src_ids, src_keep)
+    h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep)
+    d_h, grads = output_logits_vjp(cfg, p, h, d_logits)
+    decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h)
+    grads = _accumulate(grads, decoder_grads)
+    if memory is not None:
+        grads = _accumulate(grads, encoder_vjp(cfg, p, src_ids, src_keep, d_memory))
+    total = {name: np.zeros_like(value) for name, value in p.items()}
+    return _accumulate(total, grads)
+
+
+def loss_and_gradients(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray,
+                       targets: np.ndarray, *, src_keep: np.ndarray | None = None,
+                       tgt_keep: np.ndarray | None = None) -> tuple[float, Grads]:
+    """The training loss (token_cross_entropy of the teacher-forced logits against targets [B, T])
+    and the gradient of every parameter. p: parameters in the computation dtype."""
+    check_targets(cfg, targets, tgt_ids)
+    targets = np.asarray(targets)
+    logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep)
+    d_logits = token_cross_entropy_vjp(cfg, logits, targets)
+    grads = model_vjp(cfg, p, src_ids, tgt_ids, d_logits, src_keep=src_keep, tgt_keep=tgt_keep)
+    return token_cross_entropy(cfg, logits, targets), grads
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+def _present(p: Params, grads: Grads) -> Grads:
+    """Only the gradients of parameters the module has (biases are optional)."""
+    return {name: grad for name, grad in grads.items() if name in p}
+
+
+def _named(prefix: str, grads: Grads) -> Grads:
+    return {f"{prefix}.{name}": grad for name, grad in grads.items()}
+
+
+def _accumulate(total: Grads, part: Grads) -> Grads:
+    """total += part, name by name: a parameter's uses add up (llm.c's `+=`)."""
+    for name, grad in part.items():
+        total[name] = total[name] + grad if name in total else grad
+    return total

@@ -263,6 +263,24 @@ def log_probs(cfg: ModelConfig, params: Params, h: np.ndarray) -> np.ndarray:
     return log_softmax(output_logits(cfg, params, h))
 
 
+def smoothed_targets(targets: np.ndarray, vocab_size: int, pad_id: int, label_smoothing: float) -> np.ndarray:
+    """q = 1 − ε on the target token, 0 on pad, ε / (V − 2) on every other token. targets [B, T] -> [B, T, V]"""
+    other = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
+    q = np.full(targets.shape + (vocab_size,), other)
+    q[..., pad_id] = 0.0
+    np.put_along_axis(q, targets[..., None], 1.0 - label_smoothing, axis=-1)
+    return q
+
+
+def token_cross_entropy(cfg: ModelConfig, logits: np.ndarray, targets: np.ndarray) -> float:
+    """L = (1/N) Σ_t −Σ_j q_tj log softmax(logits_t)_j over the N target tokens that are not pad
+    (L = 0 when N = 0). logits [B, T, V], targets [B, T]"""
+    real = targets != cfg.pad_id  # [B, T]
+    q = smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing))
+    per_token = -(q * log_softmax(logits)).sum(axis=-1)  # [B, T]
+    return float((per_token * real).sum() / max(int(real.sum()), 1))
+
+
 # ---- the whole model ------------------------------------------------------------------------
 
 def cast_params(cfg: ModelConfig, params: Params, dtype: np.dtype = np.float64) -> dict[str, np.ndarray]:

@@ -303,6 +303,29 @@ def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = 
     return torch.as_tensor(mask).reshape(mask_shape_4d(mask, batch, heads, q_len, k_len, name))
 
 
+# ---- the training loss ----------------------------------------------------------------------
+
+def smoothed_targets(targets: torch.Tensor, vocab_size: int, pad_id: int, label_smoothing: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """q = 1 − ε on the target token, 0 on pad, ε / (V − 2) on every other token. targets [B, T] -> [B, T, V]"""
+    other = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
+    q = torch.full((*targets.shape, vocab_size), other, dtype=dtype, device=targets.device)
+    q[..., pad_id] = 0.0
+    return q.scatter(-1, targets[..., None], 1.0 - label_smoothing)
+
+
+def token_cross_entropy(cfg: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """L = (1/N) Σ_t −Σ_j q_tj log softmax(logits_t)_j over the N non-pad targets (0 when N = 0).
+    F.cross_entropy's own label_smoothing spreads ε / V over every token, pad and target
+    included, which is not the spec's q, so q goes in as class probabilities."""
+    real = targets != cfg.pad_id  # [B, T]
+    # half-precision log-probabilities are too coarse: the loss is taken in float32 at least
+    logits = logits.float() if logits.dtype in _HALF else logits
+    q = smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing), logits.dtype)
+    per_token = F.cross_entropy(logits.flatten(0, -2), q.flatten(0, -2), reduction="none").view(targets.shape)
+    return (per_token * real).sum() / real.sum().clamp(min=1)
+
+
 # ---- the whole model ------------------------------------------------------------------------
 
 class Transformer(nn.Module):

@@ -56,6 +56,7 @@ class ModelConfig:
     share_src_tgt_embed: bool = False
     tie_head: bool = False
     dropout: float = 0.0
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -132,7 +133,7 @@ def _validate(cfg: ModelConfig) -> None:
         value = getattr(cfg, name)
         if value not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    for name in ("norm_eps", "dropout"):
+    for name in ("norm_eps", "dropout", "label_smoothing"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{name} must be a finite number, got {value!r}")
@@ -154,6 +155,11 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"norm_eps must be positive, got {cfg.norm_eps}")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    if not 0 <= cfg.label_smoothing < 1:
+        raise ConfigError(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if cfg.label_smoothing and cfg.tgt_vocab_size < 3:
+        raise ConfigError("label_smoothing needs tgt_vocab_size >= 3: its mass goes to the tokens that are "
+                          f"neither the target nor pad, and there are none; got {cfg.tgt_vocab_size}")
 
     if cfg.arch == "encoder-decoder":
         for name in ("n_encoder_layers", "src_vocab_size"):

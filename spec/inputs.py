@@ -130,6 +130,14 @@ def check_model_inputs(cfg: ModelConfig, src_ids: Any, tgt_ids: Any, tgt_offset:
         check_same_batch(src_batch, tgt_batch)
 
 
+def check_targets(cfg: ModelConfig, targets: Any, tgt_ids: Any) -> None:
+    """The loss's target ids: token ids shaped like the decoder's inputs (pad_id = no target)."""
+    check_token_ids(targets, cfg.tgt_vocab_size, "targets")
+    if _shape(targets, "targets") != _shape(tgt_ids, "tgt_ids"):
+        raise InputError(f"targets must be shaped like tgt_ids {list(_shape(tgt_ids, 'tgt_ids'))}, "
+                         f"got {list(_shape(targets, 'targets'))}")
+
+
 def check_source(cfg: ModelConfig, src_ids: Any, batch: int | None = None) -> int:
     """Source ids for an encoder (a cache's cross-attention); returns the batch."""
     src_batch, src_length = check_token_ids(src_ids, cfg.src_vocab_size, "src_ids")

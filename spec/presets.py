@@ -17,11 +17,11 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
     "paper-base": (
         "Vaswani et al. 2017, Table 3 'base': d 512, 8 heads, d_ff 2048, 6+6 layers, shared "
         "37000-token BPE vocabulary, embeddings shared with the pre-softmax linear, post-LN, "
-        "sinusoidal positions, embeddings x sqrt(d_model), ReLU, dropout 0.1.",
+        "sinusoidal positions, embeddings x sqrt(d_model), ReLU, dropout 0.1, label smoothing 0.1.",
         ModelConfig(
             d_model=512, n_heads=8, d_ff=2048, n_encoder_layers=6, n_decoder_layers=6,
             src_vocab_size=37000, tgt_vocab_size=37000, max_len=1024,
-            share_src_tgt_embed=True, tie_head=True, dropout=0.1,
+            share_src_tgt_embed=True, tie_head=True, dropout=0.1, label_smoothing=0.1,
         ),
     ),
     "paper-big": (
@@ -30,7 +30,7 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
         ModelConfig(
             d_model=1024, n_heads=16, d_ff=4096, n_encoder_layers=6, n_decoder_layers=6,
             src_vocab_size=37000, tgt_vocab_size=37000, max_len=1024,
-            share_src_tgt_embed=True, tie_head=True, dropout=0.3,
+            share_src_tgt_embed=True, tie_head=True, dropout=0.3, label_smoothing=0.1,
         ),
     ),
     "torch-nn": (

@@ -1,0 +1,251 @@
+"""The golden backward of the whole model and its loss (impl_numpy/backward.py: embeddings with a
+tied head, positions, multi-head attention, residual blocks, layers, stacks, the head and the
+label-smoothed token cross-entropy), audited three ways: float64 central differences,
+impl_torch under float64 autograd and impl_jax under x64, both attention paths each. The
+configurations between them switch every option that changes the backward, on conformance
+weights (no zero bias, no unit scale) and inputs with padding and fully masked query rows."""
+
+import numpy as np
+import pytest
+import torch
+
+import impl_numpy as golden
+from impl_numpy import backward
+from spec import ModelConfig
+from spec.errors import ConfigError, InputError
+from spec.params import conformance_params
+
+CONFIGS = {
+    # the paper's options: post-LN, sinusoids, one table for source, target and head; smoothing
+    "encoder-decoder-post-shared-tied": ModelConfig(
+        d_model=8, n_heads=2, d_ff=12, n_encoder_layers=2, n_decoder_layers=2, src_vocab_size=11,
+        tgt_vocab_size=11, max_len=16, share_src_tgt_embed=True, tie_head=True, label_smoothing=0.1),
+    # GPT-style: pre-LN, final norm, learned positions, tied head, an embedding norm, pad_id 3
+    "decoder-only-pre-learned-tied": ModelConfig(
+        arch="decoder-only", d_model=8, n_heads=2, d_ff=12, n_decoder_layers=2, tgt_vocab_size=13,
+        max_len=16, norm_position="pre", final_norm=True, positional="learned", activation="gelu-tanh",
+        embed_norm=True, tie_head=True, pad_id=3),
+    # everything else: std norm, no q/k/v bias, untied head with a bias, no scale, swish
+    "encoder-decoder-pre-std-untied": ModelConfig(
+        d_model=8, n_heads=4, d_ff=12, n_encoder_layers=1, n_decoder_layers=2, src_vocab_size=9,
+        tgt_vocab_size=10, max_len=16, norm="std", qkv_bias=False, head_bias=True, activation="swish",
+        positional="learned", embed_scale=False, final_norm=True, embed_norm=True, norm_position="pre",
+        label_smoothing=0.2),
+}
+
+
+def _batch(cfg: ModelConfig):
+    """ids with padding: the source's row 1 ends in two pads; the target's row 1 ends in a pad;
+    a decoder-only row 0 starts with two (left padding: queries 0 and 1 have no key at all).
+    Token 1 never occurs, so its rows must get exactly zero gradient where nothing else uses it.
+    Targets are the inputs shifted left, pad at the end."""
+    rng = np.random.default_rng(len(cfg.to_json()))
+    real = [i for i in range(cfg.tgt_vocab_size) if i not in (cfg.pad_id, 1)]
+    tgt = rng.choice(real, (2, 6))
+    if not cfg.has_encoder:
+        tgt[0, :2] = cfg.pad_id
+    tgt[1, -1] = cfg.pad_id
+    src = None
+    if cfg.has_encoder:
+        src = rng.choice([i for i in range(cfg.src_vocab_size) if i not in (cfg.pad_id, 1)], (2, 5))
+        src[1, -2:] = cfg.pad_id
+    targets = np.roll(tgt, -1, axis=1)
+    targets[:, -1] = cfg.pad_id
+    return src, tgt, targets
+
+
+def _setup(name):
+    cfg = CONFIGS[name]
+    params = conformance_params(cfg, seed=1)
+    src, tgt, targets = _batch(cfg)
+    p = golden.cast_params(cfg, params)
+    loss, grads = backward.loss_and_gradients(cfg, p, src, tgt, targets)
+    return cfg, params, p, (src, tgt, targets), loss, grads
+
+
+SETUPS = {name: _setup(name) for name in CONFIGS}
+
+
+def _loss(cfg, p, src, tgt, targets):
+    return golden.token_cross_entropy(cfg, golden.model_logits(cfg, p, src, tgt), targets)
+
+
+def _directional_errors(cfg, p, batch, grads):
+    """|⟨∂θ, u⟩ − (L(θ + h u) − L(θ − h u)) / 2h| / max(|⟨∂θ, u⟩|, 1e-4) for each parameter θ alone
+    (the floor: b^K's gradient is zero, and the differences' own rounding is ~1e-10)."""
+    errors = {}
+    for index, name in enumerate(p):
+        direction = np.random.default_rng(index).standard_normal(p[name].shape)
+        h = 1e-5
+        numeric = (_loss(cfg, {**p, name: p[name] + h * direction}, *batch)
+                   - _loss(cfg, {**p, name: p[name] - h * direction}, *batch)) / (2 * h)
+        analytic = float(np.sum(grads[name] * direction))
+        errors[name] = abs(numeric - analytic) / max(abs(analytic), 1e-4)
+    return errors
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_parameter_gradient_matches_central_differences(name):
+    cfg, _, p, batch, _, grads = SETUPS[name]
+    assert set(grads) == set(p) and all(grads[n].shape == p[n].shape for n in p)
+    errors = _directional_errors(cfg, p, batch, grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-6, f"{worst}: {errors[worst]:.2e}"
+
+
+def test_small_parameters_element_by_element():
+    """Every element of every parameter of at most 16 numbers (biases, norm scales), one
+    coordinate at a time, on the paper-like configuration."""
+    cfg, _, p, batch, _, grads = SETUPS["encoder-decoder-post-shared-tied"]
+    h, checked = 1e-5, 0
+    for name, value in p.items():
+        if value.size > 16:
+            continue
+        for position in np.ndindex(value.shape):
+            step = np.zeros_like(value)
+            step[position] = h
+            numeric = (_loss(cfg, {**p, name: value + step}, *batch) - _loss(cfg, {**p, name: value - step}, *batch)) / (2 * h)
+            assert grads[name][position] == pytest.approx(numeric, rel=1e-6, abs=1e-9), f"{name}{list(position)}"
+            checked += 1
+    assert checked > 200
+
+
+def _torch_gradients(cfg, params, batch, attention):
+    from impl_torch.model import Transformer, _linear_weight_names, token_cross_entropy
+
+    src, tgt, targets = batch
+    model = Transformer.from_params(cfg, params, dtype=torch.float64, attention=attention)
+    loss = token_cross_entropy(cfg, model(src, tgt), torch.from_numpy(targets))
+    loss.backward()
+    transposed = _linear_weight_names(model)
+    named = dict(model.named_parameters())
+    grads = {}
+    for name in params:
+        grad = named[name].grad.numpy()
+        grads[name] = grad.T if name in transposed else grad
+    return float(loss.detach()), grads
+
+
+def _jax_gradients(cfg, params, batch, attention):
+    jax = pytest.importorskip("jax")
+    from flax import nnx
+
+    from impl_jax.model import Transformer, _variable, token_cross_entropy
+
+    src, tgt, targets = batch
+    with jax.enable_x64(True):
+        model = Transformer.from_params(cfg, params, dtype="float64", attention=attention)
+        loss, state = nnx.value_and_grad(lambda m: token_cross_entropy(cfg, m(src, tgt), jax.numpy.asarray(targets)))(model)
+        nnx.update(model, state)  # the model's variables now hold the gradients, under their names
+        return float(loss), {name: np.asarray(_variable(model, name)[...]) for name in params}
+
+
+def _assert_gradients_agree(theirs, ours, p):
+    """Per tensor, normwise: ‖g − g*‖ ≤ 1e-10 ‖g*‖. b^K's gradient is identically zero (the golden
+    keeps it exact); a framework's is rounding, small beside its W^K's."""
+    for name in p:
+        if name.endswith("k.bias"):
+            assert np.all(ours[name] == 0.0)
+            assert np.linalg.norm(theirs[name]) <= 1e-12 * np.linalg.norm(ours[name.replace("bias", "weight")]), name
+            continue
+        error = np.linalg.norm(theirs[name] - ours[name]) / np.linalg.norm(ours[name])
+        assert error <= 1e-10, f"{name}: ‖g − g*‖/‖g*‖ = {error:.2e}"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_torch_float64_autograd_agrees(name, attention):
+    cfg, params, p, batch, loss, grads = SETUPS[name]
+    their_loss, theirs = _torch_gradients(cfg, params, batch, attention)
+    assert their_loss == pytest.approx(loss, rel=1e-13)
+    _assert_gradients_agree(theirs, grads, p)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_jax_x64_agrees(name, attention):
+    cfg, params, p, batch, loss, grads = SETUPS[name]
+    their_loss, theirs = _jax_gradients(cfg, params, batch, attention)
+    assert their_loss == pytest.approx(loss, rel=1e-13)
+    _assert_gradients_agree(theirs, grads, p)
+
+
+# ---- what the masks and the loss make exactly zero ------------------------------------------
+
+def test_rows_of_absent_and_padding_tokens_get_exactly_zero():
+    """The untied tables: token 1 occurs nowhere, and pad occurs only at padded positions, whose
+    outputs nothing attends to and whose targets the loss skips. Their rows are exactly 0 in the
+    golden and in both frameworks (no rounding: nothing reaches them)."""
+    cfg, params, p, batch, _, grads = SETUPS["encoder-decoder-pre-std-untied"]
+    _, torch_grads = _torch_gradients(cfg, params, batch, "math")
+    _, jax_grads = _jax_gradients(cfg, params, batch, "sdpa")
+    for source in (grads, torch_grads, jax_grads):
+        for table in ("src_embed.weight", "tgt_embed.weight"):
+            assert np.all(source[table][[1, cfg.pad_id]] == 0.0), table
+        assert np.all(source["src_pos.weight"][5:] == 0.0) and np.all(source["tgt_pos.weight"][6:] == 0.0)
+        assert np.abs(source["src_embed.weight"]).sum(axis=1).astype(bool).sum() == len(set(batch[0].ravel()) - {cfg.pad_id})
+
+
+def test_pad_targets_give_exactly_zero_and_no_target_gives_zero_loss():
+    cfg, _, p, (src, tgt, targets), _, _ = SETUPS["encoder-decoder-post-shared-tied"]
+    logits = golden.model_logits(cfg, p, src, tgt)
+    d_logits = backward.token_cross_entropy_vjp(cfg, logits, targets)
+    assert np.all(d_logits[targets == cfg.pad_id] == 0.0) and np.all(d_logits[targets != cfg.pad_id] != 0.0)
+    nothing = np.full_like(targets, cfg.pad_id)
+    loss, grads = backward.loss_and_gradients(cfg, p, src, tgt, nothing)
+    assert loss == 0.0 and all(np.all(g == 0.0) for g in grads.values())
+
+
+def test_fully_masked_query_rows_leak_no_nan():
+    """Left padding leaves the first two queries of a decoder-only row with no key at all (the
+    forward's zeros, SPEC §6); no NaN reaches any parameter, in any of the three."""
+    cfg, params, p, batch, _, grads = SETUPS["decoder-only-pre-learned-tied"]
+    assert batch[1][0, 0] == batch[1][0, 1] == cfg.pad_id
+    for source in (grads, _torch_gradients(cfg, params, batch, "sdpa")[1], _jax_gradients(cfg, params, batch, "sdpa")[1]):
+        assert all(np.isfinite(g).all() for g in source.values())
+
+
+def test_smoothed_targets_put_nothing_on_pad():
+    q = golden.smoothed_targets(np.array([[2, 4]]), 6, 0, 0.2)
+    np.testing.assert_allclose(q, [[[0, 0.05, 0.8, 0.05, 0.05, 0.05], [0, 0.05, 0.05, 0.05, 0.8, 0.05]]])
+    with pytest.raises(ConfigError, match="label_smoothing must be in"):
+        CONFIGS["decoder-only-pre-learned-tied"].replace(label_smoothing=1.0)
+    with pytest.raises(ConfigError, match="tgt_vocab_size >= 3"):
+        ModelConfig(arch="decoder-only", d_model=4, n_heads=1, d_ff=4, n_decoder_layers=1, tgt_vocab_size=2,
+                    max_len=4, label_smoothing=0.1)
+
+
+def test_targets_are_checked():
+    cfg, _, p, (src, tgt, targets), _, _ = SETUPS["encoder-decoder-post-shared-tied"]
+    with pytest.raises(InputError, match="targets must be shaped like tgt_ids"):
+        backward.loss_and_gradients(cfg, p, src, tgt, targets[:, :3])
+    with pytest.raises(InputError, match="targets"):
+        backward.loss_and_gradients(cfg, p, src, tgt, targets + cfg.tgt_vocab_size)
+
+
+# ---- the audit fails on the mistakes people make --------------------------------------------
+
+PLANTED = {
+    "a tied embedding's gradient counts the head's use only":
+        ("encoder-decoder-post-shared-tied", "embed_vjp", lambda original: lambda *a: {
+            name: 0.0 * grad for name, grad in original(*a).items()}),
+    "the loss averages over pad targets too":
+        ("decoder-only-pre-learned-tied", "token_cross_entropy_vjp", lambda original: lambda cfg, logits, targets: (
+            original(cfg, logits, targets) * (targets != cfg.pad_id).sum() / targets.size)),
+    "label smoothing spread onto the pad index":
+        ("encoder-decoder-post-shared-tied", "smoothed_targets", lambda original: lambda t, v, pad, e: (
+            np.where(np.arange(v) == pad, e / (v - 2), original(t, v, pad, e)) / (1 + e / (v - 2)))),
+    "a detached residual":
+        ("decoder-only-pre-learned-tied", "residual_vjp", lambda original: lambda cfg, *a: (
+            lambda d_x, norm_grads, grads: (d_x - a[-1], norm_grads, grads))(*original(cfg, *a))),
+}
+
+
+@pytest.mark.parametrize("planted", list(PLANTED))
+def test_the_audit_catches(monkeypatch, planted):
+    name, function, mistake = PLANTED[planted]
+    monkeypatch.setattr(backward, function, mistake(getattr(backward, function)))
+    cfg, _, p, batch, _, _ = SETUPS[name]
+    _, grads = backward.loss_and_gradients(cfg, p, *batch)
+    errors = _directional_errors(cfg, p, batch, grads)
+    assert max(errors.values()) > 1e-3, planted
