@@ -296,16 +296,21 @@ def _matrix(results: Results, backends: tuple[str, ...], log) -> None:
 def _matrix_cold_and_warm(backends: tuple[str, ...], log) -> list[dict]:
     """The whole matrix of these backends as a user runs it (`rosetta check` in a new process,
     its columns in worker processes), first with empty caches (JAX's compiled programs, the
-    ONNX exports), then again with the caches that run left."""
+    ONNX exports), then again with the caches that run left; then twice with the gradient cells
+    (--backward, which JAX's eager autodiff makes too slow for the default run), the first
+    compiling the gradients' programs, the second finding them on disk."""
     rows = []
     with tempfile.TemporaryDirectory() as caches:
         environment = {**os.environ, "XDG_CACHE_HOME": caches}
         for variable in ("ROSETTA_JAX_CACHE", "ROSETTA_ONNX_CACHE"):
             environment.pop(variable, None)  # both caches go under XDG_CACHE_HOME, empty at first
-        for run in ("cold", "warm"):
+        runs = (("cold", []), ("warm", []), ("warm, --backward (its gradients' programs cold)", ["--backward"]),
+                ("warm, --backward", ["--backward"]))
+        for run, options in runs:
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "conformance", "check", "--preset", "tiny", "--quiet",
-                                   "--backends", ",".join(backends)], env=environment, capture_output=True, text=True)
+                                   "--backends", ",".join(backends), *options], env=environment, capture_output=True,
+                                  text=True)
             seconds = time.perf_counter() - start
             summary = re.search(r"^(\d+) passed, (\d+) failed, (\d+) skipped", done.stdout, flags=re.MULTILINE)
             if summary is None:
@@ -314,7 +319,7 @@ def _matrix_cold_and_warm(backends: tuple[str, ...], log) -> list[dict]:
             passed, failed, skipped = map(int, summary.groups())
             rows.append({"run": run, "backends": ",".join(backends), "seconds": seconds, "passed": passed,
                          "failed": failed, "skipped": skipped})
-            log(f"  matrix, {run:4} caches: {passed} passed, {failed} failed in {seconds:.1f} s")
+            log(f"  matrix, {run} caches: {passed} passed, {failed} failed in {seconds:.1f} s")
     return rows
 
 

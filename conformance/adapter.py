@@ -19,6 +19,7 @@ To be driven by the harness a backend implements:
     class Runner:
         def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py
         def attention_path(self, sublayer, inputs) -> str   # optional: the attention this case ran
+        def gradients(self, sublayer, inputs) -> dict[str, array]   # optional: a grad-* case (SPEC §13)
 
 ``params`` are the canonical float32 NumPy parameters (spec.param_shapes); a runner raises
 ``NotSupported`` for a sublayer it does not implement (reported as skipped, with the reason).

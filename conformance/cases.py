@@ -24,6 +24,13 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
     decode         src_ids|None, tgt_ids [B,T], prefix               -> [B,T-prefix,V]
                    (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step)
     generate       src_ids|None, prompt_ids|None, bos_id, eos_id, max_new_tokens -> tokens [B,N]
+    loss           src_ids [B,S]|None, tgt_ids [B,T], targets [B,T]   -> the loss, a scalar (SPEC §5.9)
+
+Gradient cases (SPEC.md §13), Runner.gradients rather than Runner.run: `grad-<sublayer>` takes
+that sublayer's inputs plus d_out, a seeded random cotangent of its output (the loss's is 1),
+and returns a dict: the cotangent of each differentiated input (GRADIENT_INPUTS, by input name)
+and the gradient of every parameter under the case's owner (gradient_owner, named relative to
+it; the whole model's canonical names when the owner is ''), zeros for those it does not use.
 
 Masks are boolean keep-masks in any shape the spec accepts ([K], [Q,K], [B,Q,K], [B,H,Q,K]
 with size-1 axes broadcasting) or None; a backend must normalize them (spec.inputs.mask_shape_4d).
@@ -121,7 +128,72 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              ("incremental", "pad_right", "pad_left", "pad_start"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
              ("none", "pad_right", "pad_left", "pad_start"), _layers_depth),
+    Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits", _MODEL_CASES,
+             lambda c: _layers_depth(c) + 1),
 ]}
+
+# The float inputs each differentiated sublayer's gradient case returns a cotangent for.
+GRADIENT_INPUTS: dict[str, tuple[str, ...]] = {
+    "embedding": (), "attention": ("q", "k", "v"), "mha": ("x", "context"), "mha_cross": ("x", "context"),
+    "ffn": ("x",), "norm": ("x",), "ffn_block": ("x",), "encoder_layer": ("x",), "decoder_layer": ("y", "memory"),
+    "encoder": (), "decoder": ("memory",), "logits": ("h",), "log_probs": ("h",), "forward": (), "loss": (),
+}
+GRADIENT_PREFIX = "grad-"
+
+
+def _gradient_sublayer(forward: Sublayer) -> Sublayer:
+    """grad-<sublayer>: its backward re-traverses the forward's chain, so twice its depth."""
+    return Sublayer(GRADIENT_PREFIX + forward.name, f"gradients of: {forward.doc}", forward.mask_cases,
+                    lambda c, depth=forward.depth: 2 * depth(c), forward.needs_encoder)
+
+
+SUBLAYERS.update({GRADIENT_PREFIX + name: _gradient_sublayer(SUBLAYERS[name]) for name in GRADIENT_INPUTS})
+
+
+def forward_of(sublayer: str) -> str:
+    """The forward sublayer a gradient case differentiates ('grad-mha' -> 'mha'); itself otherwise."""
+    return sublayer[len(GRADIENT_PREFIX):] if sublayer.startswith(GRADIENT_PREFIX) else sublayer
+
+
+def is_gradient(sublayer: str) -> bool:
+    return sublayer.startswith(GRADIENT_PREFIX)
+
+
+def gradient_owner(sublayer: str, inputs: Mapping[str, Any]) -> str | None:
+    """The module whose parameters a gradient case returns: the one the forward case runs, ''
+    (every parameter of the model) for the cases that run the model's own entry points, None
+    for attention, which has none."""
+    forward = forward_of(sublayer)
+    if forward in ("mha", "mha_cross", "ffn", "norm"):
+        return inputs["module"]
+    if forward == "ffn_block":
+        return inputs["layer"]
+    if forward in ("encoder_layer", "decoder_layer"):
+        return f"{forward.split('_')[0]}.layers.{inputs['index']}"
+    return None if forward == "attention" else ""
+
+
+def output_shape(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> tuple[int, ...]:
+    """The shape of a forward case's output, the shape of its gradient case's cotangent."""
+    if sublayer == "embedding":
+        return (*np.shape(inputs["ids"]), cfg.d_model)
+    if sublayer == "attention":
+        return np.shape(inputs["q"])
+    if sublayer in ("mha", "mha_cross", "ffn", "norm", "ffn_block", "encoder_layer"):
+        return np.shape(inputs["x"])
+    if sublayer == "decoder_layer":
+        return np.shape(inputs["y"])
+    if sublayer == "encoder":
+        return (*np.shape(inputs["src_ids"]), cfg.d_model)
+    if sublayer == "decoder":
+        return (*np.shape(inputs["tgt_ids"]), cfg.d_model)
+    if sublayer in ("logits", "log_probs"):
+        return (*np.shape(inputs["h"])[:2], cfg.tgt_vocab_size)
+    if sublayer == "forward":
+        return (*np.shape(inputs["tgt_ids"]), cfg.tgt_vocab_size)
+    if sublayer == "loss":
+        return ()
+    raise KeyError(f"no gradient case for {sublayer!r}")
 
 
 @dataclass(frozen=True)
@@ -303,7 +375,22 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
         return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": min(2, tgt_ids.shape[1] - 1)}, reduction
     if sublayer == "generate":
         return _generation_inputs(cfg, params, rng, mask_case), reduction
+    if sublayer == "loss":
+        targets = np.roll(tgt_ids, -1, axis=1)  # next-token targets; the last position has none
+        targets[:, -1] = cfg.pad_id
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets}, max(reduction, cfg.tgt_vocab_size)
     raise KeyError(f"unknown sublayer {sublayer!r}")
+
+
+def _gradient_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+                     rng: np.random.Generator) -> tuple[dict[str, Any], int]:
+    """A gradient case: its forward's inputs, then the cotangent d_out drawn from the same stream
+    (random and seeded, never all ones: a sum() makes a norm's input gradient zero)."""
+    forward = forward_of(sublayer)
+    inputs, reduction = _build(cfg, params, forward, mask_case, rng)
+    d_out = np.float32(1.0) if forward == "loss" else _normal(rng, *output_shape(cfg, forward, inputs))
+    # a weight's gradient also sums over every position of the batch
+    return {**inputs, "d_out": d_out}, max(reduction, BATCH * (SRC_LEN + 3))
 
 
 def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: np.random.Generator,
@@ -369,6 +456,7 @@ def end_of_sequence(tokens: np.ndarray, default: int, pad_id: int) -> tuple[int,
 def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
     """The query lengths with which a case's attention runs; empty where the sublayer has none.
     A backend whose attention path depends on the query length names its path from these."""
+    sublayer = forward_of(sublayer)
     src = inputs.get("src_ids")
     encoder = set() if src is None else {np.shape(src)[1]}
     if sublayer == "attention":
@@ -379,7 +467,7 @@ def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
         return {np.shape(inputs["y"])[1]}
     if sublayer == "encoder":
         return encoder
-    if sublayer in ("decoder", "forward"):
+    if sublayer in ("decoder", "forward", "loss"):
         return {np.shape(inputs["tgt_ids"])[1]} | encoder
     if sublayer == "decode":  # the prefix in one chunk, then one token a step
         return {inputs["prefix"], 1} | encoder
@@ -408,25 +496,29 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
         return ()
     cases = spec_.mask_cases
     if not cfg.has_encoder:
-        if sublayer == "decoder_layer":
+        if forward_of(sublayer) == "decoder_layer":
             cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")
-        elif sublayer in ("decoder", "forward", "decode", "generate"):
+        elif forward_of(sublayer) in ("decoder", "forward", "decode", "generate", "loss"):
             cases = tuple(c for c in cases if c not in _NEEDS_SOURCE)
     return cases
 
 
-def case_names(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(sublayer, mask case) of every case of the config's catalogue, in order."""
-    return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer)]
+def case_names(cfg: ModelConfig, backward: bool = False) -> list[tuple[str, str]]:
+    """(sublayer, mask case) of every case of the config's catalogue, in order; the gradient
+    cases too when `backward`."""
+    return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer)
+            if backward or not is_gradient(sublayer)]
 
 
 def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str) -> Case:
     """One case, its inputs built (the generate cases read the golden's tokens on `params`)."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
-    inputs, reduction = _build(cfg, params, sublayer, mask_case, rng)
+    build = _gradient_inputs if is_gradient(sublayer) else _build
+    inputs, reduction = build(cfg, params, sublayer, mask_case, rng)
     return Case(sublayer, mask_case, inputs, reduction)
 
 
-def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> list[Case]:
-    """Every applicable (sublayer, mask case) of the config, inputs built."""
-    return [build_case(cfg, params, sublayer, mask_case) for sublayer, mask_case in case_names(cfg)]
+def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray], backward: bool = False) -> list[Case]:
+    """Every applicable (sublayer, mask case) of the config, inputs built; the gradient cases
+    too when `backward`."""
+    return [build_case(cfg, params, sublayer, mask_case) for sublayer, mask_case in case_names(cfg, backward)]

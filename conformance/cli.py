@@ -214,7 +214,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         show_progress = sys.stderr.isatty() and not args.quiet
         with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
             results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress,
-                                 jobs=jobs, pool=pool)
+                                 jobs=jobs, pool=pool, backward=args.backward)
     finally:
         if pool is not None:
             pool.close()
@@ -251,7 +251,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                                localizations)
         print(f"report written: {', '.join(str(path) for path in written)}")
     if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
-        print("no cell ran (every cell was skipped or filtered out)", file=sys.stderr)
+        hint = "; gradient cells run with --backward" if args.k and "grad" in args.k and not args.backward else ""
+        print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)
         return 1
     return 1 if counts[FAIL] or counts[ERROR] else 0
 
@@ -531,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--devices", help="comma-separated, or auto (default: every device present)")
     check.add_argument("-k", help="only cells whose id contains this (or matches this glob)")
     check.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
+    check.add_argument("--backward", action="store_true",
+                       help="add the gradient cells grad-<sublayer>-<mask case> (SPEC.md §13); not by default: "
+                       "they triple a warm tiny matrix (docs/backward.md)")
     check.add_argument("--report", help="write report.json, report.md and heatmap.png into this folder")
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")

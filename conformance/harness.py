@@ -12,9 +12,9 @@ import numpy as np
 
 from conformance.adapter import NotSupported, backend_names, get_backend, importable_by_name
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
-from conformance.cases import SUBLAYERS, Case, catalogue
+from conformance.cases import SUBLAYERS, Case, catalogue, forward_of, is_gradient
 from conformance.parallel import WorkerPool, run_in_workers
-from conformance.tolerance import DTYPES, compare, compare_generation, tolerance
+from conformance.tolerance import DTYPES, compare, compare_generation, compare_gradients, tolerance
 from spec import ModelConfig
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
@@ -110,21 +110,23 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
 def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
                pattern: str | None = None, fail_fast: bool = False,
                progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1,
-               pool: WorkerPool | None = None) -> list[CellResult]:
+               pool: WorkerPool | None = None, backward: bool = False) -> list[CellResult]:
     """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
+    The gradient cases (grad-*, SPEC.md §13) run only with backward=True: JAX's autodiff, run
+    eagerly per case, would triple a warm matrix (docs/backward.md has the figures).
     With jobs > 1, columns run in that many worker processes (conformance.parallel), taken from
     `pool` where the caller started them ahead (it is closed here, used or not); the results
     come back in the same order either way."""
     try:
-        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool)
+        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool, backward)
     finally:
         if pool is not None:
             pool.close()
 
 
-def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool) -> list[CellResult]:
+def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, jobs, pool, backward) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
-    cases = catalogue(cfg, params)
+    cases = catalogue(cfg, params, backward)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
         for case in cases:
@@ -188,7 +190,7 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         if key not in runners:
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
-        output = runners[key].run(case.sublayer, case.inputs)
+        output = _output(runners[key], case)
         named = getattr(runners[key], "attention_path", None)
         base["path"] = named(case.sublayer, case.inputs) if named else ""
     except NotSupported as reason:
@@ -200,8 +202,24 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     relative = tolerance(dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(cfg))
     if case.sublayer == "generate":
         result = compare_generation(output, *reference, relative, case.inputs["eos_id"])
+    elif is_gradient(case.sublayer):
+        # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
+        kink_width = tolerance(dtype, case.reduction_length, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
+        result = compare_gradients(output, reference.gradients, reference.terms, relative,
+                                   reference.kink_allowance(kink_width))
     else:
         result = compare(output, reference, relative)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
                       reason=result.reason, seconds=seconds)
+
+
+def _output(runner, case: Case):
+    """What a runner gives for a case: run's output, or a gradient case's named gradients from
+    Runner.gradients (a runner without it has no backward: skipped, with that reason)."""
+    if not is_gradient(case.sublayer):
+        return runner.run(case.sublayer, case.inputs)
+    gradients = getattr(runner, "gradients", None)
+    if gradients is None:
+        raise NotSupported("this backend computes no gradients (its runner has no gradients method)")
+    return gradients(case.sublayer, case.inputs)

@@ -275,7 +275,7 @@ def _serve() -> None:
     for name, path in setup["backends"].items():  # as registered in the calling process, at run time too
         register_backend(name, path)
     cfg = ModelConfig.from_json(setup["config"])
-    cases = {case.name: case for case in catalogue(cfg, params)}
+    cases = {case.name: case for case in catalogue(cfg, params, backward=True)}  # the caller chose among these
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task

@@ -13,6 +13,7 @@ it. The formula is the same for every case; no case has a hand-tuned tolerance.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,3 +154,64 @@ def _compare_exact(actual: np.ndarray, expected: np.ndarray) -> Comparison:
     count = int(mismatch.sum())
     return Comparison(False, math.inf, count / mismatch.size, 0.0, worst, float(actual[worst]), float(expected[worst]),
                       f"{count} of {mismatch.size} values differ, first at {list(worst)}: got {actual[worst]}, golden {expected[worst]}")
+
+
+def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms: Mapping[str, np.ndarray],
+                      relative_tol: float, kink_allowance: Mapping[str, float] | None = None) -> Comparison:
+    """A gradient case (SPEC.md §13): every tensor the golden returns, per tensor and normwise.
+
+    `terms` is the golden without cancellation (impl_numpy.backward.without_cancellation). A
+    tensor passes iff ‖g − g*‖ ≤ tol · max(‖g*‖, ‖t*‖): rounding is relative to the size of the
+    terms a gradient sums, which ‖t*‖ measures where they cancel. Where t* is exactly zero,
+    nothing reaches the gradient (what the masks cut off, pad targets, absent tokens), and the
+    backend must be exactly zero too. NaN or Inf fails. `kink_allowance` (per tensor, absolute)
+    is added to the bound: how far the gradient moves when ReLU units within rounding of their
+    kink take the other side. The Comparison's max_abs_err
+    and rel_err hold the worst tensor's ‖g − g*‖ / ‖g*‖ (what is compared), its reason names
+    that tensor with its max|g − g*| / ‖g*‖ and cosine similarity."""
+    if not isinstance(actual, Mapping):
+        return Comparison(False, math.inf, math.inf, relative_tol, None, None, None,
+                          f"gradients must be a dict of named arrays, got {type(actual).__name__}")
+    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+    if missing or extra:
+        return Comparison(False, math.inf, math.inf, relative_tol, None, None, None,
+                          f"gradient names differ: missing {missing or 'none'}, unexpected {extra or 'none'}")
+    worst_name, worst_ratio, worst_error, worst_bound, notes = None, -1.0, 0.0, relative_tol, []
+    for name, golden in expected.items():
+        golden = np.asarray(golden, dtype=np.float64)
+        try:
+            mine = np.asarray(actual[name], dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            return Comparison(False, math.inf, math.inf, relative_tol, None, None, None, f"{name}: not an array: {error}")
+        if mine.shape != golden.shape:
+            return Comparison(False, math.inf, math.inf, relative_tol, None, None, None,
+                              f"{name}: shape {list(mine.shape)}, expected {list(golden.shape)}")
+        if not np.isfinite(mine).all():
+            index = tuple(int(i) for i in np.argwhere(~np.isfinite(mine))[0])
+            return Comparison(False, math.inf, math.inf, relative_tol, index, float(mine[index]), float(golden[index]),
+                              f"{name}: {int((~np.isfinite(mine)).sum())} non-finite value(s), first at {list(index)}")
+        norm = max(float(np.linalg.norm(golden)), float(np.linalg.norm(terms[name])))
+        leaked = (np.asarray(terms[name]) == 0.0) & (mine != 0.0)
+        if leaked.any():
+            index = tuple(int(i) for i in np.argwhere(leaked)[0])
+            return Comparison(False, math.inf, math.inf, relative_tol, index, float(mine[index]), 0.0,
+                              f"{name}: {int(leaked.sum())} value(s) nonzero where nothing reaches the gradient "
+                              f"(masked, padded, absent or unused), first at {list(index)}: {mine[index]:.3g}")
+        difference = float(np.linalg.norm(mine - golden))
+        allowance = (kink_allowance or {}).get(name, 0.0)
+        error = difference / norm if norm > 0 else 0.0
+        bound = relative_tol + (allowance / norm if norm > 0 else 0.0)
+        if error / bound >= worst_ratio:
+            worst_name, worst_ratio, worst_error, worst_bound = name, error / bound, error, bound
+            scale = norm if norm > 0 else 1.0
+            cosine = float((mine * golden).sum() / (np.linalg.norm(mine) * np.linalg.norm(golden))) \
+                if np.linalg.norm(mine) > 0 and np.linalg.norm(golden) > 0 else 1.0
+            denominator = "‖g*‖" if norm == float(np.linalg.norm(golden)) else "‖terms‖"
+            notes = [f"{name}: ‖g − g*‖/{denominator} {error:.3g}",
+                     f"max|g − g*|/{denominator} {np.abs(mine - golden).max() / scale:.3g}",
+                     f"cosine {cosine:.9f}"] + ([f"ReLU kink allowance {allowance / scale:.3g}"] if allowance else [])
+    passed = worst_error <= worst_bound
+    reason = ", ".join(notes) + ("" if passed else f" > tol {worst_bound:.3g}")
+    return Comparison(passed, worst_error, worst_error, worst_bound, None, None, None,
+                      reason if not passed else f"worst {reason}" if worst_name else "")
+

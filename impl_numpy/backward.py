@@ -11,6 +11,7 @@ audits every one three ways: float64 central differences, torch float64 autograd
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from impl_numpy.model import (
     linear,
     log_softmax,
     merge_heads,
+    model_inputs,
     model_logits,
     multi_head_attention,
     norm,
@@ -41,10 +43,9 @@ from impl_numpy.model import (
     split_heads,
     token_cross_entropy,
     token_embedding,
-    token_keep,
 )
 from spec import ModelConfig, params_under
-from spec.inputs import check_model_inputs, check_targets
+from spec.inputs import check_targets
 from spec.masks import causal_mask, combine_masks, key_mask
 
 Grads = dict[str, np.ndarray]  # parameter name (relative to a module) -> ∂L/∂parameter
@@ -61,7 +62,10 @@ def linear_vjp(x: np.ndarray, weight: np.ndarray, d_y: np.ndarray) -> tuple[np.n
 
 def relu_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
     """∂ max(0, x) / ∂x = [x > 0] (0 at x = 0, as torch and JAX take it)"""
-    return d_y * (x > 0)
+    derivative = x > 0
+    if _RELU_FLIPPED_WITHIN[0]:
+        derivative = derivative ^ (np.abs(x) <= _RELU_FLIPPED_WITHIN[0] * max(1.0, float(np.abs(x).max())))
+    return d_y * derivative if _CANCELLING[0] else d_y
 
 
 def gelu_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
@@ -89,10 +93,36 @@ ACTIVATION_VJPS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 
 
+def log_softmax_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
+    """y = log softmax(x):  ∂x = ∂y − softmax(x) Σ_j ∂y_j over the last axis"""
+    return d_y - np.exp(log_softmax(x)) * d_y.sum(axis=-1, keepdims=True)
+
+
 def softmax_vjp(p: np.ndarray, d_p: np.ndarray) -> np.ndarray:
     """p = softmax(x):  ∂x = p ⊙ (∂p − Σ_j ∂p_j p_j) over the last axis. A masked entry has p = 0,
     so its ∂x is exactly 0; a row with nothing kept (p all 0) gets 0, never NaN."""
+    if not _CANCELLING[0]:
+        return p * d_p
     return p * (d_p - (d_p * p).sum(axis=-1, keepdims=True))
+
+
+_CANCELLING = [True]  # without_cancellation() clears it
+_RELU_FLIPPED_WITHIN = [0.0]  # relu_kinks_flipped() sets it
+
+
+@contextlib.contextmanager
+def without_cancellation():
+    """The VJPs with what zeroes or cancels by value dropped: softmax's ∂x = p ⊙ ∂p, ∂b^K as
+    computed, ReLU passing every unit. Their values are wrong, but they serve twice (SPEC.md §13):
+    an entry still exactly zero is one that nothing reaches (a masked score, a padded or absent
+    token, a pad target), unlike one whose terms cancel (a row with a single key, ∂b^K) or a unit
+    that rounding may turn on; and their size is the size of the terms the true gradient sums,
+    against which its rounding is measured where they cancel."""
+    _CANCELLING[0] = False
+    try:
+        yield
+    finally:
+        _CANCELLING[0] = True
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -117,6 +147,8 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
     x [B, T, d], d_y [B, T, d] -> d_x [B, T, d], {w1.weight, w1.bias, w2.weight, w2.bias}"""
     before = x @ p["w1.weight"] + (p["w1.bias"] if "w1.bias" in p else 0.0)  # [B, T, d_ff]
     hidden = ACTIVATIONS[activation](before)
+    if not _CANCELLING[0] and activation == "relu":
+        hidden = np.abs(before)  # a dead unit's zero is a value that rounding may change: the term's size
     d_hidden, d_w2, d_b2 = linear_vjp(hidden, p["w2.weight"], d_y)
     d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], ACTIVATION_VJPS[activation](before, d_hidden))
     return d_x, _present(p, {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2})
@@ -180,19 +212,19 @@ def positional_encoding_vjp(cfg: ModelConfig, length: int, offset: int, d_x: np.
     return d_table
 
 
-def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x: np.ndarray) -> Grads:
+def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x: np.ndarray, offset: int = 0) -> Grads:
     """x = Norm?(E[ids] (· √d) + PE): back through the embedding norm, then to the table and the
-    positions. Names are the model's (tgt_embed.weight serves a shared source)."""
+    positions offset.. . Names are the model's (tgt_embed.weight serves a shared source)."""
     table = "tgt_embed.weight" if side == "tgt" or cfg.share_src_tgt_embed else "src_embed.weight"
     grads: Grads = {}
     if cfg.embed_norm:
         stack = "encoder" if side == "src" else "decoder"
         before = token_embedding(ids, params[table], cfg.embed_scale)
-        before = before + positional_encoding(cfg, params, side, ids.shape[1], 0, before.dtype)[None]
+        before = before + positional_encoding(cfg, params, side, ids.shape[1], offset, before.dtype)[None]
         d_x, norm_grads = norm_vjp(cfg, params_under(params, f"{stack}.embed_norm"), before, d_x)
         grads.update(_named(f"{stack}.embed_norm", norm_grads))
     grads[table] = token_embedding_vjp(ids, params[table].shape[0], cfg.embed_scale, d_x)
-    d_positions = positional_encoding_vjp(cfg, ids.shape[1], 0, d_x)
+    d_positions = positional_encoding_vjp(cfg, ids.shape[1], offset, d_x)
     if d_positions is not None:
         grads[f"{side}_pos.weight"] = d_positions
     return grads
@@ -215,11 +247,11 @@ def attend_vjp(p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.
 def key_value_heads_vjp(p: Params, context: np.ndarray, d_k: np.ndarray, d_v: np.ndarray) -> tuple[np.ndarray, Grads]:
     """K = c W^K + b, V = c W^V + b:  ∂c = ∂K W^Kᵀ + ∂V W^Vᵀ (heads merged back), ∂b^K = 0.
     context [B, K, d], d_k and d_v [B, H, K, d_k] -> d_context [B, K, d], {k.*, v.*}"""
-    d_from_k, d_wk, _ = linear_vjp(context, p["k.weight"], merge_heads(d_k))
+    d_from_k, d_wk, d_bk = linear_vjp(context, p["k.weight"], merge_heads(d_k))
     d_from_v, d_wv, d_bv = linear_vjp(context, p["v.weight"], merge_heads(d_v))
     # b^K adds q·b^K to every score of a query's row, and softmax ignores a constant added to a
     # row (Σ_k ∂S_qk = 0), so its gradient is identically zero: kept exact, not as rounding
-    d_bk = np.zeros_like(d_bv)
+    d_bk = np.zeros_like(d_bv) if _CANCELLING[0] else d_bk
     grads = {"k.weight": d_wk, "k.bias": d_bk, "v.weight": d_wv, "v.bias": d_bv}
     return d_from_k + d_from_v, _present(p, grads)
 
@@ -392,14 +424,8 @@ def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: 
               src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> Grads:
     """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
     in the computation dtype). Every canonical name is present; a row no token reached is 0."""
-    check_model_inputs(cfg, src_ids, tgt_ids)
-    tgt_ids = np.asarray(tgt_ids)
-    tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
-    memory = None
-    if cfg.has_encoder:
-        src_ids = np.asarray(src_ids)
-        src_keep = token_keep(cfg, src_ids, src_keep, "src")
-        memory = encoder(cfg, p, src_ids, src_keep)
+    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)
+    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep)
     h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep)
     d_h, grads = output_logits_vjp(cfg, p, h, d_logits)
     decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h)
@@ -439,3 +465,17 @@ def _accumulate(total: Grads, part: Grads) -> Grads:
     for name, grad in part.items():
         total[name] = total[name] + grad if name in total else grad
     return total
+
+
+@contextlib.contextmanager
+def relu_kinks_flipped(relative_width: float):
+    """ReLU's derivative taken on the other side of its kink for every pre-activation within
+    relative_width · max(1, max|pre-activations|) of 0. A correct implementation whose
+    pre-activations are that far off may land on either side, and each unit that does moves
+    the gradient by its whole contribution: the change these VJPs give is the allowance that
+    SPEC.md §13 adds for ReLU (it is zero where no pre-activation lies that near the kink)."""
+    _RELU_FLIPPED_WITHIN[0] = relative_width
+    try:
+        yield
+    finally:
+        _RELU_FLIPPED_WITHIN[0] = 0.0

@@ -310,15 +310,21 @@ def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_id
 def model_logits(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
                  src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> np.ndarray:
     """forward on parameters already cast to the computation dtype (cast_params)."""
+    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)
+    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep)
+    return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep))
+
+
+def model_inputs(cfg: ModelConfig, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> tuple:
+    """The teacher-forced inputs checked, as arrays, with their keep-vectors (token_keep):
+    (src_ids, tgt_ids, src_keep, tgt_keep), the source's None for a decoder-only model."""
     check_model_inputs(cfg, src_ids, tgt_ids)
     tgt_ids = np.asarray(tgt_ids)
     tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
-    memory = None
-    if cfg.has_encoder:
-        src_ids = np.asarray(src_ids)
-        src_keep = token_keep(cfg, src_ids, src_keep, "src")
-        memory = encoder(cfg, p, src_ids, src_keep)
-    return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep))
+    if not cfg.has_encoder:
+        return None, tgt_ids, None, tgt_keep
+    src_ids = np.asarray(src_ids)
+    return src_ids, tgt_ids, token_keep(cfg, src_ids, src_keep, "src"), tgt_keep
 
 
 # ---- incremental decoding with a KV cache ---------------------------------------------------

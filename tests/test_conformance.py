@@ -26,7 +26,7 @@ def _cells(variant):
     cfg = VARIANTS[variant]
     prefix = "" if variant == "tiny" else f"{variant}:"
     return [pytest.param(variant, sublayer, mask_case, id=f"{prefix}{sublayer}-{mask_case}-float32-numpy-float32-cpu")
-            for sublayer, mask_case in case_names(cfg)]
+            for sublayer, mask_case in case_names(cfg, backward=True)]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def matrices():
     """Each variant's matrix, run once through the harness."""
     results = {}
     for variant, cfg in VARIANTS.items():
-        cells = run_matrix(cfg, conformance_params(cfg, seed=1), plan_matrix(cfg, ["numpy-float32"], ["float32"]))
+        cells = run_matrix(cfg, conformance_params(cfg, seed=1), plan_matrix(cfg, ["numpy-float32"], ["float32"]),
+                           backward=True)
         results[variant] = {(r.sublayer, r.mask_case): r for r in cells}
     return results
 
@@ -47,7 +48,7 @@ def test_catalogue_float32_against_golden(matrices, variant, sublayer, mask_case
 
 
 def test_catalogue_covers_every_mask_case_and_sublayer():
-    cases = catalogue(TINY, PARAMS)
+    cases = catalogue(TINY, PARAMS, backward=True)
     assert {c.mask_case for c in cases} == set(MASK_CASES)
     assert {c.sublayer for c in cases} == set(SUBLAYERS)
     decoder_only = catalogue(VARIANTS["char-lm"], conformance_params(VARIANTS["char-lm"]))
@@ -55,7 +56,7 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
 
 
 def test_catalogue_is_deterministic():
-    first, second = catalogue(TINY, PARAMS), catalogue(TINY, PARAMS)
+    first, second = catalogue(TINY, PARAMS, backward=True), catalogue(TINY, PARAMS, backward=True)
     for a, b in zip(first, second):
         for key, value in a.inputs.items():
             other = b.inputs[key]

@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
 from conformance.cases import attention_queries
-from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, view_mask
+from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, token_cross_entropy, view_mask
 from spec import ModelConfig
 
 NATIVE_PATH, EXPLICIT_PATH = "jax.nn.dot_product_attention", "explicit"
@@ -61,10 +63,13 @@ class JaxRunner(ModuleRunner):
             self.model = Transformer.from_params(cfg, params, dtype=JAX_DTYPES[dtype], attention=attention,
                                                  precision=self.precision)
         self.dtype, self.precision = self.model.dtype, self.model.precision  # half dtypes use 'default'
+        self._splits: dict[str, tuple] = {}  # gradient cases' owners, split once (_vjp)
 
     # converted on the host and put on the device (impl_jax.on_device): jnp.asarray compiles a
     # program per shape
     def _float(self, x):
+        if isinstance(x, jax.Array):  # already the run's (a traced value, in a gradient case)
+            return x
         return None if x is None else on_device(x, self.dtype)
 
     def _array(self, x):
@@ -84,6 +89,39 @@ class JaxRunner(ModuleRunner):
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision)
+
+    def _token_cross_entropy(self, cfg, logits, targets):
+        return token_cross_entropy(cfg, logits, targets)
+
+    def _vjp(self, forward, floats, d_out, owner):
+        cotangent = None if np.ndim(d_out) == 0 else self._float(d_out)
+        # The owner is split into its structure and its Params once; jax.grad differentiates the
+        # Params, merged into a copy of the owner that stands in for it (nnx.grad would split the
+        # whole model again at every call, ~0.1 s of a tiny model's ~0.2 s). Every entry point
+        # runs eagerly under it, op by op: no per-case compilation.
+        if owner is not None and owner not in self._splits:
+            self._splits[owner] = nnx.split(self._module(owner) if owner else self.model, nnx.Param, ...)
+        structure, params, rest = self._splits[owner] if owner is not None else (None, {}, None)
+
+        def pulled_back(params, tensors):
+            module = self.model if owner is None else nnx.merge(structure, params, rest)
+            if owner:
+                self._standing_in = {owner: module}
+            try:
+                out = forward(self.model if owner else module, tensors)
+            finally:
+                self._standing_in = {}
+            # ⟨forward, d_out⟩: its gradient is the VJP, the cotangent reaching the output in the
+            # output's dtype as a pullback's would
+            return (out if cotangent is None else (out * cotangent.astype(out.dtype)).sum()), out
+
+        (param_grads, d_inputs), out = jax.grad(pulled_back, argnums=(0, 1), has_aux=True)(params, floats)
+        grads = {}
+        for path, variable in (nnx.to_flat_state(param_grads) if owner is not None else ()):
+            *module, leaf = (str(part) for part in path)
+            grads[".".join([*module, "weight" if leaf in ("kernel", "embedding") else leaf])] = \
+                variable.get_value() if hasattr(variable, "get_value") else variable
+        return out, d_inputs, grads
 
     def _concatenate(self, arrays):
         return jnp.concatenate(arrays, axis=1)

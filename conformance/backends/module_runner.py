@@ -6,12 +6,12 @@ function, its cache constructor and the context its calls run in."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from conformance.cases import decode_steps
+from conformance.cases import GRADIENT_INPUTS, decode_steps, forward_of, gradient_owner
 from spec import ModelConfig
 from spec.inputs import check_activations
 
@@ -44,10 +44,22 @@ class ModuleRunner:
     def _scope(self):
         return contextlib.nullcontext()
 
+    def _gradient_scope(self):
+        """The context a gradient case runs in (run's, unless that switches autodiff off)."""
+        return self._scope()
+
+    def _vjp(self, forward: Callable, floats: dict, d_out, owner: str | None) -> tuple[Any, dict, dict]:
+        """(output, cotangents of `floats`, gradients of the owner's parameters by canonical name
+        relative to the owner) of forward(model, floats) given the output's cotangent d_out."""
+        raise NotImplementedError
+
     # ---- shared ----
-    def _module(self, path: str):
-        """'encoder.layers.0.self_attn' -> model.encoder.layers[0].self_attn"""
-        module = self.model
+    def _module(self, path: str, model=None):
+        """'encoder.layers.0.self_attn' -> model.encoder.layers[0].self_attn, unless a gradient
+        case stands a differentiable copy of that module in for it (self._standing_in)."""
+        if path in getattr(self, "_standing_in", {}):
+            return self._standing_in[path]
+        module = self.model if model is None else model
         for part in path.split("."):
             module = module[int(part)] if part.isdigit() else getattr(module, part)
         return module
@@ -56,8 +68,19 @@ class ModuleRunner:
         with self._scope():
             return self._to_numpy(self._run(sublayer, inputs))
 
-    def _run(self, sublayer: str, inputs: Mapping[str, Any]):
-        model, cfg = self.model, self.cfg
+    def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """A gradient case (conformance/cases.py): the framework's own autodiff through the very
+        forward `run` takes, pulled back from the case's cotangent."""
+        forward = forward_of(sublayer)
+        with self._gradient_scope():  # (JAX's float64 exists only inside it)
+            floats = {name: self._float(inputs[name]) for name in GRADIENT_INPUTS[forward] if inputs[name] is not None}
+            out, d_inputs, grads = self._vjp(lambda model, tensors: self._run(forward, {**inputs, **tensors}, model),
+                                             floats, inputs["d_out"], gradient_owner(sublayer, inputs))
+            loss = {"loss": self._to_numpy(out)} if forward == "loss" else {}
+            return {**loss, **{name: self._to_numpy(g) for name, g in {**d_inputs, **grads}.items()}}
+
+    def _run(self, sublayer: str, inputs: Mapping[str, Any], model=None):
+        model, cfg = self.model if model is None else model, self.cfg
         if sublayer == "embedding":
             return model.embed(self._ids(inputs["ids"]), inputs["side"], inputs["offset"])
         if sublayer == "positional":
@@ -70,15 +93,16 @@ class ModuleRunner:
             check_activations(inputs["x"], "x", cfg.d_model)
             check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            return self._module(inputs["module"])(x, context, self._array(inputs["mask"]))
+            return self._module(inputs["module"], model)(x, context, self._array(inputs["mask"]))
         if sublayer in ("ffn", "norm"):
-            return self._module(inputs["module"])(self._float(inputs["x"]))
+            return self._module(inputs["module"], model)(self._float(inputs["x"]))
         if sublayer == "ffn_block":
-            return self._module(inputs["layer"]).ffn_block(self._float(inputs["x"]))
+            return self._module(inputs["layer"], model).ffn_block(self._float(inputs["x"]))
         if sublayer == "encoder_layer":
-            return model.encoder.layers[inputs["index"]](self._float(inputs["x"]), self._array(inputs["mask"]))
+            return self._module(f"encoder.layers.{inputs['index']}", model)(self._float(inputs["x"]),
+                                                                            self._array(inputs["mask"]))
         if sublayer == "decoder_layer":
-            return model.decoder.layers[inputs["index"]](
+            return self._module(f"decoder.layers.{inputs['index']}", model)(
                 self._float(inputs["y"]), self._float(inputs["memory"]), self._array(inputs["self_mask"]),
                 self._array(inputs["cross_mask"]))
         if sublayer == "encoder":
@@ -93,13 +117,28 @@ class ModuleRunner:
         if sublayer == "log_probs":
             return model.log_probs(self._float(inputs["h"]))
         if sublayer == "forward":
-            return model(inputs["src_ids"], inputs["tgt_ids"])
+            return self._logits(model, inputs)
+        if sublayer == "loss":
+            return self._token_cross_entropy(cfg, self._logits(model, inputs), self._ids(inputs["targets"]))
         if sublayer == "decode":
             return self._decode(inputs)
         if sublayer == "generate":
             return model.greedy_generate(inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
                                          eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
         raise KeyError(f"unknown sublayer {sublayer!r}")
+
+    def _logits(self, model, inputs: Mapping[str, Any]):
+        """The teacher-forced forward. A model's gradient differentiates a copy of it (nnx), so
+        this is the model's entry point spelled out rather than its compiled __call__."""
+        if model is self.model:
+            return model(inputs["src_ids"], inputs["tgt_ids"])
+        tgt_ids = self._ids(inputs["tgt_ids"])
+        memory, src_keep = None, None
+        if self.cfg.has_encoder:
+            src_ids = self._ids(inputs["src_ids"])
+            src_keep = model._keep(inputs["src_ids"], None, "src")
+            memory = model.encode(src_ids, src_keep)
+        return model.output_logits(model.decode(tgt_ids, model._keep(inputs["tgt_ids"], None, "tgt"), memory, src_keep))
 
     def _decode(self, inputs: Mapping[str, Any]):
         batch, length = np.shape(inputs["tgt_ids"])

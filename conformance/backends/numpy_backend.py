@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 import impl_numpy as golden
-from conformance.cases import decode_steps
+from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient
+from impl_numpy import backward
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
 from spec.masks import normalize_mask, real_tokens
@@ -92,7 +93,70 @@ class NumpyRunner:
             return golden.greedy_generate(
                 cfg, self.params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
                 eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], dtype=self.dtype)
+        if sublayer == "loss":
+            logits = golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"])
+            return np.asarray(golden.token_cross_entropy(cfg, logits, np.asarray(inputs["targets"])))
         raise KeyError(f"unknown sublayer {sublayer!r}")
+
+    def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """A gradient case (conformance/cases.py) by the golden VJPs: cotangents of the inputs
+        GRADIENT_INPUTS names, gradients of every parameter under the case's owner."""
+        cfg, p, forward = self.cfg, self.p, forward_of(sublayer)
+        d_out = self._float(inputs["d_out"])
+        owner = gradient_owner(sublayer, inputs)
+        under = {} if owner is None else (p if owner == "" else params_under(p, owner))
+        if forward == "attention":
+            q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
+            mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return dict(zip("qkv", backward.scaled_dot_product_attention_vjp(q, k, v, mask, d_out)))
+        if forward in ("mha", "mha_cross"):
+            x, context = self._float(inputs["x"]), self._float(inputs["context"])
+            d_x, d_context, grads = backward.multi_head_attention_vjp(
+                under, x, context, self._mask(inputs["mask"], x, context), cfg.n_heads, d_out)
+            return {"x": d_x, "context": d_context, **_every(under, grads)}
+        if forward == "ffn":
+            d_x, grads = backward.feed_forward_vjp(under, self._float(inputs["x"]), cfg.activation, d_out)
+        elif forward == "norm":
+            d_x, grads = backward.norm_vjp(cfg, under, self._float(inputs["x"]), d_out)
+        elif forward == "ffn_block":
+            d_x, grads = backward.ffn_block_vjp(cfg, under, self._float(inputs["x"]), d_out)
+        elif forward == "encoder_layer":
+            x = self._float(inputs["x"])
+            d_x, grads = backward.encoder_layer_vjp(cfg, under, x, self._mask(inputs["mask"], x, x), d_out)
+        elif forward == "decoder_layer":
+            y, memory = self._float(inputs["y"]), self._float(inputs["memory"])
+            cross_mask = None if memory is None else self._mask(inputs["cross_mask"], y, memory)
+            d_y, d_memory, grads = backward.decoder_layer_vjp(cfg, under, y, memory, self._mask(inputs["self_mask"], y, y),
+                                                              cross_mask, d_out)
+            return {"y": d_y, **({} if memory is None else {"memory": d_memory}), **_every(under, grads)}
+        elif forward in ("logits", "log_probs"):
+            h = self._float(inputs["h"])
+            d_logits = backward.log_softmax_vjp(golden.output_logits(cfg, p, h), d_out) if forward == "log_probs" else d_out
+            d_x, grads = backward.output_logits_vjp(cfg, p, h, d_logits)
+            return {"h": d_x, **_every(under, grads)}
+        else:
+            return self._model_gradients(forward, inputs, d_out)
+        return {"x": d_x, **_every(under, grads)}
+
+    def _model_gradients(self, forward: str, inputs: Mapping[str, Any], d_out: np.ndarray) -> dict[str, np.ndarray]:
+        """The gradient cases of the model's own entry points: every parameter's gradient."""
+        cfg, p = self.cfg, self.p
+        if forward == "embedding":
+            return _every(p, backward.embed_vjp(cfg, p, np.asarray(inputs["ids"]), inputs["side"], d_out, inputs["offset"]))
+        if forward == "encoder":
+            src_ids = np.asarray(inputs["src_ids"])
+            return _every(p, backward.encoder_vjp(cfg, p, src_ids, real_tokens(cfg, src_ids, "src"), d_out))
+        if forward == "decoder":
+            tgt_ids, memory = np.asarray(inputs["tgt_ids"]), self._float(inputs["memory"])
+            grads, d_memory = backward.decoder_vjp(cfg, p, tgt_ids, real_tokens(cfg, tgt_ids, "tgt"), memory,
+                                                   inputs["src_keep"], d_out)
+            return {**({} if memory is None else {"memory": d_memory}), **_every(p, grads)}
+        if forward == "forward":
+            return backward.model_vjp(cfg, p, inputs["src_ids"], inputs["tgt_ids"], d_out)
+        if forward == "loss":
+            loss, grads = backward.loss_and_gradients(cfg, p, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])
+            return {"loss": np.asarray(loss, self.dtype), **grads}
+        raise KeyError(f"no gradient case for {forward!r}")
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
         cache = golden.start_cache(self.cfg, self.p, np.shape(inputs["tgt_ids"])[0], inputs["src_ids"])
@@ -100,12 +164,44 @@ class NumpyRunner:
         return np.concatenate(steps, axis=1)
 
 
+class GradientReference:
+    """A gradient case's reference (SPEC.md §13): the golden's gradients, the same without
+    cancellation (the size of the terms each sums, and where nothing reaches), and, per dtype,
+    how far the gradients move when ReLU units near their kink take the other side."""
+
+    def __init__(self, runner: NumpyRunner, sublayer: str, inputs: Mapping[str, Any]):
+        self.runner, self.sublayer, self.inputs = runner, sublayer, inputs
+        self.gradients = runner.gradients(sublayer, inputs)
+        with backward.without_cancellation():
+            self.terms = runner.gradients(sublayer, inputs)
+        self._allowances: dict[float, dict[str, float]] = {}
+
+    def kink_allowance(self, relative_width: float) -> dict[str, float]:
+        """Per tensor, ‖g*(ReLU kinks within relative_width flipped) − g*‖ (zero without ReLU)."""
+        if self.runner.cfg.activation != "relu" or relative_width <= 0:
+            return {name: 0.0 for name in self.gradients}
+        if relative_width not in self._allowances:
+            with backward.relu_kinks_flipped(relative_width):
+                flipped = self.runner.gradients(self.sublayer, self.inputs)
+            self._allowances[relative_width] = {
+                name: float(np.linalg.norm(flipped[name] - golden)) for name, golden in self.gradients.items()}
+        return self._allowances[relative_width]
+
+
+def _every(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A gradient for every parameter in `params`: zeros for those the case does not reach."""
+    return {name: grads[name] if name in grads else np.zeros_like(value) for name, value in params.items()}
+
+
 def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, inputs: Mapping[str, Any],
-                  runner: NumpyRunner | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+                  runner: NumpyRunner | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray] | GradientReference:
     """The reference output of a case: float64; for 'decode' the full forward's logits (so a
     cache bug cannot hide by being in the reference too); for 'generate' the tokens and the
-    logits each step chose from (to tell a near-tie from a wrong token)."""
+    logits each step chose from (to tell a near-tie from a wrong token); for a gradient case the
+    GradientReference."""
     runner = runner or NumpyRunner(cfg, params, "float64")
+    if is_gradient(sublayer):
+        return GradientReference(runner, sublayer, inputs)
     if sublayer == "generate":
         return golden.greedy_generate(
             cfg, params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported
-from conformance.cases import decode_steps
+from conformance.cases import decode_steps, is_gradient
 from export.cache import exported
 from export.graphs import DECODER_STEP
 from export.onnx_model import DEFAULT_OPSET, DTYPES
@@ -79,6 +79,9 @@ class OnnxBackend:
         return None
 
     def supports_sublayer(self, sublayer: str) -> str | None:
+        if is_gradient(sublayer) or sublayer == "loss":
+            return ("the exported graphs are inference graphs that end at the logits: no loss and no "
+                    "backward (onnxruntime's training graphs are not exported here)")
         if sublayer not in WHOLE_MODEL:
             return ("an exported graph is a whole model piece (forward, encoder, decode, generate); "
                     "sublayers are checked in the framework columns")

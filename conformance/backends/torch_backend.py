@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
-from impl_torch import Transformer, scaled_dot_product_attention, view_mask
+from impl_torch import Transformer, scaled_dot_product_attention, token_cross_entropy, view_mask
+from impl_torch.model import _linear_weight_names
 from spec import ModelConfig
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
@@ -36,6 +37,8 @@ class TorchRunner(ModuleRunner):
         self.model = Transformer.from_params(cfg, params, dtype=self.dtype, device=device, attention=attention)
 
     def _float(self, x):
+        if isinstance(x, torch.Tensor):  # already the run's: a gradient case's leaf
+            return x
         return None if x is None else torch.as_tensor(np.asarray(x)).to(self.device, self.dtype)
 
     def _array(self, x):
@@ -47,6 +50,25 @@ class TorchRunner(ModuleRunner):
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return scaled_dot_product_attention(q, k, v, mask, self.attention)
+
+    def _token_cross_entropy(self, cfg, logits, targets):
+        return token_cross_entropy(cfg, logits, targets)
+
+    def _vjp(self, forward, floats, d_out, owner):
+        leaves = {name: x.detach().requires_grad_() for name, x in floats.items()}
+        transposed = _linear_weight_names(self.model)
+        params = {} if owner is None else {
+            name: value for name, value in self.model.named_parameters() if owner == "" or name.startswith(owner + ".")}
+        with torch.enable_grad():
+            out = forward(self.model, leaves)
+            cotangent = None if out.dim() == 0 else self._float(d_out)
+            grads = torch.autograd.grad(out, [*leaves.values(), *params.values()], cotangent, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*leaves.values(), *params.values()])]
+        d_inputs = dict(zip(leaves, grads[:len(leaves)]))
+        relative = {}
+        for (name, _), grad in zip(params.items(), grads[len(leaves):]):
+            relative[name[len(owner) + 1:] if owner else name] = grad.T if name in transposed else grad
+        return out.detach(), d_inputs, relative
 
     def _concatenate(self, arrays):
         return torch.cat(arrays, dim=1)
@@ -60,6 +82,9 @@ class TorchRunner(ModuleRunner):
     def _scope(self):
         with torch.inference_mode(), matmul_precision(self.precision):
             yield
+
+    def _gradient_scope(self):
+        return matmul_precision(self.precision)
 
 
 class TorchBackend(FrameworkBackend):
