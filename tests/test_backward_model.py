@@ -249,3 +249,47 @@ def test_the_audit_catches(monkeypatch, planted):
     _, grads = backward.loss_and_gradients(cfg, p, *batch)
     errors = _directional_errors(cfg, p, batch, grads)
     assert max(errors.values()) > 1e-3, planted
+
+
+# ---- outside agreement: torch.nn.Transformer's own autograd ---------------------------------
+
+def test_torch_nn_transformer_autograd_agrees():
+    """The torch-nn preset's layers as torch.nn.Transformer itself (impl_torch.torch_nn's mapping),
+    with the embeddings, positions, head and loss around it in plain torch: every canonical
+    gradient equals the golden's at float64, b^K's within rounding of 0."""
+    from impl_torch.model import token_cross_entropy
+    from impl_torch.torch_nn import _mapping, to_torch_nn, torch_nn_transformer
+    from spec import get_preset
+
+    cfg = get_preset("torch-nn").replace(n_encoder_layers=2, n_decoder_layers=2, d_model=16, n_heads=2, d_ff=24,
+                                          src_vocab_size=13, tgt_vocab_size=11, label_smoothing=0.1)
+    params = conformance_params(cfg, seed=3)
+    src, tgt, targets = _batch(cfg)  # right padding only: nn.Transformer gives NaN on rows with no key
+    state, extras = to_torch_nn(cfg, params)
+    reference = torch_nn_transformer(cfg).double()
+    reference.load_state_dict({k: v.double() for k, v in state.items()})
+    leaves = {name: value.double().requires_grad_() for name, value in extras.items()}
+    p = golden.cast_params(cfg, params)
+
+    def embedded(ids, table, side):
+        positions = torch.from_numpy(golden.positional_encoding(cfg, p, side, ids.shape[1]))
+        return table[torch.from_numpy(ids)] * cfg.d_model ** 0.5 + positions
+
+    src_padding, tgt_padding = torch.from_numpy(src == cfg.pad_id), torch.from_numpy(tgt == cfg.pad_id)
+    causal = ~torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool).tril()  # nn's masks: True = excluded
+    hidden = reference(embedded(src, leaves["src_embed"], "src"), embedded(tgt, leaves["tgt_embed"], "tgt"),
+                       tgt_mask=causal, src_key_padding_mask=src_padding, tgt_key_padding_mask=tgt_padding,
+                       memory_key_padding_mask=src_padding)
+    logits = hidden @ leaves["head.weight"].T + leaves["head.bias"]
+    loss = token_cross_entropy(cfg, logits, torch.from_numpy(targets))
+    loss.backward()
+
+    theirs = {"src_embed.weight": leaves["src_embed"].grad.numpy(), "tgt_embed.weight": leaves["tgt_embed"].grad.numpy(),
+              "head.weight": leaves["head.weight"].grad.numpy().T, "head.bias": leaves["head.bias"].grad.numpy()}
+    grads = dict(reference.named_parameters())
+    for ours, their_name, transpose in _mapping(cfg):  # the mapping of the weights, read backwards
+        for name, part in zip(ours, np.split(grads[their_name].grad.numpy(), len(ours), axis=0)):
+            theirs[name] = part.T if transpose else part
+    golden_loss, ours = backward.loss_and_gradients(cfg, p, src, tgt, targets)
+    assert float(loss.detach()) == pytest.approx(golden_loss, rel=1e-13)
+    _assert_gradients_agree(theirs, ours, p)

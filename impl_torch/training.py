@@ -1,0 +1,52 @@
+"""The training step in PyTorch with its own optimizer: a parallel text to impl_numpy/training.py.
+torch.optim.Adam / AdamW configured from spec.training.TrainingConfig, the paper's schedule as a
+LambdaLR factor on a base rate of 1, the spec's global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from impl_torch.model import Transformer, token_cross_entropy
+from spec import ModelConfig
+from spec.training import TrainingConfig, decays, learning_rate
+
+
+def make_optimizer(model: Transformer, training: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer over the model's parameters and its schedule. AdamW decays the matrices and
+    tables only: two parameter groups, as torch takes per-parameter weight decay."""
+    parameters = list(model.parameters())
+    groups = [{"params": [p for p in parameters if decays(tuple(p.shape))], "weight_decay": training.weight_decay},
+              {"params": [p for p in parameters if not decays(tuple(p.shape))], "weight_decay": 0.0}]
+    kind = torch.optim.AdamW if training.optimizer == "adamw" else torch.optim.Adam
+    # torch.optim.AdamW's own default weight_decay is 1e-2: every group states its own
+    optimizer = kind(groups, lr=1.0, betas=(training.beta1, training.beta2), eps=training.eps)
+    # LambdaLR multiplies the base rate 1 by lr(step), its own count starting at 0 for step 1
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda count: learning_rate(model.cfg, training, count + 1))
+    return optimizer, schedule
+
+
+def clip_by_global_norm(parameters: list[torch.Tensor], max_norm: float) -> None:
+    """g ← g · min(1, c / ‖g‖). torch.nn.utils.clip_grad_norm_ divides by ‖g‖ + 1e-6, not ‖g‖."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    if norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / norm)
+
+
+def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, optimizer: torch.optim.Optimizer,
+               schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets) -> float:
+    """One step: the loss and its gradients, clipped when training.clip_norm is set, then the
+    optimizer's update at lr(step). -> the loss (before the update)"""
+    optimizer.zero_grad()
+    loss = token_cross_entropy(cfg, model(src_ids, tgt_ids), torch.as_tensor(targets, device=model.tgt_embed.weight.device))
+    loss.backward()
+    if training.clip_norm is not None:
+        clip_by_global_norm(list(model.parameters()), training.clip_norm)
+    optimizer.step()
+    schedule.step()
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"the loss is {value}")
+    return value
