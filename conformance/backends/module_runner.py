@@ -19,6 +19,7 @@ from spec.inputs import check_activations
 class ModuleRunner:
     cfg: ModelConfig
     model: Any  # impl_torch.Transformer or impl_jax.Transformer
+    _standing_in: dict = {}  # module path -> the copy a gradient case differentiates (never mutated in place)
 
     # ---- the framework's part ----
     def _float(self, x):
@@ -57,7 +58,7 @@ class ModuleRunner:
     def _module(self, path: str, model=None):
         """'encoder.layers.0.self_attn' -> model.encoder.layers[0].self_attn, unless a gradient
         case stands a differentiable copy of that module in for it (self._standing_in)."""
-        if path in getattr(self, "_standing_in", {}):
+        if path in self._standing_in:
             return self._standing_in[path]
         module = self.model if model is None else model
         for part in path.split("."):
