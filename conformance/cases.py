@@ -25,6 +25,9 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
                    (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step)
     generate       src_ids|None, prompt_ids|None, bos_id, eos_id, max_new_tokens -> tokens [B,N]
     loss           src_ids [B,S]|None, tgt_ids [B,T], targets [B,T]   -> the loss, a scalar (SPEC §5.9)
+    train_step,    training (spec.training.TrainingConfig), src_ids [N,B,S]|None, tgt_ids [N,B,T],
+    train_steps    targets [N,B,T]: N training steps from the case's parameters, step i on batch i
+                   -> Runner.train: one record per step (SPEC §14, conformance/training_cells.py)
 
 Gradient cases (SPEC.md §13), Runner.gradients rather than Runner.run: `grad-<sublayer>` takes
 that sublayer's inputs plus d_out, a seeded random cotangent of its output (the loss's is 1),
@@ -38,6 +41,7 @@ with size-1 axes broadcasting) or None; a backend must normalize them (spec.inpu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping
@@ -47,8 +51,10 @@ from typing import Any
 import numpy as np
 
 import impl_numpy as golden
+from impl_numpy import backward as golden_backward
 from spec import ModelConfig
 from spec.masks import causal_mask, combine_masks, key_mask
+from spec.training import TrainingConfig
 
 BATCH = 3
 SRC_LEN = 7
@@ -58,6 +64,11 @@ BOS_ID = 1
 EOS_ID = 2
 MAX_NEW_TOKENS = 5
 GENERATION_CANDIDATES = 8  # source or prompt rows drawn for each row of a generate case
+TRAINING_STEPS = 10  # the train_steps cases' N
+# The training cases' optimizer: AdamW, so that the decay's mask is exercised, with a short
+# warm-up whose rate moves the parameters well beyond their rounding from the first step
+TRAINING = TrainingConfig(optimizer="adamw", weight_decay=0.1, warmup_steps=4, learning_rate_scale=0.5)
+CLIPPED_TO = 0.8  # train_steps clips to this fraction of the first step's gradient norm: clipping acts
 
 MASK_CASES: dict[str, str] = {
     "none": "no mask, no padding",
@@ -149,6 +160,16 @@ def _gradient_sublayer(forward: Sublayer) -> Sublayer:
 
 SUBLAYERS.update({GRADIENT_PREFIX + name: _gradient_sublayer(SUBLAYERS[name]) for name in GRADIENT_INPUTS})
 
+# The training cases come last: a mistake the forward or a gradient shows is localized there first.
+# Depth: the loss's (the gradients' is twice that, as every grad- case's; conformance/training_cells.py)
+SUBLAYERS.update({s.name: s for s in [
+    Sublayer("train_step", "one AdamW step: the loss, every gradient, both moments, the parameters",
+             ("none", "pad_right", "all_pad", "pad_start"), lambda c: _layers_depth(c) + 1),
+    Sublayer("train_steps", f"{TRAINING_STEPS} clipped AdamW steps on {TRAINING_STEPS} batches, each step checked "
+             "from the backend's own state", ("pad_right",), lambda c: _layers_depth(c) + 1),
+]})
+TRAINING_SUBLAYERS = ("train_step", "train_steps")
+
 
 def forward_of(sublayer: str) -> str:
     """The forward sublayer a gradient case differentiates ('grad-mha' -> 'mha'); itself otherwise."""
@@ -157,6 +178,15 @@ def forward_of(sublayer: str) -> str:
 
 def is_gradient(sublayer: str) -> bool:
     return sublayer.startswith(GRADIENT_PREFIX)
+
+
+def is_training(sublayer: str) -> bool:
+    return sublayer in TRAINING_SUBLAYERS
+
+
+def is_backward(sublayer: str) -> bool:
+    """The cases that run only when the backward half is asked for: gradients and training."""
+    return is_gradient(sublayer) or is_training(sublayer)
 
 
 def gradient_owner(sublayer: str, inputs: Mapping[str, Any]) -> str | None:
@@ -376,10 +406,62 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
     if sublayer == "generate":
         return _generation_inputs(cfg, params, rng, mask_case), reduction
     if sublayer == "loss":
-        targets = np.roll(tgt_ids, -1, axis=1)  # next-token targets; the last position has none
-        targets[:, -1] = cfg.pad_id
-        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets}, max(reduction, cfg.tgt_vocab_size)
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": next_tokens(cfg, tgt_ids)}, \
+            max(reduction, cfg.tgt_vocab_size)
     raise KeyError(f"unknown sublayer {sublayer!r}")
+
+
+def next_tokens(cfg: ModelConfig, tgt_ids: np.ndarray) -> np.ndarray:
+    """Next-token targets [B, T]: tgt_ids shifted left, pad_id at the last position (it has none)."""
+    targets = np.roll(tgt_ids, -1, axis=1)
+    targets[:, -1] = cfg.pad_id
+    return targets
+
+
+TRAINING_RECORD = ("loss", "gradients", "first_moment", "second_moment", "params")  # Runner.train's, per step
+
+
+def training_batches(inputs: Mapping[str, Any]) -> list[tuple[np.ndarray | None, np.ndarray, np.ndarray]]:
+    """A training case's (src_ids, tgt_ids, targets) of each step."""
+    src = inputs["src_ids"]
+    return [(None if src is None else src[i], tgt, targets) for i, (tgt, targets) in
+            enumerate(zip(inputs["tgt_ids"], inputs["targets"]))]
+
+
+def record_steps(inputs: Mapping[str, Any], step: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runner.train's records: step(src_ids, tgt_ids, targets) on each batch of a training case.
+    A step whose loss is not finite (the implementations raise FloatingPointError) ends the run
+    with a last record {"stopped": why}, so the steps before it are still checked."""
+    records = []
+    for batch in training_batches(inputs):
+        try:
+            records.append(step(*batch))
+        except FloatingPointError as error:
+            records.append({"stopped": f"{type(error).__name__}: {error}"})
+            break
+    return records
+
+
+def _training_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+                     rng: np.random.Generator) -> tuple[dict[str, Any], int]:
+    """A training case: N batches with the mask case's padding (N = 1 for train_step), and the
+    optimizer. train_steps clips, to CLIPPED_TO of the golden's first gradient norm."""
+    steps = TRAINING_STEPS if sublayer == "train_steps" else 1
+    batches = [_model_ids(cfg, rng, mask_case) for _ in range(steps)]
+    tgt_ids = np.stack([tgt for _, tgt in batches])
+    src_ids = None if batches[0][0] is None else np.stack([src for src, _ in batches])
+    targets = np.stack([next_tokens(cfg, tgt) for tgt in tgt_ids])
+    training = TRAINING
+    if sublayer == "train_steps":
+        p = golden.cast_params(cfg, params)
+        _, grads = golden_backward.loss_and_gradients(cfg, p, None if src_ids is None else src_ids[0], tgt_ids[0],
+                                                      targets[0])
+        norm = float(np.sqrt(sum((g * g).sum() for g in grads.values())))
+        training = dataclasses.replace(TRAINING, clip_norm=CLIPPED_TO * norm)
+    _, reduction = _build(cfg, params, "loss", mask_case, np.random.default_rng(0))
+    # a weight's gradient also sums over every position of the batch
+    return {"training": training, "src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets}, \
+        max(reduction, BATCH * (SRC_LEN + 3))
 
 
 def _gradient_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
@@ -458,7 +540,7 @@ def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
     A backend whose attention path depends on the query length names its path from these."""
     sublayer = forward_of(sublayer)
     src = inputs.get("src_ids")
-    encoder = set() if src is None else {np.shape(src)[1]}
+    encoder = set() if src is None else {np.shape(src)[-1]}  # [B, S], or [N, B, S] in a training case
     if sublayer == "attention":
         return {np.shape(inputs["q"])[-2]}
     if sublayer in ("mha", "mha_cross", "encoder_layer"):
@@ -467,8 +549,8 @@ def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
         return {np.shape(inputs["y"])[1]}
     if sublayer == "encoder":
         return encoder
-    if sublayer in ("decoder", "forward", "loss"):
-        return {np.shape(inputs["tgt_ids"])[1]} | encoder
+    if sublayer in ("decoder", "forward", "loss", *TRAINING_SUBLAYERS):
+        return {np.shape(inputs["tgt_ids"])[-1]} | encoder
     if sublayer == "decode":  # the prefix in one chunk, then one token a step
         return {inputs["prefix"], 1} | encoder
     if sublayer == "generate":  # a decoder-only model prefills its prompt first
@@ -498,27 +580,27 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     if not cfg.has_encoder:
         if forward_of(sublayer) == "decoder_layer":
             cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")
-        elif forward_of(sublayer) in ("decoder", "forward", "decode", "generate", "loss"):
+        elif forward_of(sublayer) in ("decoder", "forward", "decode", "generate", "loss", *TRAINING_SUBLAYERS):
             cases = tuple(c for c in cases if c not in _NEEDS_SOURCE)
     return cases
 
 
 def case_names(cfg: ModelConfig, backward: bool = False) -> list[tuple[str, str]]:
     """(sublayer, mask case) of every case of the config's catalogue, in order; the gradient
-    cases too when `backward`."""
+    and training cases too when `backward`."""
     return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer)
-            if backward or not is_gradient(sublayer)]
+            if backward or not is_backward(sublayer)]
 
 
 def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str) -> Case:
     """One case, its inputs built (the generate cases read the golden's tokens on `params`)."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
-    build = _gradient_inputs if is_gradient(sublayer) else _build
+    build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
     inputs, reduction = build(cfg, params, sublayer, mask_case, rng)
     return Case(sublayer, mask_case, inputs, reduction)
 
 
 def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray], backward: bool = False) -> list[Case]:
-    """Every applicable (sublayer, mask case) of the config, inputs built; the gradient cases
-    too when `backward`."""
+    """Every applicable (sublayer, mask case) of the config, inputs built; the gradient and
+    training cases too when `backward`."""
     return [build_case(cfg, params, sublayer, mask_case) for sublayer, mask_case in case_names(cfg, backward)]

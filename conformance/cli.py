@@ -113,10 +113,13 @@ def format_problems(results: list[CellResult]) -> str:
 
 
 def _localize(cfg, params, results: list[CellResult], every_column: bool) -> dict:
-    """Localize each column whose whole-model cells failed (every column with --localize)."""
-    from conformance.localize import WHOLE_MODEL, localize_column
+    """Localize each column whose whole-model cells failed (every column with --localize), and
+    walk the backward of each column whose whole-model gradient or training cells failed."""
+    from conformance.cases import is_training
+    from conformance.localize import WHOLE_MODEL, localize_backward_column, localize_column
 
     failing: dict[tuple[str, str, str], str] = {}
+    failing_backward: dict[tuple[str, str, str], str] = {}
     for r in results:
         column = (r.backend, r.dtype, r.device)
         if r.status == SKIP:
@@ -125,12 +128,18 @@ def _localize(cfg, params, results: list[CellResult], every_column: bool) -> dic
             failing.setdefault(column, "pad_right")
         if r.sublayer in WHOLE_MODEL and r.status in (FAIL, ERROR):
             failing[column] = r.mask_case if r.sublayer == "forward" else failing.get(column, "pad_right")
+        if (r.sublayer in ("grad-forward", "grad-loss") or is_training(r.sublayer)) and r.status in (FAIL, ERROR):
+            failing_backward.setdefault(column, r.mask_case if r.sublayer == "grad-loss" else "pad_right")
     localizations = {}
     for (backend, dtype, device), mask_case in failing.items():
         if not _runs_layers(backend):  # a whole-model column (transformers) has no stages to feed one by one
             continue
         if cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk"):
             localizations[f"{backend}/{dtype}/{device} (forward-{mask_case})"] = localize_column(
+                cfg, params, backend, dtype, device, mask_case)
+    for (backend, dtype, device), mask_case in failing_backward.items():
+        if _runs_layers(backend) and (cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk", "pad_start")):
+            localizations[f"{backend}/{dtype}/{device} (backward of loss-{mask_case})"] = localize_backward_column(
                 cfg, params, backend, dtype, device, mask_case)
     return localizations
 
@@ -251,7 +260,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                                localizations)
         print(f"report written: {', '.join(str(path) for path in written)}")
     if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
-        hint = "; gradient cells run with --backward" if args.k and "grad" in args.k and not args.backward else ""
+        hint = "; gradient and training cells run with --backward" if args.k and ("grad" in args.k or "train" in args.k) \
+            and not args.backward else ""
         print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)
         return 1
     return 1 if counts[FAIL] or counts[ERROR] else 0
@@ -533,8 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-k", help="only cells whose id contains this (or matches this glob)")
     check.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     check.add_argument("--backward", action="store_true",
-                       help="add the gradient cells grad-<sublayer>-<mask case> (SPEC.md §13); not by default: "
-                       "they triple a warm tiny matrix (docs/backward.md)")
+                       help="add the gradient cells grad-<sublayer>-<mask case> (SPEC.md §13) and the training "
+                       "cells train_step-* and train_steps-* (§14); not by default: they triple a warm tiny matrix "
+                       "(docs/backward.md)")
     check.add_argument("--report", help="write report.json, report.md and heatmap.png into this folder")
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")

@@ -12,9 +12,10 @@ import numpy as np
 
 from conformance.adapter import NotSupported, backend_names, get_backend, importable_by_name
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
-from conformance.cases import SUBLAYERS, Case, catalogue, forward_of, is_gradient
+from conformance.cases import SUBLAYERS, Case, catalogue, forward_of, is_gradient, is_training
 from conformance.parallel import WorkerPool, run_in_workers
 from conformance.tolerance import DTYPES, compare, compare_generation, compare_gradients, tolerance
+from conformance.training_cells import TrainingReference, compare_training
 from spec import ModelConfig
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
@@ -175,9 +176,10 @@ def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> Num
 
 
 def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):
-    """The golden's output for a case, computed once per case."""
+    """The golden's output for a case, computed once per case (a training case's: its own run)."""
     if case.name not in references:
-        references[case.name] = golden_output(cfg, params, case.sublayer, case.inputs, golden)
+        references[case.name] = TrainingReference(cfg, params, case.inputs) if is_training(case.sublayer) \
+            else golden_output(cfg, params, case.sublayer, case.inputs, golden)
     return references[case.name]
 
 
@@ -207,6 +209,11 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         kink_width = tolerance(dtype, case.reduction_length, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
         result = compare_gradients(output, reference.gradients, reference.terms, relative,
                                    reference.kink_allowance(kink_width))
+    elif is_training(case.sublayer):
+        # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
+        # stored value's own rounding for the update
+        result = compare_training(output, reference, dtype, relative, tolerance(dtype, case.reduction_length, 2 * SUBLAYERS[
+            case.sublayer].depth(cfg)), relative, tolerance(dtype, 1, 1))
     else:
         result = compare(output, reference, relative)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
@@ -217,6 +224,11 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
 def _output(runner, case: Case):
     """What a runner gives for a case: run's output, or a gradient case's named gradients from
     Runner.gradients (a runner without it has no backward: skipped, with that reason)."""
+    if is_training(case.sublayer):
+        train = getattr(runner, "train", None)
+        if train is None:
+            raise NotSupported("this backend does not train (its runner has no train method)")
+        return train(case.sublayer, case.inputs)
     if not is_gradient(case.sublayer):
         return runner.run(case.sublayer, case.inputs)
     gradients = getattr(runner, "gradients", None)

@@ -164,3 +164,83 @@ def localize_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_
     case = build_case(cfg, params, "forward", mask_case)
     runner = backend.load(cfg, params, dtype, device)
     return localize(cfg, params, runner, dtype, case.inputs["src_ids"], case.inputs["tgt_ids"])
+
+
+def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: str,
+                      src_ids: np.ndarray | None, tgt_ids: np.ndarray, targets: np.ndarray) -> Localization:
+    """The backward walk (SPEC.md §13): the stages in the order the gradient visits them — the
+    head, the decoder's final norm and layers from the last, the target embeddings, then the
+    encoder's — each fed the golden's forward input and the golden's upstream cotangent of the
+    loss (both rounded to float32), its gradients (inputs' and parameters') compared as a grad-
+    case's. The first stage over its bound is wrong on its own."""
+    from conformance.backends.numpy_backend import GradientReference, NumpyRunner
+    from impl_numpy import backward
+    from conformance.tolerance import compare_gradients
+
+    p, reference_runner = golden.cast_params(cfg, params), NumpyRunner(cfg, params, "float64")
+    tgt_keep = real_tokens(cfg, tgt_ids, "tgt")
+    memory = cross = None
+    encoder_inputs = []  # (stage, sublayer, inputs without d_out, the input's name)
+    if cfg.has_encoder:
+        src_mask = key_mask(real_tokens(cfg, src_ids, "src"))
+        x = golden.embed(cfg, p, src_ids, "src")
+        encoder_inputs.append(("src embedding", "embedding", {"ids": src_ids, "side": "src", "offset": 0}, None))
+        for i in range(cfg.n_encoder_layers):
+            encoder_inputs.append((f"encoder.layers.{i}", "encoder_layer", {"index": i, "x": _f32(x), "mask": src_mask}, "x"))
+            x = golden.encoder_layer(cfg, params_under(p, f"encoder.layers.{i}"), x, src_mask)
+        if cfg.final_norm:
+            encoder_inputs.append(("encoder.norm", "norm", {"module": "encoder.norm", "x": _f32(x)}, "x"))
+            x = golden.norm(cfg, params_under(p, "encoder.norm"), x)
+        memory, cross = _f32(x), key_mask(real_tokens(cfg, src_ids, "src"))
+    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
+    decoder_inputs = [("tgt embedding", "embedding", {"ids": tgt_ids, "side": "tgt", "offset": 0}, None)]
+    y = golden.embed(cfg, p, tgt_ids, "tgt")
+    for i in range(cfg.n_decoder_layers):
+        decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {"index": i, "y": _f32(y), "memory": memory,
+                                                                          "self_mask": self_mask, "cross_mask": cross}, "y"))
+        y = golden.decoder_layer(cfg, params_under(p, f"decoder.layers.{i}"), y, memory, self_mask, cross)
+    if cfg.final_norm:
+        decoder_inputs.append(("decoder.norm", "norm", {"module": "decoder.norm", "x": _f32(y)}, "x"))
+        y = golden.norm(cfg, params_under(p, "decoder.norm"), y)
+    decoder_inputs.append(("head", "logits", {"h": _f32(y)}, "h"))
+    d_out = backward.token_cross_entropy_vjp(cfg, golden.output_logits(cfg, p, y), np.asarray(targets))
+
+    stages, d_memory = [], None
+    for plan in (reversed(decoder_inputs), reversed(encoder_inputs)):
+        for name, sublayer, inputs, input_name in plan:
+            inputs = {**inputs, "d_out": _f32(d_out)}
+            gradient = "grad-" + sublayer
+            reference = GradientReference(reference_runner, gradient, inputs)
+            depth = SUBLAYERS[gradient].depth(cfg)
+            relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth)
+            kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2))
+            try:
+                result = compare_gradients(runner.gradients(gradient, inputs), reference.gradients, reference.terms,
+                                           relative, kinks)
+                ratio = result.ratio if math.isfinite(result.rel_err) else math.inf
+                stages.append(Stage(name, gradient, ratio, None, "" if result.passed else f"  ({result.reason})"))
+            except NotSupported as reason:
+                stages.append(Stage(name, gradient, None, None, f"  (not supported: {reason})"))
+                return Localization(stages)
+            except Exception as error:  # noqa: BLE001 - a crashing stage is itself the localization
+                stages.append(Stage(name, gradient, math.inf, None, f"  ({type(error).__name__}: {error})"))
+                return Localization(stages)
+            if sublayer == "decoder_layer" and memory is not None:
+                d_memory = reference.gradients["memory"] + (0.0 if d_memory is None else d_memory)
+            d_out = reference.gradients[input_name] if input_name else None
+        d_out = d_memory  # the encoder's last stage receives the memory's cotangent, summed over the layers
+    return Localization(stages)
+
+
+def localize_backward_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_name: str, dtype: str,
+                             device: str, mask_case: str = "pad_right") -> Localization:
+    """The backward walk of one matrix column on the inputs of the catalogue's loss case `mask_case`."""
+    from conformance.adapter import get_backend
+    from conformance.cases import build_case
+
+    backend, reason = get_backend(backend_name)
+    if backend is None:
+        raise RuntimeError(f"backend {backend_name} is unavailable: {reason}")
+    inputs = build_case(cfg, params, "loss", mask_case).inputs
+    runner = backend.load(cfg, params, dtype, device)
+    return localize_backward(cfg, params, runner, dtype, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])

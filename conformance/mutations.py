@@ -1,10 +1,12 @@
 """The mutation gallery: realistic Transformer mistakes, each a small change to a backend, and
 proof that the harness catches every one and points at the right sublayer.
 
-Each mutation replaces one function of the golden's code (impl_numpy.model) *inside a backend
-only* — the numpy-float32 runner — while the reference stays correct. `rosetta mutations` runs
-the catalogue on each mutant, reports the smallest sublayer that fails (the catalogue runs from
-embeddings up to the whole model) and the localization stage, and checks both against what the
+Each mutation replaces one function of the golden's code (impl_numpy.model, and for the training
+mistakes impl_numpy.backward or impl_numpy.training) *inside a backend only* — the numpy-float32
+runner — while the reference stays correct. `rosetta mutations` runs the catalogue on each
+mutant (with the gradient and training cases for the training mistakes), reports the smallest
+sublayer that fails (the catalogue runs from embeddings up to the whole model, then the
+gradients, then the training steps) and the localization stage, and checks both against what the
 mistake should break.
 """
 
@@ -18,12 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 
 import impl_numpy
+import impl_numpy.backward as backward
 import impl_numpy.model as model
+import impl_numpy.training as training
 from conformance.adapter import register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
-from conformance.cases import SUBLAYERS
+from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
-from conformance.localize import localize_column
+from conformance.localize import localize_backward_column, localize_column
+from conformance.training_cells import failing_step
 from spec import ModelConfig, conformance_params, param_shapes
 
 
@@ -167,6 +172,68 @@ def _loop_feeds_back_its_input(cfg, params, src_ids=None, *, prompt_ids=None, bo
     return tokens
 
 
+# ---- the training mistakes (SPEC.md §5.9, §13, §14) --------------------------------------------
+
+def _loss_over_pads(cfg, logits, targets):
+    q = model.smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing))
+    return float(-(q * model.log_softmax(logits)).sum() / targets.size)  # every position: pad targets too
+
+
+def _loss_over_pads_vjp(cfg, logits, targets):
+    q = model.smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing))
+    return (np.exp(model.log_softmax(logits)) - q) / targets.size  # pad targets pull on the logits too
+
+
+def _smoothing_onto_pad(targets, vocab_size, pad_id, label_smoothing):
+    q = np.full(targets.shape + (vocab_size,), label_smoothing / (vocab_size - 1))  # pad gets its share
+    np.put_along_axis(q, targets[..., None], 1.0 - label_smoothing, axis=-1)
+    return q
+
+
+def _eps_inside_the_root(settings, state, params, grads, rate):
+    t = state.step + 1
+    b1, b2 = settings.beta1, settings.beta2
+    new_params, m, v = {}, {}, {}
+    for name, theta in params.items():
+        m[name] = b1 * state.m[name] + (1 - b1) * grads[name]
+        v[name] = b2 * state.v[name] + (1 - b2) * grads[name] ** 2
+        m_hat, v_hat = m[name] / (1 - b1 ** t), v[name] / (1 - b2 ** t)
+        decay = settings.weight_decay if training.decays(theta.shape) else 0.0
+        new_params[name] = theta - rate * (m_hat / np.sqrt(v_hat + settings.eps) + decay * theta)  # ε under the root
+    return new_params, training.AdamState(t, m, v)
+
+
+def _decay_everything(shape):
+    return True  # biases, norm scales and norm biases decay too
+
+
+def _tied_table_one_use(cfg, params, ids, side, d_x, offset=0):
+    grads = _original("embed_vjp")(cfg, params, ids, side, d_x, offset)
+    table = "tgt_embed.weight" if side == "tgt" or cfg.share_src_tgt_embed else "src_embed.weight"
+    return {**grads, table: np.zeros_like(grads[table])}  # the table's gradient from the head's use only
+
+
+def _finite_fill_vjp(q, k, v, mask, d_out):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -1e9)  # a row with no key attends uniformly, and its gradient flows
+    weights = _original("softmax")(scores)
+    d_v = np.swapaxes(weights, -1, -2) @ d_out
+    d_scores = backward.softmax_vjp(weights, d_out @ np.swapaxes(v, -1, -2))
+    return d_scores @ k * scale, np.swapaxes(d_scores, -1, -2) @ q * scale, d_v
+
+
+def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y):
+    if cfg.norm_position == "post":
+        d_sum, norm_grads = backward.norm_vjp(cfg, norm_p, x + sublayer(x), d_y)
+        d_x, grads = sublayer_vjp(x, d_sum)
+        return d_x, norm_grads, grads  # x.detach() on the skip path: ∂s never reaches x directly
+    d_normed, grads = sublayer_vjp(model.norm(cfg, norm_p, x), d_y)
+    d_x, norm_grads = backward.norm_vjp(cfg, norm_p, x, d_normed)
+    return d_x, norm_grads, grads  # the same on the pre-norm skip path
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -177,6 +244,8 @@ class Mutation:
     expected_stage: str | None  # the localization stage that must fail first (None: none fails alone)
     localize_on: str = "pad_right"  # the forward case whose inputs the localization uses
     config: Mapping[str, object] | None = None  # config fields the mistake needs (a head bias to drop)
+    also: tuple[tuple[str, Callable], ...] = ()  # the same mistake in another function (a loss's VJP)
+    backward: bool = False  # a training mistake: the gradient and training cases run too
 
 
 MUTATIONS: list[Mutation] = [
@@ -227,7 +296,28 @@ MUTATIONS: list[Mutation] = [
              "greedy_generate", _loop_feeds_back_its_input, "generate", None),
 ]
 
-_ORIGINALS = {name: getattr(model, name) for name in {m.target for m in MUTATIONS}}
+MUTATIONS += [
+    Mutation("loss_over_pads", "the loss averaged over pad targets too", "token_cross_entropy", _loss_over_pads,
+             "loss", None, also=(("token_cross_entropy_vjp", _loss_over_pads_vjp),), backward=True),
+    Mutation("smoothing_onto_pad", "label smoothing spread onto the pad index as well", "smoothed_targets",
+             _smoothing_onto_pad, "loss", None, config={"label_smoothing": 0.1}, backward=True),
+    Mutation("eps_inside_root", "Adam's ε inside the square root: m̂ / √(v̂ + ε)", "adam_update",
+             _eps_inside_the_root, "train_step", "step 1 params", backward=True),
+    Mutation("decay_on_vectors", "AdamW's weight decay applied to biases and norm parameters too", "decays",
+             _decay_everything, "train_step", "step 1 params", backward=True),
+    Mutation("tied_table_one_use", "a tied embedding table whose gradient counts the head's use only", "embed_vjp",
+             _tied_table_one_use, "grad-embedding", "tgt embedding", backward=True),
+    Mutation("finite_fill_gradient", "attention's backward masked with a finite fill: rows with no key leak "
+             "gradient into masked keys and values", "scaled_dot_product_attention_vjp", _finite_fill_vjp,
+             "grad-attention", None, backward=True),
+    Mutation("detached_residual", "a .detach() on the residual's skip path", "residual_vjp", _detached_residual,
+             "grad-ffn_block", "decoder.layers.1", backward=True),
+]
+
+# Where the golden's functions live; a name imported into another of these modules is swapped there too.
+_MODULES = (model, impl_numpy, backward, training)
+_ORIGINALS = {name: next(getattr(module, name) for module in _MODULES if hasattr(module, name))
+              for name in {m.target for m in MUTATIONS} | {name for m in MUTATIONS for name, _ in m.also}}
 
 
 def _original(name: str) -> Callable:
@@ -236,15 +326,16 @@ def _original(name: str) -> Callable:
 
 @contextlib.contextmanager
 def applied(mutation: Mutation) -> Iterator[None]:
-    """Swap the function in impl_numpy.model and in the impl_numpy namespace, then restore it."""
-    modules = [module for module in (model, impl_numpy) if hasattr(module, mutation.target)]
-    for module in modules:
-        setattr(module, mutation.target, mutation.replacement)
+    """Swap the function (and any `also`) wherever the golden's modules hold it, then restore it."""
+    swaps = [(module, name, replacement) for name, replacement in ((mutation.target, mutation.replacement), *mutation.also)
+             for module in _MODULES if getattr(module, name, None) is _ORIGINALS[name]]
+    for module, name, replacement in swaps:
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        for module in modules:
-            setattr(module, mutation.target, _ORIGINALS[mutation.target])
+        for module, name, _ in swaps:
+            setattr(module, name, _ORIGINALS[name])
 
 
 class MutantBackend(NumpyFloat32Backend):
@@ -261,6 +352,14 @@ class MutantBackend(NumpyFloat32Backend):
             def run(self, sublayer, inputs):
                 with applied(mutation):
                     return runner.run(sublayer, inputs)
+
+            def gradients(self, sublayer, inputs):
+                with applied(mutation):
+                    return runner.gradients(sublayer, inputs)
+
+            def train(self, sublayer, inputs):
+                with applied(mutation):
+                    return runner.train(sublayer, inputs)
 
         return Mutant()
 
@@ -298,8 +397,11 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
     name = f"mutant-{mutation.name}"
     register_backend(name, lambda: MutantBackend(mutation))
     try:
-        results = run_matrix(cfg, params, plan_matrix(cfg, [name], ["float32"], ["cpu"]))
-        localization = localize_column(cfg, params, name, "float32", "cpu", mutation.localize_on)
+        results = run_matrix(cfg, params, plan_matrix(cfg, [name], ["float32"], ["cpu"]), backward=mutation.backward)
+        # a training mistake: the backward walk, and where no stage fails alone, the step and quantity
+        # the training cell names
+        localization = (localize_backward_column if mutation.backward else localize_column)(
+            cfg, params, name, "float32", "cpu", mutation.localize_on)
     finally:
         unregister_backend(name)
     failures = [r for r in results if r.status in (FAIL, ERROR)]
@@ -308,9 +410,10 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
     first = failures[0] if failures else None
     worst = "-" if first is None else (
         f"{first.sublayer}-{first.mask_case}: " + (f"{first.ratio:.3g}× tol" if first.ratio is not None else "error"))
-    stage = localization.first_failure
-    return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst,
-                   stage.name if stage else None)
+    stage = localization.first_failure.name if localization.first_failure else None
+    if stage is None and first is not None and is_training(first.sublayer):
+        stage = failing_step(first.reason)
+    return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst, stage)
 
 
 def gallery_table(verdicts: list[Verdict]) -> str:
@@ -342,12 +445,16 @@ def mistakes_page(verdicts: list[Verdict], preset: str) -> str:
              "regenerates it. Each mistake is applied to the numpy-float32 backend only, while the golden stays "
              "right; the numbers are max|error| / tolerance (below 1 passes). The *first failing sublayer* is the "
              "smallest catalogue entry that fails; the *localized stage* is the first stage of the whole model "
-             "that is wrong when fed the golden's own inputs (`rosetta check --localize`). The one-line table is "
+             "that is wrong when fed the golden's own inputs (`rosetta check --localize`). For the training "
+             "mistakes the gradient and training cases run too, and the localized stage is the first stage of the "
+             "backward walk (each fed the golden's input and upstream cotangent) that is wrong alone, or, where none "
+             "is, the step and quantity the training cell names. The one-line table is "
              "[mutation-gallery.md](mutation-gallery.md).", ""]
     for v in verdicts:
         m = v.mutation
         lines += [f"## {m.mistake[0].upper() + m.mistake[1:]}", "",
-                  f"`{m.name}` replaces `impl_numpy.model.{m.target}`.", "",
+                  f"`{m.name}` replaces `{_defined_in(m.target).removesuffix('.py').replace('/', '.')}.{m.target}`"
+                  + "".join(f" and `{name}`" for name, _ in m.also) + ".", "",
                   "Wrong:", "", "```python", excerpt("conformance/mutations.py", m.replacement.__name__), "```", "",
                   f"Right (the golden, `{_defined_in(m.target)}`):", "", "```python",
                   excerpt(_defined_in(m.target), m.target), "```", "",

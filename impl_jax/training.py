@@ -40,10 +40,20 @@ def start(model: Transformer, optimizer: optax.GradientTransformation):
     return optimizer.init(nnx.state(model, nnx.Param))
 
 
+def adam_moments(state) -> optax.ScaleByAdamState:
+    """Adam's moments (mu, nu) inside the optimizer's state, wherever the chain holds them."""
+    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+             if isinstance(s, optax.ScaleByAdamState)]
+    if len(found) != 1:
+        raise ValueError(f"expected one Adam state in the optimizer's state, found {len(found)}")
+    return found[0]
+
+
 def train_step(cfg: ModelConfig, model: Transformer, optimizer: optax.GradientTransformation, state,
                src_ids, tgt_ids, targets):
     """One step: the loss and its gradients, then the optimizer's update, written into the
-    model's Params. -> (the loss before the update, the optimizer's new state)"""
+    model's Params. -> (the loss before the update, the gradients (before clipping), the
+    optimizer's new state)"""
     loss, grads = nnx.value_and_grad(lambda m: token_cross_entropy(cfg, m(src_ids, tgt_ids), jnp.asarray(targets)))(model)
     params = nnx.state(model, nnx.Param)
     updates, state = optimizer.update(grads, state, params)
@@ -51,4 +61,4 @@ def train_step(cfg: ModelConfig, model: Transformer, optimizer: optax.GradientTr
     value = float(loss)
     if not math.isfinite(value):
         raise FloatingPointError(f"the loss is {value}")
-    return value, state
+    return value, grads, state

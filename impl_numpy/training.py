@@ -55,11 +55,11 @@ def adam_update(training: TrainingConfig, state: AdamState, params: Params, grad
 
 def train_step(cfg: ModelConfig, training: TrainingConfig, params: Params, state: AdamState,
                src_ids: np.ndarray | None, tgt_ids: np.ndarray,
-               targets: np.ndarray) -> tuple[float, dict[str, np.ndarray], AdamState]:
+               targets: np.ndarray) -> tuple[float, Grads, dict[str, np.ndarray], AdamState]:
     """One step: the loss and its gradients, clipped when training.clip_norm is set, then the
-    update at lr(step). params in the computation dtype. -> loss (before the update), params, state"""
+    update at lr(step). params in the computation dtype.
+    -> the loss (before the update), the gradients (before clipping), params, state"""
     loss, grads = loss_and_gradients(cfg, params, src_ids, tgt_ids, targets)
-    if training.clip_norm is not None:
-        grads = clip_by_global_norm(grads, training.clip_norm)
-    new_params, new_state = adam_update(training, state, params, grads, learning_rate(cfg, training, state.step + 1))
-    return loss, new_params, new_state
+    taken = clip_by_global_norm(grads, training.clip_norm) if training.clip_norm is not None else grads
+    new_params, new_state = adam_update(training, state, params, taken, learning_rate(cfg, training, state.step + 1))
+    return loss, grads, new_params, new_state

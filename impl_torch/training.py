@@ -36,12 +36,15 @@ def clip_by_global_norm(parameters: list[torch.Tensor], max_norm: float) -> None
 
 
 def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, optimizer: torch.optim.Optimizer,
-               schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets) -> float:
+               schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets) -> tuple[float, dict]:
     """One step: the loss and its gradients, clipped when training.clip_norm is set, then the
-    optimizer's update at lr(step). -> the loss (before the update)"""
+    optimizer's update at lr(step). -> the loss (before the update), the gradients by parameter
+    name (before clipping)"""
     optimizer.zero_grad()
     loss = token_cross_entropy(cfg, model(src_ids, tgt_ids), torch.as_tensor(targets, device=model.tgt_embed.weight.device))
     loss.backward()
+    # copies: clipping and the next step's zero_grad work on .grad in place
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     if training.clip_norm is not None:
         clip_by_global_norm(list(model.parameters()), training.clip_norm)
     optimizer.step()
@@ -49,4 +52,4 @@ def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, o
     value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"the loss is {value}")
-    return value
+    return value, grads

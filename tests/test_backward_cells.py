@@ -175,4 +175,4 @@ def test_check_runs_gradient_cells_on_request(capsys):
     assert "2 passed" in capsys.readouterr().out
     assert main(["check", "--preset", "tiny", "--backends", "torch", "--dtypes", "float32", "-k", "grad-mha-causal",
                  "--jobs", "1", "--quiet"]) == 1
-    assert "gradient cells run with --backward" in capsys.readouterr().err
+    assert "gradient and training cells run with --backward" in capsys.readouterr().err

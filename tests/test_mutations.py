@@ -18,9 +18,25 @@ def test_at_least_twelve_distinct_mistakes():
     assert len(MUTATIONS) >= 12 and len({m.name for m in MUTATIONS}) == len(MUTATIONS)
 
 
+_VERDICTS: dict = {}
+
+
+def _verdict(mutation):
+    """Each mutation runs once per test session: three tests read its verdict."""
+    if mutation.name not in _VERDICTS:
+        _VERDICTS[mutation.name] = run_mutation(TINY, PARAMS, mutation)
+    return _VERDICTS[mutation.name]
+
+
+def test_the_training_mistakes_are_in_the_gallery():
+    training = [m.name for m in MUTATIONS if m.backward]
+    assert {"loss_over_pads", "smoothing_onto_pad", "eps_inside_root", "decay_on_vectors", "tied_table_one_use",
+            "finite_fill_gradient", "detached_residual"} <= set(training)
+
+
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
 def test_mutation_is_caught_and_localized(mutation):
-    verdict = run_mutation(TINY, PARAMS, mutation)
+    verdict = _verdict(mutation)
     assert verdict.caught, f"{mutation.name} was not caught"
     assert verdict.first_sublayer == mutation.expected_sublayer
     assert verdict.first_stage == mutation.expected_stage
@@ -29,7 +45,7 @@ def test_mutation_is_caught_and_localized(mutation):
 def test_the_committed_gallery_matches_the_code():
     committed = Path(__file__).resolve().parents[1] / "docs" / "mutation-gallery.md"
     rows = [line.split("|") for line in committed.read_text().splitlines() if line.startswith("| `")]
-    table = gallery_table([run_mutation(TINY, PARAMS, m) for m in MUTATIONS])
+    table = gallery_table([_verdict(m) for m in MUTATIONS])
     fresh = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
     verdict_columns = lambda row: [row[1], row[2], row[4], row[6], row[7]]  # noqa: E731 - not the error figures
     assert [verdict_columns(r) for r in rows] == [verdict_columns(r) for r in fresh]
@@ -41,7 +57,7 @@ def test_the_committed_mistakes_page_matches_the_code():
     from conformance.mutations import mistakes_page
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "mistakes.md").read_text()
-    fresh = mistakes_page([run_mutation(TINY, PARAMS, m) for m in MUTATIONS], "tiny")
+    fresh = mistakes_page([_verdict(m) for m in MUTATIONS], "tiny")
     masked = lambda text: re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)  # noqa: E731 - the error figures
     assert masked(committed) == masked(fresh), "regenerate with: rosetta mutations --mistakes docs/mistakes.md"
 

@@ -32,7 +32,7 @@ def _golden_run(training, steps=STEPS, update=None):
     state = golden_training.start_adam(p)
     losses, history, first = [], [], None
     for _ in range(steps):
-        loss, p, state = (update or golden_training.train_step)(CFG, training, p, state, *BATCH)
+        loss, _, p, state = (update or golden_training.train_step)(CFG, training, p, state, *BATCH)
         losses.append(loss)
         history.append(p)
         first = first or state
@@ -89,7 +89,7 @@ def test_the_first_adam_step_moves_each_parameter_by_the_rate():
     training = SETTINGS["adam, the paper's"]
     p = golden.cast_params(CFG, PARAMS)
     _, grads = backward.loss_and_gradients(CFG, p, *BATCH)
-    _, after, state = golden_training.train_step(CFG, training, p, golden_training.start_adam(p), *BATCH)
+    _, _, after, state = golden_training.train_step(CFG, training, p, golden_training.start_adam(p), *BATCH)
     rate = learning_rate(CFG, training, 1)
     name = "decoder.layers.0.ffn.w1.weight"
     np.testing.assert_allclose(p[name] - after[name], rate * grads[name] / (np.abs(grads[name]) + training.eps))
@@ -109,7 +109,7 @@ def _torch_run(training):
 
     losses, history, moments = [], [], None
     for _ in range(STEPS):
-        losses.append(torch_training.train_step(CFG, training, model, optimizer, schedule, *BATCH))
+        losses.append(torch_training.train_step(CFG, training, model, optimizer, schedule, *BATCH)[0])
         named = dict(model.named_parameters())
         history.append({n: canonical(n, v) for n, v in named.items()})
         moments = moments or {n: canonical(n, optimizer.state[v]["exp_avg"]) for n, v in named.items()}
@@ -128,7 +128,7 @@ def _jax_run(training):
         state = start(model, optimizer)
         losses, history = [], []
         for _ in range(STEPS):
-            loss, state = train_step(CFG, model, optimizer, state, *BATCH)
+            loss, _, state = train_step(CFG, model, optimizer, state, *BATCH)
             losses.append(loss)
             history.append({n: np.asarray(_variable(model, n)[...]) for n in PARAMS})
     return losses, history
@@ -162,7 +162,7 @@ def _eps_inside_the_root(cfg, training, params, state, *batch):
         m[name] = training.beta1 * state.m[name] + (1 - training.beta1) * grads[name]
         v[name] = training.beta2 * state.v[name] + (1 - training.beta2) * grads[name] ** 2
         new[name] = theta - rate * (m[name] / (1 - training.beta1 ** t)) / np.sqrt(v[name] / (1 - training.beta2 ** t) + training.eps)
-    return loss, new, golden_training.AdamState(t, m, v)
+    return loss, grads, new, golden_training.AdamState(t, m, v)
 
 
 def test_the_comparison_sees_eps_inside_the_root_and_decay_on_vectors(monkeypatch):

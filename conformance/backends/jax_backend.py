@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
-from conformance.cases import attention_queries
+from conformance.cases import attention_queries, record_steps
 from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, token_cross_entropy, view_mask
 from spec import ModelConfig
 
@@ -116,12 +116,30 @@ class JaxRunner(ModuleRunner):
             return (out if cotangent is None else (out * cotangent.astype(out.dtype)).sum()), out
 
         (param_grads, d_inputs), out = jax.grad(pulled_back, argnums=(0, 1), has_aux=True)(params, floats)
-        grads = {}
-        for path, variable in (nnx.to_flat_state(param_grads) if owner is not None else ()):
-            *module, leaf = (str(part) for part in path)
-            grads[".".join([*module, "weight" if leaf in ("kernel", "embedding") else leaf])] = \
-                variable.get_value() if hasattr(variable, "get_value") else variable
-        return out, d_inputs, grads
+        return out, d_inputs, _by_name(param_grads) if owner is not None else {}
+
+    def train(self, sublayer, inputs):
+        """A training case (conformance/cases.py): optax's steps (impl_jax.training) on a copy of
+        the model, its parameters, gradients and Adam's moments read back by canonical name."""
+        from impl_jax import training as jax_training  # optax: only where training is asked for
+
+        training = inputs["training"]
+
+        def canonical(tree):
+            return {name: self._to_numpy(value) for name, value in _by_name(tree).items()}
+
+        def step(src_ids, tgt_ids, targets):
+            loss, grads, run["state"] = jax_training.train_step(self.cfg, model, optimizer, run["state"], src_ids,
+                                                                tgt_ids, targets)
+            adam = jax_training.adam_moments(run["state"])
+            return {"loss": loss, "gradients": canonical(grads), "first_moment": canonical(adam.mu),
+                    "second_moment": canonical(adam.nu), "params": canonical(nnx.state(model, nnx.Param))}
+
+        with self._gradient_scope():
+            model = nnx.clone(self.model)
+            optimizer = jax_training.make_optimizer(self.cfg, training)
+            run = {"state": jax_training.start(model, optimizer)}
+            return record_steps(inputs, step)
 
     def _concatenate(self, arrays):
         return jnp.concatenate(arrays, axis=1)
@@ -136,6 +154,17 @@ class JaxRunner(ModuleRunner):
     def _scope(self):
         with jax.enable_x64(self.x64), jax.default_device(self.device), jax.default_matmul_precision(self.precision):
             yield
+
+
+def _by_name(state) -> dict:
+    """A tree of the model's Params (or of their gradients or moments) by canonical name: Flax's
+    kernel and embedding are the spec's weight."""
+    named = {}
+    for path, variable in nnx.to_flat_state(state):
+        *module, leaf = (str(part) for part in path)
+        named[".".join([*module, "weight" if leaf in ("kernel", "embedding") else leaf])] = \
+            variable.get_value() if hasattr(variable, "get_value") else variable
+    return named
 
 
 class JaxBackend(FrameworkBackend):

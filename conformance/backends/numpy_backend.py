@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 import impl_numpy as golden
-from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient
+from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient, record_steps
 from impl_numpy import backward
+from impl_numpy import training as golden_training
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
 from spec.masks import normalize_mask, real_tokens
@@ -27,6 +28,14 @@ class NumpyRunner:
         self.params = params
         self.dtype = np.dtype(dtype)
         self.p = golden.cast_params(cfg, params, self.dtype)
+
+    @classmethod
+    def at(cls, cfg: ModelConfig, p: Mapping[str, np.ndarray]) -> NumpyRunner:
+        """The golden at float64 on parameters given in float64 already (a point of a training
+        run, which need not be float32-representable)."""
+        runner = cls.__new__(cls)
+        runner.cfg, runner.params, runner.dtype, runner.p = cfg, None, np.dtype(np.float64), dict(p)
+        return runner
 
     def replaced(self, name: str, value: np.ndarray) -> NumpyRunner:
         """This runner with one parameter tensor replaced, the others not cast again."""
@@ -157,6 +166,20 @@ class NumpyRunner:
             loss, grads = backward.loss_and_gradients(cfg, p, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])
             return {"loss": np.asarray(loss, self.dtype), **grads}
         raise KeyError(f"no gradient case for {forward!r}")
+
+    def train(self, sublayer: str, inputs: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """A training case (conformance/cases.py) by the golden's own step at this runner's dtype."""
+        training, run = inputs["training"], {"params": self.p, "state": golden_training.start_adam(self.p)}
+
+        def step(src_ids, tgt_ids, targets):
+            loss, grads, run["params"], run["state"] = golden_training.train_step(
+                self.cfg, training, run["params"], run["state"], src_ids, tgt_ids, targets)
+            if not np.isfinite(loss):  # as the frameworks' steps raise
+                raise FloatingPointError(f"the loss is {loss}")
+            return {"loss": loss, "gradients": grads, "first_moment": run["state"].m,
+                    "second_moment": run["state"].v, "params": run["params"]}
+
+        return record_steps(inputs, step)
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
         cache = golden.start_cache(self.cfg, self.p, np.shape(inputs["tgt_ids"])[0], inputs["src_ids"])

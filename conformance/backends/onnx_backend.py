@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported
-from conformance.cases import decode_steps, is_gradient
+from conformance.cases import decode_steps, is_backward
 from export.cache import exported
 from export.graphs import DECODER_STEP
 from export.onnx_model import DEFAULT_OPSET, DTYPES
@@ -79,7 +79,7 @@ class OnnxBackend:
         return None
 
     def supports_sublayer(self, sublayer: str) -> str | None:
-        if is_gradient(sublayer) or sublayer == "loss":
+        if is_backward(sublayer) or sublayer == "loss":
             return ("the exported graphs are inference graphs that end at the logits: no loss and no "
                     "backward (onnxruntime's training graphs are not exported here)")
         if sublayer not in WHOLE_MODEL:

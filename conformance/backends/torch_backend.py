@@ -4,11 +4,14 @@ run) and ``torch-math`` (the explicit softmax(QKᵀ/√d_k)V path). Imported onl
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Mapping
 import numpy as np
 import torch
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
+from conformance.cases import record_steps
+from impl_torch import training as torch_training
 from impl_torch import Transformer, scaled_dot_product_attention, token_cross_entropy, view_mask
 from impl_torch.model import _linear_weight_names
 from spec import ModelConfig
@@ -69,6 +72,31 @@ class TorchRunner(ModuleRunner):
         for (name, _), grad in zip(params.items(), grads[len(leaves):]):
             relative[name[len(owner) + 1:] if owner else name] = grad.T if name in transposed else grad
         return out.detach(), d_inputs, relative
+
+    def train(self, sublayer, inputs):
+        """A training case (conformance/cases.py): torch.optim's steps (impl_torch.training) on a
+        copy of the model, its parameters, gradients and moments read back by canonical name."""
+        cfg, training = self.cfg, inputs["training"]
+        model = copy.deepcopy(self.model)
+        optimizer, schedule = torch_training.make_optimizer(model, training)
+        transposed = _linear_weight_names(model)
+
+        def canonical(tensors):
+            # copies: the optimizer updates parameters and moments in place, and a float64 CPU
+            # tensor's numpy() is a view of it
+            return {name: self._to_numpy((t.T if name in transposed else t).detach()).copy() for name, t in tensors.items()}
+
+        def step(src_ids, tgt_ids, targets):
+            loss, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, src_ids, tgt_ids, targets)
+            named = dict(model.named_parameters())
+            # (a parameter the step never reached has no state: its moments are zero)
+            moments = {key: {name: optimizer.state[p].get(key, torch.zeros_like(p)) for name, p in named.items()}
+                       for key in ("exp_avg", "exp_avg_sq")}
+            return {"loss": loss, "gradients": canonical(grads), "first_moment": canonical(moments["exp_avg"]),
+                    "second_moment": canonical(moments["exp_avg_sq"]), "params": canonical(named)}
+
+        with matmul_precision(self.precision):
+            return record_steps(inputs, step)
 
     def _concatenate(self, arrays):
         return torch.cat(arrays, dim=1)
