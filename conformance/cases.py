@@ -431,11 +431,16 @@ def training_batches(inputs: Mapping[str, Any]) -> list[tuple[np.ndarray | None,
 def record_steps(inputs: Mapping[str, Any], step: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """Runner.train's records: step(src_ids, tgt_ids, targets) on each batch of a training case.
     A step whose loss is not finite (the implementations raise FloatingPointError) ends the run
-    with a last record {"stopped": why}, so the steps before it are still checked."""
+    with a last record {"stopped": why}, so the steps before it are still checked. A long run
+    (rosetta train-parity) may ask to keep fewer arrays: inputs["keep"] names the record's keys
+    kept at every inputs["every"]-th step and the last; the loss is kept at every step."""
+    keep, every, batches = inputs.get("keep", TRAINING_RECORD), inputs.get("every", 1), training_batches(inputs)
     records = []
-    for batch in training_batches(inputs):
+    for index, batch in enumerate(batches, 1):
         try:
-            records.append(step(*batch))
+            record = step(*batch)
+            kept = keep if index % every == 0 or index == len(batches) else ("loss",)
+            records.append({key: value for key, value in record.items() if key in kept or key == "loss"})
         except FloatingPointError as error:
             records.append({"stopped": f"{type(error).__name__}: {error}"})
             break

@@ -319,6 +319,31 @@ def cmd_mutations(args: argparse.Namespace) -> int:
     return 0 if good == len(verdicts) else 1
 
 
+def cmd_train_parity(args: argparse.Namespace) -> int:
+    """Train the golden, PyTorch and JAX side by side; draw the losses and the divergence."""
+    from conformance.train_parity import train_parity, write
+
+    cfg = get_preset(args.preset)
+    start = time.perf_counter()
+    parity = train_parity(cfg, conformance_params(cfg, args.seed), args.steps, backends=args.backends.split(","),
+                          dtype=args.dtype, batch=args.batch, length=args.length)
+    files = write(parity, args.out, f"{args.preset}: {args.steps} AdamW steps, the frameworks at {args.dtype}")
+    print(parity.table())
+    print(f"\nloss tolerance {parity.loss_tolerance:.3g} (SPEC §8 at {args.dtype}); {args.steps} steps in "
+          f"{time.perf_counter() - start:.1f} s; wrote {', '.join(str(f) for f in files)}")
+    return 1 if parity.unavailable else 0
+
+
+def cmd_backward_page(args: argparse.Namespace) -> int:
+    """Rewrite the generated part of docs/backward.md from the code."""
+    from conformance.backward_page import backward_page
+
+    current = args.markdown.read_text() if args.markdown.exists() else "# The backward half\n"
+    args.markdown.write_text(backward_page(current))
+    print(f"wrote {args.markdown}")
+    return 0
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     """What each framework's own primitives do on the spec's edge cases, measured here."""
     from conformance.probe import probe_table, run_probes
@@ -565,6 +590,21 @@ def build_parser() -> argparse.ArgumentParser:
     mutations.add_argument("--markdown", help="also write the table to this Markdown file")
     mutations.add_argument("--mistakes", help="also write the teaching page (docs/mistakes.md) to this file")
     mutations.set_defaults(handler=cmd_mutations)
+    parity = commands.add_parser("train-parity", help="train the golden, PyTorch and JAX from the same weights on "
+                                 "the same batches; plot the losses and the divergence (SPEC §14)")
+    parity.add_argument("--preset", default="char-lm", help="a decoder-only byte model (default char-lm)")
+    parity.add_argument("--seed", type=int, default=0)
+    parity.add_argument("--steps", type=int, default=200)
+    parity.add_argument("--batch", type=int, default=8)
+    parity.add_argument("--length", type=int, default=64)
+    parity.add_argument("--dtype", default="float32", choices=("float64", "float32", "bfloat16"))
+    parity.add_argument("--backends", default="torch,jax")
+    parity.add_argument("--out", type=Path, default=Path("reports/train-parity"),
+                        help="folder for train-parity.png and train-parity.json (default reports/train-parity)")
+    parity.set_defaults(handler=cmd_train_parity)
+    page = commands.add_parser("backward-page", help="regenerate the generated part of docs/backward.md")
+    page.add_argument("--markdown", type=Path, default=Path("docs/backward.md"))
+    page.set_defaults(handler=cmd_backward_page)
     probe = commands.add_parser("probe", help="record what each framework's own primitives do on edge cases")
     probe.add_argument("--markdown", help="also write the table to this Markdown file")
     probe.set_defaults(handler=cmd_probe)
