@@ -46,6 +46,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "attend_vjp": ("MultiHeadAttention.attend", "MultiHeadAttention.attend"),
     "key_value_heads_vjp": ("MultiHeadAttention.key_value_heads", "MultiHeadAttention.key_value_heads"),
     "multi_head_attention_vjp": ("MultiHeadAttention.forward", "MultiHeadAttention.__call__"),
+    "dropout_vjp": ("dropout", "dropout"),
     "residual_vjp": ("residual", "residual"),
     "block_vjp": (None, None),
     "self_attention_vjp": (None, None),

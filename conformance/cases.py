@@ -25,8 +25,10 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
                    (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step)
     generate       src_ids|None, prompt_ids|None, bos_id, eos_id, max_new_tokens -> tokens [B,N]
     loss           src_ids [B,S]|None, tgt_ids [B,T], targets [B,T]   -> the loss, a scalar (SPEC §5.9)
+                   (+ dropout_masks {site: keep [B,T,d]} in the 'dropout' case: training mode, SPEC §5.10)
     train_step,    training (spec.training.TrainingConfig), src_ids [N,B,S]|None, tgt_ids [N,B,T],
-    train_steps    targets [N,B,T]: N training steps from the case's parameters, step i on batch i
+    train_steps    targets [N,B,T] (+ dropout_masks, one dict per step): N training steps from the
+                   case's parameters, step i on batch i
                    -> Runner.train: one record per step (SPEC §14, conformance/training_cells.py)
 
 Gradient cases (SPEC.md §13), Runner.gradients rather than Runner.run: `grad-<sublayer>` takes
@@ -53,6 +55,7 @@ import numpy as np
 import impl_numpy as golden
 from impl_numpy import backward as golden_backward
 from spec import ModelConfig
+from spec.dropout import draw_dropout_masks
 from spec.masks import causal_mask, combine_masks, key_mask
 from spec.training import TrainingConfig
 
@@ -87,6 +90,7 @@ MASK_CASES: dict[str, str] = {
     "mask_qk": "explicit mask of shape [Q, K] with a fully masked row",
     "mask_b1qk": "explicit mask of shape [B, 1, Q, K] with a fully masked row",
     "mask_bhqk": "explicit mask of shape [B, H, Q, K] with fully masked rows",
+    "dropout": "padding at the end, and the paper's dropout with given keep-masks (SPEC §5.10; configs with dropout > 0)",
 }
 
 _ATTENTION_CASES = ("none", "pad_right", "pad_left", "pad_middle", "causal", "causal_pad", "lq_ne_lk",
@@ -139,8 +143,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              ("incremental", "pad_right", "pad_left", "pad_start"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
              ("none", "pad_right", "pad_left", "pad_start"), _layers_depth),
-    Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits", _MODEL_CASES,
-             lambda c: _layers_depth(c) + 1),
+    Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits",
+             (*_MODEL_CASES, "dropout"), lambda c: _layers_depth(c) + 1),
 ]}
 
 # The float inputs each differentiated sublayer's gradient case returns a cotangent for.
@@ -164,7 +168,7 @@ SUBLAYERS.update({GRADIENT_PREFIX + name: _gradient_sublayer(SUBLAYERS[name]) fo
 # Depth: the loss's (the gradients' is twice that, as every grad- case's; conformance/training_cells.py)
 SUBLAYERS.update({s.name: s for s in [
     Sublayer("train_step", "one AdamW step: the loss, every gradient, both moments, the parameters",
-             ("none", "pad_right", "all_pad", "pad_start"), lambda c: _layers_depth(c) + 1),
+             ("none", "pad_right", "all_pad", "pad_start", "dropout"), lambda c: _layers_depth(c) + 1),
     Sublayer("train_steps", f"{TRAINING_STEPS} clipped AdamW steps on {TRAINING_STEPS} batches, each step checked "
              "from the backend's own state", ("pad_right",), lambda c: _layers_depth(c) + 1),
 ]})
@@ -327,7 +331,8 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
         src_len = tgt_len = 1
     elif mask_case == "lq_ne_lk":
         src_len = min(SRC_LEN + 3, cfg.max_len)
-    target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right"}.get(mask_case, mask_case)
+    target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right",
+                      "dropout": "pad_right"}.get(mask_case, mask_case)
     source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
     tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
     if mask_case == "pad_start":
@@ -406,9 +411,16 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
     if sublayer == "generate":
         return _generation_inputs(cfg, params, rng, mask_case), reduction
     if sublayer == "loss":
-        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": next_tokens(cfg, tgt_ids)}, \
-            max(reduction, cfg.tgt_vocab_size)
+        inputs = {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": next_tokens(cfg, tgt_ids)}
+        if mask_case == "dropout":
+            inputs["dropout_masks"] = _dropout_masks(cfg, rng, src_ids, tgt_ids)
+        return inputs, max(reduction, cfg.tgt_vocab_size)
     raise KeyError(f"unknown sublayer {sublayer!r}")
+
+
+def _dropout_masks(cfg: ModelConfig, rng: np.random.Generator, src_ids: np.ndarray | None,
+                   tgt_ids: np.ndarray) -> dict[str, np.ndarray]:
+    return draw_dropout_masks(cfg, rng, tgt_ids.shape[0], None if src_ids is None else src_ids.shape[1], tgt_ids.shape[1])
 
 
 def next_tokens(cfg: ModelConfig, tgt_ids: np.ndarray) -> np.ndarray:
@@ -421,15 +433,16 @@ def next_tokens(cfg: ModelConfig, tgt_ids: np.ndarray) -> np.ndarray:
 TRAINING_RECORD = ("loss", "gradients", "first_moment", "second_moment", "params")  # Runner.train's, per step
 
 
-def training_batches(inputs: Mapping[str, Any]) -> list[tuple[np.ndarray | None, np.ndarray, np.ndarray]]:
-    """A training case's (src_ids, tgt_ids, targets) of each step."""
-    src = inputs["src_ids"]
-    return [(None if src is None else src[i], tgt, targets) for i, (tgt, targets) in
-            enumerate(zip(inputs["tgt_ids"], inputs["targets"]))]
+def training_batches(inputs: Mapping[str, Any]) -> list[tuple[np.ndarray | None, np.ndarray, np.ndarray, dict | None]]:
+    """A training case's (src_ids, tgt_ids, targets, dropout_masks or None) of each step."""
+    src, masks = inputs["src_ids"], inputs.get("dropout_masks")
+    return [(None if src is None else src[i], tgt, targets, None if masks is None else masks[i])
+            for i, (tgt, targets) in enumerate(zip(inputs["tgt_ids"], inputs["targets"]))]
 
 
 def record_steps(inputs: Mapping[str, Any], step: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runner.train's records: step(src_ids, tgt_ids, targets) on each batch of a training case.
+    """Runner.train's records: step(src_ids, tgt_ids, targets, dropout_masks) on each batch of a
+    training case.
     A step whose loss is not finite (the implementations raise FloatingPointError) ends the run
     with a last record {"stopped": why}, so the steps before it are still checked. A long run
     (rosetta train-parity) may ask to keep fewer arrays: inputs["keep"] names the record's keys
@@ -456,6 +469,8 @@ def _training_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublaye
     tgt_ids = np.stack([tgt for _, tgt in batches])
     src_ids = None if batches[0][0] is None else np.stack([src for src, _ in batches])
     targets = np.stack([next_tokens(cfg, tgt) for tgt in tgt_ids])
+    masks = None if mask_case != "dropout" else [_dropout_masks(cfg, rng, None if src_ids is None else src_ids[i], tgt)
+                                                 for i, tgt in enumerate(tgt_ids)]
     training = TRAINING
     if sublayer == "train_steps":
         p = golden.cast_params(cfg, params)
@@ -465,8 +480,8 @@ def _training_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublaye
         training = dataclasses.replace(TRAINING, clip_norm=CLIPPED_TO * norm)
     _, reduction = _build(cfg, params, "loss", mask_case, np.random.default_rng(0))
     # a weight's gradient also sums over every position of the batch
-    return {"training": training, "src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets}, \
-        max(reduction, BATCH * (SRC_LEN + 3))
+    return {"training": training, "src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets,
+            **({} if masks is None else {"dropout_masks": masks})}, max(reduction, BATCH * (SRC_LEN + 3))
 
 
 def _gradient_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
@@ -582,6 +597,8 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     if spec_.needs_encoder and not cfg.has_encoder:
         return ()
     cases = spec_.mask_cases
+    if not cfg.dropout > 0:
+        cases = tuple(c for c in cases if c != "dropout")
     if not cfg.has_encoder:
         if forward_of(sublayer) == "decoder_layer":
             cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")

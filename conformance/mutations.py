@@ -224,6 +224,10 @@ def _finite_fill_vjp(q, k, v, mask, d_out):
     return d_scores @ k * scale, np.swapaxes(d_scores, -1, -2) @ q * scale, d_v
 
 
+def _dropout_unscaled(cfg, x, keep):
+    return x if keep is None else x * keep  # dropped, but the kept units not scaled by 1 / (1 − p)
+
+
 def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y):
     if cfg.norm_position == "post":
         d_sum, norm_grads = backward.norm_vjp(cfg, norm_p, x + sublayer(x), d_y)
@@ -312,6 +316,8 @@ MUTATIONS += [
              "grad-attention", None, backward=True),
     Mutation("detached_residual", "a .detach() on the residual's skip path", "residual_vjp", _detached_residual,
              "grad-ffn_block", "decoder.layers.1", backward=True),
+    Mutation("dropout_unscaled", "dropout that keeps units without scaling them by 1 / (1 − p)", "dropout",
+             _dropout_unscaled, "loss", None, backward=True),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.

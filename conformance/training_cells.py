@@ -134,9 +134,10 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
     """Step `step` (from 1) of a backend's run against the spec's formulas applied to the state
     it started from (`before`: params, first_moment, second_moment), every quantity."""
     theta = {name: np.asarray(value, np.float64) for name, value in before["params"].items()}
-    src_ids, tgt_ids, targets = batch
+    src_ids, tgt_ids, targets, dropout_masks = batch
     reference = GradientReference(NumpyRunner.at(cfg, theta), "grad-loss",
-                                  {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets, "d_out": 1.0})
+                                  {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets, "d_out": 1.0,
+                                   "dropout_masks": dropout_masks})
     golden = {name: g for name, g in reference.gradients.items() if name != "loss"}
     checks = []
     loss = compare(np.asarray(float(record["loss"])), reference.gradients["loss"], loss_tol)

@@ -44,6 +44,7 @@ from spec.inputs import (
     check_source,
     mask_shape_4d,
 )
+from spec.dropout import check_dropout_masks, masks_under
 from spec.masks import real_tokens
 
 ATTENTION_PATHS = ("sdpa", "math")
@@ -251,11 +252,18 @@ class Norm(nnx.Module):
         return self.kind(x, scale, bias, self.eps)
 
 
-def residual(cfg: ModelConfig, norm: Norm, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """post-LN: Norm(x + Sublayer(x));  pre-LN: x + Sublayer(Norm(x))."""
+def dropout(cfg: ModelConfig, x: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """x ⊙ keep / (1 − p) with the keep-mask given (SPEC §5.10); None keeps every unit. Not
+    nnx.Dropout, which draws its own mask: every implementation must drop the same units."""
+    return x if keep is None else x * keep / (1.0 - cfg.dropout)
+
+
+def residual(cfg: ModelConfig, norm: Norm, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array],
+             dropout_mask: jax.Array | None = None) -> jax.Array:
+    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
     if cfg.norm_position == "post":
-        return norm(x + sublayer(x))
-    return x + sublayer(norm(x))
+        return norm(x + dropout(cfg, sublayer(x), dropout_mask))
+    return x + dropout(cfg, sublayer(norm(x)), dropout_mask)
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -268,13 +276,14 @@ class EncoderLayer(nnx.Module):
         self.ffn = FeedForward(cfg, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
 
-    def ffn_block(self, x: jax.Array) -> jax.Array:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+    def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
 
-    def __call__(self, x: jax.Array, mask) -> jax.Array:
-        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
-        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask))
-        return self.ffn_block(x)
+    def __call__(self, x: jax.Array, mask, dropout_masks: dict | None = None) -> jax.Array:
+        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
+        drop = dropout_masks or {}
+        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
+        return self.ffn_block(x, drop.get("ffn"))
 
 
 class DecoderLayer(nnx.Module):
@@ -288,16 +297,19 @@ class DecoderLayer(nnx.Module):
         self.ffn = FeedForward(cfg, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
 
-    def ffn_block(self, x: jax.Array) -> jax.Array:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+    def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
 
-    def __call__(self, y: jax.Array, memory: jax.Array | None, self_mask, cross_mask) -> jax.Array:
+    def __call__(self, y: jax.Array, memory: jax.Array | None, self_mask, cross_mask,
+                 dropout_masks: dict | None = None) -> jax.Array:
         """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
-        y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
-        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask))
+        y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
+        drop = dropout_masks or {}
+        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
         if memory is not None:
-            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask))
-        return self.ffn_block(y)
+            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask),
+                         drop.get("cross_attn"))
+        return self.ffn_block(y, drop.get("ffn"))
 
 
 class Stack(nnx.Module):
@@ -444,30 +456,31 @@ class Transformer(nnx.Module):
         table = jnp.asarray(sinusoidal_table(np.arange(rows), self.cfg.d_model, self.cfg.positional), self.dtype)
         return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
 
-    def embed(self, ids: jax.Array, side: str, offset=0, table_rows: int | None = None) -> jax.Array:
-        """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
+    def embed(self, ids: jax.Array, side: str, offset=0, table_rows: int | None = None,
+              dropout_mask: jax.Array | None = None) -> jax.Array:
+        """x = Dropout(E[ids] (· √d) + PE[positions]), then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        x = x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None]
+        x = dropout(self.cfg, x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None], dropout_mask)
         return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
-    def encode(self, src_ids: jax.Array, src_keep: jax.Array) -> jax.Array:
-        """memory [B, S, d]"""
-        x = self.embed(src_ids, "src")
+    def encode(self, src_ids: jax.Array, src_keep: jax.Array, dropout_masks: dict | None = None) -> jax.Array:
+        """memory [B, S, d]; dropout_masks by site (spec.dropout.dropout_sites)"""
+        x = self.embed(src_ids, "src", dropout_mask=(dropout_masks or {}).get("encoder.embed"))
         mask = _key_mask(src_keep)
-        for layer in self.encoder.layers:
-            x = layer(x, mask)
+        for i, layer in enumerate(self.encoder.layers):
+            x = layer(x, mask, masks_under(dropout_masks, f"encoder.layers.{i}"))
         return self.encoder.final_norm(x)
 
     def decode(self, tgt_ids: jax.Array, tgt_keep: jax.Array, memory: jax.Array | None = None,
-               src_keep: jax.Array | None = None) -> jax.Array:
-        """Decoder output [B, T, d] before the head."""
-        y = self.embed(tgt_ids, "tgt")
+               src_keep: jax.Array | None = None, dropout_masks: dict | None = None) -> jax.Array:
+        """Decoder output [B, T, d] before the head; dropout_masks by site."""
+        y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
         self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
         cross_mask = None if memory is None else _key_mask(src_keep)
-        for layer in self.decoder.layers:
-            y = layer(y, memory, self_mask, cross_mask)
+        for i, layer in enumerate(self.decoder.layers):
+            y = layer(y, memory, self_mask, cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
 
     def output_logits(self, h: jax.Array) -> jax.Array:
@@ -486,14 +499,18 @@ class Transformer(nnx.Module):
         check_keep(keep, ids, f"{side}_keep")
         return on_device(keep)
 
-    def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> jax.Array:
-        """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function."""
+    def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None, dropout_masks=None) -> jax.Array:
+        """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function;
+        in training mode when dropout keep-masks are given."""
         check_model_inputs(self.cfg, src_ids, tgt_ids)
+        check_dropout_masks(self.cfg, dropout_masks, np.shape(tgt_ids)[0],
+                            None if src_ids is None else np.shape(src_ids)[1], np.shape(tgt_ids)[1])
         tgt = _as_ids(tgt_ids)
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt")
         src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src"))
+        masks = None if dropout_masks is None else {site: on_device(keep) for site, keep in dropout_masks.items()}
         with jax.default_matmul_precision(self.precision):
-            return _bound(self, _forward)(src, tgt, src_keep, tgt_keep)
+            return _bound(self, _forward)(src, tgt, src_keep, tgt_keep, masks)
 
     # ---- incremental decoding ----
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":
@@ -547,9 +564,9 @@ def _bound(model: Transformer, function: Callable) -> Callable:
 
 
 @nnx.jit
-def _forward(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep) -> jax.Array:
-    memory = None if src_ids is None else model.encode(src_ids, src_keep)
-    return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep))
+def _forward(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks=None) -> jax.Array:
+    memory = None if src_ids is None else model.encode(src_ids, src_keep, dropout_masks)
+    return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep, dropout_masks))
 
 
 # ---- incremental decoding with a preallocated KV cache --------------------------------------

@@ -50,11 +50,12 @@ def adam_moments(state) -> optax.ScaleByAdamState:
 
 
 def train_step(cfg: ModelConfig, model: Transformer, optimizer: optax.GradientTransformation, state,
-               src_ids, tgt_ids, targets):
+               src_ids, tgt_ids, targets, dropout_masks=None):
     """One step: the loss and its gradients, then the optimizer's update, written into the
     model's Params. -> (the loss before the update, the gradients (before clipping), the
     optimizer's new state)"""
-    loss, grads = nnx.value_and_grad(lambda m: token_cross_entropy(cfg, m(src_ids, tgt_ids), jnp.asarray(targets)))(model)
+    loss, grads = nnx.value_and_grad(lambda m: token_cross_entropy(
+        cfg, m(src_ids, tgt_ids, dropout_masks=dropout_masks), jnp.asarray(targets)))(model)
     params = nnx.state(model, nnx.Param)
     updates, state = optimizer.update(grads, state, params)
     nnx.update(model, optax.apply_updates(params, updates))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from impl_numpy.model import (
     _erf,
     decoder,
     decoder_layer,
+    dropout,
     embed,
     encoder,
     encoder_layer,
@@ -45,6 +46,7 @@ from impl_numpy.model import (
     token_embedding,
 )
 from spec import ModelConfig, params_under
+from spec.dropout import masks_under
 from spec.inputs import check_targets
 from spec.masks import causal_mask, combine_masks, key_mask
 
@@ -212,17 +214,21 @@ def positional_encoding_vjp(cfg: ModelConfig, length: int, offset: int, d_x: np.
     return d_table
 
 
-def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x: np.ndarray, offset: int = 0) -> Grads:
-    """x = Norm?(E[ids] (· √d) + PE): back through the embedding norm, then to the table and the
-    positions offset.. . Names are the model's (tgt_embed.weight serves a shared source)."""
+def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x: np.ndarray, offset: int = 0,
+              dropout_mask: np.ndarray | None = None) -> Grads:
+    """x = Norm?(Dropout(E[ids] (· √d) + PE)): back through the embedding norm and the dropout,
+    then to the table and the positions offset.. . Names are the model's (tgt_embed.weight serves
+    a shared source)."""
     table = "tgt_embed.weight" if side == "tgt" or cfg.share_src_tgt_embed else "src_embed.weight"
     grads: Grads = {}
     if cfg.embed_norm:
         stack = "encoder" if side == "src" else "decoder"
         before = token_embedding(ids, params[table], cfg.embed_scale)
-        before = before + positional_encoding(cfg, params, side, ids.shape[1], offset, before.dtype)[None]
+        before = dropout(cfg, before + positional_encoding(cfg, params, side, ids.shape[1], offset, before.dtype)[None],
+                         dropout_mask)
         d_x, norm_grads = norm_vjp(cfg, params_under(params, f"{stack}.embed_norm"), before, d_x)
         grads.update(_named(f"{stack}.embed_norm", norm_grads))
+    d_x = dropout_vjp(cfg, dropout_mask, d_x)
     grads[table] = token_embedding_vjp(ids, params[table].shape[0], cfg.embed_scale, d_x)
     d_positions = positional_encoding_vjp(cfg, ids.shape[1], offset, d_x)
     if d_positions is not None:
@@ -272,24 +278,31 @@ Sublayer = Callable[[np.ndarray], np.ndarray]
 SublayerVJP = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, Grads]]  # (h, d_out) -> d_h, grads
 
 
+def dropout_vjp(cfg: ModelConfig, keep: np.ndarray | None, d_y: np.ndarray) -> np.ndarray:
+    """y = x ⊙ keep / (1 − p):  ∂x = ∂y ⊙ keep / (1 − p), exactly 0 at a dropped unit."""
+    return dropout(cfg, d_y, keep)
+
+
 def residual_vjp(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
-                 d_y: np.ndarray) -> tuple[np.ndarray, Grads, Grads]:
-    """post: y = Norm(s), s = x + F(x):  ∂s = Norm_vjp(∂y), ∂x = ∂s + F_vjp(x, ∂s);
-    pre:  y = x + F(Norm(x)):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), ∂y)). -> d_x, norm's grads, F's grads"""
+                 d_y: np.ndarray, dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads, Grads]:
+    """post: y = Norm(s), s = x + D(F(x)):  ∂s = Norm_vjp(∂y), ∂x = ∂s + F_vjp(x, D_vjp(∂s));
+    pre:  y = x + D(F(Norm(x))):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), D_vjp(∂y))), D the dropout.
+    -> d_x, norm's grads, F's grads"""
     if cfg.norm_position == "post":
-        d_sum, norm_grads = norm_vjp(cfg, norm_p, x + sublayer(x), d_y)
-        d_x, grads = sublayer_vjp(x, d_sum)
+        d_sum, norm_grads = norm_vjp(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask), d_y)
+        d_x, grads = sublayer_vjp(x, dropout_vjp(cfg, dropout_mask, d_sum))
         return d_sum + d_x, norm_grads, grads
-    d_normed, grads = sublayer_vjp(norm(cfg, norm_p, x), d_y)
+    d_normed, grads = sublayer_vjp(norm(cfg, norm_p, x), dropout_vjp(cfg, dropout_mask, d_y))
     d_x, norm_grads = norm_vjp(cfg, norm_p, x, d_normed)
     return d_y + d_x, norm_grads, grads
 
 
 def block_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
-              d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+              d_y: np.ndarray, dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
     """residual_vjp for the layer's sublayer `name` (self_attn, cross_attn, ffn) and its norm
     `name_norm`, gradients named relative to the layer."""
-    d_x, norm_grads, grads = residual_vjp(cfg, params_under(p, f"{name}_norm"), x, sublayer, sublayer_vjp, d_y)
+    d_x, norm_grads, grads = residual_vjp(cfg, params_under(p, f"{name}_norm"), x, sublayer, sublayer_vjp, d_y,
+                                          dropout_mask)
     return d_x, {**_named(f"{name}_norm", norm_grads), **_named(name, grads)}
 
 
@@ -304,40 +317,44 @@ def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> 
     return (lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads)), backward
 
 
-def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
+                  dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
     """The FFN's residual block, back. p: the layer's parameters."""
     ffn = params_under(p, "ffn")
     return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn, h, cfg.activation),
-                     lambda h, d_out: feed_forward_vjp(ffn, h, cfg.activation, d_out), d_y)
+                     lambda h, d_out: feed_forward_vjp(ffn, h, cfg.activation, d_out), d_y, dropout_mask)
 
 
 def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,
-                      d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+                      d_y: np.ndarray, dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray, Grads]:
     """x1 = Block(x, SelfAttention), y = Block(x1, FFN): back through the FFN block, then the
     attention block. -> d_x, the layer's grads"""
+    drop = dropout_masks or {}
     attention, attention_vjp = self_attention_vjp(cfg, p, mask)
-    x1 = residual(cfg, params_under(p, "self_attn_norm"), x, attention)
-    d_x1, ffn_grads = ffn_block_vjp(cfg, p, x1, d_y)
-    d_x, attention_grads = block_vjp(cfg, p, "self_attn", x, attention, attention_vjp, d_x1)
+    x1 = residual(cfg, params_under(p, "self_attn_norm"), x, attention, drop.get("self_attn"))
+    d_x1, ffn_grads = ffn_block_vjp(cfg, p, x1, d_y, drop.get("ffn"))
+    d_x, attention_grads = block_vjp(cfg, p, "self_attn", x, attention, attention_vjp, d_x1, drop.get("self_attn"))
     return d_x, {**attention_grads, **ffn_grads}
 
 
 def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray | None,
                       self_mask: np.ndarray | None, cross_mask: np.ndarray | None,
-                      d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, Grads]:
+                      d_out: np.ndarray, dropout_masks: Mapping[str, np.ndarray] | None = None
+                      ) -> tuple[np.ndarray, np.ndarray | None, Grads]:
     """y1 = Block(y, masked SelfAttention), y2 = Block(y1, CrossAttention to memory), out =
     Block(y2, FFN): back through the three blocks in reverse. -> d_y, d_memory, the layer's grads"""
+    drop = dropout_masks or {}
     attention, attention_vjp = self_attention_vjp(cfg, p, self_mask)
-    y1 = residual(cfg, params_under(p, "self_attn_norm"), y, attention)
+    y1 = residual(cfg, params_under(p, "self_attn_norm"), y, attention, drop.get("self_attn"))
     grads: Grads = {}
     d_memory = None
     if memory is None:
-        d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out)
+        d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out, drop.get("ffn"))
     else:
         cross = params_under(p, "cross_attn")
         cross_attention = lambda h: multi_head_attention(cross, h, memory, cross_mask, cfg.n_heads)  # noqa: E731
-        y2 = residual(cfg, params_under(p, "cross_attn_norm"), y1, cross_attention)
-        d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out)
+        y2 = residual(cfg, params_under(p, "cross_attn_norm"), y1, cross_attention, drop.get("cross_attn"))
+        d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out, drop.get("ffn"))
         d_memory_parts = []
 
         def cross_attention_vjp(h: np.ndarray, d_h_out: np.ndarray) -> tuple[np.ndarray, Grads]:
@@ -346,10 +363,11 @@ def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.nda
             d_memory_parts.append(d_context)
             return d_h, cross_grads
 
-        d_y1, cross_grads = block_vjp(cfg, p, "cross_attn", y1, cross_attention, cross_attention_vjp, d_y2)
+        d_y1, cross_grads = block_vjp(cfg, p, "cross_attn", y1, cross_attention, cross_attention_vjp, d_y2,
+                                      drop.get("cross_attn"))
         grads.update(cross_grads)
         d_memory = d_memory_parts[0]
-    d_y, attention_grads = block_vjp(cfg, p, "self_attn", y, attention, attention_vjp, d_y1)
+    d_y, attention_grads = block_vjp(cfg, p, "self_attn", y, attention, attention_vjp, d_y1, drop.get("self_attn"))
     return d_y, d_memory, {**attention_grads, **grads}
 
 
@@ -363,39 +381,45 @@ def final_norm_vjp(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray,
 
 
 def encoder_vjp(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep: np.ndarray,
-                d_memory: np.ndarray) -> Grads:
+                d_memory: np.ndarray, dropout_masks: Mapping[str, np.ndarray] | None = None) -> Grads:
     """memory = Norm?(Layer_N(...Layer_1(Embed(src)))): each layer's input is recomputed
     forward, then the VJPs run from the last layer to the embedding. -> the encoder's grads"""
-    mask = key_mask(src_keep)
-    inputs = [embed(cfg, params, src_ids, "src")]  # inputs[i]: layer i's input [B, S, d]
+    mask, embed_mask = key_mask(src_keep), (dropout_masks or {}).get("encoder.embed")
+    inputs = [embed(cfg, params, src_ids, "src", dropout_mask=embed_mask)]  # inputs[i]: layer i's input [B, S, d]
     for i in range(cfg.n_encoder_layers):
-        inputs.append(encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask))
+        inputs.append(encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask,
+                                    masks_under(dropout_masks, f"encoder.layers.{i}")))
     d_x, grads = final_norm_vjp(cfg, params, "encoder", inputs[-1], d_memory)
     for i in reversed(range(cfg.n_encoder_layers)):
-        d_x, layer_grads = encoder_layer_vjp(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask, d_x)
+        d_x, layer_grads = encoder_layer_vjp(cfg, params_under(params, f"encoder.layers.{i}"), inputs[i], mask, d_x,
+                                             masks_under(dropout_masks, f"encoder.layers.{i}"))
         grads.update(_named(f"encoder.layers.{i}", layer_grads))
-    return _accumulate(grads, embed_vjp(cfg, params, src_ids, "src", d_x))
+    return _accumulate(grads, embed_vjp(cfg, params, src_ids, "src", d_x, dropout_mask=embed_mask))
 
 
 def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.ndarray, memory: np.ndarray | None,
-                src_keep: np.ndarray | None, d_h: np.ndarray) -> tuple[Grads, np.ndarray | None]:
+                src_keep: np.ndarray | None, d_h: np.ndarray,
+                dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[Grads, np.ndarray | None]:
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))), back; the memory's gradient is the sum
     over every layer's cross-attention. -> the decoder's grads, d_memory"""
     self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)
-    inputs = [embed(cfg, params, tgt_ids, "tgt")]
+    embed_mask = (dropout_masks or {}).get("decoder.embed")
+    inputs = [embed(cfg, params, tgt_ids, "tgt", dropout_mask=embed_mask)]
     for i in range(cfg.n_decoder_layers):
         layer = params_under(params, f"decoder.layers.{i}")
-        inputs.append(decoder_layer(cfg, layer, inputs[i], memory, self_mask, cross_mask))
+        inputs.append(decoder_layer(cfg, layer, inputs[i], memory, self_mask, cross_mask,
+                                    masks_under(dropout_masks, f"decoder.layers.{i}")))
     d_y, grads = final_norm_vjp(cfg, params, "decoder", inputs[-1], d_h)
     d_memory = None if memory is None else np.zeros_like(memory)
     for i in reversed(range(cfg.n_decoder_layers)):
         layer = params_under(params, f"decoder.layers.{i}")
-        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg, layer, inputs[i], memory, self_mask, cross_mask, d_y)
+        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg, layer, inputs[i], memory, self_mask, cross_mask, d_y,
+                                                             masks_under(dropout_masks, f"decoder.layers.{i}"))
         grads.update(_named(f"decoder.layers.{i}", layer_grads))
         if d_memory is not None:
             d_memory += d_layer_memory
-    return _accumulate(grads, embed_vjp(cfg, params, tgt_ids, "tgt", d_y)), d_memory
+    return _accumulate(grads, embed_vjp(cfg, params, tgt_ids, "tgt", d_y, dropout_mask=embed_mask)), d_memory
 
 
 def output_logits_vjp(cfg: ModelConfig, params: Params, h: np.ndarray, d_logits: np.ndarray) -> tuple[np.ndarray, Grads]:
@@ -421,31 +445,35 @@ def token_cross_entropy_vjp(cfg: ModelConfig, logits: np.ndarray, targets: np.nd
 
 
 def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, d_logits: np.ndarray, *,
-              src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> Grads:
+              src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None,
+              dropout_masks: Mapping[str, np.ndarray] | None = None) -> Grads:
     """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
     in the computation dtype). Every canonical name is present; a row no token reached is 0."""
-    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)
-    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep)
-    h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep)
+    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
+    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep, dropout_masks)
+    h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep, dropout_masks)
     d_h, grads = output_logits_vjp(cfg, p, h, d_logits)
-    decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h)
+    decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h, dropout_masks)
     grads = _accumulate(grads, decoder_grads)
     if memory is not None:
-        grads = _accumulate(grads, encoder_vjp(cfg, p, src_ids, src_keep, d_memory))
+        grads = _accumulate(grads, encoder_vjp(cfg, p, src_ids, src_keep, d_memory, dropout_masks))
     total = {name: np.zeros_like(value) for name, value in p.items()}
     return _accumulate(total, grads)
 
 
 def loss_and_gradients(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray,
                        targets: np.ndarray, *, src_keep: np.ndarray | None = None,
-                       tgt_keep: np.ndarray | None = None) -> tuple[float, Grads]:
+                       tgt_keep: np.ndarray | None = None,
+                       dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[float, Grads]:
     """The training loss (token_cross_entropy of the teacher-forced logits against targets [B, T])
-    and the gradient of every parameter. p: parameters in the computation dtype."""
+    and the gradient of every parameter. p: parameters in the computation dtype. With dropout
+    keep-masks (SPEC §5.10), the loss of the model in training mode."""
     check_targets(cfg, targets, tgt_ids)
     targets = np.asarray(targets)
-    logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep)
+    logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep, dropout_masks=dropout_masks)
     d_logits = token_cross_entropy_vjp(cfg, logits, targets)
-    grads = model_vjp(cfg, p, src_ids, tgt_ids, d_logits, src_keep=src_keep, tgt_keep=tgt_keep)
+    grads = model_vjp(cfg, p, src_ids, tgt_ids, d_logits, src_keep=src_keep, tgt_keep=tgt_keep,
+                      dropout_masks=dropout_masks)
     return token_cross_entropy(cfg, logits, targets), grads
 
 

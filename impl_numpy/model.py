@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spec import ModelConfig, check_params, params_under
+from spec.dropout import check_dropout_masks, masks_under
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
 from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
 
@@ -108,11 +109,13 @@ def positional_encoding(cfg: ModelConfig, params: Params, side: str, length: int
     return sinusoidal_table(positions, cfg.d_model, cfg.positional).astype(dtype)
 
 
-def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: int = 0) -> np.ndarray:
-    """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm (BART). ids [B, T] -> [B, T, d]"""
+def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: int = 0,
+          dropout_mask: np.ndarray | None = None) -> np.ndarray:
+    """x = Dropout(E[ids] (· √d) + PE[positions]), then Norm(x) when cfg.embed_norm (BART).
+    ids [B, T] -> [B, T, d]"""
     table = params["tgt_embed.weight"] if side == "tgt" or cfg.share_src_tgt_embed else params["src_embed.weight"]
     x = token_embedding(ids, table, cfg.embed_scale)
-    x = x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None]
+    x = dropout(cfg, x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None], dropout_mask)
     stack = "encoder" if side == "src" else "decoder"
     return norm(cfg, params_under(params, f"{stack}.embed_norm"), x) if cfg.embed_norm else x
 
@@ -189,42 +192,52 @@ def norm(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     return kind(x, p["scale"], p["bias"], float(cfg.norm_eps))
 
 
-def residual(cfg: ModelConfig, norm_p: Params, x: np.ndarray,
-             sublayer: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """post-LN: Norm(x + Sublayer(x))  (the paper);  pre-LN: x + Sublayer(Norm(x))."""
+def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """x ⊙ keep / (1 − p), p = cfg.dropout, the keep-mask given (SPEC §5.10); None keeps every unit."""
+    return x if keep is None else x * keep / (1.0 - cfg.dropout)
+
+
+def residual(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray],
+             dropout_mask: np.ndarray | None = None) -> np.ndarray:
+    """post-LN: Norm(x + Dropout(Sublayer(x)))  (the paper);  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
     if cfg.norm_position == "post":
-        return norm(cfg, norm_p, x + sublayer(x))
-    return x + sublayer(norm(cfg, norm_p, x))
+        return norm(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask))
+    return x + dropout(cfg, sublayer(norm(cfg, norm_p, x)), dropout_mask)
 
 
-def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarray | None = None) -> np.ndarray:
     """The residual/norm block around a layer's FFN. p: the layer's parameters."""
     return residual(cfg, params_under(p, "ffn_norm"), x,
-                    lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation))
+                    lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation), dropout_mask)
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
 
-def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
+def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,
+                  dropout_masks: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
+    drop = dropout_masks or {}
     attention = params_under(p, "self_attn")
     x = residual(cfg, params_under(p, "self_attn_norm"), x,
-                 lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads))
-    return ffn_block(cfg, p, x)
+                 lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads), drop.get("self_attn"))
+    return ffn_block(cfg, p, x, drop.get("ffn"))
 
 
 def decoder_layer(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray | None,
-                  self_mask: np.ndarray | None, cross_mask: np.ndarray | None) -> np.ndarray:
+                  self_mask: np.ndarray | None, cross_mask: np.ndarray | None,
+                  dropout_masks: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
     """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention to memory) [encoder-decoder
-    only]; y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
+    only]; y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
+    drop = dropout_masks or {}
     self_attention = params_under(p, "self_attn")
     y = residual(cfg, params_under(p, "self_attn_norm"), y,
-                 lambda h: multi_head_attention(self_attention, h, h, self_mask, cfg.n_heads))
+                 lambda h: multi_head_attention(self_attention, h, h, self_mask, cfg.n_heads), drop.get("self_attn"))
     if memory is not None:
         cross_attention = params_under(p, "cross_attn")
         y = residual(cfg, params_under(p, "cross_attn_norm"), y,
-                     lambda h: multi_head_attention(cross_attention, h, memory, cross_mask, cfg.n_heads))
-    return ffn_block(cfg, p, y)
+                     lambda h: multi_head_attention(cross_attention, h, memory, cross_mask, cfg.n_heads),
+                     drop.get("cross_attn"))
+    return ffn_block(cfg, p, y, drop.get("ffn"))
 
 
 def final_norm(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray) -> np.ndarray:
@@ -232,23 +245,29 @@ def final_norm(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray) -> n
     return norm(cfg, params_under(params, f"{stack}.norm"), x) if cfg.final_norm else x
 
 
-def encoder(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep: np.ndarray) -> np.ndarray:
-    """memory = Norm?(Layer_N(...Layer_1(Embed(src)))). src_ids [B, S] -> [B, S, d]"""
-    x = embed(cfg, params, src_ids, "src")
+def encoder(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep: np.ndarray,
+            dropout_masks: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """memory = Norm?(Layer_N(...Layer_1(Embed(src)))). src_ids [B, S] -> [B, S, d];
+    dropout_masks by site (spec.dropout.dropout_sites)."""
+    x = embed(cfg, params, src_ids, "src", dropout_mask=(dropout_masks or {}).get("encoder.embed"))
     mask = key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_encoder_layers):
-        x = encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), x, mask)
+        x = encoder_layer(cfg, params_under(params, f"encoder.layers.{i}"), x, mask,
+                          masks_under(dropout_masks, f"encoder.layers.{i}"))
     return final_norm(cfg, params, "encoder", x)
 
 
 def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.ndarray,
-            memory: np.ndarray | None = None, src_keep: np.ndarray | None = None) -> np.ndarray:
-    """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))). tgt_ids [B, T] -> [B, T, d]"""
-    y = embed(cfg, params, tgt_ids, "tgt")
+            memory: np.ndarray | None = None, src_keep: np.ndarray | None = None,
+            dropout_masks: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))). tgt_ids [B, T] -> [B, T, d];
+    dropout_masks by site (spec.dropout.dropout_sites)."""
+    y = embed(cfg, params, tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
     self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_decoder_layers):
-        y = decoder_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, memory, self_mask, cross_mask)
+        y = decoder_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, memory, self_mask, cross_mask,
+                          masks_under(dropout_masks, f"decoder.layers.{i}"))
     return final_norm(cfg, params, "decoder", y)
 
 
@@ -308,17 +327,21 @@ def forward(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None, tgt_id
 
 
 def model_logits(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
-                 src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None) -> np.ndarray:
-    """forward on parameters already cast to the computation dtype (cast_params)."""
-    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)
-    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep)
-    return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep))
+                 src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None,
+                 dropout_masks: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """forward on parameters already cast to the computation dtype (cast_params); training mode
+    when dropout keep-masks are given (SPEC §5.10)."""
+    src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
+    memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep, dropout_masks)
+    return output_logits(cfg, p, decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep, dropout_masks))
 
 
-def model_inputs(cfg: ModelConfig, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> tuple:
+def model_inputs(cfg: ModelConfig, src_ids, tgt_ids, src_keep=None, tgt_keep=None, dropout_masks=None) -> tuple:
     """The teacher-forced inputs checked, as arrays, with their keep-vectors (token_keep):
     (src_ids, tgt_ids, src_keep, tgt_keep), the source's None for a decoder-only model."""
     check_model_inputs(cfg, src_ids, tgt_ids)
+    check_dropout_masks(cfg, dropout_masks, np.shape(tgt_ids)[0], None if src_ids is None else np.shape(src_ids)[1],
+                        np.shape(tgt_ids)[1])
     tgt_ids = np.asarray(tgt_ids)
     tgt_keep = token_keep(cfg, tgt_ids, tgt_keep, "tgt")
     if not cfg.has_encoder:

@@ -55,11 +55,11 @@ def adam_update(training: TrainingConfig, state: AdamState, params: Params, grad
 
 def train_step(cfg: ModelConfig, training: TrainingConfig, params: Params, state: AdamState,
                src_ids: np.ndarray | None, tgt_ids: np.ndarray,
-               targets: np.ndarray) -> tuple[float, Grads, dict[str, np.ndarray], AdamState]:
-    """One step: the loss and its gradients, clipped when training.clip_norm is set, then the
-    update at lr(step). params in the computation dtype.
+               targets: np.ndarray, dropout_masks=None) -> tuple[float, Grads, dict[str, np.ndarray], AdamState]:
+    """One step: the loss and its gradients (with dropout where keep-masks are given), clipped
+    when training.clip_norm is set, then the update at lr(step). params in the computation dtype.
     -> the loss (before the update), the gradients (before clipping), params, state"""
-    loss, grads = loss_and_gradients(cfg, params, src_ids, tgt_ids, targets)
+    loss, grads = loss_and_gradients(cfg, params, src_ids, tgt_ids, targets, dropout_masks=dropout_masks)
     taken = clip_by_global_norm(grads, training.clip_norm) if training.clip_norm is not None else grads
     new_params, new_state = adam_update(training, state, params, taken, learning_rate(cfg, training, state.step + 1))
     return loss, grads, new_params, new_state

@@ -33,6 +33,7 @@ from spec.inputs import (
     check_source,
     mask_shape_4d,
 )
+from spec.dropout import check_dropout_masks, masks_under
 from spec.masks import start_is_real
 
 ATTENTION_PATHS = ("sdpa", "math")
@@ -193,12 +194,18 @@ class Norm(nn.Module):
         return self.kind(x, self.scale, self.bias, self.eps)
 
 
-def residual(cfg: ModelConfig, norm: Norm, x: torch.Tensor,
-             sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """post-LN: Norm(x + Sublayer(x));  pre-LN: x + Sublayer(Norm(x))."""
+def dropout(cfg: ModelConfig, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """x ⊙ keep / (1 − p) with the keep-mask given (SPEC §5.10); None keeps every unit. Not
+    F.dropout, which draws its own mask: every implementation must drop the same units."""
+    return x if keep is None else x * keep / (1.0 - cfg.dropout)
+
+
+def residual(cfg: ModelConfig, norm: Norm, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor],
+             dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
     if cfg.norm_position == "post":
-        return norm(x + sublayer(x))
-    return x + sublayer(norm(x))
+        return norm(x + dropout(cfg, sublayer(x), dropout_mask))
+    return x + dropout(cfg, sublayer(norm(x)), dropout_mask)
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -212,13 +219,14 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_norm = Norm(cfg)
 
-    def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+    def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]"""
-        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask))
-        return self.ffn_block(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, dropout_masks: dict | None = None) -> torch.Tensor:
+        """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
+        drop = dropout_masks or {}
+        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
+        return self.ffn_block(x, drop.get("ffn"))
 
 
 class DecoderLayer(nn.Module):
@@ -233,17 +241,19 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_norm = Norm(cfg)
 
-    def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn)
+    def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor | None, self_mask: torch.Tensor | None,
-                cross_mask: torch.Tensor | None) -> torch.Tensor:
+                cross_mask: torch.Tensor | None, dropout_masks: dict | None = None) -> torch.Tensor:
         """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
-        y = Block(y, FFN). y [B, T, d], memory [B, S, d]"""
-        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask))
+        y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
+        drop = dropout_masks or {}
+        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
         if memory is not None:
-            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask))
-        return self.ffn_block(y)
+            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask),
+                         drop.get("cross_attn"))
+        return self.ffn_block(y, drop.get("ffn"))
 
 
 class Stack(nn.Module):
@@ -391,29 +401,30 @@ class Transformer(nn.Module):
             return getattr(self, f"{side}_pos")(positions)
         return sinusoidal_table(positions, self.cfg.d_model, self.cfg.positional).to(dtype)
 
-    def embed(self, ids: torch.Tensor, side: str, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """x = E[ids] (· √d) + PE[positions], then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
+    def embed(self, ids: torch.Tensor, side: str, offset: int | torch.Tensor = 0,
+              dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x = Dropout(E[ids] (· √d) + PE[positions]), then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        x = x + self.positional_encoding(side, ids.shape[1], offset)[None]
+        x = dropout(self.cfg, x + self.positional_encoding(side, ids.shape[1], offset)[None], dropout_mask)
         return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
-    def encode(self, src_ids: torch.Tensor, src_keep: torch.Tensor) -> torch.Tensor:
-        """memory [B, S, d]"""
-        x = self.embed(src_ids, "src")
+    def encode(self, src_ids: torch.Tensor, src_keep: torch.Tensor, dropout_masks: dict | None = None) -> torch.Tensor:
+        """memory [B, S, d]; dropout_masks by site (spec.dropout.dropout_sites)"""
+        x = self.embed(src_ids, "src", dropout_mask=(dropout_masks or {}).get("encoder.embed"))
         mask = _key_mask(src_keep)
-        for layer in self.encoder.layers:
-            x = layer(x, mask)
+        for i, layer in enumerate(self.encoder.layers):
+            x = layer(x, mask, masks_under(dropout_masks, f"encoder.layers.{i}"))
         return self.encoder.final_norm(x)
 
     def decode(self, tgt_ids: torch.Tensor, tgt_keep: torch.Tensor, memory: torch.Tensor | None = None,
-               src_keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder output [B, T, d] before the head."""
-        y = self.embed(tgt_ids, "tgt")
+               src_keep: torch.Tensor | None = None, dropout_masks: dict | None = None) -> torch.Tensor:
+        """Decoder output [B, T, d] before the head; dropout_masks by site."""
+        y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
         self_mask = _causal_mask(length, length, y.device) & _key_mask(tgt_keep)  # [B, 1, T, T]
         cross_mask = None if memory is None else _key_mask(src_keep)
-        for layer in self.decoder.layers:
-            y = layer(y, memory, self_mask, cross_mask)
+        for i, layer in enumerate(self.decoder.layers):
+            y = layer(y, memory, self_mask, cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -437,17 +448,21 @@ class Transformer(nn.Module):
             real[:, 0] = True
         return real
 
-    def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None) -> torch.Tensor:
-        """Teacher-forced logits [B, T, V]."""
+    def forward(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None, dropout_masks=None) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V]; in training mode when dropout keep-masks are given."""
         check_model_inputs(self.cfg, src_ids, tgt_ids)
+        check_dropout_masks(self.cfg, dropout_masks, np.shape(tgt_ids)[0],
+                            None if src_ids is None else np.shape(src_ids)[1], np.shape(tgt_ids)[1])
         tgt_ids = self._ids(tgt_ids)
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt")
+        masks = None if dropout_masks is None else {
+            site: torch.as_tensor(np.asarray(keep), device=tgt_ids.device) for site, keep in dropout_masks.items()}
         memory = None
         if self.cfg.has_encoder:
             src_ids = self._ids(src_ids)
             src_keep = self._keep(src_ids, src_keep, "src")
-            memory = self.encode(src_ids, src_keep)
-        return self.output_logits(self.decode(tgt_ids, tgt_keep, memory, src_keep))
+            memory = self.encode(src_ids, src_keep, masks)
+        return self.output_logits(self.decode(tgt_ids, tgt_keep, memory, src_keep, masks))
 
     # ---- incremental decoding ----
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":

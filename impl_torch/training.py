@@ -36,12 +36,14 @@ def clip_by_global_norm(parameters: list[torch.Tensor], max_norm: float) -> None
 
 
 def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, optimizer: torch.optim.Optimizer,
-               schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets) -> tuple[float, dict]:
-    """One step: the loss and its gradients, clipped when training.clip_norm is set, then the
-    optimizer's update at lr(step). -> the loss (before the update), the gradients by parameter
-    name (before clipping)"""
+               schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets,
+               dropout_masks=None) -> tuple[float, dict]:
+    """One step: the loss and its gradients (with dropout where keep-masks are given), clipped
+    when training.clip_norm is set, then the optimizer's update at lr(step). -> the loss (before
+    the update), the gradients by parameter name (before clipping)"""
     optimizer.zero_grad()
-    loss = token_cross_entropy(cfg, model(src_ids, tgt_ids), torch.as_tensor(targets, device=model.tgt_embed.weight.device))
+    logits = model(src_ids, tgt_ids, dropout_masks=dropout_masks)
+    loss = token_cross_entropy(cfg, logits, torch.as_tensor(targets, device=model.tgt_embed.weight.device))
     loss.backward()
     # copies: clipping and the next step's zero_grad work on .grad in place
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}

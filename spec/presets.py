@@ -8,10 +8,11 @@ from spec.errors import ConfigError
 _PRESETS: dict[str, tuple[str, ModelConfig]] = {
     "tiny": (
         "Small paper-style model for demos and CI: post-LN, sinusoidal, sqrt(d) scale, ReLU, "
-        "all biases; distinct source/target vocabularies so a swapped table shows up; tied head.",
+        "all biases; distinct source/target vocabularies so a swapped table shows up; tied head; "
+        "the paper's dropout 0.1 and label smoothing 0.1 for the training cells.",
         ModelConfig(
             d_model=64, n_heads=4, d_ff=256, n_encoder_layers=2, n_decoder_layers=2,
-            src_vocab_size=96, tgt_vocab_size=80, max_len=64, tie_head=True,
+            src_vocab_size=96, tgt_vocab_size=80, max_len=64, tie_head=True, dropout=0.1, label_smoothing=0.1,
         ),
     ),
     "paper-base": (
@@ -68,11 +69,11 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
     "char-lm": (
         "A small GPT-style character language model: decoder-only, pre-LN with a final norm, "
         "learned positions, no embedding scale, tanh-approximated GELU, byte vocabulary (256), "
-        "tied head; d 128, 4 heads, 4 layers, d_ff 512, max_len 256.",
+        "tied head; d 128, 4 heads, 4 layers, d_ff 512, max_len 256, dropout 0.1.",
         ModelConfig(
             arch="decoder-only", d_model=128, n_heads=4, d_ff=512, n_decoder_layers=4,
             tgt_vocab_size=256, max_len=256, norm_position="pre", norm_eps=1e-5, final_norm=True,
-            positional="learned", embed_scale=False, activation="gelu-tanh", tie_head=True,
+            positional="learned", embed_scale=False, activation="gelu-tanh", tie_head=True, dropout=0.1,
         ),
     ),
 }

@@ -119,10 +119,10 @@ def test_the_relu_kink_allowance_widens_the_bound_by_its_size():
 
 # ---- mistakes that only the backward sees ---------------------------------------------------
 
-def _detached_residual(cfg, norm, x, sublayer):
+def _detached_residual(cfg, norm, x, sublayer, dropout_mask=None):
     if cfg.norm_position == "post":
-        return norm(x.detach() + sublayer(x))
-    return x.detach() + sublayer(norm(x))
+        return norm(x.detach() + torch_model.dropout(cfg, sublayer(x), dropout_mask))
+    return x.detach() + torch_model.dropout(cfg, sublayer(norm(x)), dropout_mask)
 
 
 def _head_counting_one_use(self, h, tied_table):

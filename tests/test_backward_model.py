@@ -227,8 +227,8 @@ def test_targets_are_checked():
 
 PLANTED = {
     "a tied embedding's gradient counts the head's use only":
-        ("encoder-decoder-post-shared-tied", "embed_vjp", lambda original: lambda *a: {
-            name: 0.0 * grad for name, grad in original(*a).items()}),
+        ("encoder-decoder-post-shared-tied", "embed_vjp", lambda original: lambda *a, **k: {
+            name: 0.0 * grad for name, grad in original(*a, **k).items()}),
     "the loss averages over pad targets too":
         ("decoder-only-pre-learned-tied", "token_cross_entropy_vjp", lambda original: lambda cfg, logits, targets: (
             original(cfg, logits, targets) * (targets != cfg.pad_id).sum() / targets.size)),
@@ -237,7 +237,7 @@ PLANTED = {
             np.where(np.arange(v) == pad, e / (v - 2), original(t, v, pad, e)) / (1 + e / (v - 2)))),
     "a detached residual":
         ("decoder-only-pre-learned-tied", "residual_vjp", lambda original: lambda cfg, *a: (
-            lambda d_x, norm_grads, grads: (d_x - a[-1], norm_grads, grads))(*original(cfg, *a))),
+            lambda d_x, norm_grads, grads: (d_x - a[4], norm_grads, grads))(*original(cfg, *a))),  # a[4]: d_y
 }
 
 

@@ -28,7 +28,8 @@ def _statuses(results):
 
 def test_the_training_cases():
     names = [(s, c) for s, c in case_names(TINY, backward=True) if is_training(s)]
-    assert names == [("train_step", c) for c in ("none", "pad_right", "all_pad", "pad_start")] + [("train_steps", "pad_right")]
+    assert names == [("train_step", c) for c in ("none", "pad_right", "all_pad", "pad_start", "dropout")] + [
+        ("train_steps", "pad_right")]
     assert not any(is_training(s) for s, _ in case_names(TINY))  # only with the backward half
     case = build_case(TINY, PARAMS, "train_steps", "pad_right")
     assert case.inputs["tgt_ids"].shape[0] == TRAINING_STEPS and case.inputs["training"].clip_norm > 0

@@ -128,9 +128,9 @@ class JaxRunner(ModuleRunner):
         def canonical(tree):
             return {name: self._to_numpy(value) for name, value in _by_name(tree).items()}
 
-        def step(src_ids, tgt_ids, targets):
+        def step(src_ids, tgt_ids, targets, dropout_masks):
             loss, grads, run["state"] = jax_training.train_step(self.cfg, model, optimizer, run["state"], src_ids,
-                                                                tgt_ids, targets)
+                                                                tgt_ids, targets, dropout_masks)
             adam = jax_training.adam_moments(run["state"])
             return {"loss": loss, "gradients": canonical(grads), "first_moment": canonical(adam.mu),
                     "second_moment": canonical(adam.nu), "params": canonical(nnx.state(model, nnx.Param))}

@@ -13,6 +13,7 @@ import numpy as np
 
 from conformance.cases import GRADIENT_INPUTS, decode_steps, forward_of, gradient_owner
 from spec import ModelConfig
+from spec.dropout import check_dropout_masks
 from spec.inputs import check_activations
 
 
@@ -132,20 +133,30 @@ class ModuleRunner:
         """The teacher-forced forward. A model's gradient differentiates a copy of it (nnx), so
         this is the model's entry point spelled out rather than its compiled __call__."""
         if model is self.model:
-            return model(inputs["src_ids"], inputs["tgt_ids"])
+            return model(inputs["src_ids"], inputs["tgt_ids"], dropout_masks=inputs.get("dropout_masks"))
+        check_dropout_masks(self.cfg, inputs.get("dropout_masks"), *_batch_lengths(inputs))
+        masks = None if inputs.get("dropout_masks") is None else {
+            site: self._array(keep) for site, keep in inputs["dropout_masks"].items()}
         tgt_ids = self._ids(inputs["tgt_ids"])
         memory, src_keep = None, None
         if self.cfg.has_encoder:
             src_ids = self._ids(inputs["src_ids"])
             src_keep = model._keep(inputs["src_ids"], None, "src")
-            memory = model.encode(src_ids, src_keep)
-        return model.output_logits(model.decode(tgt_ids, model._keep(inputs["tgt_ids"], None, "tgt"), memory, src_keep))
+            memory = model.encode(src_ids, src_keep, masks)
+        return model.output_logits(model.decode(tgt_ids, model._keep(inputs["tgt_ids"], None, "tgt"), memory, src_keep,
+                                                masks))
 
     def _decode(self, inputs: Mapping[str, Any]):
         batch, length = np.shape(inputs["tgt_ids"])
         # both caches are preallocated: room for exactly the case's positions
         cache = self.model.start_cache(batch, length, inputs["src_ids"])
         return self._concatenate(decode_steps(inputs, cache, self.model.decode_step))
+
+
+def _batch_lengths(inputs: Mapping[str, Any]) -> tuple[int, int | None, int]:
+    """(batch, source length or None, target length) of a model-level case."""
+    src, tgt = inputs["src_ids"], inputs["tgt_ids"]
+    return np.shape(tgt)[0], None if src is None else np.shape(src)[1], np.shape(tgt)[1]
 
 
 class FrameworkBackend:

@@ -103,7 +103,8 @@ class NumpyRunner:
                 cfg, self.params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
                 eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], dtype=self.dtype)
         if sublayer == "loss":
-            logits = golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"])
+            logits = golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"],
+                                         dropout_masks=inputs.get("dropout_masks"))
             return np.asarray(golden.token_cross_entropy(cfg, logits, np.asarray(inputs["targets"])))
         raise KeyError(f"unknown sublayer {sublayer!r}")
 
@@ -163,7 +164,8 @@ class NumpyRunner:
         if forward == "forward":
             return backward.model_vjp(cfg, p, inputs["src_ids"], inputs["tgt_ids"], d_out)
         if forward == "loss":
-            loss, grads = backward.loss_and_gradients(cfg, p, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])
+            loss, grads = backward.loss_and_gradients(cfg, p, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"],
+                                                      dropout_masks=inputs.get("dropout_masks"))
             return {"loss": np.asarray(loss, self.dtype), **grads}
         raise KeyError(f"no gradient case for {forward!r}")
 
@@ -171,9 +173,9 @@ class NumpyRunner:
         """A training case (conformance/cases.py) by the golden's own step at this runner's dtype."""
         training, run = inputs["training"], {"params": self.p, "state": golden_training.start_adam(self.p)}
 
-        def step(src_ids, tgt_ids, targets):
+        def step(src_ids, tgt_ids, targets, dropout_masks):
             loss, grads, run["params"], run["state"] = golden_training.train_step(
-                self.cfg, training, run["params"], run["state"], src_ids, tgt_ids, targets)
+                self.cfg, training, run["params"], run["state"], src_ids, tgt_ids, targets, dropout_masks)
             if not np.isfinite(loss):  # as the frameworks' steps raise
                 raise FloatingPointError(f"the loss is {loss}")
             return {"loss": loss, "gradients": grads, "first_moment": run["state"].m,

@@ -86,8 +86,9 @@ class TorchRunner(ModuleRunner):
             # tensor's numpy() is a view of it
             return {name: self._to_numpy((t.T if name in transposed else t).detach()).copy() for name, t in tensors.items()}
 
-        def step(src_ids, tgt_ids, targets):
-            loss, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, src_ids, tgt_ids, targets)
+        def step(src_ids, tgt_ids, targets, dropout_masks):
+            loss, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, src_ids, tgt_ids, targets,
+                                                    dropout_masks)
             named = dict(model.named_parameters())
             # (a parameter the step never reached has no state: its moments are zero)
             moments = {key: {name: optimizer.state[p].get(key, torch.zeros_like(p)) for name, p in named.items()}
