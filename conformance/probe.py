@@ -9,6 +9,7 @@ gives "error: ...". Probes of a default or a setting run once (device "-").
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,6 +300,162 @@ def _fill_outcomes(device: str) -> str:
     return "; ".join(outcomes)
 
 
+# ---- fully masked rows, backward ------------------------------------------------------------
+# One query row has no key to attend to, the others keep some. Each probe pulls two cotangents
+# back through attention: one on the masked row alone (what flows through that row: the spec says
+# exactly zero) and one on the other rows alone (a NaN in the masked row's weights reaches dk or
+# dv even when the loss ignores that row).
+
+BACKWARD_KEEP = np.array([[True, False, True], [False, False, False], [True, True, False]])  # [query, key]
+MASKED_ROW = 1
+
+
+def _gradient_verdict(gradient: np.ndarray) -> str:
+    """NaN, inf, exactly zero, or how large it is."""
+    gradient = np.asarray(gradient, dtype=np.float64)
+    if np.isnan(gradient).any():
+        return "NaN"
+    if np.isinf(gradient).any():
+        return "inf"
+    return "zero" if not gradient.any() else f"nonzero up to {np.abs(gradient).max():.1e}"
+
+
+def _masked_row_backward_verdict(through_row: dict[str, np.ndarray], from_others: dict[str, np.ndarray]) -> str:
+    """'zeros' when every gradient through the masked row is exactly zero, else each one's verdict;
+    then whether the other rows' gradients are finite, naming those that are not."""
+    through = {name: _gradient_verdict(gradient) for name, gradient in through_row.items()}
+    said = "zeros" if set(through.values()) == {"zero"} else ", ".join(f"{n} {v}" for n, v in through.items())
+    broken = [f"{name} {verdict}" for name, gradient in from_others.items()
+              if (verdict := _gradient_verdict(gradient)) in ("NaN", "inf")]
+    return f"{said} (other rows {'finite' if not broken else 'give ' + ', '.join(broken)})"
+
+
+def _masked_row_gradients(vjp: Callable[[np.ndarray], tuple[np.ndarray, ...]]) -> str:
+    """vjp(cotangent [query, d]) -> (dq, dk, dv), each [position, d], for attention under BACKWARD_KEEP."""
+    cotangent = np.random.default_rng(0).standard_normal((BACKWARD_KEEP.shape[0], 4)).astype(np.float32)
+    on_row = np.zeros_like(cotangent)
+    on_row[MASKED_ROW] = cotangent[MASKED_ROW]
+    dq, dk, dv = vjp(on_row)
+    through_row = {"dq": dq[MASKED_ROW], "dk": dk, "dv": dv}
+    dq, dk, dv = vjp(cotangent - on_row)
+    return _masked_row_backward_verdict(through_row, {"dq": np.delete(dq, MASKED_ROW, 0), "dk": dk, "dv": dv})
+
+
+def _refusal(error: Exception, warned: Sequence[warnings.WarningMessage] = ()) -> str:
+    """'refused (Error: its first sentence)', preferring a warning that gives the reason (torch's
+    CUDA kernels warn why each one declined, then raise 'No available kernel')."""
+    reasons = [str(w.message).split(" (Triggered")[0] for w in warned
+               if issubclass(w.category, UserWarning) and not str(w.message).rstrip().endswith(":")]
+    text = reasons[0] if reasons else str(error).strip().split(". ")[0]
+    return f"refused ({type(error).__name__}: {text.splitlines()[0][:70] if text else '-'})"
+
+
+def _torch_vjp(attention: Callable, device: str) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
+    """attention(q, k, v, keep) on seeded float32 q, k, v [1, 1, 3, 4] as a vjp for _masked_row_gradients."""
+    import torch
+
+    on = _torch_device(device)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 1, 3, 4, generator=generator).to(on) for _ in range(3)]
+    keep = torch.tensor(BACKWARD_KEEP, device=on)
+
+    def vjp(cotangent: np.ndarray) -> tuple[np.ndarray, ...]:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = attention(*leaves, keep)
+        gradients = torch.autograd.grad(out, leaves, torch.as_tensor(cotangent, device=on).reshape(out.shape))
+        return tuple(g[0, 0].cpu().numpy() for g in gradients)
+
+    return vjp
+
+
+def _torch_sdpa_masked_row_backward(device: str) -> str:
+    """Each SDPA backend torch has, forced with sdpa_kernel; one that will not run says why."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    found = []
+    for name, backend in (("math", SDPBackend.MATH), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def attention(q, k, v, keep, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                found.append(f"{name}: {_masked_row_gradients(_torch_vjp(attention, device))}")
+            except RuntimeError as error:
+                found.append(f"{name}: {_refusal(error, warned)}")
+    return "; ".join(found)
+
+
+def _torch_softmax_fill_backward(device: str) -> str:
+    """The textbook attention: scores filled with -inf where masked, softmax, then V (pytorch #41508)."""
+    import torch
+
+    def attention(q, k, v, keep):
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~keep, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    return _masked_row_gradients(_torch_vjp(attention, device))
+
+
+def _jax_masked_row_backward(attention: Callable, device: str) -> str:
+    """attention(q, k, v, keep) on seeded float32 q, k, v [1, 3, 1, 4] (jax's [B, T, H, d_k]), through jax.vjp."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.default_device(_jax_device(device)):
+        q, k, v = (jax.random.normal(jax.random.key(i), (1, 3, 1, 4)) for i in range(3))
+        out, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, jnp.asarray(BACKWARD_KEEP)), q, k, v)
+        return _masked_row_gradients(lambda cotangent: tuple(
+            np.asarray(g[0, :, 0]) for g in pullback(jnp.asarray(cotangent).reshape(out.shape))))
+
+
+def _jax_dot_product_attention_masked_row_backward(device: str) -> str:
+    """implementation None (jax chooses) and 'xla'; 'cudnn' too on cuda."""
+    import jax
+
+    found = []
+    for implementation in (None, "xla") + (("cudnn",) if device == "cuda" else ()):
+        def attention(q, k, v, keep, implementation=implementation):
+            return jax.nn.dot_product_attention(q, k, v, mask=keep[None, None], implementation=implementation)
+
+        try:
+            found.append(f"{implementation!r}: {_jax_masked_row_backward(attention, device)}")
+        except DeviceMissing:
+            raise
+        except Exception as error:  # noqa: BLE001 - the refusal is the observation
+            found.append(f"{implementation!r}: {_refusal(error)}")
+    return "; ".join(found)
+
+
+def _jax_attention_with(softmax: Callable) -> Callable:
+    """The explicit attention, [B, T, H, d_k] in and out, with softmax(scores, keep) its only choice."""
+    import jax.numpy as jnp
+
+    def attention(q, k, v, keep):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        return jnp.einsum("bhqk,bkhd->bqhd", softmax(scores, keep), v)
+
+    return attention
+
+
+def _jax_softmax_where_backward(device: str) -> str:
+    import jax
+
+    return _jax_masked_row_backward(_jax_attention_with(lambda s, keep: jax.nn.softmax(s, where=keep)), device)
+
+
+def _jax_softmax_fill_backward(device: str) -> str:
+    """Masked scores set to -inf by jnp.where, then softmax (jax #17117)."""
+    import jax
+    import jax.numpy as jnp
+
+    fill = _jax_attention_with(lambda s, keep: jax.nn.softmax(jnp.where(keep, s, -jnp.inf)))
+    return _jax_masked_row_backward(fill, device)
+
+
 PROBES = [
     Probe("fully masked row", "torch F.scaled_dot_product_attention", "zeros", _torch_sdpa_masked_row),
     Probe("fully masked row", "torch nn.MultiheadAttention", "zeros", _torch_mha_masked_row),
@@ -327,6 +484,15 @@ PROBES = [
     Probe("mask forms", "torch F.scaled_dot_product_attention", "boolean keep-masks only", _torch_bool_vs_additive),
     Probe("fill values, all-masked row", "torch.softmax after a fill", "zeros (no fill value gives that)",
           _fill_outcomes),
+    Probe("fully masked row, backward", "torch F.scaled_dot_product_attention, each backend", "zeros, no NaN",
+          _torch_sdpa_masked_row_backward),
+    Probe("fully masked row, backward", "torch.softmax after masked_fill(-inf)", "zeros, no NaN",
+          _torch_softmax_fill_backward),
+    Probe("fully masked row, backward", "jax.nn.dot_product_attention", "zeros, no NaN",
+          _jax_dot_product_attention_masked_row_backward),
+    Probe("fully masked row, backward", "jax.nn.softmax(where=mask)", "zeros, no NaN", _jax_softmax_where_backward),
+    Probe("fully masked row, backward", "jax.nn.softmax after jnp.where(mask, x, -inf)", "zeros, no NaN",
+          _jax_softmax_fill_backward),
 ]
 
 Observation = tuple[Probe, str, str]  # (probe, device or "-", what was observed)
