@@ -78,6 +78,18 @@ SECTIONS = [
             "plus their keep-vector. The frameworks: keys and values of [L, B, H, C, d_k] for a capacity C, "
             "the keep-vector [B, C] and the length P.",
             {name: "KVCache" for name in IMPLEMENTATIONS}),
+    Section("The training step: loss, clipping, optimizer, schedule",
+            "SPEC.md §5.9 and §14: the loss against q = 1 − ε on the target, 0 on pad and ε/(V − 2) elsewhere; "
+            "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
+            "from 1, with AdamW's λ on matrices and tables only. Each framework runs its own optimizer, "
+            "configured from `TrainingConfig`. The numbers below are `_training_numbers()` in "
+            "conformance/differences.py, computed by every `rosetta differences` from the calls each item names.",
+            {"NumPy (golden)": ("smoothed_targets", "token_cross_entropy",
+                                "impl_numpy/training.py::clip_by_global_norm", "impl_numpy/training.py::adam_update",
+                                "spec/training.py::learning_rate", "spec/training.py::decays"),
+             "PyTorch": ("smoothed_targets", "token_cross_entropy", "impl_torch/training.py::make_optimizer",
+                         "impl_torch/training.py::clip_by_global_norm"),
+             "JAX / Flax": ("smoothed_targets", "token_cross_entropy", "impl_jax/training.py::make_optimizer")}),
 ]
 
 
@@ -138,17 +150,105 @@ def _kv_names() -> tuple[list[str], list[str]]:
             [f"`{t.name}` {list(t.dims)}" for t in sig.outputs if t.name.startswith("present")][:2])
 
 
+def _training_numbers() -> dict[str, dict]:
+    """What each framework's optimizer, clipping, smoothing and schedule do, on scalars: their
+    defaults, one Adam update of a 1e-5 gradient, the clip of a gradient of norm 2 to 1, one
+    smoothed loss at V 11, and the count the first update's rate is taken at."""
+    import inspect
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    import torch.nn.functional as F
+
+    import impl_numpy as golden
+    from impl_numpy.training import adam_update, clip_by_global_norm, start_adam
+    from spec import get_preset
+    from spec.params import param_shapes
+    from spec.training import TrainingConfig, decays
+
+    spec = TrainingConfig()
+    torch_adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    optax_adamw = {name: p.default for name, p in inspect.signature(optax.adamw).parameters.items()}
+    shapes = param_shapes(get_preset("tiny"))
+    decayed = [shape for shape in shapes.values() if decays(shape)]
+    defaults = {"torch": {"weight_decay": torch_adamw["weight_decay"], "beta2": torch_adamw["betas"][1],
+                          "eps": torch_adamw["eps"]},
+                "optax": {"weight_decay": optax_adamw["weight_decay"], "beta2": optax_adamw["b2"],
+                          "eps": optax_adamw["eps"], "eps_root": optax_adamw["eps_root"]},
+                "spec": {"weight_decay": spec.weight_decay, "beta2": spec.beta2, "eps": spec.eps},
+                "decayed": (len(decayed), len(shapes), sum(math.prod(s) for s in decayed),
+                            sum(math.prod(s) for s in shapes.values()))}
+
+    # one Adam update at step 1, lr 1, of a gradient element 1e-5: m̂ = g, v̂ = g²
+    g, eps = 1e-5, spec.eps
+    theta = {"x": np.zeros(1)}
+    moved, _ = adam_update(spec, start_adam(theta), theta, {"x": np.array([g])}, 1.0)
+    weight = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    weight.grad = torch.tensor([g], dtype=torch.float64)
+    torch.optim.Adam([weight], lr=1.0, eps=eps).step()
+
+    def optax_step(**placement) -> float:
+        adam = optax.adam(1.0, **placement)
+        return -float(adam.update(jnp.array([g]), adam.init(jnp.zeros(1)))[0][0])
+
+    update = {"golden": -float(moved["x"][0]), "torch": -float(weight.detach()[0]),
+              "optax": optax_step(eps=eps, eps_root=0.0), "optax inside": optax_step(eps=0.0, eps_root=eps),
+              "inside": g / math.sqrt(g * g + eps)}
+
+    # clipping a gradient of norm 2 to 1: the factor each leaves on it
+    gradient, limit = np.array([2.0]), 1.0
+    weight = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    weight.grad = torch.tensor(gradient)
+    torch.nn.utils.clip_grad_norm_([weight], limit)
+    clipped, _ = optax.clip_by_global_norm(limit).update(jnp.asarray(gradient), optax.EmptyState())
+    clip = {"norm": float(np.linalg.norm(gradient)), "to": limit, "torch": float(weight.grad[0] / gradient[0]),
+            "optax": float(clipped[0] / gradient[0]),
+            "golden": float(clip_by_global_norm({"x": gradient}, limit)["x"][0] / gradient[0])}
+
+    # one logits row, V 11, ε 0.1, pad 0, target 3: q on the target, on pad and on another token
+    # (torch's read back as softmax − ∂L/∂logits), and the loss
+    vocab, smoothing, pad, target, other = 11, 0.1, 0, 3, 1
+    logits = np.random.default_rng(0).standard_normal(vocab)
+    q = golden.smoothed_targets(np.array([target]), vocab, pad, smoothing)[0]
+    row = torch.tensor(logits, requires_grad=True)
+    torch_loss = F.cross_entropy(row[None], torch.tensor([target]), label_smoothing=smoothing)
+    torch_loss.backward()
+    torch_q = (torch.softmax(row, -1) - row.grad).detach().numpy()
+    optax_q = np.asarray(optax.smooth_labels(jax.nn.one_hot(target, vocab), smoothing))
+    smoothing_at = {"V": vocab, "eps": smoothing, "pad": pad, "target": target,
+                    "spec": (*q[[target, pad, other]], float(-(q * golden.log_softmax(logits)).sum())),
+                    "torch": (*torch_q[[target, pad, other]], float(torch_loss.detach())),
+                    "optax": (*optax_q[[target, pad, other]],
+                              float(optax.softmax_cross_entropy(jnp.asarray(logits), optax_q)))}
+
+    # the count each framework's schedule is called with for the first update
+    counts = {"torch": [], "optax": []}
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    torch.optim.lr_scheduler.LambdaLR(sgd, lambda count: counts["torch"].append(count) or 1.0)
+    recorded = optax.sgd(lambda count: counts["optax"].append(int(count)) or 1.0)
+    recorded.update(jnp.ones(1), recorded.init(jnp.zeros(1)))
+    return {"defaults": defaults, "update": update, "clip": clip, "smoothing": smoothing_at,
+            "first count": {name: seen[0] for name, seen in counts.items()}}
+
+
 # ---- the page ----------------------------------------------------------------------------------
 
 MEASURED, EXPLAINED = "measured", "explained"  # a number this run saw, or a reading of the code
 
 
-def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]) -> dict[str, list[tuple[str, str]]]:
+def _differences(observed, positional: dict[str, float], ops: dict[str, Counter],
+                 training: dict[str, dict]) -> dict[str, list[tuple[str, str]]]:
     """Each section's items, as (MEASURED, text) when the text quotes what this run measured or
     computed, (EXPLAINED, text) when it reads the code above or the frameworks' documentation."""
     p = lambda topic, primitive: observation(observed, topic, primitive)  # noqa: E731
     past, present = _kv_names()
     linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
+    defaults, update, clip, smoothing = (training[k] for k in ("defaults", "update", "clip", "smoothing"))
+    decayed, tensors, decayed_numbers, numbers = defaults["decayed"]
+    q = lambda name: "{:.4f} on the target, {:.4f} on pad, {:.4f} elsewhere".format(*smoothing[name][:3])  # noqa: E731
     return {
         "Weight layouts and transposes": [
             (MEASURED, f"ONNX (torch export): the tiny forward graph holds {linear_ops['23']} MatMul/Gemm nodes whose "
@@ -228,6 +328,53 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
                         "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
                         "swaps them each step, so every step binds the same buffers."),
         ],
+        "The training step: loss, clipping, optimizer, schedule": [
+            (MEASURED, f"AdamW's weight decay by default: {defaults['torch']['weight_decay']:g} in torch "
+                       f"(`torch.optim.AdamW([p]).defaults`), {defaults['optax']['weight_decay']:g} in optax "
+                       f"(`inspect.signature(optax.adamw)`), {defaults['spec']['weight_decay']:g} in the spec "
+                       f"(`TrainingConfig().weight_decay`). "
+                       f"β2 and ε default to {defaults['torch']['beta2']:g} and {defaults['torch']['eps']:g} in torch, "
+                       f"{defaults['optax']['beta2']:g} and {defaults['optax']['eps']:g} in optax, "
+                       f"{defaults['spec']['beta2']:g} and {defaults['spec']['eps']:g} in the spec. "
+                       f"`decays` picks {decayed} of the tiny preset's {tensors} tensors (`param_shapes`; the matrices "
+                       f"and tables: {decayed_numbers:,} of {numbers:,} numbers), never a bias or a norm."),
+            (MEASURED, f"ε outside the root: one update at step 1, lr 1, of a gradient element 1e-5 (m̂ = g, v̂ = g², "
+                       f"ε {defaults['spec']['eps']:g}) moves it by {update['golden']:.4f} in the golden "
+                       f"(`adam_update`), {update['torch']:.4f} in `torch.optim.Adam(eps=ε)`, {update['optax']:.4f} in "
+                       f"`optax.adam(eps=ε)`. With ε inside, m̂ / √(v̂ + ε), the move is {update['inside']:.4f} "
+                       f"(the formula at float64), {update['optax inside']:.4f} in `optax.adam(eps=0, eps_root=ε)`: "
+                       f"optax's `eps_root` "
+                       f"(default {defaults['optax']['eps_root']:g}) is the term under the root."),
+            (MEASURED, f"Clipping a gradient of norm {clip['norm']:g} to {clip['to']:g}: "
+                       f"`torch.nn.utils.clip_grad_norm_([p], {clip['to']:g})` scales it by {clip['torch']:.8g}, a "
+                       f"divisor of ‖g‖ + {clip['to'] / clip['torch'] - clip['norm']:.1e}; "
+                       f"`optax.clip_by_global_norm({clip['to']:g})` by {clip['optax']:g} and the golden's "
+                       f"`clip_by_global_norm` by {clip['golden']:g}, a divisor of ‖g‖."),
+            (MEASURED, f"Label smoothing at V = {smoothing['V']}, ε = {smoothing['eps']:g} (pad {smoothing['pad']}, "
+                       f"target {smoothing['target']}): the spec's q is {q('spec')} (`smoothed_targets`); "
+                       f"`F.cross_entropy(logits, target, label_smoothing=ε)` uses {q('torch')} (read back as "
+                       f"softmax − ∂L/∂logits) and `optax.smooth_labels(one_hot, ε)` gives {q('optax')}. On one "
+                       f"N(0, 1) logits row the loss is {smoothing['spec'][3]:.4f} by the spec, "
+                       f"{smoothing['torch'][3]:.4f} by torch and {smoothing['optax'][3]:.4f} by optax: "
+                       f"{smoothing['spec'][3] - smoothing['torch'][3]:.1e} apart."),
+            (MEASURED, f"The first update's rate is taken at count {training['first count']['torch']} by "
+                       f"`LambdaLR(optimizer, f)` and at count {training['first count']['optax']} by an optax schedule "
+                       f"(`optax.sgd(f)`, one update; f records its argument); the spec's first step is 1."),
+            (EXPLAINED, "torch takes a per-parameter weight decay as parameter groups, so impl_torch builds two "
+                        "(decayed and not); optax takes a `mask`, a tree of booleans like the parameters. Both come "
+                        "from `decays`, and both state the spec's λ, β2 and ε rather than take a default."),
+            (EXPLAINED, "`torch.optim.Adam(weight_decay=λ)` adds λθ to the gradient before Adam scales it (an L2 "
+                        "penalty), not AdamW's decoupled decay; `TrainingConfig` refuses weight decay with `adam`."),
+            (EXPLAINED, "impl_torch clips by the spec's rule itself (`torch._foreach_mul_` by c/‖g‖) instead of "
+                        "`clip_grad_norm_`, whose 1e-6 is a relative error of 1e-6/‖g‖ in every clipped gradient; "
+                        "impl_jax uses `optax.clip_by_global_norm`, which is the spec's rule."),
+            (EXPLAINED, "Neither framework's built-in smoothing can leave pad at 0, so impl_torch and impl_jax build "
+                        "the spec's q (`smoothed_targets`) and hand it to the cross-entropy of class probabilities "
+                        "(`F.cross_entropy` with probabilities, `optax.softmax_cross_entropy`)."),
+            (EXPLAINED, "Both implementations call the schedule at count + 1. At the count itself the paper's formula "
+                        "gives min(0^-0.5, 0 · warmup^-1.5) = 0 to the first update, and every later rate would be one "
+                        "step behind the golden's."),
+        ],
     }
 
 
@@ -235,7 +382,7 @@ def differences_page() -> str:
     from conformance.probe import framework_versions, run_probes
 
     observed = run_probes(["cpu"])  # the page quotes the CPU's behaviour
-    found = _differences(observed, _positional_errors(), _onnx_ops())
+    found = _differences(observed, _positional_errors(), _onnx_ops(), _training_numbers())
     versions = framework_versions()
     lines = ["# Where the frameworks differ, side by side", "",
              "Generated by `rosetta differences --markdown docs/framework-differences.md` from the source files "

@@ -105,6 +105,23 @@ def test_the_page_check_holds_on_other_versions():
     assert _skeleton(stale) != _skeleton(committed)
 
 
+def test_the_optimizer_defaults_the_page_states_are_installed():
+    """The check above masks numbers, so a framework release that moved AdamW's default weight
+    decay would pass it: the training section's defaults are read again from torch and optax, and
+    are the ones SPEC.md §14 and the comments in impl_torch/impl_jax training.py quote."""
+    import inspect
+
+    import optax
+    import torch
+
+    torch_default = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults["weight_decay"]
+    optax_default = inspect.signature(optax.adamw).parameters["weight_decay"].default
+    page = (ROOT / "docs" / "framework-differences.md").read_text()
+    assert f"AdamW's weight decay by default: {torch_default:g} in torch" in page
+    assert f", {optax_default:g} in optax (`inspect.signature(optax.adamw)`)" in page
+    assert (torch_default, optax_default) == (1e-2, 1e-4), "SPEC.md §14 and impl_*/training.py quote 1e-2 and 1e-4"
+
+
 def test_excerpt_finds_functions_methods_and_refuses_unknown_names():
     assert excerpt("impl_numpy/model.py", "softmax").startswith("def softmax(")
     assert excerpt("impl_torch/model.py", "Transformer.from_params").startswith("@classmethod")
