@@ -47,8 +47,10 @@ class StepCheck:
     error: float
     bound: float
     detail: str
-    tensor: str = ""  # where a value is not finite
+    tensor: str = ""  # the worst tensor, and its worst place
     index: tuple[int, ...] = ()
+    finite: bool = True
+    golden: float = 0.0  # the golden's value there
 
     @property
     def ratio(self) -> float:
@@ -83,16 +85,32 @@ def _tensorwise(quantity: str, step: int, actual: Mapping[str, np.ndarray], expe
         if not np.isfinite(mine).all():
             index = tuple(int(i) for i in np.argwhere(~np.isfinite(mine))[0])
             return StepCheck(step, quantity, math.inf, rounding, f"{name}: {int((~np.isfinite(mine)).sum())} "
-                             f"non-finite value(s), first at {list(index)}: {mine[index]}", name, index)
+                             f"non-finite value(s), first at {list(index)}: {mine[index]}", name, index, False,
+                             float(golden[index]))
         scale = max(float(np.linalg.norm(golden)), 1e-300)
         error = float(np.linalg.norm(mine - golden)) / scale
         bound = allowance[name] / scale + rounding
         if error / bound >= worst.ratio:
-            index = np.unravel_index(int(np.argmax(np.abs(mine - golden))), golden.shape) if golden.size else ()
+            index = tuple(int(i) for i in np.unravel_index(int(np.argmax(np.abs(mine - golden))), golden.shape)) \
+                if golden.size else ()
             worst = StepCheck(step, quantity, error, bound,
                               f"{name}: ‖Δ‖/‖{quantity}*‖ {error:.3g} (bound {bound:.3g}), worst at "
-                              f"{list(map(int, index))}: got {mine[index]:.6g}, golden {golden[index]:.6g}")
+                              f"{list(index)}: got {mine[index]:.6g}, golden {golden[index]:.6g}", name, index, True,
+                              float(golden[index]) if golden.size else 0.0)
     return worst
+
+
+# the smallest normal number of each storage dtype: below it a value keeps fewer digits, then none
+SMALLEST_NORMAL = {"float64": 2.0**-1022, "float32": 2.0**-126, "tf32": 2.0**-126, "float16": 2.0**-14,
+                   "bfloat16": 2.0**-126}
+
+
+def _why_moment_is_off(check: StepCheck, dtype: str) -> str:
+    """A moment far off where the golden's value is below the dtype's normal range: underflow."""
+    if check.ratio <= 1 or not check.finite or abs(check.golden) >= SMALLEST_NORMAL.get(dtype, 0.0):
+        return ""
+    return (f"; the golden's {check.golden:.3g} there is below {dtype}'s smallest normal number "
+            f"{SMALLEST_NORMAL[dtype]:.3g}, so the moment underflows: Adam needs its moments in a wider dtype")
 
 
 def _why_not_finite(record: Mapping[str, Any], check: StepCheck, training: TrainingConfig, dtype: str) -> str:
@@ -164,11 +182,12 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
     b1, b2 = training.beta1, training.beta2
     m = {name: b1 * np.asarray(before["first_moment"][name], np.float64) + (1 - b1) * g for name, g in clipped.items()}
     v = {name: b2 * np.asarray(before["second_moment"][name], np.float64) + (1 - b2) * g * g for name, g in clipped.items()}
-    checks.append(_tensorwise("first_moment", step, record["first_moment"], m,
-                              {name: (1 - b1) * t for name, t in tau.items()}, rounding))
-    checks.append(_tensorwise("second_moment", step, record["second_moment"], v,
-                              {name: (1 - b2) * (2 * float(np.abs(clipped[name]).max(initial=0.0)) * t + t * t)
-                               for name, t in tau.items()}, rounding))
+    moments = [_tensorwise("first_moment", step, record["first_moment"], m,
+                           {name: (1 - b1) * t for name, t in tau.items()}, rounding),
+               _tensorwise("second_moment", step, record["second_moment"], v,
+                           {name: (1 - b2) * (2 * float(np.abs(clipped[name]).max(initial=0.0)) * t + t * t)
+                            for name, t in tau.items()}, rounding)]
+    checks += [dataclasses.replace(c, detail=c.detail + _why_moment_is_off(c, dtype)) for c in moments]
     # the update from the backend's own moments: only the update's own rounding is allowed
     rate = learning_rate(cfg, training, step)
     expected, allowed = {}, {}
@@ -180,7 +199,7 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
         expected[name] = before_value - update
         allowed[name] = rounding * (float(np.linalg.norm(before_value)) + float(np.linalg.norm(update)))
     params = _tensorwise("params", step, record["params"], expected, allowed, 0.0)
-    if params.tensor:
+    if not params.finite:
         params = dataclasses.replace(params, detail=params.detail + _why_not_finite(record, params, training, dtype))
     return checks + [params]
 
