@@ -261,7 +261,7 @@ def _serve() -> None:
     from safetensors.numpy import load
 
     from conformance.adapter import get_backend
-    from conformance.cases import catalogue
+    from conformance.cases import build_case
     from conformance.harness import golden_runner_for, reference_for, run_cell
 
     if sys.argv[1:2] == ["--preload"]:
@@ -275,11 +275,15 @@ def _serve() -> None:
     for name, path in setup["backends"].items():  # as registered in the calling process, at run time too
         register_backend(name, path)
     cfg = ModelConfig.from_json(setup["config"])
-    cases = {case.name: case for case in catalogue(cfg, params, backward=True)}  # the caller chose among these
+    # built when a column first asks for it: a worker builds only the cases of its own columns
+    # (the training cases' inputs take a golden backward pass to make)
+    cases: dict = {}
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task
         for index, case_name in items:
+            if case_name not in cases:
+                cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1))  # mask cases have no '-'
             case = cases[case_name]
             reference = reference_for(cfg, params, case, golden, references)
             result = run_cell(cfg, params, case, name, dtype, device, reference, runners)
