@@ -39,6 +39,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "feed_forward_vjp": ("FeedForward.forward", "FeedForward.__call__"),
     "layer_norm_vjp": ("layer_norm", "layer_norm"),
     "std_norm_vjp": ("std_norm", "std_norm"),
+    "rms_norm_vjp": ("rms_norm", "rms_norm"),
     "norm_vjp": ("Norm.forward", "Norm.__call__"),
     "token_embedding_vjp": ("token_embedding", "token_embedding"),
     "positional_encoding_vjp": ("Transformer.positional_encoding", "Transformer.positional_encoding"),

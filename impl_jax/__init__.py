@@ -23,6 +23,7 @@ from impl_jax.model import (
     merge_heads,
     on_device,
     residual,
+    rms_norm,
     scaled_dot_product_attention,
     sinusoidal_table,
     smoothed_targets,

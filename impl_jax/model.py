@@ -235,17 +235,30 @@ def std_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax
     return scale * centered / (jnp.std(x, axis=-1, keepdims=True, ddof=1) + eps) + bias
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, bias: None, eps: float) -> jax.Array:
+    """γ x / √(mean(x²) + ε), no bias. A half-precision x is normalised in float32, cast back, then
+    scaled in its own dtype, as Llama does (SPEC §5.6)."""
+    wide = x.astype(jnp.float32) if x.dtype in _HALF else x
+    return (wide * lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
+
+
+NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
+
+
 class Norm(nnx.Module):
-    """The config's norm with parameters named scale/bias, as in the spec."""
+    """The config's norm with parameters named scale/bias, as in the spec (RMSNorm has no bias)."""
 
     def __init__(self, cfg: ModelConfig, dtype):
         self.scale = nnx.Param(jnp.ones(cfg.d_model, dtype))
-        self.bias = nnx.Param(jnp.zeros(cfg.d_model, dtype))
-        self.kind = layer_norm if cfg.norm == "layernorm" else std_norm
+        self.bias = None if cfg.norm == "rmsnorm" else nnx.Param(jnp.zeros(cfg.d_model, dtype))
+        self.kind = NORMS[cfg.norm]
         self.eps = float(cfg.norm_eps)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale, bias = self.scale[...], self.bias[...]
+        scale = self.scale[...]
+        if self.bias is None:  # RMSNorm takes half precision itself
+            return self.kind(x, scale, None, self.eps)
+        bias = self.bias[...]
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
             return self.kind(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32),
                              self.eps).astype(x.dtype)

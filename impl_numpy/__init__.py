@@ -32,6 +32,7 @@ from impl_numpy.model import (
     positional_encoding,
     relu,
     residual,
+    rms_norm,
     scaled_dot_product_attention,
     sinusoidal_table,
     smoothed_targets,

@@ -67,6 +67,13 @@ def relu_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
     derivative = x > 0
     if _RELU_FLIPPED_WITHIN[0]:
         derivative = derivative ^ (np.abs(x) <= _RELU_FLIPPED_WITHIN[0] * max(1.0, float(np.abs(x).max())))
+    return _through(derivative, d_y)
+
+
+def _through(derivative: np.ndarray, d_y: np.ndarray) -> np.ndarray:
+    """∂y · f'(x); without cancellation every unit passes ∂y whole: a derivative that is 0 here
+    (ReLU's off side, or GELU's and swish's saturated tails, exactly 0 in float64 where the true
+    value is merely tiny) is not a place that nothing reaches."""
     return d_y * derivative if _CANCELLING[0] else d_y
 
 
@@ -74,20 +81,20 @@ def gelu_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
     """∂ x Φ(x) / ∂x = Φ(x) + x φ(x), φ(x) = exp(−x²/2) / √(2π)"""
     cdf = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
     pdf = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-    return d_y * (cdf + x * pdf)
+    return _through(cdf + x * pdf, d_y)
 
 
 def gelu_tanh_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
     """∂/∂x of x (1 + tanh u) / 2, u = c (x + a x³): (1 + tanh u) / 2 + x (1 − tanh² u) c (1 + 3a x²) / 2"""
     c, a = math.sqrt(2.0 / math.pi), 0.044715
     t = np.tanh(c * (x + a * x**3))
-    return d_y * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x))
+    return _through(0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x), d_y)
 
 
 def swish_vjp(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
     """∂ x σ(x) / ∂x = σ(x) + x σ(x) (1 − σ(x)), σ(x) = (1 + tanh(x/2)) / 2"""
     sigmoid = 0.5 * (1.0 + np.tanh(0.5 * x))
-    return d_y * (sigmoid + x * sigmoid * (1.0 - sigmoid))
+    return _through(sigmoid + x * sigmoid * (1.0 - sigmoid), d_y)
 
 
 ACTIVATION_VJPS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -115,11 +122,12 @@ _RELU_FLIPPED_WITHIN = [0.0]  # relu_kinks_flipped() sets it
 @contextlib.contextmanager
 def without_cancellation():
     """The VJPs with what zeroes or cancels by value dropped: softmax's ∂x = p ⊙ ∂p, ∂b^K as
-    computed, ReLU passing every unit. Their values are wrong, but they serve twice (SPEC.md §13):
-    an entry still exactly zero is one that nothing reaches (a masked score, a padded or absent
-    token, a pad target), unlike one whose terms cancel (a row with a single key, ∂b^K) or a unit
-    that rounding may turn on; and their size is the size of the terms the true gradient sums,
-    against which its rounding is measured where they cancel."""
+    computed, every activation passing every unit (ReLU's off side, a saturated GELU's 0). Their
+    values are wrong, but they serve twice (SPEC.md §13): an entry still exactly zero is one that
+    nothing reaches (a masked score, a padded or absent token, a pad target), unlike one whose
+    terms cancel (a row with a single key, ∂b^K) or a unit that rounding may turn on; and their
+    size is the size of the terms the true gradient sums, against which its rounding is measured
+    where they cancel."""
     _CANCELLING[0] = False
     try:
         yield
@@ -149,8 +157,9 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
     x [B, T, d], d_y [B, T, d] -> d_x [B, T, d], {w1.weight, w1.bias, w2.weight, w2.bias}"""
     before = x @ p["w1.weight"] + (p["w1.bias"] if "w1.bias" in p else 0.0)  # [B, T, d_ff]
     hidden = ACTIVATIONS[activation](before)
-    if not _CANCELLING[0] and activation == "relu":
-        hidden = np.abs(before)  # a dead unit's zero is a value that rounding may change: the term's size
+    if not _CANCELLING[0]:
+        # a dead ReLU unit's zero, or a saturated GELU's, is a value that rounding may change: the term's size
+        hidden = np.where(hidden == 0.0, np.abs(before), hidden)
     d_hidden, d_w2, d_b2 = linear_vjp(hidden, p["w2.weight"], d_y)
     d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], ACTIVATION_VJPS[activation](before, d_hidden))
     return d_x, _present(p, {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2})
@@ -186,11 +195,23 @@ def _sum_leading(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1]).sum(axis=0)
 
 
+def rms_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
+                 d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """y = γ x r, r = 1 / √(mean(x²) + ε):  ∂γ = Σ ∂y x r,  ∂x = r (g − x r² mean(g x)), g = ∂y γ.
+    x [.., d] -> d_x, d_scale, None (no bias)"""
+    root = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    g = d_y * scale
+    d_x = root * (g - x * root * root * (g * x).mean(axis=-1, keepdims=True))
+    return d_x, _sum_leading(d_y * x * root), None
+
+
+NORM_VJPS = {"layernorm": layer_norm_vjp, "std": std_norm_vjp, "rmsnorm": rms_norm_vjp}
+
+
 def norm_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
-    """The config's norm, back: -> d_x, {scale, bias}"""
-    kind = layer_norm_vjp if cfg.norm == "layernorm" else std_norm_vjp
-    d_x, d_scale, d_bias = kind(x, p["scale"], float(cfg.norm_eps), d_y)
-    return d_x, {"scale": d_scale, "bias": d_bias}
+    """The config's norm, back: -> d_x, {scale, bias} (RMSNorm: {scale})"""
+    d_x, d_scale, d_bias = NORM_VJPS[cfg.norm](x, p["scale"], float(cfg.norm_eps), d_y)
+    return d_x, {"scale": d_scale} if d_bias is None else {"scale": d_scale, "bias": d_bias}
 
 
 # ---- embeddings and positions ---------------------------------------------------------------

@@ -186,10 +186,17 @@ def std_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) -> 
     return scale * centered / (std + eps) + bias
 
 
+def rms_norm(x: np.ndarray, scale: np.ndarray, bias: None, eps: float) -> np.ndarray:
+    """γ x / √(mean(x²) + ε): no centring, no bias (Llama's RMSNorm), ε inside the root."""
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * scale
+
+
+NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
+
+
 def norm(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
-    """The config's norm with parameters p["scale"], p["bias"]."""
-    kind = layer_norm if cfg.norm == "layernorm" else std_norm
-    return kind(x, p["scale"], p["bias"], float(cfg.norm_eps))
+    """The config's norm with parameters p["scale"] and p["bias"] (RMSNorm has none)."""
+    return NORMS[cfg.norm](x, p["scale"], p.get("bias"), float(cfg.norm_eps))
 
 
 def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndarray:

@@ -18,6 +18,7 @@ from impl_torch.model import (
     layer_norm,
     merge_heads,
     residual,
+    rms_norm,
     scaled_dot_product_attention,
     sinusoidal_table,
     smoothed_targets,

@@ -177,18 +177,30 @@ def std_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: floa
     return scale * centered / (x.std(dim=-1, keepdim=True) + eps) + bias
 
 
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, bias: None, eps: float) -> torch.Tensor:
+    """γ x / √(mean(x²) + ε), no bias. A half-precision x is normalised in float32, cast back, then
+    scaled in its own dtype, as Llama does (SPEC §5.6); not F.rms_norm, which scales in float32."""
+    wide = x.float() if x.dtype in _HALF else x
+    return (wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * scale
+
+
+NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
+
+
 class Norm(nn.Module):
     """The config's norm. Parameters are named scale/bias (not nn.LayerNorm's weight/bias) so the
-    state_dict keys are the canonical names without a rename."""
+    state_dict keys are the canonical names without a rename; RMSNorm has no bias."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(cfg.d_model))
-        self.bias = nn.Parameter(torch.zeros(cfg.d_model))
-        self.kind = layer_norm if cfg.norm == "layernorm" else std_norm
+        self.bias = None if cfg.norm == "rmsnorm" else nn.Parameter(torch.zeros(cfg.d_model))
+        self.kind = NORMS[cfg.norm]
         self.eps = float(cfg.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:  # RMSNorm takes half precision itself
+            return self.kind(x, self.scale, None, self.eps)
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
             return self.kind(x.float(), self.scale.float(), self.bias.float(), self.eps).to(x.dtype)
         return self.kind(x, self.scale, self.bias, self.eps)

@@ -11,7 +11,7 @@ from spec.errors import ConfigError
 
 ARCHS = ("encoder-decoder", "decoder-only")
 NORM_POSITIONS = ("post", "pre")
-NORMS = ("layernorm", "std")
+NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 

@@ -29,6 +29,9 @@ def _attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...
 
 
 def _norm_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A norm's scale γ, and its bias β but for RMSNorm, which has none."""
+    if cfg.norm == "rmsnorm":
+        return {f"{prefix}.scale": (cfg.d_model,)}
     return {f"{prefix}.scale": (cfg.d_model,), f"{prefix}.bias": (cfg.d_model,)}
 
 
