@@ -9,7 +9,8 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
     embedding      ids [B,T] int64, side 'src'|'tgt', offset          -> [B,T,d]
     positional     length, side, offset                               -> [T,d]
     attention      q [B,H,Q,dk], k, v [B,H,K,dk], mask                -> [B,H,Q,dk]
-    mha            module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (self-attention)
+    mha            module, x [B,Q,d], context [B,K,d], mask, offset   -> [B,Q,d]   (self-attention; RoPE's
+                   keys at positions offset.., the queries the last Q of them)
     mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
     ffn            module, x [B,T,d]                                  -> [B,T,d]
     norm           module, x [B,T,d]                                  -> [B,T,d]
@@ -63,6 +64,8 @@ BATCH = 3
 SRC_LEN = 7
 TGT_LEN = 6
 PAST_LEN = 4  # cached positions before the query in the 'incremental' mask case
+FAR_POSITION = 1000  # RoPE's 'far' case: where its keys start (mha), the cache's length at the steps (decode)
+LONG_PROMPT = 520  # RoPE's 'long' case: MaxText added a ~500-token prompt after short ones let a partial-RoPE bug by
 BOS_ID = 1
 EOS_ID = 2
 MAX_NEW_TOKENS = 5
@@ -91,10 +94,18 @@ MASK_CASES: dict[str, str] = {
     "mask_b1qk": "explicit mask of shape [B, 1, Q, K] with a fully masked row",
     "mask_bhqk": "explicit mask of shape [B, H, Q, K] with fully masked rows",
     "dropout": "padding at the end, and the paper's dropout with given keep-masks (SPEC §5.10; configs with dropout > 0)",
+    "far": f"RoPE far from position 0: keys from position {FAR_POSITION} on (causal, padded), or decode steps after "
+           f"{FAR_POSITION} cached positions (rotary configs)",
+    "long": f"a {LONG_PROMPT}-token sequence, padding at the end (rotary configs)",
+    "small": "activations of size 1e-3, whose mean square (1e-6) is below ε: where ε's place decides the value "
+             "(RMSNorm configs)",
 }
+_ROTARY_CASES = ("far", "long")  # only rotary configs run them
+SMALL_ACTIVATIONS = 1e-3
 
 _ATTENTION_CASES = ("none", "pad_right", "pad_left", "pad_middle", "causal", "causal_pad", "lq_ne_lk",
                     "single_token", "all_pad", "incremental", "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
+_SELF_ATTENTION_CASES = (*_ATTENTION_CASES, "far")
 _CROSS_CASES = ("cross_pad", "lq_ne_lk", "single_token", "all_pad")
 _ENCODER_LAYER_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "all_pad",
                         "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
@@ -121,13 +132,14 @@ def _layers_depth(cfg: ModelConfig) -> int:
 
 SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("embedding", "token embedding (x sqrt(d)) plus positional encoding", ("none",), lambda c: 1),
-    Sublayer("positional", "positional encoding table rows", ("none",), lambda c: 1),
+    Sublayer("positional", "positional encoding table rows (none for RoPE, whose positions rotate q and k)",
+             ("none",), lambda c: 1),
     Sublayer("attention", "scaled dot-product attention with a mask", _ATTENTION_CASES, lambda c: 1),
-    Sublayer("mha", "multi-head self-attention (the encoder's layers in turn, or the decoder's)", _ATTENTION_CASES,
-             lambda c: 1),
+    Sublayer("mha", "multi-head self-attention (the encoder's layers in turn, or the decoder's)",
+             _SELF_ATTENTION_CASES, lambda c: 1),
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
-    Sublayer("norm", "the config's norm (layernorm or std)", ("none",), lambda c: 1),
+    Sublayer("norm", "the config's norm (layernorm, std or rmsnorm)", ("none", "small"), lambda c: 1),
     Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
     Sublayer("encoder_layer", "an encoder layer (each mask case the next layer)", _ENCODER_LAYER_CASES, lambda c: 4,
              True),
@@ -138,9 +150,9 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              lambda c: (3 if c.has_encoder else 2) * c.n_decoder_layers + 2),
     Sublayer("logits", "output projection (tied or not)", ("none",), lambda c: 1),
     Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
-    Sublayer("forward", "the whole model, teacher-forced", _MODEL_CASES, _layers_depth),
+    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long"), _layers_depth),
     Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
-             ("incremental", "pad_right", "pad_left", "pad_start"), _layers_depth),
+             ("incremental", "pad_right", "pad_left", "pad_start", "far"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
              ("none", "pad_right", "pad_left", "pad_start"), _layers_depth),
     Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits",
@@ -289,7 +301,7 @@ def _explicit_mask(rng: np.random.Generator, mask_case: str, batch: int, heads: 
         return key_mask(_keep(batch, k_len, padding))
     if mask_case == "causal":
         return causal_mask(q_len, k_len)
-    if mask_case == "causal_pad":
+    if mask_case in ("causal_pad", "far"):
         return combine_masks(causal_mask(q_len, k_len), key_mask(_keep(batch, k_len, "pad_left")))
     if mask_case == "incremental":
         return combine_masks(causal_mask(q_len, k_len), key_mask(_keep(batch, k_len, "pad_right")))
@@ -315,6 +327,11 @@ def _lengths(mask_case: str) -> tuple[int, int]:
     return q_len, k_len
 
 
+def _offset(mask_case: str) -> int:
+    """Where an attention case's positions start (RoPE's keys)."""
+    return FAR_POSITION if mask_case == "far" else 0
+
+
 def _layer(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     """The layer a layer-level case runs: its mask cases take the stack's layers in turn, so every
     layer's attention is checked on its own inputs (a deep layer's parameters reach the whole
@@ -324,15 +341,23 @@ def _layer(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     return applicable_cases(cfg, sublayer).index(mask_case) % stack
 
 
+def _rotated(cfg: ModelConfig, positions: int) -> int:
+    """The reduction length positions 0..positions−1 bring to a rotary config's case: the largest
+    position's square, as for sinusoids (SPEC §8); nothing without RoPE."""
+    return positions ** 2 if cfg.positional == "rope" else 1
+
+
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
     """(src_ids, tgt_ids) for a model-level case; lengths capped at max_len."""
     src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
+    if mask_case in ("far", "long"):
+        tgt_len = min(FAR_POSITION + 3 if mask_case == "far" else LONG_PROMPT, cfg.max_len)
     if mask_case == "single_token":
         src_len = tgt_len = 1
     elif mask_case == "lq_ne_lk":
         src_len = min(SRC_LEN + 3, cfg.max_len)
     target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right",
-                      "dropout": "pad_right"}.get(mask_case, mask_case)
+                      "dropout": "pad_right", "far": "pad_right", "long": "pad_right"}.get(mask_case, mask_case)
     source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
     tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
     if mask_case == "pad_start":
@@ -356,6 +381,8 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
             return {"length": length, "side": side, "offset": offset}, reduction
         vocab = cfg.src_vocab_size if side == "src" else cfg.tgt_vocab_size
         ids = _token_ids(rng, BATCH, length, vocab, cfg.pad_id, "pad_right")
+        if cfg.positional == "rope":  # no position enters the embedding: a lookup and a scale
+            return {"ids": ids, "side": side}, 1
         return {"ids": ids, "side": side, "offset": offset}, reduction
     if sublayer == "attention":
         q_len, k_len = _lengths(mask_case)
@@ -369,12 +396,17 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
         context = x if self_attention else _normal(rng, BATCH, k_len, d)
         module = (f"{stack}.layers.{_layer(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
                   else f"decoder.layers.{_layer(cfg, sublayer, mask_case)}.cross_attn")
-        return {"module": module, "x": x, "context": context,
-                "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(d, k_len)
+        offset = _offset(mask_case)
+        inputs = {"module": module, "x": x, "context": context,
+                  "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}
+        if cfg.positional == "rope":  # positions enter an attention only through its rotations
+            inputs["offset"] = offset
+        return inputs, max(d, k_len, _rotated(cfg, offset + k_len))
     if sublayer in ("ffn", "norm", "ffn_block"):
         module = {"ffn": f"{stack}.layers.0.ffn", "norm": f"{stack}.layers.0.ffn_norm", "ffn_block": f"{stack}.layers.0"}[sublayer]
         key = "layer" if sublayer == "ffn_block" else "module"
-        return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, d if sublayer == "norm" else max(d, d_ff)
+        x = _normal(rng, BATCH, TGT_LEN, d) * np.float32(SMALL_ACTIVATIONS if mask_case == "small" else 1.0)
+        return {key: module, "x": x}, d if sublayer == "norm" else max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
         return {"index": _layer(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
@@ -395,7 +427,7 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
                 "self_mask": self_mask,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
-    reduction = max(d, d_ff, SRC_LEN + 3, (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2)
+    reduction = max(d, d_ff, SRC_LEN + 3, (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2, _rotated(cfg, tgt_ids.shape[1]))
     if sublayer == "encoder":
         return {"src_ids": src_ids}, reduction
     if sublayer == "decoder":
@@ -407,7 +439,8 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
     if sublayer == "forward":
         return {"src_ids": src_ids, "tgt_ids": tgt_ids}, reduction
     if sublayer == "decode":
-        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": min(2, tgt_ids.shape[1] - 1)}, reduction
+        prefix = tgt_ids.shape[1] - 2 if mask_case == "far" else min(2, tgt_ids.shape[1] - 1)
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": prefix}, reduction
     if sublayer == "generate":
         return _generation_inputs(cfg, params, rng, mask_case), reduction
     if sublayer == "loss":
@@ -597,6 +630,13 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     if spec_.needs_encoder and not cfg.has_encoder:
         return ()
     cases = spec_.mask_cases
+    if cfg.positional == "rope":
+        if forward_of(sublayer) == "positional":
+            return ()
+    else:
+        cases = tuple(c for c in cases if c not in _ROTARY_CASES)
+    if cfg.norm != "rmsnorm":
+        cases = tuple(c for c in cases if c != "small")
     if not cfg.dropout > 0:
         cases = tuple(c for c in cases if c != "dropout")
     if not cfg.has_encoder:

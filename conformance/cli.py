@@ -578,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--jobs", default="auto",
                        help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.set_defaults(handler=cmd_check)
-    importer = commands.add_parser("import", help="import a Hugging Face model directory (GPT-2, Marian, BART) "
-                                   "into a weights file")
+    importer = commands.add_parser("import", help="import a Hugging Face model directory (GPT-2, Marian, BART, "
+                                   "Llama, Qwen2, Qwen3) into a weights file")
     importer.add_argument("directory", type=Path, help="holds config.json and model.safetensors")
     importer.add_argument("--out", type=Path, required=True, help="the weights file to write (.safetensors)")
     importer.set_defaults(handler=cmd_import)

@@ -78,6 +78,21 @@ SECTIONS = [
             "plus their keep-vector. The frameworks: keys and values of [L, B, H, C, d_k] for a capacity C, "
             "the keep-vector [B, C] and the length P.",
             {name: "KVCache" for name in IMPLEMENTATIONS}),
+    Section("RMSNorm: eps inside the root, and the float32 upcast",
+            "γ x / √(mean(x²) + ε) with no bias (SPEC.md §5.6). A half-precision x is normalised in float32, "
+            "cast back to its dtype, and only then scaled by γ, as Hugging Face's Llama does.",
+            {name: "rms_norm" for name in IMPLEMENTATIONS}),
+    Section("Rotary positions (RoPE): layout and the tables' precision",
+            "The rotate_half layout: dimension i pairs with i + r/2, not with its neighbour (SPEC.md §5.11). "
+            "The angles pos · θ^(−2i/r) are taken in float32 or wider whatever the model's dtype, and the "
+            "keys are rotated before they enter the KV cache.",
+            {"NumPy (golden)": ("rope_tables", "rotary"), "PyTorch": ("rope_tables", "rotary"),
+             "JAX / Flax": ("rope_tables", "rotary")}),
+    Section("Grouped-query attention: native entry points and the explicit repeat",
+            "H query heads share H_kv key/value heads: key/value head j serves query heads j·g .. (j+1)·g − 1, "
+            "g = H / H_kv (`repeat_interleave`'s order, SPEC.md §5.11). The KV cache holds the H_kv heads.",
+            {"NumPy (golden)": "group_heads", "PyTorch": ("group_heads", "scaled_dot_product_attention"),
+             "JAX / Flax": ("group_heads", "_attention")}),
     Section("The training step: loss, clipping, optimizer, schedule",
             "SPEC.md §5.9 and §14: the loss against q = 1 − ε on the target, 0 on pad and ε/(V − 2) elsewhere; "
             "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
@@ -141,6 +156,22 @@ def _onnx_ops() -> dict[str, Counter]:
     return counts
 
 
+def _grouped_attention_nodes() -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of each `Attention` node in qwen2-tiny's exported forward
+    graph, read from its inputs' inferred shapes [B, heads, T, d_k]."""
+    import onnx
+
+    from export.cache import exported
+    from spec import get_preset, init_params
+
+    cfg = get_preset("qwen2-tiny")
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(exported(cfg, init_params(cfg, seed=0)) / "forward.onnx")))
+    heads = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in model.graph.value_info
+             if len(v.type.tensor_type.shape.dim) == 4}
+    return [(heads.get(node.input[0], 0), heads.get(node.input[1], 0)) for node in model.graph.node
+            if node.op_type == "Attention"]
+
+
 def _kv_names() -> tuple[list[str], list[str]]:
     from export.graphs import DECODER_STEP, signature
     from spec import get_preset
@@ -148,6 +179,39 @@ def _kv_names() -> tuple[list[str], list[str]]:
     sig = signature(get_preset("tiny"), DECODER_STEP)
     return ([f"`{t.name}` {list(t.dims)}" for t in sig.inputs if t.name.startswith("past")][:2],
             [f"`{t.name}` {list(t.dims)}" for t in sig.outputs if t.name.startswith("present")][:2])
+
+
+def _modern_numbers() -> dict[str, dict]:
+    """RMSNorm's defaults in torch and Flax, and what scaling in float32 (F.rms_norm) instead of after
+    the cast does at bfloat16; RoPE's angle error when the tables are taken in a narrower dtype."""
+    import inspect
+
+    import ml_dtypes
+    import torch
+    import torch.nn.functional as F
+    from flax import nnx
+
+    import impl_numpy as golden
+    import impl_torch
+
+    flax_rms = {name: p.default for name, p in inspect.signature(nnx.RMSNorm.__init__).parameters.items()}
+    norms = {"torch eps": torch.nn.RMSNorm(8).eps, "flax epsilon": flax_rms["epsilon"]}
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((256, 64)), dtype=torch.bfloat16)
+    scale = torch.tensor(1 + 0.5 * rng.standard_normal(64), dtype=torch.bfloat16)
+    ours = impl_torch.rms_norm(x, scale, None, 1e-6).float()
+    fused = F.rms_norm(x, (64,), scale, 1e-6).float()
+    norms["differ"] = float((ours != fused).float().mean())
+    norms["worst"] = float((ours - fused).abs().max())
+
+    positions, r, theta = np.arange(4096), 64, 10000.0
+    exact_cos, _ = golden.rope_tables(positions, r, theta)
+    errors = {}
+    for name, dtype in (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)):
+        inverse = (np.float32(theta) ** (-np.arange(0, r, 2, dtype=np.float32) / np.float32(r))).astype(dtype)
+        angles = (positions.astype(dtype)[:, None] * inverse[None, :]).astype(np.float64)
+        errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
+    return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes()}
 
 
 def _training_numbers() -> dict[str, dict]:
@@ -240,7 +304,7 @@ MEASURED, EXPLAINED = "measured", "explained"  # a number this run saw, or a rea
 
 
 def _differences(observed, positional: dict[str, float], ops: dict[str, Counter],
-                 training: dict[str, dict]) -> dict[str, list[tuple[str, str]]]:
+                 training: dict[str, dict], modern: dict[str, dict]) -> dict[str, list[tuple[str, str]]]:
     """Each section's items, as (MEASURED, text) when the text quotes what this run measured or
     computed, (EXPLAINED, text) when it reads the code above or the frameworks' documentation."""
     p = lambda topic, primitive: observation(observed, topic, primitive)  # noqa: E731
@@ -248,6 +312,8 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
     linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
     defaults, update, clip, smoothing = (training[k] for k in ("defaults", "update", "clip", "smoothing"))
     decayed, tensors, decayed_numbers, numbers = defaults["decayed"]
+    norms, rope, grouped = modern["norms"], modern["rope"], modern["attention nodes"]
+    torch_eps = "None, the input dtype's machine epsilon" if norms["torch eps"] is None else norms["torch eps"]
     q = lambda name: "{:.4f} on the target, {:.4f} on pad, {:.4f} elsewhere".format(*smoothing[name][:3])  # noqa: E731
     return {
         "Weight layouts and transposes": [
@@ -328,6 +394,42 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
                         "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
                         "swaps them each step, so every step binds the same buffers."),
         ],
+        "RMSNorm: eps inside the root, and the float32 upcast": [
+            (MEASURED, f"`torch.nn.RMSNorm`'s default eps: {torch_eps}; `flax.nnx.RMSNorm`'s default epsilon: {norms['flax epsilon']:g}. Both norms pass "
+                       "the config's ε."),
+            (MEASURED, f"At bfloat16 (256 rows of 64, γ ≈ 1 ± 0.5): `F.rms_norm`, which scales by γ in float32 "
+                       f"before the one cast, differs from the spec's cast-then-scale in {norms['differ']:.0%} of "
+                       f"the outputs, by up to {norms['worst']:.3g}."),
+            (EXPLAINED, "impl_torch and impl_jax write the norm out rather than call `F.rms_norm` or "
+                        "`nnx.RMSNorm`, whose order of cast and scale is not the checkpoints'; ε outside the root "
+                        "is mutation `rms_eps_outside_root` (docs/mutation-gallery.md)."),
+        ],
+        "Rotary positions (RoPE): layout and the tables' precision": [
+            (MEASURED, f"Largest error in cos(angle) over positions 0–4095, r = 64, θ = 10⁴, with the angles "
+                       f"taken in float32: {rope['float32']:.1e}; in bfloat16: {rope['bfloat16']:.2f}; in float16: "
+                       f"{rope['float16']:.2f} (transformers PR #29285)."),
+            (EXPLAINED, "impl_torch and impl_jax take the tables in float32 (float64 for a float64 model) and cast "
+                        "them to the activations' dtype, so the multiply runs in that dtype; tables in float16 are "
+                        "mutation `rope_tables_float16`, the interleaved layout (GPT-J's, Meta's original Llama "
+                        "code) is `rope_interleaved`."),
+            (EXPLAINED, "impl_jax builds the positions with `lax.iota`, not `jnp.arange` of a traced offset, so "
+                        "the decode step compiles once and jax2onnx can export it."),
+        ],
+        "Grouped-query attention: native entry points and the explicit repeat": [
+            (MEASURED, f"`F.scaled_dot_product_attention` with 2 K/V heads for 4: "
+                       f"{p('grouped-query attention', 'torch F.scaled_dot_product_attention')}; with "
+                       f"`enable_gqa=True`: "
+                       f"{p('grouped-query attention', 'torch F.scaled_dot_product_attention(enable_gqa=True)')}; "
+                       f"`jax.nn.dot_product_attention`: "
+                       f"{p('grouped-query attention', 'jax.nn.dot_product_attention')}."),
+            (EXPLAINED, "impl_torch's SDPA path passes `enable_gqa=True` and impl_jax's native path hands "
+                        "`jax.nn.dot_product_attention` the H_kv heads; each framework's math path (and the golden) "
+                        "repeats the K/V heads explicitly with `repeat_interleave` / `jnp.repeat`. `torch.repeat`'s "
+                        "tiled order is mutation `kv_heads_tiled`."),
+            (MEASURED, f"ONNX (torch export): qwen2-tiny's forward graph holds {len(grouped)} `Attention` nodes, "
+                       f"whose query and key inputs have {' and '.join(sorted({f'{q} and {k}' for q, k in grouped}))} "
+                       "heads: the grouping stays inside the op, with no repeat of K and V before it."),
+        ],
         "The training step: loss, clipping, optimizer, schedule": [
             (MEASURED, f"AdamW's weight decay by default: {defaults['torch']['weight_decay']:g} in torch "
                        f"(`torch.optim.AdamW([p]).defaults`), {defaults['optax']['weight_decay']:g} in optax "
@@ -382,7 +484,7 @@ def differences_page() -> str:
     from conformance.probe import framework_versions, run_probes
 
     observed = run_probes(["cpu"])  # the page quotes the CPU's behaviour
-    found = _differences(observed, _positional_errors(), _onnx_ops(), _training_numbers())
+    found = _differences(observed, _positional_errors(), _onnx_ops(), _training_numbers(), _modern_numbers())
     versions = framework_versions()
     lines = ["# Where the frameworks differ, side by side", "",
              "Generated by `rosetta differences --markdown docs/framework-differences.md` from the source files "

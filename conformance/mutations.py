@@ -29,7 +29,7 @@ from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
 from conformance.localize import localize_backward_column, localize_column
 from conformance.training_cells import failing_step
-from spec import ModelConfig, conformance_params, param_shapes
+from spec import ModelConfig, conformance_params, get_preset, param_shapes
 
 
 # ---- the mistakes -----------------------------------------------------------------------------
@@ -79,8 +79,8 @@ def _residual_from_normed(cfg, norm_p, x, sublayer):
 
 
 def _heads_without_transpose(x, n_heads):
-    batch, length, d_model = x.shape
-    return x.reshape(batch, n_heads, length, d_model // n_heads)  # reshape straight to [B, H, T, d_k]
+    batch, length, width = x.shape
+    return x.reshape(batch, n_heads, length, width // n_heads)  # reshape straight to [B, H, T, d_k]
 
 
 def _causal_off_by_one(q_len, k_len=None, offset=None):
@@ -119,12 +119,10 @@ def _ffn_first_bias_dropped(p, x, activation):
     return model.linear(hidden, p["w2.weight"], p.get("w2.bias"))
 
 
-def _qk_biases_swapped(p, x, k, v, mask, n_heads):
+def _qk_biases_swapped(cfg, p, x, k, v, mask, positions=None):
     # a loader that filled q.bias from k.bias and k.bias from q.bias; k's bias adds the same number
     # to every score of a query (softmax ignores it), so the swap shows through q alone
-    q = model.split_heads(model.linear(x, p["q.weight"], p.get("k.bias")), n_heads)
-    heads = model.scaled_dot_product_attention(q, k, v, mask)
-    return model.linear(model.merge_heads(heads), p["o.weight"], p.get("o.bias"))
+    return _original("attend")(cfg, {**p, "q.bias": p.get("k.bias")}, x, k, v, mask, positions)
 
 
 def _layer_norm_without_scale(x, scale, bias, eps):
@@ -238,6 +236,46 @@ def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y):
     return d_x, norm_grads, grads  # the same on the pre-norm skip path
 
 
+# ---- the modern decoder's mistakes (run on llama-tiny) -----------------------------------------
+
+def _rope_interleaved(cfg, x, positions):
+    # GPT-J's and Meta's original layout: dimension 2i turns with 2i + 1, not with i + r/2
+    r = cfg.rotary_dim
+    cos, sin = (table[:, :r // 2].repeat(2, axis=-1).astype(x.dtype)
+                for table in model.rope_tables(positions, r, float(cfg.rope_theta)))
+    pairs = x[..., :r].reshape(*x.shape[:-1], r // 2, 2)
+    turned = np.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(*x.shape[:-1], r)
+    return np.concatenate([x[..., :r] * cos + turned * sin, x[..., r:]], axis=-1)
+
+
+def _rope_tables_in_half_precision(positions, rotary_dim, theta):
+    inverse_frequency = (theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)).astype(np.float16)
+    angles = np.asarray(positions).astype(np.float16)[:, None] * inverse_frequency[None, :]  # rounded to 2⁻¹¹
+    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
+    return np.cos(angles), np.sin(angles)
+
+
+def _rms_eps_outside_the_root(x, scale, bias, eps):
+    return x / (np.sqrt((x * x).mean(axis=-1, keepdims=True)) + eps) * scale  # ε added after the root
+
+
+def _key_value_heads_tiled(x, n_heads):
+    return np.tile(x, (1, n_heads // x.shape[1], 1, 1))  # heads 0, 1, 2, 0, 1, 2: repeat, not repeat_interleave
+
+
+def _cached_keys_rotated_at_the_step(cfg, p, x, k, v, mask, positions=None):
+    # keys cached before their rotation, then every key read back turned by the step's own position
+    if positions is not None and k.shape[2] != len(positions):
+        k = model.rotary(cfg, _ORIGINALS["rotary"](cfg, k, -np.arange(k.shape[2])),  # undo the write's rotation
+                         np.full(k.shape[2], positions[-1]))
+    return _original("attend")(cfg, p, x, k, v, mask, positions)
+
+
+def _gate_and_up_swapped(p, x, activation):
+    swapped = {**p, "w1.weight": p["w3.weight"], "w3.weight": p["w1.weight"]}  # silu(x W_up) ⊙ x W_gate
+    return _original("feed_forward")(swapped, x, activation)
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -250,6 +288,7 @@ class Mutation:
     config: Mapping[str, object] | None = None  # config fields the mistake needs (a head bias to drop)
     also: tuple[tuple[str, Callable], ...] = ()  # the same mistake in another function (a loss's VJP)
     backward: bool = False  # a training mistake: the gradient and training cases run too
+    preset: str | None = None  # the preset the mistake needs (a modern decoder's), on its conformance weights
 
 
 MUTATIONS: list[Mutation] = [
@@ -320,10 +359,25 @@ MUTATIONS += [
              _dropout_unscaled, "loss", None, backward=True),
 ]
 
+MUTATIONS += [
+    Mutation("rope_interleaved", "RoPE in the interleaved layout (pairs 2i, 2i+1) on rotate_half weights", "rotary",
+             _rope_interleaved, "mha", "decoder.layers.0", preset="llama-tiny"),
+    Mutation("rope_tables_float16", "RoPE's angles computed in float16 (transformers PR #29285)", "rope_tables",
+             _rope_tables_in_half_precision, "mha", "decoder.layers.0", preset="llama-tiny"),
+    Mutation("rms_eps_outside_root", "RMSNorm with ε outside the root: x / (√mean(x²) + ε)", "rms_norm",
+             _rms_eps_outside_the_root, "norm", "decoder.layers.0", preset="llama-tiny"),
+    Mutation("kv_heads_tiled", "key/value heads repeated in the wrong order (tile, not repeat_interleave)",
+             "group_heads", _key_value_heads_tiled, "mha", "decoder.layers.0", preset="llama-tiny"),
+    Mutation("rope_after_cache_write", "keys cached unrotated, then rotated by the step's position when read",
+             "attend", _cached_keys_rotated_at_the_step, "mha", None, preset="llama-tiny"),
+    Mutation("swiglu_swapped", "SwiGLU with gate and up swapped: silu(x W_up) ⊙ x W_gate", "feed_forward",
+             _gate_and_up_swapped, "ffn", "decoder.layers.0", preset="llama-tiny"),
+]
+
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.
 _MODULES = (model, impl_numpy, backward, training)
 _ORIGINALS = {name: next(getattr(module, name) for module in _MODULES if hasattr(module, name))
-              for name in {m.target for m in MUTATIONS} | {name for m in MUTATIONS for name, _ in m.also}}
+              for name in {m.target for m in MUTATIONS} | {name for m in MUTATIONS for name, _ in m.also} | {"rotary"}}
 
 
 def _original(name: str) -> Callable:
@@ -391,6 +445,9 @@ class Verdict:
 def mutation_model(cfg: ModelConfig, params, mutation: Mutation) -> tuple[ModelConfig, dict]:
     """The config a mutation runs on, and its weights: the given ones, and the conformance
     weights of whatever the mutation's config adds."""
+    if mutation.preset:
+        cfg = get_preset(mutation.preset)
+        return cfg, conformance_params(cfg)
     if not mutation.config:
         return cfg, dict(params)
     cfg = cfg.replace(**mutation.config)

@@ -456,6 +456,68 @@ def _jax_softmax_fill_backward(device: str) -> str:
     return _jax_masked_row_backward(fill, device)
 
 
+# ---- grouped-query attention: fewer key/value heads than query heads -----------------------------
+# q [1, 4 heads, 3 queries, 8], k and v [1, 2 heads, 3 keys, 8]; query 0 sees no key, query 1
+# one, query 2 two: the verdict names how the entry point groups the heads and what it does with
+# the mask, against the spec's grouping (query head h reads key/value head h // 2) in float64.
+
+def _grouped_query_inputs() -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 3, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 3, 8)).astype(np.float32) for _ in range(2))
+    keep = np.array([[False, False, False], [True, False, False], [True, True, False]])
+    return q, k, v, keep
+
+
+def _grouped_query_verdict(out: np.ndarray) -> str:
+    """How an entry point's output [1, 4, 3, 8] on _grouped_query_inputs groups the heads and
+    treats the mask (its masked row, its kept keys)."""
+    import impl_numpy as golden
+
+    q, k, v, keep = (np.asarray(a, np.float64) if a.dtype != bool else a for a in _grouped_query_inputs())
+    out = np.asarray(out, np.float64)
+    groupings = {"repeat_interleave (the spec's)": [0, 0, 1, 1], "tile": [0, 1, 0, 1]}
+    for name, order in groupings.items():
+        exact = golden.scaled_dot_product_attention(q, k[:, order], v[:, order], keep)
+        if np.allclose(out[:, :, 1:], exact[:, :, 1:], atol=1e-5):
+            row = _masked_row_verdict(out[0, 0, 0], v[0, 0])
+            return f"accepts 2 K/V heads for 4; groups as {name}; the mask honoured; a row with no key: {row}"
+    return "accepts 2 K/V heads for 4, but matches neither grouping under the mask"
+
+
+def _torch_sdpa_grouped(device: str, **options) -> str:
+    import torch
+    import torch.nn.functional as F
+
+    on = _torch_device(device)
+    q, k, v, keep = (torch.as_tensor(a).to(on) for a in _grouped_query_inputs())
+    try:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, **options)
+    except RuntimeError as error:
+        return _refusal(error)
+    return _grouped_query_verdict(out.cpu().numpy())
+
+
+def _torch_sdpa_without_gqa(device: str) -> str:
+    return _torch_sdpa_grouped(device)
+
+
+def _torch_sdpa_enable_gqa(device: str) -> str:
+    return _torch_sdpa_grouped(device, enable_gqa=True)
+
+
+def _jax_dot_product_attention_grouped(device: str) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, keep = _grouped_query_inputs()
+    with jax.default_device(_jax_device(device)):
+        # jax's layout is [B, T, N, H]: the heads third
+        out = jax.nn.dot_product_attention(*(jnp.asarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)),
+                                           mask=jnp.asarray(keep)[None, None])
+    return _grouped_query_verdict(np.asarray(out).transpose(0, 2, 1, 3))
+
+
 PROBES = [
     Probe("fully masked row", "torch F.scaled_dot_product_attention", "zeros", _torch_sdpa_masked_row),
     Probe("fully masked row", "torch nn.MultiheadAttention", "zeros", _torch_mha_masked_row),
@@ -491,6 +553,12 @@ PROBES = [
     Probe("fully masked row, backward", "jax.nn.dot_product_attention", "zeros, no NaN",
           _jax_dot_product_attention_masked_row_backward),
     Probe("fully masked row, backward", "jax.nn.softmax(where=mask)", "zeros, no NaN", _jax_softmax_where_backward),
+    Probe("grouped-query attention", "torch F.scaled_dot_product_attention", "K/V head h // g serves query head h",
+          _torch_sdpa_without_gqa),
+    Probe("grouped-query attention", "torch F.scaled_dot_product_attention(enable_gqa=True)",
+          "K/V head h // g serves query head h", _torch_sdpa_enable_gqa),
+    Probe("grouped-query attention", "jax.nn.dot_product_attention", "K/V head h // g serves query head h",
+          _jax_dot_product_attention_grouped),
     Probe("fully masked row, backward", "jax.nn.softmax after jnp.where(mask, x, -inf)", "zeros, no NaN",
           _jax_softmax_fill_backward),
 ]

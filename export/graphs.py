@@ -64,7 +64,7 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
 
 def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
     """prefix.{i}.key and prefix.{i}.value for each decoder layer: [B, H, length, d_k]"""
-    return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.n_heads, length, cfg.d_head))
+    return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.kv_heads, length, cfg.d_head))
                  for i in range(cfg.n_decoder_layers) for part in ("key", "value"))
 
 

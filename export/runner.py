@@ -294,7 +294,7 @@ class OnnxTransformer:
             keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
             keep = _buffer(keep, self.device)
         # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
-        kv = np.zeros((batch, cfg.n_heads, capacity, cfg.d_head), dtype=np.float16 if self.dtype == "float16" else np.float32)
+        kv = np.zeros((batch, cfg.kv_heads, capacity, cfg.d_head), dtype=np.float16 if self.dtype == "float16" else np.float32)
 
         def buffers() -> tuple[ort.OrtValue, ...]:
             return (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),

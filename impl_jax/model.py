@@ -1,7 +1,8 @@
 """The spec's Transformer in JAX with Flax NNX: a parallel text to impl_numpy/model.py and
 impl_torch/model.py. Same names, same order; the comments say why JAX needs something.
 
-Shapes: B batch, S source, T target, Q queries, K keys, H heads, d d_model, d_k head size.
+Shapes: B batch, S source, T target, Q queries, K keys, H heads, H_kv key/value heads, d d_model,
+d_k head size, r rotary dimensions.
 
 The module tree mirrors the canonical names. nnx.Linear keeps its kernel [in, out] — the spec's
 layout — so canonical matrices load with no transpose (PyTorch's nn.Linear needs one). Only
@@ -103,21 +104,58 @@ def sinusoidal_table(positions: np.ndarray, d_model: int, layout: str) -> np.nda
 # ---- attention ------------------------------------------------------------------------------
 
 def split_heads(x: jax.Array, n_heads: int) -> jax.Array:
-    """[B, T, d] -> [B, H, T, d_k]"""
-    batch, length, d_model = x.shape
-    return x.reshape(batch, length, n_heads, d_model // n_heads).transpose(0, 2, 1, 3)
+    """[B, T, H·d_k] -> [B, H, T, d_k]"""
+    batch, length, width = x.shape
+    return x.reshape(batch, length, n_heads, width // n_heads).transpose(0, 2, 1, 3)
 
 
 def merge_heads(x: jax.Array) -> jax.Array:
-    """[B, H, T, d_k] -> [B, T, d]"""
+    """[B, H, T, d_k] -> [B, T, H·d_k]"""
     batch, n_heads, length, d_head = x.shape
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of angle(pos, i) = pos · θ^(−2i/r), i = 0..r/2−1, each angle repeated for both
+    halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
+    # on the device, not on the host as sinusoidal_table is: a decode step's positions are traced.
+    # expand_dims, not [:, None]: jax2onnx cannot index along a symbolic length (an ONNX export)
+    inverse_frequency = theta ** (-jnp.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim)  # [r/2]
+    angles = jnp.expand_dims(positions.astype(dtype), -1) * inverse_frequency  # [T, r/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, r]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """(x1, x2) -> (−x2, x1), x1 and x2 the two halves of the last axis."""
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotary(cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
+    the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
+    r = cfg.rotary_dim
+    # Angles of a half-precision dtype are useless past a few hundred positions, so the tables are
+    # taken in float32 (float64 for a float64 model, which exists only in x64 mode) and only then
+    # cast to x's dtype, as Hugging Face's Llama does: the multiply is in x's dtype.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    cos, sin = (table.astype(x.dtype) for table in rope_tables(positions, r, float(cfg.rope_theta), wide))
+    rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+    return jnp.concatenate([rotated, x[..., r:]], axis=-1)
+
+
+def group_heads(x: jax.Array, n_heads: int) -> jax.Array:
+    """Grouped-query attention: key/value head j serves query heads j·g .. (j+1)·g − 1, g = H / H_kv.
+    [B, H_kv, K, d_k] -> [B, H, K, d_k]"""
+    return jnp.repeat(x, n_heads // x.shape[1], axis=1)
+
+
 def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
                                  path: str = "sdpa", precision: str = "highest") -> jax.Array:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
-    mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
+    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V, query head h reading key/value head
+    h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
+    broadcastable to [B, H, Q, K]."""
     # Decided before the jit, so both paths' calls that end up explicit share one program.
     path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path)
     return _attention(q, k, v, mask, path, precision)
@@ -140,12 +178,15 @@ def attention_path(dtype, platform: str, n_queries: int, path: str) -> tuple[str
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, path: str,
                precision: str) -> jax.Array:
     if path == "math":
+        k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
         scores = jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
         weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
         return jnp.matmul(weights, v, precision=precision)
     # jax.nn.dot_product_attention wants [B, T, H, d_k] (heads after the sequence axis). Its mask
     # has the spec's polarity (True = attend), but it fills masked logits with a large finite
-    # negative, so a row with no key gets the *mean of V* rather than zeros: enforced below.
+    # negative, so a row with no key gets the *mean of V* rather than zeros: enforced below. It
+    # groups heads itself (fewer K/V heads than query heads, a mask of H or 1 heads), reading each
+    # key/value head for its group in place of the golden's repeated copies.
     out = jax.nn.dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask)
     out = out.swapaxes(1, 2)
     if mask is None:
@@ -175,50 +216,96 @@ def _platform() -> str:
     return device.platform if device is not None and not isinstance(device, str) else jax.default_backend()
 
 
-class MultiHeadAttention(nnx.Module):
-    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V)."""
+class HeadNorm(nnx.Module):
+    """Qwen3's RMSNorm of each head's q or k over d_k. A module of its own so that its parameter's
+    path is the canonical ``q_norm.scale`` / ``k_norm.scale``."""
 
-    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
-        d = cfg.d_model
+    def __init__(self, cfg: ModelConfig, dtype):
+        self.scale = nnx.Param(jnp.ones(cfg.d_head, dtype))
+        self.eps = float(cfg.norm_eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], None, self.eps)
+
+
+def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset=0) -> tuple[jax.Array | None, ...]:
+    """RoPE's (query, key) positions: the keys at offset .. offset+K−1, the queries the last Q of
+    them (a self-attention's are the keys'; a decode step's the newest); (None, None) without RoPE.
+    offset may be traced (a decode step's cache length) and the lengths symbolic (an ONNX export)."""
+    if cfg.positional != "rope":
+        return None, None
+    # start + iota: jnp.arange needs concrete bounds; and lax.iota, not jnp.arange, whose jax2onnx
+    # stand-in gives a symbolic length (an ONNX export) that no longer matches the activations'
+    return (offset + k_len - q_len) + lax.iota(jnp.int32, q_len), offset + lax.iota(jnp.int32, k_len)
+
+
+class MultiHeadAttention(nnx.Module):
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_g(i)^K, c W_g(i)^V);
+    with qk_norm, a self-attention's q_norm and k_norm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs,
+                 self_attention: bool = True):
+        d, queries, keys = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
         # float64 attention always takes the math path (scaled_dot_product_attention): stored so,
         # a float64 model's programs are the same for either path, traced and compiled once
-        self.n_heads, self.precision = cfg.n_heads, precision
+        self.cfg, self.precision = cfg, precision
         self.path = "math" if jnp.dtype(dtype) == jnp.float64 else path
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
-        self.q = linear(d, d, use_bias=cfg.qkv_bias)
-        self.k = linear(d, d, use_bias=cfg.qkv_bias)
-        self.v = linear(d, d, use_bias=cfg.qkv_bias)
-        self.o = linear(d, d, use_bias=cfg.bias)
+        self.q = linear(d, queries, use_bias=cfg.qkv_bias)
+        self.k = linear(d, keys, use_bias=cfg.qkv_bias)
+        self.v = linear(d, keys, use_bias=cfg.qkv_bias)
+        self.o = linear(queries, d, use_bias=cfg.bias)
+        head_norms = cfg.qk_norm and self_attention
+        self.q_norm = HeadNorm(cfg, dtype) if head_norms else None
+        self.k_norm = HeadNorm(cfg, dtype) if head_norms else None
 
-    def key_value_heads(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """K, V of the context, split into heads: [B, K, d] -> 2 × [B, H, K, d_k]"""
-        return split_heads(self.k(context), self.n_heads), split_heads(self.v(context), self.n_heads)
+    def head_norm(self, name: str, x: jax.Array) -> jax.Array:
+        """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
+        norm = getattr(self, f"{name}_norm")
+        return x if norm is None else norm(x)
 
-    def attend(self, x: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> jax.Array:
-        """Concat(head_1..head_h) W^O + b with queries from x. x [B, Q, d] -> [B, Q, d]"""
-        q = split_heads(self.q(x), self.n_heads)
+    def key_value_heads(self, context: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """K, V of the context, split into the H_kv key/value heads; K normed per head (qk_norm)
+        and rotated at its positions (RoPE), as a KV cache holds it. [B, K, d] -> 2 × [B, H_kv, K, d_k]"""
+        k = self.head_norm("k", split_heads(self.k(context), self.cfg.kv_heads))
+        v = split_heads(self.v(context), self.cfg.kv_heads)
+        return (k if positions is None else rotary(self.cfg, k, positions)), v
+
+    def attend(self, x: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+               positions: jax.Array | None = None) -> jax.Array:
+        """Concat(head_1..head_h) W^O + b with queries from x, normed and rotated as K is.
+        x [B, Q, d], k and v [B, H_kv, K, d_k] -> [B, Q, d]"""
+        q = self.head_norm("q", split_heads(self.q(x), self.cfg.n_heads))
+        q = q if positions is None else rotary(self.cfg, q, positions)
         heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision)  # [B, H, Q, d_k]
         return self.o(merge_heads(heads))
 
-    def __call__(self, x: jax.Array, context: jax.Array, mask) -> jax.Array:
-        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]"""
-        mask = view_mask(mask, x.shape[0], self.n_heads, x.shape[1], context.shape[1])
-        return self.attend(x, *self.key_value_heads(context), mask)
+    def __call__(self, x: jax.Array, context: jax.Array, mask, offset=0) -> jax.Array:
+        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]; RoPE
+        positions from offset (attention_positions)."""
+        mask = view_mask(mask, x.shape[0], self.cfg.n_heads, x.shape[1], context.shape[1])
+        q_positions, k_positions = attention_positions(self.cfg, x.shape[1], context.shape[1], offset)
+        return self.attend(x, *self.key_value_heads(context, k_positions), mask, q_positions)
 
 
 # ---- feed-forward, norms, residual ----------------------------------------------------------
 
 class FeedForward(nnx.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2"""
+    """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
+    SwiGLU with swish, GeGLU with gelu-tanh."""
 
     def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs):
         linear = partial(nnx.Linear, use_bias=cfg.bias, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
         self.w1 = linear(cfg.d_model, cfg.d_ff)
+        self.w3 = linear(cfg.d_model, cfg.d_ff) if cfg.gated_ffn else None
         self.w2 = linear(cfg.d_ff, cfg.d_model)
         self.activation = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(self.activation(self.w1(x)))
+        hidden = self.activation(self.w1(x))  # [B, T, d_ff]
+        if self.w3 is not None:
+            hidden = hidden * self.w3(x)
+        return self.w2(hidden)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -242,27 +329,25 @@ def rms_norm(x: jax.Array, scale: jax.Array, bias: None, eps: float) -> jax.Arra
     return (wide * lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
 
 
-NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
-
-
 class Norm(nnx.Module):
     """The config's norm with parameters named scale/bias, as in the spec (RMSNorm has no bias)."""
 
     def __init__(self, cfg: ModelConfig, dtype):
         self.scale = nnx.Param(jnp.ones(cfg.d_model, dtype))
         self.bias = None if cfg.norm == "rmsnorm" else nnx.Param(jnp.zeros(cfg.d_model, dtype))
-        self.kind = NORMS[cfg.norm]
+        self.norm = cfg.norm
         self.eps = float(cfg.norm_eps)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[self.norm]
         scale = self.scale[...]
         if self.bias is None:  # RMSNorm takes half precision itself
-            return self.kind(x, scale, None, self.eps)
+            return kind(x, scale, None, self.eps)
         bias = self.bias[...]
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
-            return self.kind(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32),
+            return kind(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32),
                              self.eps).astype(x.dtype)
-        return self.kind(x, scale, bias, self.eps)
+        return kind(x, scale, bias, self.eps)
 
 
 def dropout(cfg: ModelConfig, x: jax.Array, keep: jax.Array | None) -> jax.Array:
@@ -305,7 +390,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
         self.self_attn_norm = Norm(cfg, dtype)
         if cfg.has_encoder:
-            self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
+            self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs, self_attention=False)
             self.cross_attn_norm = Norm(cfg, dtype)
         self.ffn = FeedForward(cfg, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
@@ -456,9 +541,12 @@ class Transformer(nnx.Module):
         return self.src_embed if side == "src" and self.src_embed is not None else self.tgt_embed
 
     def positional_encoding(self, side: str, length: int, offset=0, table_rows: int | None = None) -> jax.Array:
-        """[T, d] for positions offset..offset+length-1. A traced offset (inside the jitted
-        decode step) or a symbolic length (an ONNX export) slices a table of table_rows
-        positions (default max_len) made on the host."""
+        """[T, d] for positions offset..offset+length-1; zeros for RoPE, whose positions enter the
+        attention instead (rotary). A traced offset (inside the jitted decode step) or a symbolic
+        length (an ONNX export) slices a table of table_rows positions (default max_len) made on
+        the host."""
+        if self.cfg.positional == "rope":
+            return jnp.zeros((length, self.cfg.d_model), self.dtype)
         if self.cfg.positional == "learned":
             table = getattr(self, f"{side}_pos").embedding[...]
             return lax.dynamic_slice_in_dim(table, offset, length, axis=0)
@@ -473,7 +561,9 @@ class Transformer(nnx.Module):
               dropout_mask: jax.Array | None = None) -> jax.Array:
         """x = Dropout(E[ids] (· √d) + PE[positions]), then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        x = dropout(self.cfg, x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None], dropout_mask)
+        if self.cfg.positional != "rope":
+            x = x + self.positional_encoding(side, ids.shape[1], offset, table_rows)[None]
+        x = dropout(self.cfg, x, dropout_mask)
         return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
     def encode(self, src_ids: jax.Array, src_keep: jax.Array, dropout_masks: dict | None = None) -> jax.Array:
@@ -590,11 +680,11 @@ class KVCache:
     """Preallocated for `capacity` positions, so every decode step has the same shapes and
     compiles once (XLA recompiles for every new shape). L decoder layers, C = capacity."""
 
-    self_keys: jax.Array  # [L, B, H, C, d_k]
-    self_values: jax.Array  # [L, B, H, C, d_k]
+    self_keys: jax.Array  # [L, B, H_kv, C, d_k], rotated at their positions (RoPE)
+    self_values: jax.Array  # [L, B, H_kv, C, d_k]
     tgt_keep: jax.Array  # [B, C]: real tokens among the decoded positions; False past `length`
     length: jax.Array  # int32 scalar: positions decoded so far
-    cross_keys: jax.Array | None = None  # [L, B, H, S, d_k], computed once
+    cross_keys: jax.Array | None = None  # [L, B, H_kv, S, d_k], computed once
     cross_values: jax.Array | None = None
     src_keep: jax.Array | None = None  # [B, S]
 
@@ -608,7 +698,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     keep each layer's cross-attention K and V of the memory."""
     cfg = model.cfg
     capacity = check_cache_capacity(cfg, capacity)
-    shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
+    shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
     empty = jnp.zeros(shape, model.dtype)
     cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32))
     if not cfg.has_encoder:
@@ -649,17 +739,18 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     self_mask = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)
+    positions, _ = attention_positions(cfg, n_new, n_new, start)  # RoPE's: the new ones, after the cached
     keys, values = cache.self_keys, cache.self_values
     for i, layer in enumerate(model.decoder.layers):
 
         def cached_self_attention(h: jax.Array) -> jax.Array:
-            # write K, V of the new positions into the preallocated cache at `length`
+            # write K (rotated) and V of the new positions into the preallocated cache at `length`
             nonlocal keys, values
-            k, v = layer.self_attn.key_value_heads(h)
+            k, v = layer.self_attn.key_value_heads(h, positions)
             at = (jnp.int32(i), zero, zero, start, zero)
             keys = lax.dynamic_update_slice(keys, k[None], at)
             values = lax.dynamic_update_slice(values, v[None], at)
-            return layer.self_attn.attend(h, keys[i], values[i], self_mask)
+            return layer.self_attn.attend(h, keys[i], values[i], self_mask, positions)
 
         y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
         if cache.cross_keys is not None:

@@ -27,7 +27,10 @@ from impl_numpy.model import (
     embed,
     encoder,
     encoder_layer,
+    attention_positions,
     feed_forward,
+    group_heads,
+    head_norm,
     key_value_heads,
     linear,
     log_softmax,
@@ -38,6 +41,9 @@ from impl_numpy.model import (
     norm,
     positional_encoding,
     residual,
+    rope_tables,
+    rotary,
+    rotate_half,
     scaled_dot_product_attention,
     smoothed_targets,
     softmax,
@@ -153,16 +159,23 @@ def scaled_dot_product_attention_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray
 
 def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
                      d_y: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """y = act(x W1 + b1) W2 + b2: back through W2, the activation, then W1.
-    x [B, T, d], d_y [B, T, d] -> d_x [B, T, d], {w1.weight, w1.bias, w2.weight, w2.bias}"""
+    """y = a W2 + b2, a = act(x W1 + b1), gated: y = (a ⊙ u) W2 + b2, u = x W3 + b3:
+    ∂a = ∂h ⊙ u, ∂u = ∂h ⊙ a, then back through the activation and W1 (and W3).
+    x [B, T, d], d_y [B, T, d] -> d_x [B, T, d], {w1.*, w3.*, w2.*}"""
     before = x @ p["w1.weight"] + (p["w1.bias"] if "w1.bias" in p else 0.0)  # [B, T, d_ff]
-    hidden = ACTIVATIONS[activation](before)
+    activated = ACTIVATIONS[activation](before)
     if not _CANCELLING[0]:
         # a dead ReLU unit's zero, or a saturated GELU's, is a value that rounding may change: the term's size
-        hidden = np.where(hidden == 0.0, np.abs(before), hidden)
-    d_hidden, d_w2, d_b2 = linear_vjp(hidden, p["w2.weight"], d_y)
-    d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], ACTIVATION_VJPS[activation](before, d_hidden))
-    return d_x, _present(p, {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2})
+        activated = np.where(activated == 0.0, np.abs(before), activated)
+    gated = "w3.weight" in p
+    linear_unit = x @ p["w3.weight"] + (p["w3.bias"] if "w3.bias" in p else 0.0) if gated else 1.0  # [B, T, d_ff]
+    d_hidden, d_w2, d_b2 = linear_vjp(activated * linear_unit, p["w2.weight"], d_y)
+    d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], ACTIVATION_VJPS[activation](before, d_hidden * linear_unit))
+    grads = {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2}
+    if gated:
+        d_from_w3, grads["w3.weight"], grads["w3.bias"] = linear_vjp(x, p["w3.weight"], d_hidden * activated)
+        d_x = d_x + d_from_w3
+    return d_x, _present(p, grads)
 
 
 def layer_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
@@ -205,12 +218,10 @@ def rms_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
     return d_x, _sum_leading(d_y * x * root), None
 
 
-NORM_VJPS = {"layernorm": layer_norm_vjp, "std": std_norm_vjp, "rmsnorm": rms_norm_vjp}
-
-
 def norm_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
     """The config's norm, back: -> d_x, {scale, bias} (RMSNorm: {scale})"""
-    d_x, d_scale, d_bias = NORM_VJPS[cfg.norm](x, p["scale"], float(cfg.norm_eps), d_y)
+    kind = {"layernorm": layer_norm_vjp, "std": std_norm_vjp, "rmsnorm": rms_norm_vjp}[cfg.norm]
+    d_x, d_scale, d_bias = kind(x, p["scale"], float(cfg.norm_eps), d_y)
     return d_x, {"scale": d_scale} if d_bias is None else {"scale": d_scale, "bias": d_bias}
 
 
@@ -251,7 +262,7 @@ def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x:
         grads.update(_named(f"{stack}.embed_norm", norm_grads))
     d_x = dropout_vjp(cfg, dropout_mask, d_x)
     grads[table] = token_embedding_vjp(ids, params[table].shape[0], cfg.embed_scale, d_x)
-    d_positions = positional_encoding_vjp(cfg, ids.shape[1], offset, d_x)
+    d_positions = positional_encoding_vjp(cfg, ids.shape[1], offset, d_x)  # (RoPE's are in the attention)
     if d_positions is not None:
         grads[f"{side}_pos.weight"] = d_positions
     return grads
@@ -259,37 +270,77 @@ def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x:
 
 # ---- attention ------------------------------------------------------------------------------
 
-def attend_vjp(p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, n_heads: int,
-               d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
-    """y = Concat(heads) W^O + b, heads = Attention(x W^Q + b, K, V): back through W^O, the
-    attention, then W^Q. x [B, Q, d], k and v [B, H, K, d_k] -> d_x, d_k, d_v, {q.*, o.*}"""
-    q = split_heads(linear(x, p["q.weight"], p.get("q.bias")), n_heads)  # [B, H, Q, d_k]
-    heads = scaled_dot_product_attention(q, k, v, mask)
+def rotary_vjp(cfg: ModelConfig, positions: np.ndarray | None, d_y: np.ndarray) -> np.ndarray:
+    """y_r = x_r cos + rotate_half(x_r) sin, a rotation:  ∂x_r = ∂y_r cos − rotate_half(∂y_r sin)
+    (rotate_half's transpose is its negative); the dimensions past r pass. d_y [B, H, T, d_k]"""
+    if positions is None:
+        return d_y
+    r = cfg.rotary_dim
+    cos, sin = rope_tables(positions, r, float(cfg.rope_theta))
+    return np.concatenate([d_y[..., :r] * cos - rotate_half(d_y[..., :r] * sin), d_y[..., r:]], axis=-1)
+
+
+def group_heads_vjp(d_grouped: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Key/value head j serves query heads j·g .. (j+1)·g − 1:  ∂K_j = Σ over its group.
+    [B, H, K, d_k] -> [B, H_kv, K, d_k]"""
+    batch, n_heads, length, d_head = d_grouped.shape
+    return d_grouped.reshape(batch, kv_heads, n_heads // kv_heads, length, d_head).sum(axis=2)
+
+
+def head_norm_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """Qwen3's per-head RMSNorm of q or k, back (the identity without one). x [B, H, T, d_k] -> d_x, {name_norm.scale}"""
+    scale = p.get(f"{name}_norm.scale")
+    if scale is None:
+        return d_y, {}
+    d_x, d_scale, _ = rms_norm_vjp(x, scale, float(cfg.norm_eps), d_y)
+    return d_x, {f"{name}_norm.scale": d_scale}
+
+
+def attend_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+               d_y: np.ndarray, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
+    """y = Concat(heads) W^O + b, heads = Attention(rotary(norm(x W^Q + b)), K_g, V_g): back through
+    W^O, the attention, the groups, the rotation, the head norm, then W^Q.
+    x [B, Q, d], k and v [B, H_kv, K, d_k] -> d_x, d_k, d_v, {q.*, q_norm.*, o.*}"""
+    before = split_heads(linear(x, p["q.weight"], p.get("q.bias")), cfg.n_heads)  # [B, H, Q, d_k]
+    q = head_norm(cfg, p, "q", before)
+    q = q if positions is None else rotary(cfg, q, positions)
+    keys, values = group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads)  # [B, H, K, d_k]
+    heads = scaled_dot_product_attention(q, keys, values, mask)
     d_merged, d_wo, d_bo = linear_vjp(merge_heads(heads), p["o.weight"], d_y)
-    d_q, d_k, d_v = scaled_dot_product_attention_vjp(q, k, v, mask, split_heads(d_merged, n_heads))
-    d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_q))
-    return d_x, d_k, d_v, _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
+    d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, split_heads(d_merged, cfg.n_heads))
+    d_before, norm_grads = head_norm_vjp(cfg, p, "q", before, rotary_vjp(cfg, positions, d_q))
+    d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_before))
+    grads = _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
+    return d_x, group_heads_vjp(d_keys, cfg.kv_heads), group_heads_vjp(d_values, cfg.kv_heads), {**grads, **norm_grads}
 
 
-def key_value_heads_vjp(p: Params, context: np.ndarray, d_k: np.ndarray, d_v: np.ndarray) -> tuple[np.ndarray, Grads]:
-    """K = c W^K + b, V = c W^V + b:  ∂c = ∂K W^Kᵀ + ∂V W^Vᵀ (heads merged back), ∂b^K = 0.
-    context [B, K, d], d_k and d_v [B, H, K, d_k] -> d_context [B, K, d], {k.*, v.*}"""
-    d_from_k, d_wk, d_bk = linear_vjp(context, p["k.weight"], merge_heads(d_k))
+def key_value_heads_vjp(cfg: ModelConfig, p: Params, context: np.ndarray, d_k: np.ndarray, d_v: np.ndarray,
+                        positions: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
+    """K = rotary(norm(c W^K + b)), V = c W^V + b:  ∂c = ∂K' W^Kᵀ + ∂V W^Vᵀ (heads merged back),
+    ∂K' through the rotation and the head norm; ∂b^K = 0 when K is neither rotated nor normed.
+    context [B, K, d], d_k and d_v [B, H_kv, K, d_k] -> d_context [B, K, d], {k.*, k_norm.*, v.*}"""
+    before = split_heads(linear(context, p["k.weight"], p.get("k.bias")), cfg.kv_heads)
+    d_before, norm_grads = head_norm_vjp(cfg, p, "k", before, rotary_vjp(cfg, positions, d_k))
+    d_from_k, d_wk, d_bk = linear_vjp(context, p["k.weight"], merge_heads(d_before))
     d_from_v, d_wv, d_bv = linear_vjp(context, p["v.weight"], merge_heads(d_v))
     # b^K adds q·b^K to every score of a query's row, and softmax ignores a constant added to a
-    # row (Σ_k ∂S_qk = 0), so its gradient is identically zero: kept exact, not as rounding
-    d_bk = np.zeros_like(d_bv) if _CANCELLING[0] else d_bk
+    # row (Σ_k ∂S_qk = 0), so its gradient is identically zero: kept exact, not as rounding. A
+    # rotated or normed b^K differs from key to key, and gets a gradient.
+    if _CANCELLING[0] and positions is None and not norm_grads:
+        d_bk = np.zeros_like(d_bk)
     grads = {"k.weight": d_wk, "k.bias": d_bk, "v.weight": d_wv, "v.bias": d_bv}
-    return d_from_k + d_from_v, _present(p, grads)
+    return d_from_k + d_from_v, {**_present(p, grads), **norm_grads}
 
 
-def multi_head_attention_vjp(p: Params, x: np.ndarray, context: np.ndarray, mask: np.ndarray | None, n_heads: int,
-                             d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, Grads]:
+def multi_head_attention_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, context: np.ndarray,
+                             mask: np.ndarray | None, d_y: np.ndarray, offset: int = 0
+                             ) -> tuple[np.ndarray, np.ndarray, Grads]:
     """MultiHead(x, c), back: queries through attend_vjp, keys and values through
     key_value_heads_vjp. Self-attention (c = x) adds the two. -> d_x, d_context, {q, k, v, o}"""
-    k, v = key_value_heads(p, context, n_heads)
-    d_x, d_k, d_v, grads = attend_vjp(p, x, k, v, mask, n_heads, d_y)
-    d_context, key_value_grads = key_value_heads_vjp(p, context, d_k, d_v)
+    q_positions, k_positions = attention_positions(cfg, x.shape[1], context.shape[1], offset)
+    k, v = key_value_heads(cfg, p, context, k_positions)
+    d_x, d_k, d_v, grads = attend_vjp(cfg, p, x, k, v, mask, d_y, q_positions)
+    d_context, key_value_grads = key_value_heads_vjp(cfg, p, context, d_k, d_v, k_positions)
     return d_x, d_context, {**grads, **key_value_grads}
 
 
@@ -332,10 +383,10 @@ def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> 
     attention = params_under(p, "self_attn")
 
     def backward(h: np.ndarray, d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
-        d_queries, d_context, grads = multi_head_attention_vjp(attention, h, h, mask, cfg.n_heads, d_out)
+        d_queries, d_context, grads = multi_head_attention_vjp(cfg, attention, h, h, mask, d_out)
         return d_queries + d_context, grads
 
-    return (lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads)), backward
+    return (lambda h: multi_head_attention(cfg, attention, h, h, mask)), backward
 
 
 def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
@@ -373,14 +424,14 @@ def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.nda
         d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out, drop.get("ffn"))
     else:
         cross = params_under(p, "cross_attn")
-        cross_attention = lambda h: multi_head_attention(cross, h, memory, cross_mask, cfg.n_heads)  # noqa: E731
+        cross_attention = lambda h: multi_head_attention(cfg, cross, h, memory, cross_mask)  # noqa: E731
         y2 = residual(cfg, params_under(p, "cross_attn_norm"), y1, cross_attention, drop.get("cross_attn"))
         d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out, drop.get("ffn"))
         d_memory_parts = []
 
         def cross_attention_vjp(h: np.ndarray, d_h_out: np.ndarray) -> tuple[np.ndarray, Grads]:
             # the memory's gradient leaves through the side door: the block sees queries only
-            d_h, d_context, cross_grads = multi_head_attention_vjp(cross, h, memory, cross_mask, cfg.n_heads, d_h_out)
+            d_h, d_context, cross_grads = multi_head_attention_vjp(cfg, cross, h, memory, cross_mask, d_h_out)
             d_memory_parts.append(d_context)
             return d_h, cross_grads
 

@@ -102,8 +102,11 @@ def sinusoidal_table(positions: np.ndarray, d_model: int, layout: str) -> np.nda
 
 def positional_encoding(cfg: ModelConfig, params: Params, side: str, length: int, offset: int = 0,
                         dtype: np.dtype = np.float64) -> np.ndarray:
-    """The encoding of positions offset..offset+length-1 for side 'src' or 'tgt'. -> [T, d]"""
+    """The encoding of positions offset..offset+length-1 for side 'src' or 'tgt'; zeros for RoPE,
+    whose positions enter the attention instead (rotary). -> [T, d]"""
     positions = np.arange(offset, offset + length)
+    if cfg.positional == "rope":
+        return np.zeros((length, cfg.d_model), dtype)
     if cfg.positional == "learned":
         return params[f"{side}_pos.weight"][positions]
     return sinusoidal_table(positions, cfg.d_model, cfg.positional).astype(dtype)
@@ -115,7 +118,9 @@ def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: 
     ids [B, T] -> [B, T, d]"""
     table = params["tgt_embed.weight"] if side == "tgt" or cfg.share_src_tgt_embed else params["src_embed.weight"]
     x = token_embedding(ids, table, cfg.embed_scale)
-    x = dropout(cfg, x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None], dropout_mask)
+    if cfg.positional != "rope":
+        x = x + positional_encoding(cfg, params, side, ids.shape[1], offset, x.dtype)[None]
+    x = dropout(cfg, x, dropout_mask)
     stack = "encoder" if side == "src" else "decoder"
     return norm(cfg, params_under(params, f"{stack}.embed_norm"), x) if cfg.embed_norm else x
 
@@ -123,15 +128,45 @@ def embed(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, offset: 
 # ---- attention ------------------------------------------------------------------------------
 
 def split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """[B, T, d] -> [B, H, T, d_k]; head h owns columns h·d_k .. (h+1)·d_k - 1."""
-    batch, length, d_model = x.shape
-    return x.reshape(batch, length, n_heads, d_model // n_heads).transpose(0, 2, 1, 3)
+    """[B, T, H·d_k] -> [B, H, T, d_k]; head h owns columns h·d_k .. (h+1)·d_k - 1."""
+    batch, length, width = x.shape
+    return x.reshape(batch, length, n_heads, width // n_heads).transpose(0, 2, 1, 3)
 
 
 def merge_heads(x: np.ndarray) -> np.ndarray:
-    """[B, H, T, d_k] -> [B, T, d] (Concat(head_1, ..., head_h))."""
+    """[B, H, T, d_k] -> [B, T, H·d_k] (Concat(head_1, ..., head_h))."""
     batch, n_heads, length, d_head = x.shape
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
+
+
+def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of angle(pos, i) = pos · θ^(−2i/r), i = 0..r/2−1, each angle repeated for both
+    halves (rotate_half's layout), in float64. positions [T] -> 2 × [T, r]"""
+    inverse_frequency = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # [r/2]
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inverse_frequency[None, :]  # [T, r/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [T, r]
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """(x1, x2) -> (−x2, x1), x1 and x2 the two halves of the last axis."""
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotary(cfg: ModelConfig, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
+    the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
+    r = cfg.rotary_dim
+    cos, sin = (table.astype(x.dtype) for table in rope_tables(positions, r, float(cfg.rope_theta)))
+    rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+    return np.concatenate([rotated, x[..., r:]], axis=-1)
+
+
+def group_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """Grouped-query attention: key/value head j serves query heads j·g .. (j+1)·g − 1, g = H / H_kv.
+    [B, H_kv, K, d_k] -> [B, H, K, d_k]"""
+    return np.repeat(x, n_heads // x.shape[1], axis=1)
 
 
 def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -142,33 +177,56 @@ def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     return softmax(scores, mask) @ v
 
 
-def key_value_heads(p: Params, context: np.ndarray, n_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """K = c W^K + b, V = c W^V + b, split into heads. context [B, K, d] -> 2 × [B, H, K, d_k]"""
-    k = split_heads(linear(context, p["k.weight"], p.get("k.bias")), n_heads)
-    v = split_heads(linear(context, p["v.weight"], p.get("v.bias")), n_heads)
-    return k, v
+def head_norm(cfg: ModelConfig, p: Params, name: str, x: np.ndarray) -> np.ndarray:
+    """Qwen3's RMSNorm of each head's q or k over d_k (p[name + "_norm.scale"]), when it has one."""
+    scale = p.get(f"{name}_norm.scale")
+    return x if scale is None else rms_norm(x, scale, None, float(cfg.norm_eps))
 
 
-def attend(p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-           n_heads: int) -> np.ndarray:
-    """Concat(head_1..head_h) W^O + b, head_i = Attention(x W_i^Q, K_i, V_i). x [B, Q, d] -> [B, Q, d]"""
-    q = split_heads(linear(x, p["q.weight"], p.get("q.bias")), n_heads)
-    heads = scaled_dot_product_attention(q, k, v, mask)  # [B, H, Q, d_k]
-    return linear(merge_heads(heads), p["o.weight"], p.get("o.bias"))
+def key_value_heads(cfg: ModelConfig, p: Params, context: np.ndarray,
+                    positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """K = c W^K + b, V = c W^V + b, split into the H_kv key/value heads; K normed per head (qk_norm)
+    and rotated at its positions (RoPE), as a KV cache holds it. context [B, K, d] -> 2 × [B, H_kv, K, d_k]"""
+    k = head_norm(cfg, p, "k", split_heads(linear(context, p["k.weight"], p.get("k.bias")), cfg.kv_heads))
+    v = split_heads(linear(context, p["v.weight"], p.get("v.bias")), cfg.kv_heads)
+    return (k if positions is None else rotary(cfg, k, positions)), v
 
 
-def multi_head_attention(p: Params, x: np.ndarray, context: np.ndarray, mask: np.ndarray | None,
-                         n_heads: int) -> np.ndarray:
-    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V).
-    Self-attention: context is x. x [B, Q, d], context [B, K, d] -> [B, Q, d]"""
-    return attend(p, x, *key_value_heads(p, context, n_heads), mask, n_heads)
+def attend(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+           positions: np.ndarray | None = None) -> np.ndarray:
+    """Concat(head_1..head_h) W^O + b, head_i = Attention(x W_i^Q, K_g(i), V_g(i)), q normed and
+    rotated as K is. x [B, Q, d], k and v [B, H_kv, K, d_k] -> [B, Q, d]"""
+    q = head_norm(cfg, p, "q", split_heads(linear(x, p["q.weight"], p.get("q.bias")), cfg.n_heads))
+    q = q if positions is None else rotary(cfg, q, positions)
+    heads = scaled_dot_product_attention(q, group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads), mask)
+    return linear(merge_heads(heads), p["o.weight"], p.get("o.bias"))  # heads [B, H, Q, d_k]
+
+
+def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset: int = 0) -> tuple[np.ndarray | None, ...]:
+    """RoPE's (query, key) positions: the keys at offset .. offset+K−1, the queries the last Q of
+    them (a self-attention's are the keys'; a decode step's the newest); (None, None) without RoPE."""
+    if cfg.positional != "rope":
+        return None, None
+    return np.arange(offset + k_len - q_len, offset + k_len), np.arange(offset, offset + k_len)
+
+
+def multi_head_attention(cfg: ModelConfig, p: Params, x: np.ndarray, context: np.ndarray, mask: np.ndarray | None,
+                         offset: int = 0) -> np.ndarray:
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_g(i)^K, c W_g(i)^V).
+    Self-attention: context is x. RoPE positions from offset (attention_positions).
+    x [B, Q, d], context [B, K, d] -> [B, Q, d]"""
+    q_positions, k_positions = attention_positions(cfg, x.shape[1], context.shape[1], offset)
+    return attend(cfg, p, x, *key_value_heads(cfg, p, context, k_positions), mask, q_positions)
 
 
 # ---- feed-forward, norms, residual ----------------------------------------------------------
 
 def feed_forward(p: Params, x: np.ndarray, activation: str) -> np.ndarray:
-    """FFN(x) = act(x W1 + b1) W2 + b2. [B, T, d] -> [B, T, d]"""
+    """FFN(x) = act(x W1 + b1) W2 + b2; gated (p has W3): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
+    SwiGLU with swish, GeGLU with gelu-tanh. [B, T, d] -> [B, T, d]"""
     hidden = ACTIVATIONS[activation](linear(x, p["w1.weight"], p.get("w1.bias")))  # [B, T, d_ff]
+    if "w3.weight" in p:
+        hidden = hidden * linear(x, p["w3.weight"], p.get("w3.bias"))
     return linear(hidden, p["w2.weight"], p.get("w2.bias"))
 
 
@@ -191,12 +249,10 @@ def rms_norm(x: np.ndarray, scale: np.ndarray, bias: None, eps: float) -> np.nda
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * scale
 
 
-NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
-
-
 def norm(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     """The config's norm with parameters p["scale"] and p["bias"] (RMSNorm has none)."""
-    return NORMS[cfg.norm](x, p["scale"], p.get("bias"), float(cfg.norm_eps))
+    kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[cfg.norm]
+    return kind(x, p["scale"], p.get("bias"), float(cfg.norm_eps))
 
 
 def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
@@ -226,7 +282,7 @@ def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray |
     drop = dropout_masks or {}
     attention = params_under(p, "self_attn")
     x = residual(cfg, params_under(p, "self_attn_norm"), x,
-                 lambda h: multi_head_attention(attention, h, h, mask, cfg.n_heads), drop.get("self_attn"))
+                 lambda h: multi_head_attention(cfg, attention, h, h, mask), drop.get("self_attn"))
     return ffn_block(cfg, p, x, drop.get("ffn"))
 
 
@@ -238,11 +294,11 @@ def decoder_layer(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray
     drop = dropout_masks or {}
     self_attention = params_under(p, "self_attn")
     y = residual(cfg, params_under(p, "self_attn_norm"), y,
-                 lambda h: multi_head_attention(self_attention, h, h, self_mask, cfg.n_heads), drop.get("self_attn"))
+                 lambda h: multi_head_attention(cfg, self_attention, h, h, self_mask), drop.get("self_attn"))
     if memory is not None:
         cross_attention = params_under(p, "cross_attn")
         y = residual(cfg, params_under(p, "cross_attn_norm"), y,
-                     lambda h: multi_head_attention(cross_attention, h, memory, cross_mask, cfg.n_heads),
+                     lambda h: multi_head_attention(cfg, cross_attention, h, memory, cross_mask),
                      drop.get("cross_attn"))
     return ffn_block(cfg, p, y, drop.get("ffn"))
 
@@ -363,10 +419,10 @@ def model_inputs(cfg: ModelConfig, src_ids, tgt_ids, src_keep=None, tgt_keep=Non
 class KVCache:
     """What the decoder keeps between steps. L decoder layers; P positions decoded so far."""
 
-    self_keys: tuple[np.ndarray, ...]  # L × [B, H, P, d_k]
-    self_values: tuple[np.ndarray, ...]  # L × [B, H, P, d_k]
+    self_keys: tuple[np.ndarray, ...]  # L × [B, H_kv, P, d_k], rotated at their positions (RoPE)
+    self_values: tuple[np.ndarray, ...]  # L × [B, H_kv, P, d_k]
     tgt_keep: np.ndarray  # [B, P] which decoded positions are real tokens
-    cross_keys: tuple[np.ndarray, ...] | None = None  # L × [B, H, S, d_k], computed once
+    cross_keys: tuple[np.ndarray, ...] | None = None  # L × [B, H_kv, S, d_k], computed once
     cross_values: tuple[np.ndarray, ...] | None = None
     src_keep: np.ndarray | None = None  # [B, S]
 
@@ -380,7 +436,7 @@ def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | N
     """An empty cache; for an encoder-decoder, run the encoder once and keep each layer's
     cross-attention K and V of the memory. p: parameters already in the computation dtype."""
     dtype = p["tgt_embed.weight"].dtype
-    empty = np.zeros((batch, cfg.n_heads, 0, cfg.d_head), dtype)
+    empty = np.zeros((batch, cfg.kv_heads, 0, cfg.d_head), dtype)
     layers = range(cfg.n_decoder_layers)
     cache = KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), np.zeros((batch, 0), bool))
     if not cfg.has_encoder:
@@ -389,7 +445,7 @@ def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | N
     src_ids = np.asarray(src_ids)
     src_keep = token_keep(cfg, src_ids, src_keep, "src")
     memory = encoder(cfg, p, src_ids, src_keep)
-    cross = [key_value_heads(params_under(p, f"decoder.layers.{i}.cross_attn"), memory, cfg.n_heads) for i in layers]
+    cross = [key_value_heads(cfg, params_under(p, f"decoder.layers.{i}.cross_attn"), memory) for i in layers]
     return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep,
                    tuple(k for k, _ in cross), tuple(v for _, v in cross), src_keep)
 
@@ -405,24 +461,25 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     self_mask = combine_masks(causal_mask(n_new, n_all), key_mask(keep))  # [B, 1, n, P + n]
     cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)
     y = embed(cfg, p, tgt_ids, "tgt", offset=cache.length)
+    positions, _ = attention_positions(cfg, n_new, n_all)  # RoPE's: the new ones
     keys, values = [], []
     for i in range(cfg.n_decoder_layers):
         layer = params_under(p, f"decoder.layers.{i}")
         self_attention = params_under(layer, "self_attn")
 
         def cached_self_attention(h: np.ndarray) -> np.ndarray:
-            # K, V of the new positions joined to the cached ones: [B, H, P + n, d_k]
-            k, v = key_value_heads(self_attention, h, cfg.n_heads)
+            # K (rotated) and V of the new positions joined to the cached ones: [B, H_kv, P + n, d_k]
+            k, v = key_value_heads(cfg, self_attention, h, positions)
             keys.append(np.concatenate([cache.self_keys[i], k], axis=2))
             values.append(np.concatenate([cache.self_values[i], v], axis=2))
-            return attend(self_attention, h, keys[-1], values[-1], self_mask, cfg.n_heads)
+            return attend(cfg, self_attention, h, keys[-1], values[-1], self_mask, positions)
 
         y = residual(cfg, params_under(layer, "self_attn_norm"), y, cached_self_attention)
         if cache.cross_keys is not None:
             cross_attention = params_under(layer, "cross_attn")
             y = residual(cfg, params_under(layer, "cross_attn_norm"), y,
-                         lambda h: attend(cross_attention, h, cache.cross_keys[i], cache.cross_values[i],
-                                          cross_mask, cfg.n_heads))
+                         lambda h: attend(cfg, cross_attention, h, cache.cross_keys[i], cache.cross_values[i],
+                                          cross_mask))
         y = ffn_block(cfg, layer, y)
     logits = output_logits(cfg, p, final_norm(cfg, p, "decoder", y))
     new_cache = KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)

@@ -1,7 +1,8 @@
 """The spec's Transformer in PyTorch: a parallel text to impl_numpy/model.py.
 
 Same names, same order; the comments say why PyTorch needs something the golden does not.
-Shapes: B batch, S source, T target, Q queries, K keys, H heads, d d_model, d_k head size.
+Shapes: B batch, S source, T target, Q queries, K keys, H heads, H_kv key/value heads, d d_model,
+d_k head size, r rotary dimensions.
 
 The module tree mirrors the canonical names, so ``state_dict()`` keys *are* the canonical names.
 One rule maps the values: nn.Linear stores its weight [out, in] (it computes x @ Wᵀ), the spec
@@ -89,22 +90,62 @@ def sinusoidal_table(positions: torch.Tensor, d_model: int, layout: str) -> torc
 # ---- attention ------------------------------------------------------------------------------
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, T, d] -> [B, H, T, d_k]"""
-    batch, length, d_model = x.shape
-    return x.view(batch, length, n_heads, d_model // n_heads).transpose(1, 2)
+    """[B, T, H·d_k] -> [B, H, T, d_k]"""
+    batch, length, width = x.shape
+    return x.view(batch, length, n_heads, width // n_heads).transpose(1, 2)
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, d_k] -> [B, T, d]"""
+    """[B, H, T, d_k] -> [B, T, H·d_k]"""
     batch, n_heads, length, d_head = x.shape
     return x.transpose(1, 2).reshape(batch, length, n_heads * d_head)
 
 
+def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of angle(pos, i) = pos · θ^(−2i/r), i = 0..r/2−1, each angle repeated for both
+    halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=dtype, device=positions.device) / rotary_dim
+    inverse_frequency = theta ** (-exponents)  # [r/2]
+    angles = positions.to(dtype)[:, None] * inverse_frequency[None, :]  # [T, r/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, r]
+    return torch.cos(angles), torch.sin(angles)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (−x2, x1), x1 and x2 the two halves of the last axis."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotary(cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
+    the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
+    r = cfg.rotary_dim
+    # Angles of a half-precision dtype are useless past a few hundred positions, so the tables are
+    # taken in float32 (float64 for a float64 model, like the golden) and only then cast to x's
+    # dtype, as Hugging Face's Llama does: the multiply is in x's dtype.
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = (table.to(x.dtype) for table in rope_tables(positions, r, float(cfg.rope_theta), wide))
+    rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+    return torch.cat([rotated, x[..., r:]], dim=-1)
+
+
+def group_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Grouped-query attention: key/value head j serves query heads j·g .. (j+1)·g − 1, g = H / H_kv.
+    [B, H_kv, K, d_k] -> [B, H, K, d_k]"""
+    return x.repeat_interleave(n_heads // x.shape[1], dim=1)
+
+
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  mask: torch.Tensor | None = None, path: str = "sdpa") -> torch.Tensor:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V. q [B, H, Q, d_k], k and v [B, H, K, d_k],
-    mask a boolean keep-mask broadcastable to [B, H, Q, K]."""
+    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V, query head h reading key/value head
+    h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
+    broadcastable to [B, H, Q, K]."""
+    grouped = k.shape[1] != q.shape[1]
     if path == "math":
+        if grouped:
+            k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
         # Half-precision softmax loses the small weights; take it in float32 as SDPA kernels do.
         weights = softmax(scores.float() if scores.dtype in _HALF else scores, mask).to(v.dtype)
@@ -116,54 +157,106 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         # onnxruntime's Attention op (1.31) refuses a mask whose query axis is 1 instead of
         # broadcasting it, so an exported graph needs it spelled out; in torch this is a view.
         mask = mask.expand(*mask.shape[:-2], q.shape[-2], k.shape[-2])
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # enable_gqa: SDPA reads each key/value head for its group in place of the golden's repeated
+    # copies (and torch.onnx exports it as one GQA Attention op); only when grouped, so that
+    # multi-head attention keeps every kernel SDPA may choose
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
     if mask is None:
         return out
     row_has_key = mask.any(dim=-1, keepdim=True)  # [B|1, H|1, Q|1, 1]
     return torch.where(row_has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-class MultiHeadAttention(nn.Module):
-    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_i^K, c W_i^V)."""
+class HeadNorm(nn.Module):
+    """Qwen3's RMSNorm of each head's q or k over d_k. A module of its own so that its parameter's
+    state_dict key is the canonical ``q_norm.scale`` / ``k_norm.scale``."""
 
-    def __init__(self, cfg: ModelConfig, path: str = "sdpa"):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d = cfg.d_model
-        self.n_heads, self.path = cfg.n_heads, path
-        self.q = nn.Linear(d, d, bias=cfg.qkv_bias)
-        self.k = nn.Linear(d, d, bias=cfg.qkv_bias)
-        self.v = nn.Linear(d, d, bias=cfg.qkv_bias)
-        self.o = nn.Linear(d, d, bias=cfg.bias)
+        self.scale = nn.Parameter(torch.ones(cfg.d_head))
+        self.eps = float(cfg.norm_eps)
 
-    def key_value_heads(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the context, split into heads: [B, K, d] -> 2 × [B, H, K, d_k]"""
-        return split_heads(self.k(context), self.n_heads), split_heads(self.v(context), self.n_heads)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.scale, None, self.eps)
 
-    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Concat(head_1..head_h) W^O + b with queries from x. x [B, Q, d] -> [B, Q, d]"""
-        q = split_heads(self.q(x), self.n_heads)
+
+def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset: int | torch.Tensor = 0,
+                        device: torch.device | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """RoPE's (query, key) positions: the keys at offset .. offset+K−1, the queries the last Q of
+    them (a self-attention's are the keys'; a decode step's the newest); (None, None) without RoPE.
+    offset may be a 0-d tensor on the device (a decode step's), so no position crosses to the host."""
+    if cfg.positional != "rope":
+        return None, None
+    keys = offset + torch.arange(k_len, device=device)
+    return keys[k_len - q_len:], keys
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(x, c) = Concat(head_1..head_h) W^O, head_i = Attention(x W_i^Q, c W_g(i)^K, c W_g(i)^V);
+    with qk_norm, a self-attention's q_norm and k_norm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, path: str = "sdpa", self_attention: bool = True):
+        super().__init__()
+        d, queries, keys = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+        self.cfg, self.path = cfg, path
+        self.q = nn.Linear(d, queries, bias=cfg.qkv_bias)
+        self.k = nn.Linear(d, keys, bias=cfg.qkv_bias)
+        self.v = nn.Linear(d, keys, bias=cfg.qkv_bias)
+        self.o = nn.Linear(queries, d, bias=cfg.bias)
+        if cfg.qk_norm and self_attention:
+            self.q_norm = HeadNorm(cfg)
+            self.k_norm = HeadNorm(cfg)
+
+    def head_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
+        return getattr(self, f"{name}_norm")(x) if hasattr(self, f"{name}_norm") else x
+
+    def key_value_heads(self, context: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the context, split into the H_kv key/value heads; K normed per head (qk_norm)
+        and rotated at its positions (RoPE), as a KV cache holds it. [B, K, d] -> 2 × [B, H_kv, K, d_k]"""
+        k = self.head_norm("k", split_heads(self.k(context), self.cfg.kv_heads))
+        v = split_heads(self.v(context), self.cfg.kv_heads)
+        return (k if positions is None else rotary(self.cfg, k, positions)), v
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Concat(head_1..head_h) W^O + b with queries from x, normed and rotated as K is.
+        x [B, Q, d], k and v [B, H_kv, K, d_k] -> [B, Q, d]"""
+        q = self.head_norm("q", split_heads(self.q(x), self.cfg.n_heads))
+        q = q if positions is None else rotary(self.cfg, q, positions)
+        # K and V go in as H_kv heads, not the golden's group_heads copies: SDPA groups them itself
         heads = scaled_dot_product_attention(q, k, v, mask, self.path)  # [B, H, Q, d_k]
         return self.o(merge_heads(heads))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]"""
-        mask = view_mask(mask, x.shape[0], self.n_heads, x.shape[1], context.shape[1])
-        return self.attend(x, *self.key_value_heads(context), mask)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None,
+                offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]; RoPE
+        positions from offset (attention_positions)."""
+        mask = view_mask(mask, x.shape[0], self.cfg.n_heads, x.shape[1], context.shape[1])
+        q_positions, k_positions = attention_positions(self.cfg, x.shape[1], context.shape[1], offset, x.device)
+        return self.attend(x, *self.key_value_heads(context, k_positions), mask, q_positions)
 
 
 # ---- feed-forward, norms, residual ----------------------------------------------------------
 
 class FeedForward(nn.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2"""
+    """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
+    SwiGLU with swish, GeGLU with gelu-tanh."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        if cfg.gated_ffn:
+            self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.activation = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.activation(self.w1(x)))
+        hidden = self.activation(self.w1(x))  # [B, T, d_ff]
+        if hasattr(self, "w3"):
+            hidden = hidden * self.w3(x)
+        return self.w2(hidden)
 
 
 def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,9 +277,6 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, bias: None, eps: float) -> to
     return (wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * scale
 
 
-NORMS = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}
-
-
 class Norm(nn.Module):
     """The config's norm. Parameters are named scale/bias (not nn.LayerNorm's weight/bias) so the
     state_dict keys are the canonical names without a rename; RMSNorm has no bias."""
@@ -195,15 +285,16 @@ class Norm(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(cfg.d_model))
         self.bias = None if cfg.norm == "rmsnorm" else nn.Parameter(torch.zeros(cfg.d_model))
-        self.kind = NORMS[cfg.norm]
+        self.norm = cfg.norm
         self.eps = float(cfg.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[self.norm]
         if self.bias is None:  # RMSNorm takes half precision itself
-            return self.kind(x, self.scale, None, self.eps)
+            return kind(x, self.scale, None, self.eps)
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
-            return self.kind(x.float(), self.scale.float(), self.bias.float(), self.eps).to(x.dtype)
-        return self.kind(x, self.scale, self.bias, self.eps)
+            return kind(x.float(), self.scale.float(), self.bias.float(), self.eps).to(x.dtype)
+        return kind(x, self.scale, self.bias, self.eps)
 
 
 def dropout(cfg: ModelConfig, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -248,7 +339,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg, path)
         self.self_attn_norm = Norm(cfg)
         if cfg.has_encoder:
-            self.cross_attn = MultiHeadAttention(cfg, path)
+            self.cross_attn = MultiHeadAttention(cfg, path, self_attention=False)
             self.cross_attn_norm = Norm(cfg)
         self.ffn = FeedForward(cfg)
         self.ffn_norm = Norm(cfg)
@@ -403,12 +494,15 @@ class Transformer(nn.Module):
         return self.src_embed if side == "src" and hasattr(self, "src_embed") else self.tgt_embed
 
     def positional_encoding(self, side: str, length: int, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """[T, d] for positions offset..offset+length-1."""
+        """[T, d] for positions offset..offset+length-1; zeros for RoPE, whose positions enter the
+        attention instead (rotary)."""
         device, dtype = self.tgt_embed.weight.device, self.tgt_embed.weight.dtype
         if isinstance(offset, torch.Tensor):  # a decode step's position, kept on the device
             positions = offset + torch.arange(length, device=device)
         else:
             positions = torch.arange(offset, offset + length, device=device)
+        if self.cfg.positional == "rope":
+            return torch.zeros(length, self.cfg.d_model, dtype=dtype, device=device)
         if self.cfg.positional == "learned":
             return getattr(self, f"{side}_pos")(positions)
         return sinusoidal_table(positions, self.cfg.d_model, self.cfg.positional).to(dtype)
@@ -417,7 +511,9 @@ class Transformer(nn.Module):
               dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x = Dropout(E[ids] (· √d) + PE[positions]), then Norm(x) when cfg.embed_norm. [B, T] -> [B, T, d]"""
         x = token_embedding(ids, self._table(side), self.cfg.embed_scale)
-        x = dropout(self.cfg, x + self.positional_encoding(side, ids.shape[1], offset)[None], dropout_mask)
+        if self.cfg.positional != "rope":
+            x = x + self.positional_encoding(side, ids.shape[1], offset)[None]
+        x = dropout(self.cfg, x, dropout_mask)
         return (self.encoder if side == "src" else self.decoder).embedding_norm(x)
 
     def encode(self, src_ids: torch.Tensor, src_keep: torch.Tensor, dropout_masks: dict | None = None) -> torch.Tensor:
@@ -503,11 +599,11 @@ class KVCache:
     nothing and every step has the same shapes (a new key length is a new kernel plan on a GPU,
     and CUDA graphs need fixed buffers). L decoder layers, C = capacity."""
 
-    self_keys: torch.Tensor  # [L, B, H, C, d_k]
-    self_values: torch.Tensor  # [L, B, H, C, d_k]
+    self_keys: torch.Tensor  # [L, B, H_kv, C, d_k], rotated at their positions (RoPE)
+    self_values: torch.Tensor  # [L, B, H_kv, C, d_k]
     tgt_keep: torch.Tensor  # [B, C]: real tokens among the decoded positions; stale past `length`
     length: int  # positions decoded so far: a host integer, so no step waits on the device for it
-    cross_keys: torch.Tensor | None = None  # [L, B, H, S, d_k], computed once
+    cross_keys: torch.Tensor | None = None  # [L, B, H_kv, S, d_k], computed once
     cross_values: torch.Tensor | None = None
     src_keep: torch.Tensor | None = None  # [B, S]
     writes: CacheWrites = field(default_factory=CacheWrites, repr=False, compare=False)
@@ -531,7 +627,7 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     cfg = model.cfg
     capacity = check_cache_capacity(cfg, capacity)
     weight = model.tgt_embed.weight
-    shape = (cfg.n_decoder_layers, batch, cfg.n_heads, capacity, cfg.d_head)
+    shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
     keys, values = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(2))
     cache = KVCache(keys, values, torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0)
     if not cfg.has_encoder:
@@ -582,20 +678,21 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     # exports index_copy_ on an inner axis as transposes of the whole cache around a ScatterND
     # (four per layer and step), scatter_ as one ScatterElements on that axis
     cache.tgt_keep.scatter_(1, positions[None, :].expand(batch, n_new), new_keep)
-    at_positions = positions[None, None, :, None].expand(batch, cfg.n_heads, n_new, cfg.d_head)  # [B, H, n, d_k]
+    at_positions = positions[None, None, :, None].expand(batch, cfg.kv_heads, n_new, cfg.d_head)  # [B, H_kv, n, d_k]
     causal = torch.arange(cache.capacity, device=start.device)[None, :] <= positions[:, None]  # [n, C]
     # the stale entries past the new positions are hidden by the causal mask, whatever they hold
     self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start)
+    rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)  # RoPE's: the new ones
     for i, layer in enumerate(model.decoder.layers):
 
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
-            # write K, V of the new positions into the preallocated cache at their positions
-            k, v = layer.self_attn.key_value_heads(h)
+            # write K (rotated) and V of the new positions into the preallocated cache at their positions
+            k, v = layer.self_attn.key_value_heads(h, rope_positions)
             cache.self_keys[i].scatter_(2, at_positions, k)
             cache.self_values[i].scatter_(2, at_positions, v)
-            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask)
+            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask, rope_positions)
 
         y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
         if cache.cross_keys is not None:

@@ -7,7 +7,8 @@ One mapping table, used in both directions. nn.MultiheadAttention fuses q, k, v 
 
 nn.Transformer can express only part of the spec: an encoder-decoder with LayerNorm, a final
 norm on both stacks, one bias flag for every linear (q/k/v, o and the FFN alike), ReLU or exact
-GELU. ``check_torch_nn_config`` names whatever else a config asks for.
+GELU, and none of the modern decoder (RoPE, grouped-query attention, a decoupled head_dim, a
+gated FFN, q/k norms). ``check_torch_nn_config`` names whatever else a config asks for.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def check_torch_nn_config(cfg: ModelConfig) -> None:
         problems.append("qkv_bias must equal bias (nn.Transformer has one bias flag)")
     if cfg.activation not in ("relu", "gelu"):
         problems.append("activation must be relu or gelu")
+    if cfg.positional == "rope":
+        problems.append("positional must not be rope (nn.MultiheadAttention rotates nothing)")
+    if cfg.kv_heads != cfg.n_heads:
+        problems.append("n_kv_heads must equal n_heads (nn.MultiheadAttention has a key/value head per query head)")
+    if cfg.n_heads * cfg.d_head != cfg.d_model:
+        problems.append("head_dim must be d_model / n_heads (nn.MultiheadAttention's heads split d_model)")
+    if cfg.gated_ffn:
+        problems.append("gated_ffn must be false (nn.Transformer's FFN has no gate)")
+    if cfg.qk_norm:
+        problems.append("qk_norm must be false (nn.MultiheadAttention norms no head)")
     if problems:
         raise WeightsError("config cannot be expressed as torch.nn.Transformer: " + "; ".join(problems))
 

@@ -14,6 +14,13 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
 - ``bart`` (BartForConditionalGeneration): as Marian, with learned positions whose first two
   rows are never read (BART numbers positions from 2) and a norm after the embeddings
   (``embed_norm`` in the spec).
+- ``llama`` (LlamaForCausalLM; SmolLM2 and Llama 3.2 have this layout), ``qwen2``
+  (Qwen2ForCausalLM) and ``qwen3`` (Qwen3ForCausalLM): the modern decoder of SPEC §5.11, with
+  Llama's key names in all three: pre-RMSNorm with a final norm, rotary positions in the
+  rotate_half layout (nothing stored), grouped-query attention, the gated FFN (gate_proj is the
+  activated W1, up_proj W3, down_proj W2). Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
+  and a head_dim apart from d / heads. The rotary frequencies are computed, not stored; rescaled
+  variants (llama3, yarn, longrope, linear, dynamic) and sliding-window attention are refused.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -40,16 +47,22 @@ FAMILIES = {
     "gpt2": "GPT2LMHeadModel",
     "marian": "MarianMTModel",
     "bart": "BartForConditionalGeneration",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
 _OUT_OF_SPEC = {
-    "t5": ("relative_attention_num_buckets", "T5 adds a learned relative position bias to the attention scores and "
-           "normalises with RMSNorm (no mean, no bias); the spec has absolute positions and LayerNorm only"),
-    "mt5": ("relative_attention_num_buckets", "mT5 is T5: relative position bias and RMSNorm"),
-    "llama": ("rope_theta", "rotary position embeddings and RMSNorm are not in the spec"),
-    "mistral": ("rope_theta", "rotary position embeddings and RMSNorm are not in the spec"),
-    "gpt_neox": ("rotary_pct", "rotary position embeddings are not in the spec"),
+    "t5": ("relative_attention_num_buckets", "T5 adds a learned relative position bias to the attention scores, "
+           "which it does not divide by sqrt(d_k); the spec's positions are absolute or rotary (T5's RMSNorm alone "
+           "would be in it)"),
+    "mt5": ("relative_attention_num_buckets", "mT5 is T5: a learned relative position bias, unscaled scores"),
+    "mistral": ("sliding_window", "MistralForCausalLM is Llama's layout with a sliding window of keys (when "
+                "sliding_window is set); the importer has no mistral family yet"),
+    "gpt_neox": ("use_parallel_residual", "GPT-NeoX (Pythia) adds attention and FFN to one residual in parallel "
+                 "when use_parallel_residual is true (its default), which the spec's sequential layers are not, "
+                 "and rotates rotary_pct of each head; the importer has no gpt_neox family yet"),
     "mbart": ("add_final_layer_norm", "mBART is pre-LN with its norms after the embeddings and after each stack; "
               "import it as a separate family once the spec grows that combination"),
     "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
@@ -295,12 +308,138 @@ def _bart_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     )
 
 
+# ---- the modern decoder: Llama, Qwen2, Qwen3 ------------------------------------------------------
+
+# Rotary variants that rescale the frequencies or the positions: none is the spec's plain RoPE.
+_ROPE_SCALINGS = {
+    "linear": "positions divided by a factor (position interpolation)",
+    "dynamic": "NTK scaling, a base that grows with the sequence length",
+    "yarn": "YaRN: frequencies interpolated by parts, and a temperature on the scores",
+    "longrope": "per-dimension rescale factors for long and short contexts (LongRoPE)",
+    "llama3": "Llama 3.1's rescaling of the long wavelengths",
+}
+
+
+def _rope_theta(hf: Mapping[str, Any], family: str) -> float:
+    """θ of the plain rotary embedding (SPEC §5.11). transformers 5 writes it into rope_parameters
+    ({"rope_type": "default", "rope_theta": ...}); older files have a top-level rope_theta and put
+    any rescaling into rope_scaling, which transformers still reads first. Rescaled variants are
+    refused whichever field names them, and so is a partial rotary, which these classes ignore."""
+    name, parameters = next(((name, hf[name]) for name in ("rope_scaling", "rope_parameters") if hf.get(name)),
+                            ("rope_parameters", {}))
+    if not isinstance(parameters, dict):
+        raise ConfigError(f"{name} = {json.dumps(parameters)}: expected a JSON object (rope_type, rope_theta)")
+    if any(isinstance(value, dict) for value in parameters.values()):  # one entry per layer type
+        if set(parameters) != {"full_attention"}:
+            raise ConfigError(f"{name} = {json.dumps(parameters)}: rotary settings per layer type; the spec has one "
+                              "rotary embedding for every layer")
+        name, parameters = f"{name}.full_attention", parameters["full_attention"]
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind != "default":
+        field = "rope_type" if "rope_type" in parameters else "type"
+        what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
+        raise ConfigError(f"{name}.{field} = {json.dumps(kind)} ({what}): the spec's rotary embedding is the plain "
+                          "one (rope_type \"default\", SPEC §5.11)")
+    fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is not None and fraction != 1:
+        raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: {FAMILIES[family]} rotates every "
+                          "dimension of a head whatever this says, so the file and transformers disagree on the "
+                          "function; the spec's rope_fraction is for a family whose class honours it")
+    theta = parameters.get("rope_theta", hf.get("rope_theta"))
+    return float(10000.0 if theta is None else theta)  # transformers' default_theta
+
+
+def _refuse_foreign_fields(hf: Mapping[str, Any], family: str) -> None:
+    """Fields of other architectures that these classes do not apply: a file that sets them was made
+    for a model that does, and the spec has neither."""
+    model = FAMILIES[family]
+    for name, what in (("attn_logit_softcapping", "scores squashed by c·tanh(s/c)"),
+                       ("final_logit_softcapping", "logits squashed by c·tanh(z/c)")):
+        _refuse_if(hf, name, lambda value: value is not None,
+                   f"{what} (Gemma 2) is not in the spec, and {model} does not apply it either")
+    if family == "llama":
+        _refuse_if(hf, "sliding_window", lambda value: value is not None,
+                   "attention to a sliding window of keys (Mistral) is not in the spec, and LlamaForCausalLM does "
+                   "not apply it either")
+
+
+def _refuse_sliding_window(hf: Mapping[str, Any], family: str) -> None:
+    """Qwen2 and Qwen3 attend to a window of sliding_window keys in the layers from max_window_layers
+    on, when use_sliding_window is true (layer_types, if written, says which layers)."""
+    layer_types = hf.get("layer_types")
+    _refuse_if(hf, "layer_types", lambda kinds: any(kind != "full_attention" for kind in kinds or ()),
+               "the spec has full causal attention in every layer")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None or layer_types is not None:
+        return
+    layers, first = _require(hf, "num_hidden_layers", family), hf.get("max_window_layers", 28)
+    if first < layers:
+        raise ConfigError(f"use_sliding_window = true, sliding_window = {json.dumps(window)}, max_window_layers = "
+                          f"{json.dumps(first)}: layers {first} … {layers - 1} attend to the last {window} keys "
+                          "only; the spec's causal attention sees every earlier position")
+
+
+def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, head_dim: int, kv_heads: int,
+                    **biases_and_norms: bool) -> ModelConfig:
+    """What Llama, Qwen2 and Qwen3 share: pre-RMSNorm with a final norm, rotary positions, the gated
+    FFN, no embedding scale, no head bias."""
+    _refuse_foreign_fields(hf, family)
+    d_model, n_heads = _require(hf, "hidden_size", family), _require(hf, "num_attention_heads", family)
+    vocab = _require(hf, "vocab_size", family)
+    if hf.get("attention_dropout"):
+        notes.append(f"attention_dropout = {hf['attention_dropout']} drops attention probabilities, which is not the "
+                     "spec's dropout (SPEC §5.10); the import has dropout 0, and evaluation is unaffected")
+    return ModelConfig(
+        arch="decoder-only", d_model=d_model, n_heads=n_heads, n_kv_heads=None if kv_heads == n_heads else kv_heads,
+        head_dim=None if head_dim * n_heads == d_model else head_dim, d_ff=_require(hf, "intermediate_size", family),
+        n_decoder_layers=_require(hf, "num_hidden_layers", family), tgt_vocab_size=vocab,
+        max_len=_require(hf, "max_position_embeddings", family), pad_id=_pad_id(hf, vocab, notes),
+        norm_position="pre", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), final_norm=True,
+        positional="rope", rope_theta=_rope_theta(hf, family), embed_scale=False,
+        activation=_activation({"hidden_act": "silu", **hf}, "hidden_act"),  # silu: the classes' default
+        gated_ffn=True, head_bias=False, tie_head=bool(hf.get("tie_word_embeddings", False)), **biases_and_norms,
+    )
+
+
+def _head_dim(hf: Mapping[str, Any], family: str, default: int | None = None) -> int:
+    """head_dim as the class reads it: the field, else (Qwen3) its class default, else d / heads."""
+    value = hf.get("head_dim") or default
+    return value or _require(hf, "hidden_size", family) // _require(hf, "num_attention_heads", family)
+
+
+def _llama_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise ConfigError(f"attention_bias = {json.dumps(attention_bias)} and mlp_bias = {json.dumps(mlp_bias)}: the "
+                          "spec's bias field gives o_proj and the FFN their biases together (qkv_bias covers q, k "
+                          "and v), so o_proj and the MLP must both have biases or neither")
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "llama")
+    return _rotary_decoder(hf, "llama", notes, head_dim=_head_dim(hf, "llama"), kv_heads=kv_heads,
+                           qkv_bias=attention_bias, bias=mlp_bias)
+
+
+def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    _refuse_sliding_window(hf, "qwen2")
+    return _rotary_decoder(hf, "qwen2", notes, head_dim=_head_dim(hf, "qwen2"),
+                           kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False)
+
+
+def _qwen3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    _refuse_sliding_window(hf, "qwen3")
+    _refuse_if(hf, "attention_bias", bool, "Qwen3 then has biases on q, k, v and o_proj but none in its MLP; the "
+               "spec's bias field gives o_proj and the FFN their biases together")
+    return _rotary_decoder(hf, "qwen3", notes, head_dim=_head_dim(hf, "qwen3", 128),
+                           kv_heads=_require(hf, "num_key_value_heads", "qwen3"), qkv_bias=False, bias=False,
+                           qk_norm=True)
+
+
 # ---- the mappings ------------------------------------------------------------------------------
 
-def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int) -> None:
-    """An nn.Linear with a bias: weight [out, in] transposed, bias copied."""
+def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int, bias: bool = True) -> None:
+    """An nn.Linear: weight [out, in] transposed, its bias (if it has one) copied."""
     rules.append(Rule(f"{source}.weight", (n_out, n_in), f"{target}.weight", "transpose"))
-    rules.append(Rule(f"{source}.bias", (n_out,), f"{target}.bias", "copy"))
+    if bias:
+        rules.append(Rule(f"{source}.bias", (n_out,), f"{target}.bias", "copy"))
 
 
 def _layer_norm(rules: list[Rule], source: str, target: str, d: int) -> None:
@@ -376,13 +515,47 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3")
+_LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
+
+
+def llama_mapping(cfg: ModelConfig) -> list[Rule]:
+    """LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM -> canonical (the Qwen classes kept
+    Llama's names). q/k/v/o biases where the config has them (Qwen2: q, k and v), Qwen3's per-head
+    q_norm and k_norm [d_k]. q and k are taken as stored: transformers' checkpoints are already in
+    the rotate_half layout the spec rotates (its converter permuted Meta's interleaved originals),
+    so no permutation happens here. k and v are [H_kv·d_k, d]: grouped-query attention."""
+    d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
+    widths = {"q": cfg.n_heads * d_k, "k": cfg.kv_heads * d_k, "v": cfg.kv_heads * d_k}
+    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    for i in range(cfg.n_decoder_layers):
+        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
+        for projection, width in widths.items():
+            _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d, width,
+                    cfg.qkv_bias)
+        _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, cfg.bias)
+        if cfg.qk_norm:
+            for projection in "qk":
+                rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
+                                  f"{ours}.self_attn.{projection}_norm.scale", "copy"))
+        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        for projection, canonical in _LLAMA_MLP:
+            n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
+            _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, cfg.bias)
+    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    return rules
+
+
 def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
     """Keys a checkpoint may hold as copies of a mapped tensor (tied weights): key -> the key it
     must equal. They are checked, not imported."""
     copies: dict[str, str] = {}
-    if family == "gpt2":
+    if family == "gpt2" or family in _ROTARY_FAMILIES:
         if cfg.tie_head:
-            copies["lm_head.weight"] = f"{prefix}wte.weight"
+            copies["lm_head.weight"] = f"{prefix}wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
         return copies
     table = "model.shared.weight" if cfg.share_src_tgt_embed else "model.decoder.embed_tokens.weight"
     if cfg.share_src_tgt_embed:
@@ -393,12 +566,18 @@ def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
     return copies
 
 
+_INVERSE_FREQUENCIES = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"  # older Llama files
+
+
 def _ignored(family: str, key: str) -> str | None:
     """Why a checkpoint key that no rule reads may be left out, or None."""
     if family == "gpt2" and re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", key):
         return "GPT-2's causal-mask buffers (older checkpoints store them)"
     if family == "marian" and re.fullmatch(r"model\.(encoder|decoder)\.embed_positions\.weight", key):
         return "Marian's sinusoid tables (checked against the spec's, which are computed)"
+    if family in _ROTARY_FAMILIES and re.fullmatch(_INVERSE_FREQUENCIES, key):
+        return ("the rotary inverse frequencies older transformers saved (checked against the spec's, which are "
+                "computed)")
     return None
 
 
@@ -450,6 +629,17 @@ def _check_marian_positions(cfg: ModelConfig, tensors: Mapping[str, np.ndarray])
                                "for Marian (sin in the first half, cos in the second, frequencies 10000^(-2i/d))")
 
 
+def _check_rotary_frequencies(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
+    """Stored inverse frequencies must be θ^(−2i/r), i = 0 … r/2 − 1, rounded to float32."""
+    r = cfg.rotary_dim
+    ours = cfg.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    for key, stored in tensors.items():
+        if re.fullmatch(_INVERSE_FREQUENCIES, key) and (
+                stored.shape != ours.shape or np.max(np.abs(stored / ours - 1)) > 2.0 ** -20):
+            raise WeightsError(f"{key} is not the spec's rotary inverse frequencies for rope_theta = {cfg.rope_theta} "
+                               f"and {r} rotated dimensions (theta^(-2i/{r}), {r // 2} values)")
+
+
 # ---- the entry points ------------------------------------------------------------------------------
 
 def detect_family(hf: Mapping[str, Any]) -> str:
@@ -469,7 +659,8 @@ def detect_family(hf: Mapping[str, Any]) -> str:
     return model_type
 
 
-_CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config}
+_CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
+            "qwen2": _qwen2_config, "qwen3": _qwen3_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -483,6 +674,10 @@ def import_huggingface(directory: str | os.PathLike) -> Imported:
     if family == "gpt2":
         prefix = "transformer." if any(key.startswith("transformer.") for key in tensors) else ""
         rules = gpt2_mapping(cfg, prefix)
+    elif family in _ROTARY_FAMILIES:
+        prefix = ""
+        rules = llama_mapping(cfg)
+        _check_rotary_frequencies(cfg, tensors)
     else:
         prefix = ""
         rules = seq2seq_mapping(cfg, family)
@@ -519,6 +714,13 @@ def mapping_markdown(family: str) -> str:
             tgt_vocab_size=10, max_len=4, positional="learned", embed_norm=True, head_bias=True,
             share_src_tgt_embed=True, tie_head=True)),
     }
+    rotary = ModelConfig(arch="decoder-only", d_model=8, n_heads=2, n_kv_heads=1, d_ff=16, n_decoder_layers=1,
+                         tgt_vocab_size=10, max_len=4, norm_position="pre", norm="rmsnorm", final_norm=True,
+                         positional="rope", embed_scale=False, activation="swish", gated_ffn=True, qkv_bias=False,
+                         bias=False)
+    examples["llama"] = (llama_mapping, rotary)
+    examples["qwen2"] = (llama_mapping, rotary.replace(qkv_bias=True, tie_head=True))
+    examples["qwen3"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

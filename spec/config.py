@@ -12,7 +12,7 @@ from spec.errors import ConfigError
 ARCHS = ("encoder-decoder", "decoder-only")
 NORM_POSITIONS = ("post", "pre")
 NORMS = ("layernorm", "std", "rmsnorm")
-POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned")
+POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 
 _CHOICES = {
@@ -57,6 +57,13 @@ class ModelConfig:
     tie_head: bool = False
     dropout: float = 0.0
     label_smoothing: float = 0.0
+    # the modern decoder (SPEC §5.11): rotary positions, grouped-query attention, gated FFN
+    rope_theta: float = 10000.0  # base of the rotary frequencies (positional="rope")
+    rope_fraction: float = 1.0  # the share of each head's dimensions that rotates (partial rotary)
+    n_kv_heads: int | None = None  # key/value heads; None: n_heads (multi-head), 1: multi-query
+    head_dim: int | None = None  # d_k; None: d_model / n_heads
+    gated_ffn: bool = False  # FFN(x) = (act(x W1) ⊙ x W3) W2: SwiGLU with swish, GeGLU with gelu-tanh
+    qk_norm: bool = False  # an RMSNorm of each head's q and k before the rotation (Qwen3)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -64,8 +71,19 @@ class ModelConfig:
     # ---- derived sizes -------------------------------------------------------------------
     @property
     def d_head(self) -> int:
-        """d_k = d_v = d_model / n_heads."""
-        return self.d_model // self.n_heads
+        """d_k = d_v: head_dim, else d_model / n_heads."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads: n_kv_heads, else n_heads. Query head h reads key/value head
+        h // (n_heads / kv_heads)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's leading dimensions rotate: int(d_head · rope_fraction); 0 without RoPE."""
+        return int(self.d_head * self.rope_fraction) if self.positional == "rope" else 0
 
     @property
     def has_encoder(self) -> bool:
@@ -116,7 +134,9 @@ _INT_FIELDS = (
 )
 _BOOL_FIELDS = (
     "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
+    "gated_ffn", "qk_norm",
 )
+_OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim")
 
 
 def _validate(cfg: ModelConfig) -> None:
@@ -133,7 +153,11 @@ def _validate(cfg: ModelConfig) -> None:
         value = getattr(cfg, name)
         if value not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    for name in ("norm_eps", "dropout", "label_smoothing"):
+    for name in _OPTIONAL_INT_FIELDS:
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+    for name in ("norm_eps", "dropout", "label_smoothing", "rope_theta", "rope_fraction"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{name} must be a finite number, got {value!r}")
@@ -141,11 +165,30 @@ def _validate(cfg: ModelConfig) -> None:
     for name in ("d_model", "n_heads", "d_ff", "n_decoder_layers", "tgt_vocab_size", "max_len"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.d_model % cfg.n_heads:
+    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
         raise ConfigError(
-            f"d_model ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})"
+            f"d_model ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads}), or head_dim given"
         )
-    if cfg.positional != "learned" and cfg.d_model % 2:
+    if cfg.n_heads % cfg.kv_heads:
+        raise ConfigError(f"n_kv_heads ({cfg.kv_heads}) must divide n_heads ({cfg.n_heads}): each key/value "
+                          "head serves a whole group of query heads")
+    if cfg.positional == "rope":
+        if cfg.has_encoder:
+            raise ConfigError("positional='rope' is defined for decoder-only models here (its cross-attention "
+                              "would have no positions to rotate by); use arch='decoder-only'")
+        if not cfg.rope_theta > 1:
+            raise ConfigError(f"rope_theta must be greater than 1, got {cfg.rope_theta}")
+        if not 0 < cfg.rope_fraction <= 1:
+            raise ConfigError(f"rope_fraction must be in (0, 1], got {cfg.rope_fraction}")
+        if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+            raise ConfigError(f"rope_fraction {cfg.rope_fraction} of head_dim {cfg.d_head} rotates "
+                              f"{cfg.rotary_dim} dimensions; it must be an even number, at least 2 (pairs rotate)")
+    elif (cfg.rope_theta, cfg.rope_fraction) != (10000.0, 1.0):
+        raise ConfigError(f"rope_theta and rope_fraction apply to positional='rope' only, got positional={cfg.positional!r}")
+    if cfg.qk_norm and cfg.norm != "rmsnorm":
+        raise ConfigError(f"qk_norm normalises each head's q and k with RMSNorm (Qwen3) and needs norm='rmsnorm', "
+                          f"got norm={cfg.norm!r}")
+    if cfg.positional in ("sinusoidal", "sinusoidal-concat") and cfg.d_model % 2:
         raise ConfigError(
             f"d_model must be even for {cfg.positional} positions (sin/cos pairs), got {cfg.d_model}"
         )

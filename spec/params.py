@@ -17,14 +17,20 @@ from spec.errors import WeightsError
 PARAM_DTYPE = np.dtype("float32")  # the dtype of canonical parameters and of weight files
 
 
-def _attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d = cfg.d_model
+def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> dict[str, tuple[int, ...]]:
+    """q [d, H·d_k], k and v [d, H_kv·d_k], o [H·d_k, d]; Qwen3's per-head q/k norms [d_k] in
+    self-attention."""
+    d, queries, keys = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+    widths = {"q": queries, "k": keys, "v": keys}
     shapes: dict[str, tuple[int, ...]] = {}
     for projection in ("q", "k", "v", "o"):
-        shapes[f"{prefix}.{projection}.weight"] = (d, d)
+        shapes[f"{prefix}.{projection}.weight"] = (queries, d) if projection == "o" else (d, widths[projection])
         has_bias = cfg.bias if projection == "o" else cfg.qkv_bias
         if has_bias:
-            shapes[f"{prefix}.{projection}.bias"] = (d,)
+            shapes[f"{prefix}.{projection}.bias"] = (d,) if projection == "o" else (widths[projection],)
+    if cfg.qk_norm and self_attention:
+        shapes[f"{prefix}.q_norm.scale"] = (cfg.d_head,)
+        shapes[f"{prefix}.k_norm.scale"] = (cfg.d_head,)
     return shapes
 
 
@@ -36,9 +42,14 @@ def _norm_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _ffn_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """W1 [d, d_ff] (activated), W3 [d, d_ff] (the gated FFN's linear unit), W2 [d_ff, d]."""
     shapes: dict[str, tuple[int, ...]] = {f"{prefix}.w1.weight": (cfg.d_model, cfg.d_ff)}
     if cfg.bias:
         shapes[f"{prefix}.w1.bias"] = (cfg.d_ff,)
+    if cfg.gated_ffn:
+        shapes[f"{prefix}.w3.weight"] = (cfg.d_model, cfg.d_ff)
+        if cfg.bias:
+            shapes[f"{prefix}.w3.bias"] = (cfg.d_ff,)
     shapes[f"{prefix}.w2.weight"] = (cfg.d_ff, cfg.d_model)
     if cfg.bias:
         shapes[f"{prefix}.w2.bias"] = (cfg.d_model,)
@@ -60,7 +71,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(_norm_shapes("encoder.embed_norm", cfg))
     for i in range(cfg.n_encoder_layers):
         layer = f"encoder.layers.{i}"
-        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))
+        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg, True))
         shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
         shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
@@ -70,10 +81,10 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(_norm_shapes("decoder.embed_norm", cfg))
     for i in range(cfg.n_decoder_layers):
         layer = f"decoder.layers.{i}"
-        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg))
+        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg, True))
         shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
         if cfg.has_encoder:
-            shapes.update(_attention_shapes(f"{layer}.cross_attn", cfg))
+            shapes.update(_attention_shapes(f"{layer}.cross_attn", cfg, False))
             shapes.update(_norm_shapes(f"{layer}.cross_attn_norm", cfg))
         shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))

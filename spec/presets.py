@@ -76,6 +76,41 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             positional="learned", embed_scale=False, activation="gelu-tanh", tie_head=True, dropout=0.1,
         ),
     ),
+    "llama-tiny": (
+        "A Llama-family decoder at odd sizes (SmolLM2's and Llama 3.2's layout): pre-RMSNorm "
+        "(eps 1e-5) with a final norm, rotary positions (theta 10000), SwiGLU FFN, no biases "
+        "anywhere, no embedding scale, untied head; d 48, 6 heads of 8, grouped-query attention "
+        "with 3 key/value heads (2 groups), d_ff 88, 2 layers, vocabulary 97.",
+        ModelConfig(
+            arch="decoder-only", d_model=48, n_heads=6, n_kv_heads=3, d_ff=88, n_decoder_layers=2,
+            tgt_vocab_size=97, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", embed_scale=False, activation="swish", gated_ffn=True,
+            qkv_bias=False, bias=False,
+        ),
+    ),
+    "qwen2-tiny": (
+        "A Qwen2/Qwen2.5-family decoder at odd sizes: as llama-tiny, with biases on q, k and v "
+        "but not on o nor the FFN, rope theta 1000000, eps 1e-6, multi-query attention (1 "
+        "key/value head for 4 query heads of 10), d 40, d_ff 72, 2 layers, vocabulary 101, tied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=40, n_heads=4, n_kv_heads=1, d_ff=72, n_decoder_layers=2,
+            tgt_vocab_size=101, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=True, bias=False, tie_head=True,
+        ),
+    ),
+    "qwen3-tiny": (
+        "A Qwen3-family decoder at odd sizes: as qwen2-tiny without the q/k/v biases, with an "
+        "RMSNorm of each head's q and k before the rotation, and head_dim decoupled from "
+        "d_model / n_heads (Qwen3-0.6B: d 1024, 16 heads of 128): d 36, 4 heads of 12, 2 "
+        "key/value heads, d_ff 60, 2 layers, vocabulary 89, untied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=36, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=60, n_decoder_layers=2,
+            tgt_vocab_size=89, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False,
+        ),
+    ),
 }
 
 

@@ -9,7 +9,8 @@ TINY = get_preset("tiny")
 
 
 def test_presets_are_listed_in_a_stable_order():
-    assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm"]
+    assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
+                            "llama-tiny", "qwen2-tiny", "qwen3-tiny"]
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -37,7 +38,7 @@ def test_config_is_frozen():
         ({"pad_id": 80}, "pad_id"),
         ({"pad_id": -1}, "pad_id"),
         ({"arch": "encoder-only"}, "arch"),
-        ({"norm": "rmsnorm"}, "norm"),
+        ({"norm": "groupnorm"}, "norm"),
         ({"norm_position": "sandwich"}, "norm_position"),
         ({"positional": "rope"}, "positional"),
         ({"activation": "tanh"}, "activation"),
@@ -49,11 +50,40 @@ def test_config_is_frozen():
         ({"tie_head": 1}, "tie_head"),
         ({"share_src_tgt_embed": True}, "share_src_tgt_embed"),  # vocabularies differ in tiny
         ({"d_model": 63, "n_heads": 3, "positional": "sinusoidal"}, "d_model must be even"),
+        ({"n_kv_heads": 3}, "n_kv_heads"),
+        ({"n_kv_heads": 0}, "n_kv_heads"),
+        ({"head_dim": 0}, "head_dim"),
+        ({"head_dim": 16.0}, "head_dim"),
+        ({"rope_theta": 5e5}, "positional='rope' only"),
+        ({"qk_norm": True}, "qk_norm"),
+        ({"gated_ffn": "yes"}, "gated_ffn"),
     ],
 )
 def test_invalid_configs_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         TINY.replace(**changes)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_fraction": 0.1}, "rotates 0 dimensions"),  # head_dim 8
+    ({"rope_fraction": 0.375}, "rotates 3 dimensions"),
+    ({"rope_fraction": 1.5}, "rope_fraction must be in"),
+    ({"rope_theta": 1.0}, "rope_theta must be greater than 1"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a finite number"),
+    ({"n_heads": 5, "n_kv_heads": None}, "divisible by n_heads"),
+    ({"norm": "layernorm"}, "qk_norm"),
+])
+def test_invalid_modern_decoders_name_the_problem(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        get_preset("qwen3-tiny").replace(head_dim=None, n_heads=4, n_kv_heads=2, d_model=32, qk_norm=True).replace(
+            **changes)
+
+
+def test_head_dim_is_decoupled_and_key_value_heads_default_to_the_heads():
+    qwen3 = get_preset("qwen3-tiny")
+    assert (qwen3.d_model, qwen3.n_heads, qwen3.d_head, qwen3.kv_heads, qwen3.rotary_dim) == (36, 4, 12, 2, 12)
+    assert (TINY.d_head, TINY.kv_heads, TINY.rotary_dim) == (16, 4, 0)
+    assert ModelConfig.from_json(qwen3.to_json()) == qwen3
 
 
 def test_decoder_only_has_no_source():

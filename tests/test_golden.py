@@ -113,7 +113,7 @@ def test_fully_masked_rows_output_the_o_bias():
     x = rng().standard_normal((2, 5, 64))
     mask = np.ones((2, 1, 5, 5), bool)
     mask[1, 0, 2] = False  # query 2 of sequence 1 sees nothing
-    out = g.multi_head_attention(attention, x, x, mask, cfg.n_heads)
+    out = g.multi_head_attention(cfg, attention, x, x, mask)
     assert np.array_equal(out[1, 2], np.arange(64, dtype=float))
     assert np.isfinite(out).all()
 

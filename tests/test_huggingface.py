@@ -359,7 +359,8 @@ def _with_config(tmp_path: Path, source: Path, **changes) -> Path:
 @pytest.mark.parametrize("kind, changes, message", [
     ("gpt2", {"model_type": "t5", "relative_attention_num_buckets": 32},
      r"model_type = \"t5\" cannot be imported: relative_attention_num_buckets = 32: .*relative position bias.*RMSNorm"),
-    ("gpt2", {"model_type": "llama", "rope_theta": 10000.0}, r"rope_theta = 10000.0: rotary"),
+    ("gpt2", {"model_type": "gpt_neox", "use_parallel_residual": True},
+     r"use_parallel_residual = true: GPT-NeoX \(Pythia\) adds attention and FFN to one residual in parallel"),
     ("gpt2", {"model_type": "gptj"}, r"model_type = \"gptj\" is not a family the importer knows"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, r"scale_attn_by_inverse_layer_idx = true"),
     ("gpt2", {"activation_function": "gelu_fast"}, r"activation_function = 'gelu_fast' is not in the spec"),

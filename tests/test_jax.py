@@ -286,7 +286,7 @@ def test_flax_multi_head_attention_agrees():
     theirs = np.asarray(flax_attention(jnp.asarray(x), mask=jnp.asarray(keep), deterministic=True))
     model = Transformer.from_params(TINY, params)
     ours = np.asarray(model.encoder.layers[0].self_attn(jnp.asarray(x), jnp.asarray(x), jnp.asarray(keep)))
-    reference = golden.multi_head_attention(attention, x.astype(np.float64), x.astype(np.float64), keep, heads)
+    reference = golden.multi_head_attention(TINY, attention, x.astype(np.float64), x.astype(np.float64), keep)
     relative = tolerance("float32", max(d, 5), 1)
     assert compare(theirs, reference, relative).passed and compare(ours, reference, relative).passed
     assert np.abs(theirs - ours).max() < 1e-5

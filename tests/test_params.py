@@ -16,6 +16,11 @@ EXPECTED_COUNTS = {
     "annotated": 60_388_352,
     "learned-pos": 11_255_808,
     "char-lm": 858_880,
+    # by hand: 2 tables + layers × (q, k, v, o + FFN's three + norms) + final norm (+ Qwen2's q/k/v
+    # biases, Qwen3's q/k norms)
+    "llama-tiny": 2 * 97 * 48 + 2 * (48 * 48 + 2 * 48 * 24 + 48 * 48 + 3 * 48 * 88 + 2 * 48) + 48,  # 48,720
+    "qwen2-tiny": 101 * 40 + 2 * (40 * 40 + 40 + 2 * (40 * 10 + 10) + 40 * 40 + 3 * 40 * 72 + 2 * 40) + 40,
+    "qwen3-tiny": 2 * 89 * 36 + 2 * (36 * 48 + 2 * 36 * 24 + 48 * 36 + 2 * 12 + 3 * 36 * 60 + 2 * 36) + 36,
 }
 
 

@@ -230,7 +230,7 @@ def _float64_model(variant: str, seed: int):
     return cfg, params, Transformer.from_params(cfg, params, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+@pytest.mark.parametrize("variant", ["tiny", "char-lm", "qwen3-tiny"])
 def test_the_step_is_one_graph_for_every_position(variant, counted_graphs):
     """torch.compile traces the decode step's tensor work as one graph, without a break (no value
     read back to the host) and without a new graph per position: what CUDA graphs and
@@ -253,7 +253,7 @@ def test_the_step_is_one_graph_for_every_position(variant, counted_graphs):
     assert len(graphs) == 1
 
 
-@pytest.mark.parametrize("variant", ["tiny", "char-lm"])
+@pytest.mark.parametrize("variant", ["tiny", "char-lm", "qwen3-tiny"])
 def test_generation_with_the_compiled_step_gives_the_goldens_tokens(variant, counted_graphs):
     """greedy_generate(step=compiled_step(...)) runs the traced graph each step (on a GPU,
     mode="reduce-overhead" would replay it as a CUDA graph): the golden's tokens, one graph per
@@ -463,6 +463,75 @@ def test_golden_equals_torch_nn_transformer(norm_position):
                            memory_key_padding_mask=src_padding)
         logits = hidden @ extras["head.weight"].double().T + extras["head.bias"].double()
     assert np.abs(logits.numpy() - golden.forward(cfg, params, src, tgt)).max() <= 1e-10
+
+
+# ---- the modern decoder: RoPE, grouped-query attention, head_dim, gated FFN, q/k norms -----------
+
+MODERN = {
+    "llama-tiny": get_preset("llama-tiny"),
+    "qwen2-tiny": get_preset("qwen2-tiny"),
+    "qwen3-tiny": get_preset("qwen3-tiny"),
+    "partial_rope_geglu_mqa": get_preset("llama-tiny").replace(
+        rope_fraction=0.5, head_dim=12, n_kv_heads=1, qkv_bias=True, bias=True, activation="gelu-tanh"),
+    # an encoder-decoder's cross-attention has no q/k norms, and none of it rotates
+    "tiny.gqa_headdim_gated_qknorm": TINY.replace(norm="rmsnorm", n_kv_heads=2, head_dim=6, gated_ffn=True,
+                                                  qk_norm=True),
+}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("variant", MODERN)
+def test_the_modern_decoder_is_the_goldens_whole_and_in_steps(variant, attention):
+    """float64: canonical state_dict keys, the forward of a padded batch, and decode steps of
+    uneven chunks (the cache holds H_kv heads of rotated keys) all give the golden's logits."""
+    cfg = MODERN[variant]
+    params = conformance_params(cfg, seed=2)
+    model = Transformer.from_params(cfg, params, dtype=torch.float64, attention=attention)
+    assert set(model.state_dict()) == set(param_shapes(cfg))
+    assert params_digest(model.to_params()) == params_digest(params)
+    generator = np.random.default_rng(0)
+    src = None if not cfg.has_encoder else generator.integers(3, cfg.src_vocab_size, (3, 5))
+    tgt = generator.integers(3, cfg.tgt_vocab_size, (3, 7))
+    tgt[0, :2] = cfg.pad_id
+    tgt[2, 5:] = cfg.pad_id
+    expected = golden.forward(cfg, params, src, tgt)
+    with torch.inference_mode():
+        assert np.abs(model(src, tgt).numpy() - expected).max() <= 1e-10
+    cache, steps = model.start_cache(3, 7, src), []
+    for start, stop in [(0, 3), (3, 4), (4, 7)]:
+        logits, cache = model.decode_step(cache, tgt[:, start:stop])
+        steps.append(logits.numpy())
+    assert np.abs(np.concatenate(steps, axis=1) - expected).max() <= 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_sdpa_reads_grouped_key_value_heads_as_the_math_path_repeats_them(dtype):
+    """F.scaled_dot_product_attention(enable_gqa=True) with a boolean mask on CPU gives what the
+    explicit repeat gives, with the spec's zeros for a row with no key."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 4, 8, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 2, 5, 8, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.rand(2, 1, 4, 5, generator=generator) > 0.3
+    mask[1, :, 2] = False
+    grouped = scaled_dot_product_attention(q, k, v, mask, "sdpa")
+    repeated = scaled_dot_product_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), mask, "sdpa")
+    assert torch.equal(grouped, repeated) and (grouped[1, :, 2] == 0).all()
+    math_path = scaled_dot_product_attention(q, k, v, mask, "math")
+    assert (grouped.double() - math_path.double()).abs().max() <= 4 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rotates_by_angles_taken_in_float32(dtype):
+    """bfloat16 rounds positions 1000..1003 to 1000 or 1004, so angles taken in it are off by up
+    to 2 radians (float16's by ~0.03); the tables are taken in float32 and cast, so the rotation
+    is the float64 one to the dtype's rounding."""
+    from impl_torch import rotary
+
+    cfg = get_preset("llama-tiny")
+    x = torch.randn(1, 1, 3, cfg.d_head, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    positions = torch.arange(1000, 1003)
+    exact = rotary(cfg, x, positions)
+    assert (rotary(cfg, x.to(dtype), positions).double() - exact).abs().max() <= 8 * torch.finfo(dtype).eps
 
 
 # ---- every preset ---------------------------------------------------------------------------

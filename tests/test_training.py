@@ -46,15 +46,17 @@ def _relative(a, b):
 def _assert_steps_agree(theirs, history, training):
     """Every parameter after step 1 to 1e-13 and after step 3 to 1e-10 (the error grows: measured
     2e-16, then 3e-12 at step 2, on this batch), but b^K. Its gradient is identically zero, so the
-    golden's b^K never moves, while a framework's gradient there is rounding (~1e-17), which Adam
-    divides by its own size plus ε and turns into a step of up to lr · r / (r + ε)."""
+    golden's b^K never moves, while a framework's gradient there is rounding r, which Adam divides
+    by its own size plus ε and turns into a step of lr · r / (r + ε). r is float64 rounding of a
+    sum of terms near 0.1 (seen: 1e-18 to 3e-15, a drift of 3e-6 · Σ lr), so the bound 1e-4 · Σ lr
+    passes r below 1e-13 and fails a real gradient above it."""
     moved = sum(learning_rate(CFG, training, step) for step in range(1, STEPS + 1))
     for step, bound in zip(range(STEPS), (1e-13, 1e-10, 1e-10)):
         worst = max(_relative(theirs[step][n], history[step][n]) for n in PARAMS if not n.endswith("k.bias"))
         assert worst < bound, f"step {step + 1}: {worst:.2e}"
     for name in (n for n in PARAMS if n.endswith("k.bias")):
         assert np.all(history[-1][name] == PARAMS[name])
-        assert np.abs(theirs[-1][name] - PARAMS[name]).max() < moved * 1e-6, name
+        assert np.abs(theirs[-1][name] - PARAMS[name]).max() < moved * 1e-4, name
 
 
 def test_the_schedule_is_the_papers():

@@ -84,7 +84,7 @@ class ModuleRunner:
     def _run(self, sublayer: str, inputs: Mapping[str, Any], model=None):
         model, cfg = self.model if model is None else model, self.cfg
         if sublayer == "embedding":
-            return model.embed(self._ids(inputs["ids"]), inputs["side"], inputs["offset"])
+            return model.embed(self._ids(inputs["ids"]), inputs["side"], inputs.get("offset", 0))
         if sublayer == "positional":
             return model.positional_encoding(inputs["side"], inputs["length"], inputs["offset"])
         if sublayer == "attention":
@@ -95,7 +95,8 @@ class ModuleRunner:
             check_activations(inputs["x"], "x", cfg.d_model)
             check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            return self._module(inputs["module"], model)(x, context, self._array(inputs["mask"]))
+            return self._module(inputs["module"], model)(x, context, self._array(inputs["mask"]),
+                                                         offset=inputs.get("offset", 0))
         if sublayer in ("ffn", "norm"):
             return self._module(inputs["module"], model)(self._float(inputs["x"]))
         if sublayer == "ffn_block":

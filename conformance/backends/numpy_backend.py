@@ -53,7 +53,7 @@ class NumpyRunner:
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         cfg, p = self.cfg, self.p
         if sublayer == "embedding":
-            return golden.embed(cfg, p, np.asarray(inputs["ids"]), inputs["side"], inputs["offset"])
+            return golden.embed(cfg, p, np.asarray(inputs["ids"]), inputs["side"], inputs.get("offset", 0))
         if sublayer == "positional":
             return golden.positional_encoding(cfg, p, inputs["side"], inputs["length"], inputs["offset"], self.dtype)
         if sublayer == "attention":
@@ -66,7 +66,8 @@ class NumpyRunner:
             check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
             mask = self._mask(inputs["mask"], x, context)
-            return golden.multi_head_attention(params_under(p, inputs["module"]), x, context, mask, cfg.n_heads)
+            return golden.multi_head_attention(cfg, params_under(p, inputs["module"]), x, context, mask,
+                                               inputs.get("offset", 0))
         if sublayer == "ffn":
             return golden.feed_forward(params_under(p, inputs["module"]), self._float(inputs["x"]), cfg.activation)
         if sublayer == "norm":
@@ -122,7 +123,7 @@ class NumpyRunner:
         if forward in ("mha", "mha_cross"):
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
             d_x, d_context, grads = backward.multi_head_attention_vjp(
-                under, x, context, self._mask(inputs["mask"], x, context), cfg.n_heads, d_out)
+                cfg, under, x, context, self._mask(inputs["mask"], x, context), d_out, inputs.get("offset", 0))
             return {"x": d_x, "context": d_context, **_every(under, grads)}
         if forward == "ffn":
             d_x, grads = backward.feed_forward_vjp(under, self._float(inputs["x"]), cfg.activation, d_out)
@@ -152,7 +153,7 @@ class NumpyRunner:
         """The gradient cases of the model's own entry points: every parameter's gradient."""
         cfg, p = self.cfg, self.p
         if forward == "embedding":
-            return _every(p, backward.embed_vjp(cfg, p, np.asarray(inputs["ids"]), inputs["side"], d_out, inputs["offset"]))
+            return _every(p, backward.embed_vjp(cfg, p, np.asarray(inputs["ids"]), inputs["side"], d_out, inputs.get("offset", 0)))
         if forward == "encoder":
             src_ids = np.asarray(inputs["src_ids"])
             return _every(p, backward.encoder_vjp(cfg, p, src_ids, real_tokens(cfg, src_ids, "src"), d_out))

@@ -1,18 +1,28 @@
 """The ``transformers`` column: Hugging Face's own implementation of an imported checkpoint.
 
 The runner loads the model from its Hugging Face directory with transformers (GPT2LMHeadModel,
-MarianMTModel, BartForConditionalGeneration) and runs the whole-model cases through Hugging
-Face's API: forward logits, the encoder, cached decoding (past_key_values) and greedy
-generation (generate). The weights under test must be that directory's import (checked by
-digest), so the column says whether Hugging Face and the spec compute the same function.
+MarianMTModel, BartForConditionalGeneration, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+and runs the whole-model cases through Hugging Face's API: forward logits, the encoder, cached
+decoding (past_key_values) and greedy generation (generate). The weights under test must be that
+directory's import (checked by digest), so the column says whether Hugging Face and the spec
+compute the same function.
 
 Where the two conventions differ, the runner states the spec's in Hugging Face's terms:
 - padding: the spec's keep-vectors (spec.masks.real_tokens) become attention_mask and
   decoder_attention_mask;
 - positions: the spec numbers slots from 0 whatever the padding; generate() numbers a padded
-  prompt's real tokens instead, so generation passes the slot positions explicitly;
+  prompt's real tokens instead, so a decoder-only model is given the slot positions explicitly
+  (position_ids) in every call: the forward, each decode step (P … P+n−1 after P cached slots)
+  and generation. The forward and decode steps would count slots anyway (from the cache's
+  length), but the rotary positions are too central to leave implicit;
 - Marian's sinusoid table: Hugging Face builds it in float32 even in a float64 model; the spec
   evaluates angles in float64, so the table is rebuilt at the run's dtype by Marian's formula;
+- the Llama family's float32 internals: its RMSNorm normalises in float32 whatever the model's
+  dtype (an upcast meant for half precision) and its rotary embedding computes the inverse
+  frequencies and the angles in float32 before casting cos and sin to the model's dtype. The
+  spec allows both (SPEC §5.6, §5.11) up to float32; at float64 they are downcasts that leave
+  float32 errors (about 1e-6 in the logits) in a float64 column, so a float64 run evaluates the same formulas
+  in float64. Every other dtype runs the modules as transformers wrote them;
 - generation settings: the model's generation_config (bad words, forced tokens, penalties) is
   replaced by plain greedy decoding, which is what the spec defines.
 The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
@@ -54,6 +64,22 @@ class TransformersRunner:
         self.model = self.model.to(self.device).eval()
         self.model.generation_config = GenerationConfig()  # plain greedy: no bad words, forced or suppressed tokens
         self._rebuild_sinusoids(torch_dtype)
+        if dtype == "float64":
+            self._float64_throughout()
+
+    def _float64_throughout(self) -> None:
+        """At float64, the Llama-family RMSNorm and rotary embedding by their own formulas in float64
+        (transformers computes both in float32 whatever the model's dtype)."""
+        import types
+
+        for module in self.model.modules():
+            kind = type(module).__name__
+            if kind.endswith("RMSNorm"):
+                module.forward = types.MethodType(_rms_norm_float64, module)
+            elif kind.endswith("RotaryEmbedding"):
+                if module.rope_type != "default" or module.attention_scaling != 1.0:
+                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's is the plain one")
+                module.forward = types.MethodType(_rotary_float64, module)
 
     def _rebuild_sinusoids(self, dtype) -> None:
         """Marian's table by its own formula, evaluated in float64 and rounded to the run's dtype."""
@@ -73,6 +99,10 @@ class TransformersRunner:
         keep = real_tokens(self.cfg, np.asarray(ids), side, offset)
         return self.torch.as_tensor(keep.astype(np.int64), device=self.device)
 
+    def _slots(self, batch: int, start: int, stop: int) -> Any:
+        """position_ids [batch, stop − start]: the slot indices start … stop − 1, padding or not (SPEC §5.2)."""
+        return self.torch.arange(start, stop, device=self.device).expand(batch, -1)
+
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         if sublayer not in MODEL_CASES:
             raise NotSupported(f"transformers runs whole models ({', '.join(MODEL_CASES)}), not {sublayer}")
@@ -84,7 +114,9 @@ class TransformersRunner:
     def forward(self, inputs: Mapping[str, Any]):
         tgt = inputs["tgt_ids"]
         if not self.cfg.has_encoder:
-            return self.model(input_ids=self._ids(tgt), attention_mask=self._keep(tgt, "tgt")).logits
+            batch, length = np.shape(tgt)
+            return self.model(input_ids=self._ids(tgt), attention_mask=self._keep(tgt, "tgt"),
+                              position_ids=self._slots(batch, 0, length)).logits
         src = inputs["src_ids"]
         return self.model(input_ids=self._ids(src), attention_mask=self._keep(src, "src"),
                           decoder_input_ids=self._ids(tgt), decoder_attention_mask=self._keep(tgt, "tgt")).logits
@@ -115,7 +147,8 @@ class TransformersRunner:
                 output = self.model(decoder_input_ids=chunk, decoder_attention_mask=keep[:, :stop],
                                     past_key_values=cache, **arguments)
             else:
-                output = self.model(input_ids=chunk, attention_mask=keep[:, :stop], past_key_values=cache, use_cache=True)
+                output = self.model(input_ids=chunk, attention_mask=keep[:, :stop], past_key_values=cache,
+                                    position_ids=self._slots(tgt.shape[0], start, stop), use_cache=True)
             cache = output.past_key_values
             if start >= prefix:
                 steps.append(output.logits)
@@ -136,12 +169,30 @@ class TransformersRunner:
                                          generation_config=settings)[:, 1:]  # after the start token
         else:
             prompt = np.asarray(inputs["prompt_ids"])
-            positions = self.torch.arange(prompt.shape[1], device=self.device).expand(prompt.shape[0], -1)
             tokens = self.model.generate(input_ids=self._ids(prompt), attention_mask=self._keep(prompt, "tgt"),
-                                         position_ids=positions, generation_config=settings)[:, prompt.shape[1]:]
+                                         position_ids=self._slots(prompt.shape[0], 0, prompt.shape[1]),
+                                         generation_config=settings)[:, prompt.shape[1]:]
         if tokens.shape[1] < count:  # generate stops once every row has finished; the spec pads
             tokens = self.torch.nn.functional.pad(tokens, (0, count - tokens.shape[1]), value=cfg.pad_id)
         return tokens
+
+
+def _rms_norm_float64(module, hidden):
+    """transformers' Llama-family RMSNorm, γ · x / √(mean(x²) + ε), without its cast to float32 (a float64 run)."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return module.weight * (hidden * (variance + module.variance_epsilon).rsqrt())
+
+
+def _rotary_float64(module, x, position_ids):
+    """transformers' default rotary embedding, cos and sin of position · θ^(−2i/r) repeated for both
+    halves, with the frequencies and angles in float64 rather than float32 (a float64 run)."""
+    import torch
+
+    theta, width = module.config.rope_parameters["rope_theta"], 2 * module.inv_freq.shape[-1]
+    inverse_frequency = 1.0 / theta ** (torch.arange(0, width, 2, dtype=torch.float64, device=x.device) / width)
+    angles = position_ids[..., None].to(torch.float64) * inverse_frequency
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
 
 class TransformersBackend:

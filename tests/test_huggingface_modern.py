@@ -1,0 +1,307 @@
+"""Hugging Face's modern decoders (Llama, Qwen2, Qwen3) through the importer and the transformers
+column.
+
+Models are built here from configs with random weights (nothing is downloaded), at odd sizes:
+vocabularies that are not powers of two, grouped-query attention with 2 groups (Llama, Qwen3),
+multi-query attention (Qwen2), a Qwen3 head_dim apart from hidden / heads, rope_theta away from
+its default. Every parameter is perturbed: norm scales away from 1, biases away from 0, so a
+mapping that swapped gate_proj and up_proj, or q_norm and k_norm, could not pass by accident.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+torch = pytest.importorskip("torch")
+
+import impl_numpy as golden  # noqa: E402
+from conformance.backends.transformers_backend import TransformersRunner  # noqa: E402
+from conformance.harness import PASS, SKIP  # noqa: E402
+from conformance.tolerance import compare, tolerance  # noqa: E402
+from importers import import_huggingface  # noqa: E402
+from importers.huggingface import mapping_markdown  # noqa: E402
+from spec import ConfigError, WeightsError  # noqa: E402
+from tests.test_huggingface import _matrix, _rewrite, _with_config  # noqa: E402
+
+FAMILY_CONFIGS = {
+    # 6 query heads of 8 over 3 key/value heads (2 groups), untied head
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0),
+    # SmolLM2's tied head, with every bias Llama can have; multi-head (5 of 8), no pad token
+    "llama-tied": lambda: transformers.LlamaConfig(
+        vocab_size=103, hidden_size=40, intermediate_size=68, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=5, max_position_embeddings=2048, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        bos_token_id=0, eos_token_id=[102, 101]),
+    # multi-query: 4 query heads of 10 over 1 key/value head; q/k/v biases; tied
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=101, hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=100, eos_token_id=100),
+    # head_dim 12 where hidden / heads is 9; 2 key/value heads; q/k head norms; untied
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=89, hidden_size=36, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1),
+}
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _build(kind: str, directory, seed: int = 0):
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[kind.split("-")[0]])(FAMILY_CONFIGS[kind]()).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            if tensor.ndim >= 2:  # matrices and the embedding at 1/sqrt(their smaller side)
+                tensor.copy_(noise * min(tensor.shape) ** -0.5)
+            elif "norm" in name:  # RMSNorm scales (q_norm and k_norm included) away from 1
+                tensor.copy_(1.0 + 0.2 * noise)
+            else:  # biases away from 0
+                tensor.copy_(0.2 * noise)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-modern")
+    return {kind: _build(kind, root / kind) for kind in FAMILY_CONFIGS}
+
+
+def _padded_batch(cfg, seed=0):
+    """Real tokens (never pad_id) padded three ways: none, at the end, at the start (where the
+    slot positions and transformers' count of real tokens differ)."""
+    rng = np.random.default_rng(seed)
+    length = 9
+    ids = rng.integers(0, cfg.tgt_vocab_size - 1, (3, length))
+    ids = np.where(ids >= cfg.pad_id, ids + 1, ids)
+    keep = np.ones((3, length), bool)
+    keep[1, 6:] = False
+    keep[2, :4] = False
+    return np.where(keep, ids, cfg.pad_id), keep
+
+
+def _transformers_logits(directory, cfg, ids, keep, dtype="float64", widened=True):
+    """transformers' logits with the slot positions; ``widened``: through the column's runner, whose
+    float64 run evaluates RMSNorm and the rotary tables in float64; else the model as loaded."""
+    if widened:
+        model = TransformersRunner(directory, cfg, dtype, "cpu").model
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype),
+                                                                  attn_implementation="sdpa").eval()
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    with torch.inference_mode():
+        return model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(keep.astype(np.int64)),
+                     position_ids=positions).logits.numpy()
+
+
+def _float64_tolerance(cfg, length):
+    return tolerance("float64", max(cfg.d_model, cfg.d_ff, length ** 2), 2 * cfg.n_decoder_layers + 2)
+
+
+# ---- the golden equals transformers at float64 ------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(FAMILY_CONFIGS))
+def test_the_golden_equals_transformers_at_float64(checkpoints, kind):
+    imported = import_huggingface(checkpoints[kind])
+    cfg = imported.config
+    ids, keep = _padded_batch(cfg)
+    ours = golden.forward(cfg, imported.params, None, ids, tgt_keep=keep)
+    theirs = _transformers_logits(checkpoints[kind], cfg, ids, keep)
+    result = compare(theirs, ours, _float64_tolerance(cfg, ids.shape[1]))
+    assert result.passed, result.reason
+    assert result.max_abs_err < 1e-12  # the two float64 computations agree to rounding
+
+
+def test_transformers_float64_llama_normalises_and_rotates_in_float32(checkpoints):
+    """Why the column's float64 run widens RMSNorm and the rotary tables: as loaded, a float64
+    Llama differs from the golden by float32's rounding, far above float64's tolerance."""
+    imported = import_huggingface(checkpoints["llama"])
+    cfg = imported.config
+    ids, keep = _padded_batch(cfg)
+    ours = golden.forward(cfg, imported.params, None, ids, tgt_keep=keep)
+    as_loaded = compare(_transformers_logits(checkpoints["llama"], cfg, ids, keep, widened=False), ours,
+                        _float64_tolerance(cfg, ids.shape[1]))
+    assert not as_loaded.passed and 1e-9 < as_loaded.max_abs_err < 1e-5
+
+
+def test_the_float64_check_can_fail(checkpoints):
+    """gate_proj and up_proj swapped (W1 and W3): the comparison that passed above fails, by far."""
+    imported = import_huggingface(checkpoints["llama"])
+    cfg, params = imported.config, dict(imported.params)
+    a, b = "decoder.layers.1.ffn.w1.weight", "decoder.layers.1.ffn.w3.weight"
+    params[a], params[b] = params[b], params[a]
+    ids, keep = _padded_batch(cfg)
+    wrong = golden.forward(cfg, params, None, ids, tgt_keep=keep)
+    result = compare(_transformers_logits(checkpoints["llama"], cfg, ids, keep), wrong,
+                     _float64_tolerance(cfg, ids.shape[1]))
+    assert not result.passed and result.max_abs_err > 1e-3
+
+
+def test_every_tensor_of_the_checkpoint_is_imported(checkpoints):
+    for kind, directory in checkpoints.items():
+        model = getattr(transformers, CLASSES[kind.split("-")[0]]).from_pretrained(directory)
+        hf_count = sum(p.numel() for p in model.parameters())  # tied tensors once
+        assert sum(v.size for v in import_huggingface(directory).params.values()) == hf_count, kind
+
+
+def test_the_imported_configs(checkpoints):
+    llama = import_huggingface(checkpoints["llama"]).config
+    assert (llama.arch, llama.norm, llama.norm_position, llama.final_norm, llama.positional, llama.gated_ffn,
+            llama.activation, llama.embed_scale) == ("decoder-only", "rmsnorm", "pre", True, "rope", True, "swish",
+                                                      False)
+    assert (llama.n_heads, llama.n_kv_heads, llama.d_head, llama.head_dim, llama.rope_theta, llama.norm_eps,
+            llama.qkv_bias, llama.bias, llama.tie_head, llama.pad_id, llama.max_len) == (
+        6, 3, 8, None, 5000.0, 1e-5, False, False, False, 0, 2048)
+    tied = import_huggingface(checkpoints["llama-tied"])
+    assert (tied.config.qkv_bias, tied.config.bias, tied.config.tie_head, tied.config.n_kv_heads,
+            tied.config.pad_id) == (True, True, True, None, 102)
+    assert any("eos_token_id (102)" in note for note in tied.notes)
+    qwen2 = import_huggingface(checkpoints["qwen2"]).config
+    assert (qwen2.n_kv_heads, qwen2.qkv_bias, qwen2.bias, qwen2.tie_head, qwen2.rope_theta, qwen2.qk_norm) == (
+        1, True, False, True, 1e6, False)
+    qwen3 = import_huggingface(checkpoints["qwen3"]).config
+    assert (qwen3.head_dim, qwen3.d_head, qwen3.n_kv_heads, qwen3.qk_norm, qwen3.qkv_bias, qwen3.bias,
+            qwen3.tie_head) == (12, 12, 2, True, False, False, False)
+
+
+def test_mapping_tables_for_the_new_families():
+    llama, qwen2, qwen3 = (mapping_markdown(family) for family in ("llama", "qwen2", "qwen3"))
+    assert "| `model.layers.{i}.mlp.gate_proj.weight` | `decoder.layers.{i}.ffn.w1.weight` | transposed" in llama
+    assert "| `model.layers.{i}.mlp.up_proj.weight` | `decoder.layers.{i}.ffn.w3.weight` |" in llama
+    assert "lm_head.weight" in llama and "lm_head.weight" not in qwen2  # Qwen2's example is tied
+    assert "`model.layers.{i}.self_attn.q_proj.bias`" in qwen2 and "o_proj.bias" not in qwen2
+    assert "| `model.layers.{i}.self_attn.k_norm.weight` | `decoder.layers.{i}.self_attn.k_norm.scale` |" in qwen3
+
+
+# ---- both spellings of rope_theta ----------------------------------------------------------------------
+
+def test_rope_theta_is_read_from_rope_parameters_and_from_the_older_top_level_field(tmp_path, checkpoints):
+    """transformers 5 writes rope_parameters; files from before it have rope_theta and rope_scaling
+    at the top level. Both give the same import, and transformers reads the older one the same."""
+    new = import_huggingface(checkpoints["qwen3"])
+    older = tmp_path / "older"
+    _with_config(tmp_path, checkpoints["qwen3"], rope_theta=1000000.0, rope_scaling=None).rename(older)
+    config = json.loads((older / "config.json").read_text())
+    del config["rope_parameters"]
+    (older / "config.json").write_text(json.dumps(config))
+    assert import_huggingface(older).config == new.config
+    assert transformers.AutoConfig.from_pretrained(older).rope_parameters["rope_theta"] == 1000000.0
+    missing = _with_config(tmp_path, checkpoints["llama"], rope_parameters=None)  # neither: the default
+    assert import_huggingface(missing).config.rope_theta == 10000.0
+
+
+def test_qwen_configs_as_published_are_accepted(tmp_path, checkpoints):
+    """Qwen2.5's files carry a sliding_window that use_sliding_window false turns off, and a
+    sliding window from max_window_layers on that a shallower model never reaches."""
+    published = _with_config(tmp_path, checkpoints["qwen2"], use_sliding_window=False, sliding_window=32768,
+                             max_window_layers=21, layer_types=None, rope_parameters=None, rope_theta=1000000.0,
+                             rope_scaling=None)
+    assert import_huggingface(published).config == import_huggingface(checkpoints["qwen2"]).config
+    (published / "config.json").write_text(json.dumps({**json.loads((published / "config.json").read_text()),
+                                                       "use_sliding_window": True, "max_window_layers": 2}))
+    assert import_huggingface(published).config.n_decoder_layers == 2
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+
+def test_a_mismatched_checkpoint_gets_the_whole_key_diff(tmp_path, checkpoints):
+    def damage(tensors):
+        tensors.pop("model.layers.1.mlp.up_proj.weight")
+        tensors["model.layers.0.self_attn.key_norm.weight"] = tensors.pop("model.layers.0.self_attn.k_norm.weight")
+        tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"].T.copy()
+        return tensors
+
+    with pytest.raises(WeightsError) as error:
+        import_huggingface(_rewrite(checkpoints["qwen3"], tmp_path / "damaged", damage))
+    message = str(error.value)
+    assert "missing: model.layers.0.self_attn.k_norm.weight, model.layers.1.mlp.up_proj.weight" in message
+    assert "model.layers.0.self_attn.k_proj.weight: shape [36, 24], expected [24, 36]" in message
+    assert "unexpected: model.layers.0.self_attn.key_norm.weight" in message
+
+
+def test_a_tied_head_may_be_stored_only_as_an_equal_copy(tmp_path, checkpoints):
+    def stored(offset):
+        return lambda tensors: {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + offset}
+
+    equal = import_huggingface(_rewrite(checkpoints["qwen2"], tmp_path / "equal", stored(0)))
+    assert any("lm_head.weight" in note for note in equal.notes)
+    with pytest.raises(WeightsError, match="lm_head.weight should equal model.embed_tokens.weight"):
+        import_huggingface(_rewrite(checkpoints["qwen2"], tmp_path / "differs", stored(1)))
+
+
+def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, checkpoints):
+    def with_frequencies(theta):
+        frequencies = (theta ** (-np.arange(0, 8, 2) / 8)).astype(np.float32)
+        return lambda tensors: {**tensors, "model.layers.1.self_attn.rotary_emb.inv_freq": frequencies}
+
+    good = import_huggingface(_rewrite(checkpoints["llama"], tmp_path / "good", with_frequencies(5000.0)))
+    assert any("inverse frequencies" in note for note in good.notes)
+    with pytest.raises(WeightsError, match="rotary_emb.inv_freq is not the spec's rotary inverse frequencies"):
+        import_huggingface(_rewrite(checkpoints["llama"], tmp_path / "bad", with_frequencies(10000.0)))
+
+
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("kind, changes, message", [
+    ("llama", {"rope_parameters": _LLAMA3},
+     r'rope_parameters.rope_type = "llama3" \(Llama 3.1\'s rescaling .*\): the spec\'s rotary embedding is the plain'),
+    ("llama", {"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r'rope_scaling.type = "linear" \(positions divided by a factor'),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r'rope_scaling.rope_type = "dynamic"'),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     r'rope_scaling.rope_type = "yarn" \(YaRN'),
+    ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
+                                   "long_factor": [2.0] * 6}}, r'rope_parameters.rope_type = "longrope"'),
+    ("qwen2", {"layer_types": None, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     r"use_sliding_window = true, sliding_window = 4, max_window_layers = 1: layers 1 … 1 attend to the last 4"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
+               "sliding_window": 4}, r'layer_types = \["full_attention", "sliding_attention"\]: the spec has full'),
+    ("llama", {"sliding_window": 4096}, r"sliding_window = 4096: attention to a sliding window of keys \(Mistral\)"),
+    ("llama", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping = 50.0: scores squashed by c·tanh"),
+    ("qwen3", {"final_logit_softcapping": 30.0},
+     r"final_logit_softcapping = 30.0: logits squashed .* Qwen3ForCausalLM does not apply it either"),
+    ("llama", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor = 0.5: LlamaForCausalLM rotates every dimension"),
+    ("llama", {"attention_bias": True}, r"attention_bias = true and mlp_bias = false: the spec's bias field"),
+    ("qwen3", {"attention_bias": True}, r"attention_bias = true: Qwen3 then has biases on q, k, v and o_proj"),
+    ("qwen2", {"hidden_act": "gelu_fast"}, r"hidden_act = 'gelu_fast' is not in the spec"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, r"only LlamaForCausalLM has the output head"),
+    ("qwen2", {"num_key_value_heads": None}, r"config.json of this qwen2 model has no num_key_value_heads"),
+    ("llama", {"model_type": "mistral", "sliding_window": 4096},
+     r'model_type = "mistral" cannot be imported: sliding_window = 4096: MistralForCausalLM'),
+])
+def test_configs_the_spec_cannot_express_are_refused_by_field(tmp_path, checkpoints, kind, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        import_huggingface(_with_config(tmp_path, checkpoints[kind], **changes))
+
+
+# ---- the transformers column ------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(FAMILY_CONFIGS))
+def test_the_transformers_column_passes_every_whole_model_case(checkpoints, kind):
+    results = _matrix(checkpoints[kind], ["transformers"], ["float64", "float32", "float16", "bfloat16"])
+    ran = [r for r in results if r.status != SKIP]
+    assert {r.sublayer for r in ran} == {"forward", "decode", "generate"}
+    assert {r.mask_case for r in ran} >= {"pad_right", "pad_left", "all_pad", "far", "long"}
+    assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+
+
+@pytest.mark.slow
+def test_the_whole_matrix_on_imported_weights(checkpoints):
+    backends = ["numpy-float32", "torch", "jax", "transformers"]
+    results = _matrix(checkpoints["llama-tied"], backends, ["float32"])
+    ran = [r for r in results if r.status != SKIP]
+    assert {r.backend for r in ran} == set(backends)
+    assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
