@@ -6,11 +6,11 @@ numbers. Activations are float32-representable; the golden reads them upcast to 
 
 Sublayers and the inputs each receives (the adapter protocol's contract, see adapter.py):
 
-    embedding      ids [B,T] int64, side 'src'|'tgt', offset          -> [B,T,d]
+    embedding      ids [B,T] int64, side 'src'|'tgt', offset (not with RoPE) -> [B,T,d]
     positional     length, side, offset                               -> [T,d]
-    attention      q [B,H,Q,dk], k, v [B,H,K,dk], mask                -> [B,H,Q,dk]
+    attention      q [B,H,Q,dk], k, v [B,H_kv,K,dk], mask             -> [B,H,Q,dk]
     mha            module, x [B,Q,d], context [B,K,d], mask, offset   -> [B,Q,d]   (self-attention; RoPE's
-                   keys at positions offset.., the queries the last Q of them)
+                   keys at positions offset.., the queries the last Q of them; offset with RoPE only)
     mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
     ffn            module, x [B,T,d]                                  -> [B,T,d]
     norm           module, x [B,T,d]                                  -> [B,T,d]
@@ -386,8 +386,11 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
         return {"ids": ids, "side": side, "offset": offset}, reduction
     if sublayer == "attention":
         q_len, k_len = _lengths(mask_case)
-        return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head), "k": _normal(rng, BATCH, heads, k_len, cfg.d_head),
-                "v": _normal(rng, BATCH, heads, k_len, cfg.d_head),
+        # the config's H_kv key/value heads: grouped- and multi-query attention meet each framework's own
+        # grouping (SDPA's enable_gqa, jax.nn.dot_product_attention) at every mask case
+        return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head),
+                "k": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
+                "v": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(cfg.d_head, k_len)
     if sublayer in ("mha", "mha_cross"):
         q_len, k_len = _lengths(mask_case)

@@ -367,7 +367,7 @@ MUTATIONS += [
     Mutation("rms_eps_outside_root", "RMSNorm with ε outside the root: x / (√mean(x²) + ε)", "rms_norm",
              _rms_eps_outside_the_root, "norm", "decoder.layers.0", preset="llama-tiny"),
     Mutation("kv_heads_tiled", "key/value heads repeated in the wrong order (tile, not repeat_interleave)",
-             "group_heads", _key_value_heads_tiled, "mha", "decoder.layers.0", preset="llama-tiny"),
+             "group_heads", _key_value_heads_tiled, "attention", "decoder.layers.0", preset="llama-tiny"),
     Mutation("rope_after_cache_write", "keys cached unrotated, then rotated by the step's position when read",
              "attend", _cached_keys_rotated_at_the_step, "mha", None, preset="llama-tiny"),
     Mutation("swiglu_swapped", "SwiGLU with gate and up swapped: silu(x W_up) ⊙ x W_gate", "feed_forward",

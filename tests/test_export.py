@@ -516,3 +516,27 @@ def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+
+
+# ---- the modern decoder: RoPE, grouped-query attention, q/k norms --------------------------------
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
+    """Both exports at float32 against the golden on every whole-model case, `far` (decode steps
+    after 1000 cached positions) and `long` (a 520-token forward) included; the torch export keeps
+    each attention one `Attention` op reading the H_kv key/value heads, not a repeat of them."""
+    from conformance.harness import PASS, plan_matrix, run_matrix
+
+    cfg = get_preset(name)
+    params = conformance_params(cfg)
+    results = run_matrix(cfg, params, plan_matrix(cfg, ["onnx", "onnx-jax"], ["float32"], ["cpu"]))
+    ran = [r for r in results if r.status != "skip"]
+    assert all(r.status == PASS for r in ran), {r.test_id: r.reason[:200] for r in ran if r.status != PASS}
+    passed = {r.test_id for r in ran}
+    assert {"forward-long-float32-onnx-cpu", "decode-far-float32-onnx-cpu", "generate-pad_left-float32-onnx-cpu",
+            "forward-long-float32-onnx-jax-cpu"} <= passed
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(exported(cfg, params) / "forward.onnx"))).graph
+    heads = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in graph.value_info
+             if len(v.type.tensor_type.shape.dim) == 4}
+    attention = [(heads.get(node.input[0]), heads.get(node.input[1])) for node in graph.node if node.op_type == "Attention"]
+    assert attention == [(cfg.n_heads, cfg.kv_heads)] * cfg.n_decoder_layers

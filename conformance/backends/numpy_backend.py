@@ -59,7 +59,8 @@ class NumpyRunner:
         if sublayer == "attention":
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            return golden.scaled_dot_product_attention(q, k, v, mask)
+            heads = q.shape[1]
+            return golden.scaled_dot_product_attention(q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask)
         if sublayer in ("mha", "mha_cross"):
             # checked as given, before the cast to the run's dtype would hide an integer array
             check_activations(inputs["x"], "x", cfg.d_model)
@@ -119,7 +120,10 @@ class NumpyRunner:
         if forward == "attention":
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            return dict(zip("qkv", backward.scaled_dot_product_attention_vjp(q, k, v, mask, d_out)))
+            heads = q.shape[1]
+            d_q, d_k, d_v = backward.scaled_dot_product_attention_vjp(
+                q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask, d_out)
+            return {"q": d_q, "k": backward.group_heads_vjp(d_k, k.shape[1]), "v": backward.group_heads_vjp(d_v, k.shape[1])}
         if forward in ("mha", "mha_cross"):
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
             d_x, d_context, grads = backward.multi_head_attention_vjp(
