@@ -99,9 +99,13 @@ MASK_CASES: dict[str, str] = {
     "long": f"a {LONG_PROMPT}-token sequence, padding at the end (rotary configs)",
     "small": "activations of size 1e-3, whose mean square (1e-6) is below ε: where ε's place decides the value "
              "(RMSNorm configs)",
+    "large": "activations of size 1e3, whose squares overflow float16 (65504): the norm's statistics must be taken "
+             "wider (RMSNorm configs)",
 }
 _ROTARY_CASES = ("far", "long")  # only rotary configs run them
 SMALL_ACTIVATIONS = 1e-3
+LARGE_ACTIVATIONS = 1e3  # a Llama's residual stream has outliers this size
+_SCALED = {"small": SMALL_ACTIVATIONS, "large": LARGE_ACTIVATIONS}  # the norm's activation sizes
 
 _ATTENTION_CASES = ("none", "pad_right", "pad_left", "pad_middle", "causal", "causal_pad", "lq_ne_lk",
                     "single_token", "all_pad", "incremental", "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
@@ -139,7 +143,7 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              _SELF_ATTENTION_CASES, lambda c: 1),
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
-    Sublayer("norm", "the config's norm (layernorm, std or rmsnorm)", ("none", "small"), lambda c: 1),
+    Sublayer("norm", "the config's norm (layernorm, std or rmsnorm)", ("none", "small", "large"), lambda c: 1),
     Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
     Sublayer("encoder_layer", "an encoder layer (each mask case the next layer)", _ENCODER_LAYER_CASES, lambda c: 4,
              True),
@@ -408,7 +412,7 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
     if sublayer in ("ffn", "norm", "ffn_block"):
         module = {"ffn": f"{stack}.layers.0.ffn", "norm": f"{stack}.layers.0.ffn_norm", "ffn_block": f"{stack}.layers.0"}[sublayer]
         key = "layer" if sublayer == "ffn_block" else "module"
-        x = _normal(rng, BATCH, TGT_LEN, d) * np.float32(SMALL_ACTIVATIONS if mask_case == "small" else 1.0)
+        x = _normal(rng, BATCH, TGT_LEN, d) * np.float32(_SCALED.get(mask_case, 1.0))
         return {key: module, "x": x}, d if sublayer == "norm" else max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
@@ -639,7 +643,7 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     else:
         cases = tuple(c for c in cases if c not in _ROTARY_CASES)
     if cfg.norm != "rmsnorm":
-        cases = tuple(c for c in cases if c != "small")
+        cases = tuple(c for c in cases if c not in _SCALED)
     if not cfg.dropout > 0:
         cases = tuple(c for c in cases if c != "dropout")
     if not cfg.has_encoder:

@@ -106,3 +106,42 @@ def test_half_precision_normalises_in_float32_then_scales_in_its_own_dtype():
     assert theirs.dtype == np.float16
     assert np.abs(theirs.astype(np.float32) - llama.astype(np.float32)).max() <= 2 * np.abs(
         llama.astype(np.float32)).max() * 2.0 ** -11
+
+
+def _torch_without_upcast(x, scale, bias, eps):
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * scale
+
+
+def _jax_without_upcast(x, scale, bias, eps):
+    import jax
+
+    return x * jax.lax.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * scale
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_norm_without_its_float32_statistics_fails_the_large_case(backend, monkeypatch):
+    """vLLM PR #29810's mistake, planted: RMSNorm's mean square taken in float16. Activations of
+    size 1e3 (a Llama's outliers) square past float16's 65504, the root of inf zeroes the row,
+    and norm-large fails at float16 only; the honest implementation passes every norm cell."""
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    plan = plan_matrix(cfg, [backend], ["float32", "float16", "bfloat16"], ["cpu"])
+    honest = run_matrix(cfg, params, plan, pattern="norm-*")
+    assert {r.test_id for r in honest if r.status == PASS} >= {f"norm-large-float16-{backend}-cpu",
+                                                                f"norm-small-float16-{backend}-cpu"}
+    assert all(r.status == PASS for r in honest)
+    if backend == "torch":
+        import impl_torch.model as module
+        monkeypatch.setattr(module, "rms_norm", _torch_without_upcast)
+    else:
+        import jax
+
+        import impl_jax.model as module
+        jax.clear_caches()  # programs traced with the honest norm must not be reused
+        monkeypatch.setattr(module, "rms_norm", _jax_without_upcast)
+    try:
+        planted = run_matrix(cfg, params, plan, pattern="norm-*")
+    finally:
+        if backend == "jax":
+            jax.clear_caches()
+    assert {r.test_id for r in planted if r.status != PASS} == {f"norm-large-float16-{backend}-cpu"}
