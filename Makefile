@@ -27,7 +27,9 @@ gpu:
 # jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's module;
 # it is installed with --no-deps, what it really needs (jax, flax, onnx, onnx-ir, ml_dtypes) above.
 # The demo needs the project alone; the tests add pytest, hypothesis and transformers (the
-# Hugging Face importers' tests run its models), about 20 more packages.
+# Hugging Face importers' tests run its models), about 20 more packages, and onnxruntime-genai
+# (the CUDA build of it: the plain package declares the CPU onnxruntime; with --no-deps it runs on
+# our onnxruntime-gpu, and its model builder needs only torch, transformers, onnx and onnx-ir).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
@@ -36,6 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,hf]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt onnxruntime-genai-cuda
 	touch $(TEST_STAMP)
 
 clean:

@@ -200,8 +200,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.hf:
         _register_transformers(args.hf)
     backends = _split(args.backends)
-    if backends and "transformers" in backends and not args.hf:
-        raise UsageError("the transformers column runs a Hugging Face model directory: give it with --hf DIR")
+    for column in ("transformers", "onnxruntime-genai"):
+        if backends and column in backends and not args.hf:
+            raise UsageError(f"the {column} column runs a Hugging Face model directory: give it with --hf DIR")
     if backends:
         unknown = [b for b in backends if b not in backend_names()]
         if unknown:
@@ -268,14 +269,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _register_transformers(directory: Path) -> None:
-    """The transformers column for one model directory. Registered with a callable, so it runs
-    in this process (a worker process could not be handed the directory by name)."""
+    """The columns that run one model directory's own model: transformers, and onnxruntime-genai
+    (its builder's graph). Registered with a callable, so they run in this process (a worker
+    process could not be handed the directory by name)."""
     from conformance.adapter import register_backend
+    from conformance.backends.genai_backend import GenaiBackend
     from conformance.backends.transformers_backend import TransformersBackend
 
     if not Path(directory).is_dir():
         raise UsageError(f"--hf {directory}: not a directory")
     register_backend("transformers", lambda: TransformersBackend(directory))
+    register_backend("onnxruntime-genai", lambda: GenaiBackend(directory))
 
 
 # ---- small commands -------------------------------------------------------------------------

@@ -5,6 +5,6 @@ model.safetensors) of a supported family — GPT-2, Marian, BART, Llama, Qwen2, 
 explicit mapping per family. It needs NumPy and safetensors only; transformers is not imported.
 """
 
-from importers.huggingface import FAMILIES, Imported, import_huggingface, import_to_file
+from importers.huggingface import FAMILIES, Imported, import_huggingface, import_to_file, require_import_of
 
-__all__ = ["FAMILIES", "Imported", "import_huggingface", "import_to_file"]
+__all__ = ["FAMILIES", "Imported", "import_huggingface", "import_to_file", "require_import_of"]

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from spec import ModelConfig, check_params, save_weights
+from spec import ModelConfig, check_params, params_digest, save_weights
 from spec.errors import ConfigError, WeightsError
 from spec.weights import read_header
 
@@ -697,6 +697,18 @@ def import_to_file(directory: str | os.PathLike, out: str | os.PathLike) -> Impo
     save_weights(out, imported.config, imported.params)
     return imported
 
+
+def require_import_of(directory: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                      column: str) -> Imported:
+    """The directory's import, when the weights under test are exactly it; else a WeightsError. A
+    column that runs the directory's own model (transformers, onnxruntime-genai) checks the
+    spec against that model only if the two hold the same config and tensors."""
+    imported = import_huggingface(directory)
+    if cfg != imported.config or params_digest(params) != params_digest(imported.params):
+        raise WeightsError(f"the weights under test are not the import of {directory}: the {column} column runs "
+                           "that directory's model, so it must hold the same config and tensors "
+                           f"(rosetta import {directory} --out FILE makes the matching weights file)")
+    return imported
 
 
 def mapping_markdown(family: str) -> str:

@@ -55,8 +55,13 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Q
 
 
 def _build(kind: str, directory, seed: int = 0):
+    return build_checkpoint(kind.split("-")[0], FAMILY_CONFIGS[kind](), directory, seed)
+
+
+def build_checkpoint(family: str, config, directory, seed: int = 0):
+    """A randomly initialised model of the family saved to directory, every parameter perturbed."""
     torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[kind.split("-")[0]])(FAMILY_CONFIGS[kind]()).eval()
+    model = getattr(transformers, CLASSES[family])(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight

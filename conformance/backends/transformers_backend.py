@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported
-from spec import ModelConfig, params_digest
-from spec.errors import WeightsError
+from spec import ModelConfig
 from spec.masks import real_tokens
 
 MODEL_CASES = ("forward", "encoder", "decode", "generate")
@@ -202,7 +201,7 @@ class TransformersBackend:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self._imported = None
+        self._checked = False
 
     def availability(self) -> str | None:
         try:
@@ -233,12 +232,9 @@ class TransformersBackend:
         return None
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> TransformersRunner:
-        from importers import import_huggingface
+        from importers import require_import_of
 
-        if self._imported is None:
-            self._imported = import_huggingface(self.directory)
-        if cfg != self._imported.config or params_digest(params) != params_digest(self._imported.params):
-            raise WeightsError(f"the weights under test are not the import of {self.directory}: the transformers "
-                               "column runs that directory's model, so it must hold the same config and tensors "
-                               f"(rosetta import {self.directory} --out FILE makes the matching weights file)")
+        if not self._checked:
+            require_import_of(self.directory, cfg, params, "transformers")
+            self._checked = True
         return TransformersRunner(self.directory, cfg, dtype, device)

@@ -1,0 +1,233 @@
+"""The ``onnxruntime-genai`` column: an ONNX implementation of an imported checkpoint that nobody
+traced from our code.
+
+onnxruntime-genai's model builder reads the Hugging Face directory and writes its ONNX graph by
+hand (GroupQueryAttention with the rotation inside it, SimplifiedLayerNormalization,
+SkipSimplifiedLayerNormalization), and genai's generator runs it with its own KV cache and its
+own greedy search. The column builds that model at float32 for the CPU and checks, against the
+golden, the whole-model cases genai's API can express:
+- forward: the prompt's logits at every position (the generator's first run, ``get_output``);
+- decode: a row at a time (genai appends tokens to a batch only once), the prefix in one call,
+  then one token per call through genai's cache, each step's logits;
+- generate: genai's greedy search, a row at a time, with the case's eos_id.
+
+What genai computes differently is reported, not hidden; each of these cells is skipped with its
+cause (measured in tests/test_genai.py), and every other row is compared at every position:
+- its attention reads the attention mask as each row's length (GroupQueryAttention's seqlens_k):
+  a row with n real tokens is computed as if its first n slots were real, pads among them (a
+  left-padded row's logits, where genai's length says real, equal the golden's with that keep);
+- its generator takes every appended token as real: a pad fed as a decode step attends and is
+  attended (the real steps of such a row agree; the pad steps do not);
+- a row with no real token is a length of 0, which its GroupQueryAttention refuses.
+
+The builder writes a CPU model only with a head size that its CPU GroupQueryAttention accepts (a
+multiple of 16); other heads are refused by name. The build runs once per process, in a
+temporary folder that is removed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conformance.adapter import NotSupported
+from spec import ModelConfig
+
+MODEL_CASES = ("forward", "decode", "generate")
+FAMILIES = ("llama", "qwen2", "qwen3")  # the builder's and the spec's common families
+HEAD_SIZE_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
+LEFT_PADDING = ("onnxruntime-genai reads the attention mask as each row's length (GroupQueryAttention's "
+                "seqlens_k): a row with n real tokens is computed as if its first n slots were real, so a pad "
+                "before a real token is attended and a real token after it is not; the spec masks each pad "
+                "where it stands (SPEC §5.2)")
+PAD_STEP = ("onnxruntime-genai's generator takes every appended token as real (its attention mask grows by "
+            "ones), so a pad fed as a decode step attends and is attended; the spec masks it (SPEC §5.2)")
+ALL_PAD = ("a row with no real token is a length of 0 to onnxruntime-genai: its GroupQueryAttention "
+           "refuses it (seqlens_k = -1 is out of range); the spec defines that row's numbers (SPEC §5.2)")
+
+
+def head_size(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
+def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None:
+    """Why genai cannot run rows whose real tokens are ``keep`` [B, L] (decode: steps from
+    ``first_step`` on), or None where it can: its masks are lengths, and its steps are real."""
+    keep = np.asarray(keep, dtype=bool)
+    real_after = np.flip(np.logical_or.accumulate(np.flip(keep, axis=1), axis=1), axis=1)  # a real token here or later
+    if not keep.any(axis=1).all():
+        return ALL_PAD
+    if np.any(~keep & real_after):
+        return LEFT_PADDING
+    if first_step is not None and not keep[:, first_step:].all():
+        return PAD_STEP
+    return None
+
+
+def _staged_directory(directory: Path, cfg: ModelConfig, into: Path) -> Path:
+    """The Hugging Face directory as the builder wants it: it loads a tokenizer and fails without
+    one, so a model without one (a randomly initialised one) gets a word-level vocabulary of its
+    size. The token ids, not the tokenizer, are what the cases feed."""
+    staged = into / "huggingface"
+    staged.mkdir()
+    for path in directory.iterdir():
+        (staged / path.name).symlink_to(path.resolve())
+    if not any((staged / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.tgt_vocab_size)}, unk_token="t0"))
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(staged)
+    return staged
+
+
+def build_model(directory: Path, cfg: ModelConfig, into: Path) -> Path:
+    """Run onnxruntime-genai's model builder (fp32, CPU) on the directory; the output folder."""
+    staged, output = _staged_directory(directory, cfg, into), into / "model"
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(output),
+               "-p", "fp32", "-e", "cpu", "-c", str(into / "cache")]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not (output / "genai_config.json").exists():
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+        raise RuntimeError(f"onnxruntime-genai's model builder failed (exit {done.returncode}) on {directory}:\n{tail}")
+    return output
+
+
+class GenaiRunner:
+    def __init__(self, model_directory: Path, cfg: ModelConfig):
+        import onnxruntime_genai
+
+        self.og, self.directory, self.cfg = onnxruntime_genai, model_directory, cfg
+        self._models: dict[int | None, Any] = {}
+
+    def _model(self, eos_id: int | None = None):
+        """genai's model with the spec's pad token and the case's eos_id. The forward and decode
+        cases only feed tokens, so their eos is the pad token, which they never feed as a step: the
+        builder's own ids may lie outside the vocabulary (a model without a pad token gets
+        pad = eos = vocab size), and genai refuses those."""
+        if eos_id not in self._models:
+            config = self.og.Config(str(self.directory))
+            end = self.cfg.pad_id if eos_id is None else int(eos_id)
+            config.overlay(json.dumps({"model": {"pad_token_id": self.cfg.pad_id, "eos_token_id": end}}))
+            self._models[eos_id] = self.og.Model(config)
+        return self._models[eos_id]
+
+    def _generator(self, batch: int, max_length: int, eos_id: int | None = None):
+        model = self._model(eos_id)
+        params = self.og.GeneratorParams(model)
+        params.set_search_options(max_length=max_length, do_sample=False, batch_size=batch)
+        return self.og.Generator(model, params)
+
+    def _refuse_inexpressible(self, ids: np.ndarray, first_step: int | None = None) -> None:
+        reason = inexpressible(np.asarray(ids) != self.cfg.pad_id, first_step)
+        if reason:
+            raise NotSupported(reason)
+
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
+        if sublayer not in MODEL_CASES:
+            raise NotSupported(f"onnxruntime-genai runs whole decoders ({', '.join(MODEL_CASES)}), not {sublayer}")
+        return getattr(self, sublayer)(inputs)
+
+    # ---- the whole-model cases: what genai cannot express is refused, the rest run as genai runs it ----
+    def forward(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        ids = np.asarray(inputs["tgt_ids"])
+        self._refuse_inexpressible(ids)
+        return self.logits(ids)
+
+    def decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
+        self._refuse_inexpressible(ids, prefix)
+        return self.step_logits(ids, prefix)
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """The generator's first run on a batch of prompts [B, L]: logits [B, L, V]."""
+        generator = self._generator(ids.shape[0], ids.shape[1])
+        generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        return np.asarray(generator.get_output("logits"), dtype=np.float64)
+
+    def step_logits(self, ids: np.ndarray, prefix: int) -> np.ndarray:
+        """Each row through its own generator (genai appends to a batch only once): the prefix in
+        one call, then a token per call through genai's cache; logits [B, L − prefix, V]."""
+        rows = []
+        for row in np.asarray(ids):
+            generator = self._generator(1, len(row))
+            generator.append_tokens(row[None, :prefix].astype(np.int32))
+            steps = []
+            for token in row[prefix:]:
+                generator.append_tokens(np.array([[token]], dtype=np.int32))
+                steps.append(np.asarray(generator.get_output("logits")).reshape(-1))
+            rows.append(steps)
+        return np.asarray(rows, dtype=np.float64)
+
+    def generate(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        """genai's greedy search on each row's prompt; a row it ended early is padded with pad_id."""
+        prompt, count, eos_id = np.asarray(inputs["prompt_ids"]), inputs["max_new_tokens"], inputs["eos_id"]
+        self._refuse_inexpressible(prompt)
+        if eos_id is None:
+            raise NotSupported("onnxruntime-genai's search always ends at an eos token; the case has none")
+        tokens = np.full((prompt.shape[0], count), self.cfg.pad_id, dtype=np.int64)
+        for index, row in enumerate(prompt):
+            generator = self._generator(1, prompt.shape[1] + count, eos_id)
+            generator.append_tokens(row[None].astype(np.int32))
+            made = []
+            while not generator.is_done():
+                generator.generate_next_token()
+                made.append(int(generator.get_next_tokens()[0]))
+            tokens[index, :len(made)] = made[:count]
+        return tokens
+
+
+class GenaiBackend:
+    """onnxruntime-genai's builder and generator on the model of one directory (``--hf DIR``)."""
+
+    name = "onnxruntime-genai"
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._built: Path | None = None
+
+    def availability(self) -> str | None:
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError as error:
+            return (f"not installed: {error} (pip install --no-deps onnxruntime-genai-cuda: the plain "
+                    "onnxruntime-genai package would pull the CPU onnxruntime in beside onnxruntime-gpu)")
+        return None
+
+    def devices(self) -> list[str]:
+        return ["cpu"]  # the CUDA model is a different build (-e cuda) that has not met a GPU here
+
+    def supports(self, dtype: str, device: str) -> str | None:
+        if dtype != "float32":
+            return f"dtype {dtype}: the builder's CPU model is float32 (its float16 and bfloat16 models are CUDA's)"
+        return None
+
+    def supports_sublayer(self, sublayer: str) -> str | None:
+        if sublayer not in MODEL_CASES:
+            return f"onnxruntime-genai runs whole decoders ({', '.join(MODEL_CASES)}); its graph has no sublayer entry points"
+        return None
+
+    def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> GenaiRunner:
+        from importers import require_import_of
+
+        imported = require_import_of(self.directory, cfg, params, "onnxruntime-genai")
+        if imported.family not in FAMILIES:
+            raise NotSupported(f"{imported.family}: onnxruntime-genai's builder and the spec share the "
+                               f"{', '.join(FAMILIES)} families")
+        if head_size(cfg) % HEAD_SIZE_MULTIPLE:
+            raise NotSupported(f"head size {head_size(cfg)}: onnxruntime's CPU GroupQueryAttention, which the "
+                               f"builder writes, needs a multiple of {HEAD_SIZE_MULTIPLE}")
+        if self._built is None:
+            folder = Path(tempfile.mkdtemp(prefix="rosetta-genai-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            self._built = build_model(self.directory, cfg, folder)
+        return GenaiRunner(self._built, cfg)

@@ -1,0 +1,242 @@
+"""onnxruntime-genai's column: an ONNX implementation of Llama, Qwen2 and Qwen3 written by its
+model builder, not traced from anyone's PyTorch, checked against the golden.
+
+Models are random (nothing is downloaded), at odd sizes with every parameter perturbed, and with
+heads of 16 (onnxruntime's CPU GroupQueryAttention takes no other sizes): Llama with 2 groups,
+Qwen2 multi-query with q/k/v biases and a tied head, Qwen3 with a head_dim apart from hidden /
+heads. Each model is built once per module (the builder takes a few seconds).
+
+The cells genai cannot express are skipped with their cause; the tests below show each cause
+measured, so a skip is a finding, not a hole.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+onnxruntime_genai = pytest.importorskip(
+    "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install --no-deps onnxruntime-genai-cuda)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+import impl_numpy as golden  # noqa: E402
+from conformance.adapter import NotSupported, register_backend, unregister_backend  # noqa: E402
+from conformance.backends.genai_backend import (ALL_PAD, LEFT_PADDING, PAD_STEP, GenaiBackend,  # noqa: E402
+                                                inexpressible)
+from conformance.cases import build_case  # noqa: E402
+from conformance.harness import FAIL, PASS, SKIP, golden_runner_for, plan_matrix, run_matrix  # noqa: E402
+from conformance.tolerance import compare, tolerance  # noqa: E402
+from importers import import_huggingface  # noqa: E402
+from spec import WeightsError  # noqa: E402
+from tests.test_huggingface_modern import build_checkpoint  # noqa: E402
+
+GENAI_CONFIGS = {
+    # 4 query heads of 16 over 2 key/value heads, untied head, vocabulary 97
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0),
+    # multi-query: 3 query heads of 16 over 1; q/k/v biases; tied; no pad token
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=100, eos_token_id=100),
+    # head_dim 16 where hidden / heads is 10; q/k head norms
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=89, hidden_size=40, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1),
+}
+REFUSALS = {ALL_PAD, LEFT_PADDING, PAD_STEP}
+
+
+class Built:
+    """One family's checkpoint, its import, and genai's model of it (built once)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        imported = import_huggingface(directory)
+        self.cfg, self.params = imported.config, imported.params
+        self.backend = GenaiBackend(directory)
+        self.runner = self.backend.load(self.cfg, self.params, "float32", "cpu")
+
+    def matrix(self, backend=None):
+        register_backend("onnxruntime-genai", lambda: backend or self.backend)
+        try:
+            return run_matrix(self.cfg, self.params, plan_matrix(self.cfg, ["onnxruntime-genai"], ["float32"], ["cpu"]))
+        finally:
+            unregister_backend("onnxruntime-genai")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("genai")
+    return {family: Built(build_checkpoint(family, make(), root / family)) for family, make in GENAI_CONFIGS.items()}
+
+
+def _float32_tolerance(cfg, reduction):
+    return tolerance("float32", reduction, 2 * cfg.n_decoder_layers + 2)
+
+
+def _case(model, sublayer, mask_case):
+    case = build_case(model.cfg, model.params, sublayer, mask_case)
+    return case, golden_runner_for(model.cfg, model.params).run(sublayer, case.inputs)
+
+
+# ---- the column -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(GENAI_CONFIGS))
+def test_the_genai_column_passes_every_case_it_can_express(built, family):
+    results = built[family].matrix()
+    ran = [r for r in results if r.status != SKIP]
+    assert {r.sublayer for r in ran} == {"forward", "decode", "generate"}
+    assert {(r.sublayer, r.mask_case) for r in ran} >= {
+        ("forward", "none"), ("forward", "pad_right"), ("forward", "long"), ("decode", "incremental"),
+        ("generate", "none")}
+    assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+    model_skips = {r.reason for r in results if r.status == SKIP and r.sublayer in ("forward", "decode", "generate")}
+    assert all(any(cause in reason for cause in REFUSALS) for reason in model_skips), model_skips
+
+
+@pytest.mark.slow
+def test_rotary_tables_rounded_to_bfloat16_in_genai_graph_are_caught(built, tmp_path):
+    """The planted mistake of transformers PR #29285, in genai's own graph: its cos/sin caches
+    rounded through bfloat16. The column fails forward and decode; nothing else changed."""
+    import ml_dtypes
+    import onnx
+    from onnx import numpy_helper
+
+    model = built["llama"]
+    tampered = tmp_path / "model"
+    shutil.copytree(model.runner.directory, tampered)
+    graph = onnx.load(str(tampered / "model.onnx"))
+    rounded = []
+    for initializer in graph.graph.initializer:
+        if initializer.name in ("cos_cache", "sin_cache"):
+            table = numpy_helper.to_array(initializer)
+            initializer.CopyFrom(numpy_helper.from_array(table.astype(ml_dtypes.bfloat16).astype(np.float32),
+                                                         initializer.name))
+            rounded.append(initializer.name)
+    assert sorted(rounded) == ["cos_cache", "sin_cache"]
+    (tampered / "model.onnx.data").unlink()
+    onnx.save(graph, str(tampered / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+
+    backend = GenaiBackend(model.directory)
+    backend._built = tampered
+    failed = {(r.sublayer, r.mask_case) for r in model.matrix(backend) if r.status == FAIL}
+    assert {("forward", "none"), ("forward", "long"), ("decode", "incremental")} <= failed
+
+
+# ---- each skip's cause, measured ------------------------------------------------------------------------
+
+def test_a_left_padded_row_is_read_as_its_length(built):
+    """genai's mask is a length: a row of 3 pads then 7 real tokens is computed as if its first 7
+    slots (the pads among them) were real and its last 3 were padding."""
+    model = built["llama"]
+    cfg = model.cfg
+    ids = np.concatenate([[cfg.pad_id] * 3, [5, 17, 33, 48, 60, 71, 80]])[None]
+    theirs = model.runner.logits(ids)
+    as_spec = golden.forward(cfg, model.params, None, ids, tgt_keep=ids != cfg.pad_id)
+    as_length = golden.forward(cfg, model.params, None, ids, tgt_keep=np.arange(10)[None] < 7)
+    bound = _float32_tolerance(cfg, max(cfg.d_model, cfg.d_ff, ids.shape[1] ** 2))
+    assert not compare(theirs[:, 3:], as_spec[:, 3:], bound).passed  # at the real tokens: not the spec's numbers
+    length_read = compare(theirs[:, :7], as_length[:, :7], bound)  # where genai's length says real: the length's
+    assert length_read.passed, length_read
+    assert inexpressible(ids != cfg.pad_id) == LEFT_PADDING
+
+
+def test_a_pad_fed_as_a_decode_step_is_taken_as_real(built):
+    model = built["llama"]
+    case, expected = _case(model, "decode", "pad_right")
+    ids, prefix = case.inputs["tgt_ids"], case.inputs["prefix"]
+    pad_step = ids[:, prefix:] == model.cfg.pad_id
+    assert pad_step.any() and not pad_step.all()
+    theirs = model.runner.step_logits(ids, prefix)  # [B, steps, V]
+    real = compare(theirs[~pad_step], expected[~pad_step], _float32_tolerance(model.cfg, case.reduction_length))
+    assert real.passed, real
+    assert (np.abs(theirs - expected).max(axis=-1)[pad_step] > 0.1).all()
+    assert inexpressible(ids != model.cfg.pad_id, prefix) == PAD_STEP
+
+
+def test_a_row_without_a_real_token_is_refused_by_onnxruntime(built):
+    model = built["qwen3"]
+    ids = np.array([[5, 9, 11], [model.cfg.pad_id] * 3])
+    with pytest.raises(Exception, match="seqlens_k"):
+        model.runner.logits(ids)
+    assert inexpressible(ids != model.cfg.pad_id) == ALL_PAD
+
+
+@pytest.mark.slow
+def test_a_decode_step_past_position_1000_agrees(built):
+    """decode-far is skipped for its padded rows; its unpadded row, 1001 cached positions then two
+    steps through genai's cache, agrees with the golden at the case's tolerance."""
+    model = built["qwen2"]
+    case, expected = _case(model, "decode", "far")
+    ids, prefix = case.inputs["tgt_ids"], case.inputs["prefix"]
+    unpadded = [row for row in range(ids.shape[0]) if (ids[row] != model.cfg.pad_id).all()]
+    assert prefix >= 1000 and unpadded
+    theirs = model.runner.step_logits(ids[unpadded], prefix)
+    result = compare(theirs, expected[unpadded], _float32_tolerance(model.cfg, case.reduction_length))
+    assert result.passed, result
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 4)), min_size=1, max_size=4), st.integers(0, 9))
+def test_what_genai_can_express_is_right_padded_rows_with_real_steps(rows, first_step):
+    """Rows of real tokens then pads are expressible; a pad moved to the front of a row, an empty
+    row, or a pad among the decode steps is not, each with its own cause."""
+    width = max(real + pads for real, pads in rows)
+    keep = np.array([[slot < real for slot in range(width)] for real, _ in rows])
+    assert inexpressible(keep) is None
+    steps_real = keep[:, min(first_step, width):].all()
+    assert inexpressible(keep, first_step) == (None if steps_real else PAD_STEP)
+    if not keep.all():
+        shifted = np.roll(keep, 1, axis=1)  # some row now starts with a pad before its real tokens
+        assert inexpressible(shifted) == (LEFT_PADDING if (~shifted[:, 0] & shifted.any(axis=1)).any() else None)
+    emptied = keep.copy()
+    emptied[-1] = False
+    assert inexpressible(emptied) == ALL_PAD
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+
+def test_other_dtypes_and_sublayers_are_refused_by_name():
+    backend = GenaiBackend("unused")
+    assert backend.supports("float32", "cpu") is None
+    assert "float16" in backend.supports("float16", "cpu")
+    assert "whole decoders" in backend.supports_sublayer("attention")
+    assert backend.devices() == ["cpu"]
+
+
+def test_weights_that_are_not_the_directory_import_are_refused(built):
+    model = built["llama"]
+    changed = dict(model.params)
+    name = next(iter(changed))
+    changed[name] = changed[name] + 1e-3
+    with pytest.raises(WeightsError, match="onnxruntime-genai column"):
+        GenaiBackend(model.directory).load(model.cfg, changed, "float32", "cpu")
+
+
+def test_a_head_size_genai_cannot_run_on_the_cpu_is_refused(tmp_path):
+    config = GENAI_CONFIGS["qwen3"]()
+    config.head_dim = 12
+    directory = build_checkpoint("qwen3", config, tmp_path / "qwen3-head-12")
+    imported = import_huggingface(directory)
+    with pytest.raises(NotSupported, match="head size 12"):
+        GenaiBackend(directory).load(imported.config, imported.params, "float32", "cpu")
+
+
+@pytest.mark.slow
+def test_rosetta_check_runs_the_genai_column_with_hf(built, capsys):
+    from conformance.cli import main
+
+    arguments = ["--backends", "onnxruntime-genai", "--dtypes", "float32", "-k", "forward", "--quiet"]
+    assert main(["check", "--hf", str(built["qwen3"].directory), *arguments]) == 0
+    assert "forward-long" in capsys.readouterr().out
+    assert main(["check", "--backends", "onnxruntime-genai"]) == 2
+    assert "the onnxruntime-genai column runs a Hugging Face model directory" in capsys.readouterr().err
