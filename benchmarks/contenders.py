@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -278,6 +279,9 @@ class OnnxRuntime(Contender):
 
 
 class CTranslate2(Contender):
+    """CTranslate2 from the same weights: its Translator for an encoder-decoder, its Generator
+    for a Llama- or Qwen2-family decoder."""
+
     name = "ctranslate2"
 
     def prepare(self, cfg, params):
@@ -286,34 +290,79 @@ class CTranslate2(Contender):
             import ctranslate2
         except ImportError as error:
             raise Skip(f"not installed ({error})") from None
-        from benchmarks.ctranslate2_peer import convert, unsupported_reason
+        from benchmarks.ctranslate2_peer import convert, convert_decoder, unsupported_reason
 
         reason = unsupported_reason(cfg)
         if reason:
             raise Skip(reason)
         self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
-        convert(cfg, params, self.directory.name, BOS_ID, EOS_ID)
-        self.translator = ctranslate2.Translator(self.directory.name, device="cpu", compute_type="float32")
+        if cfg.has_encoder:
+            convert(cfg, params, self.directory.name, BOS_ID, EOS_ID)
+            self.translator = ctranslate2.Translator(self.directory.name, device="cpu", compute_type="float32")
+        else:
+            convert_decoder(cfg, params, self.directory.name, BOS_ID, EOS_ID)
+            self.generator = ctranslate2.Generator(self.directory.name, device="cpu", compute_type="float32")
 
     def forward(self, src, tgt):
         raise Skip("CTranslate2 exposes no teacher-forced logits")
 
     def generate(self, src, max_new_tokens):
-        from benchmarks.ctranslate2_peer import greedy
+        from benchmarks.ctranslate2_peer import greedy, greedy_decoder
 
         if (src == self.cfg.pad_id).any():
             raise Skip("CTranslate2 takes unpadded rows; the benchmark's sources are unpadded")
-        return greedy(self.translator, self.cfg, src, max_new_tokens)
+        if self.cfg.has_encoder:
+            return greedy(self.translator, self.cfg, src, max_new_tokens)
+        return greedy_decoder(self.generator, self.cfg, src, max_new_tokens, EOS_ID)
+
+
+class OnnxRuntimeGenai(Contender):
+    """onnxruntime-genai's builder and generator on the same weights, written as a Hugging Face
+    directory (the builder reads nothing else): its own graph, KV cache and greedy search."""
+
+    name = "onnxruntime-genai"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        try:
+            import onnxruntime_genai  # noqa: F401
+        except ImportError as error:
+            raise Skip(f"not installed ({error})") from None
+        from conformance.backends.genai_backend import GenaiRunner, build_model, genai_unsupported_reason
+        from importers.huggingface_writer import family_of
+        from spec.errors import ConfigError
+
+        try:
+            family_of(cfg)
+        except ConfigError as error:
+            raise Skip(f"the builder reads a Llama, Qwen2 or Qwen3 directory ({error})") from None
+        reason = genai_unsupported_reason(cfg)
+        if reason:
+            raise Skip(reason)
+        from importers.huggingface_writer import to_huggingface
+
+        self.directory = tempfile.TemporaryDirectory(prefix="rosetta-genai-")
+        folder = Path(self.directory.name)
+        to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)
+        self.runner = GenaiRunner(build_model(folder / "source", cfg, folder), cfg)
+
+    def forward(self, src, tgt):
+        return self.runner.logits(tgt)
+
+    def generate(self, src, max_new_tokens):
+        if (src == self.cfg.pad_id).any():
+            raise Skip("onnxruntime-genai reads its mask as a length; the benchmark's prompts are unpadded")
+        return self.runner.greedy_batch(src, max_new_tokens, EOS_ID)
 
 
 def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
     """Every contender on each device asked for. On the CPU: golden first, torch eager (the
-    reference of every CPU ratio) second, CTranslate2 last. On a GPU: every framework at float16
+    reference of every CPU ratio) second, the outside peers (CTranslate2, onnxruntime-genai) last. On a GPU: every framework at float16
     (torch eager first, the reference of the GPU ratios), float32 and bfloat16 where it runs them."""
     chosen: list[Contender] = []
     if "cpu" in devices:
         chosen += [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(), JaxJit(),
-                   OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"), CTranslate2()]
+                   OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"), CTranslate2(), OnnxRuntimeGenai()]
     if "cuda" in devices:
         chosen += [TorchEager("float16", "cuda"), TorchEager("bfloat16", "cuda"), TorchEager("float32", "cuda"),
                    TorchCompiled("float16", "cuda"), TorchCompiled("float16", "cuda", mode="reduce-overhead"),

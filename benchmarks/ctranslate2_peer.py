@@ -1,5 +1,8 @@
 """CTranslate2, the outside peer: our canonical weights converted into a CTranslate2 model through
-its Python spec API (ctranslate2.specs.TransformerSpec), one mapping like every importer here.
+its Python spec API, one mapping like every importer here: ``TransformerSpec`` for an
+encoder-decoder, ``TransformerDecoderModelSpec`` for the modern decoder (Llama, Qwen2: RMSNorm,
+rotate_half rotary positions, grouped-query attention, SwiGLU), which CTranslate2 runs through its
+``Generator``.
 
 CTranslate2 stores Linear weights [out, in] (our [in, out] transposed), fuses self-attention's
 Q, K and V into one [3d, d] matrix and cross-attention's K and V into one [2d, d], and names
@@ -25,11 +28,24 @@ class Unsupported(Exception):
 
 def unsupported_reason(cfg: ModelConfig) -> str | None:
     if not cfg.has_encoder:
-        return "decoder-only models are a different CTranslate2 spec (not mapped here)"
+        return _decoder_unsupported_reason(cfg)
     if cfg.norm != "layernorm":
         return f"CTranslate2 has no '{cfg.norm}' norm"
     if cfg.final_norm != (cfg.norm_position == "pre"):
         return "CTranslate2 ties the final norm to pre-norm"
+    return None
+
+
+def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
+    from importers.huggingface_writer import family_of
+    from spec.errors import ConfigError
+
+    try:
+        family = family_of(cfg)
+    except ConfigError as error:
+        return f"a decoder-only model is mapped to CTranslate2 only as Llama or Qwen2 ({error})"
+    if family == "qwen3":
+        return "Qwen3's per-head q/k norms are not mapped to CTranslate2 here"
     return None
 
 
@@ -69,10 +85,25 @@ def _ffn(spec, params, prefix: str, cfg: ModelConfig) -> None:
     _norm(spec.layer_norm, params, f"{prefix}.ffn_norm")
 
 
+def _head(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> np.ndarray:
+    head = params["tgt_embed.weight"] if cfg.tie_head else params["head.weight"].T
+    return np.ascontiguousarray(head)  # [V, d] either way
+
+
 def _positions(cfg: ModelConfig, params, side: str) -> np.ndarray:
     if cfg.positional == "learned":
         return params[f"{side}_pos.weight"]
     return golden.sinusoidal_table(np.arange(cfg.max_len), cfg.d_model, cfg.positional).astype(np.float32)
+
+
+def _save(spec, directory: str | Path) -> Path:
+    """Validate the spec, store its weights at float32 and write the model directory."""
+    spec.validate()
+    spec.optimize(quantization="float32")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    spec.save(str(directory))
+    return directory
 
 
 def convert(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path,
@@ -111,8 +142,7 @@ def convert(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str |
     if cfg.final_norm:
         _norm(encoder.layer_norm, params, "encoder.norm")
         _norm(decoder.layer_norm, params, "decoder.norm")
-    head = params["tgt_embed.weight"] if cfg.tie_head else params["head.weight"].T  # [V, d] either way
-    decoder.projection.weight = np.ascontiguousarray(head)
+    decoder.projection.weight = _head(cfg, params)
     if cfg.head_bias:
         decoder.projection.bias = params["head.bias"]
     spec.config.layer_norm_epsilon = cfg.norm_eps
@@ -121,12 +151,58 @@ def convert(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str |
     spec.config.unk_token = str(cfg.pad_id)
     spec.register_source_vocabulary([str(i) for i in range(cfg.src_vocab_size)])
     spec.register_target_vocabulary([str(i) for i in range(cfg.tgt_vocab_size)])
-    spec.validate()
-    spec.optimize(quantization="float32")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    spec.save(str(directory))
-    return directory
+    return _save(spec, directory)
+
+
+def convert_decoder(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path,
+                    bos_id: int = 1, eos_id: int = 2) -> Path:
+    """Write a CTranslate2 decoder model (Llama's layout: RMSNorm, rotate_half rotary positions, q,
+    k and v fused into one [(H + 2·H_kv)·d_k, d] matrix, gate_proj as linear_0, up_proj as
+    linear_0_noact) for this rotary decoder-only config; the directory."""
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise Unsupported(reason)
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    spec = transformer_spec.TransformerDecoderModelSpec.from_config(
+        cfg.n_decoder_layers, cfg.n_heads, pre_norm=True, activation=common_spec.Activation.SWISH, ffn_glu=True,
+        rms_norm=True, rotary_dim=0, rotary_interleave=False, rotary_base=cfg.rope_theta,
+        num_heads_kv=cfg.kv_heads, head_dim=cfg.d_head)
+    decoder = spec.decoder
+    decoder.scale_embeddings = False
+    decoder.embeddings.weight = params["tgt_embed.weight"]
+    decoder.layer_norm.gamma = params["decoder.norm.scale"]
+    for i, layer in enumerate(decoder.layer):
+        prefix = f"decoder.layers.{i}"
+        attention = layer.self_attention
+        attention.layer_norm.gamma = params[f"{prefix}.self_attn_norm.scale"]
+        fused = np.concatenate([params[f"{prefix}.self_attn.{part}.weight"] for part in "qkv"], axis=1)
+        biases = np.concatenate([params[f"{prefix}.self_attn.{part}.bias"] for part in "qkv"]) if cfg.qkv_bias else None
+        _linear(attention.linear[0], fused, biases)
+        _linear(attention.linear[1], params[f"{prefix}.self_attn.o.weight"], params.get(f"{prefix}.self_attn.o.bias"))
+        layer.ffn.layer_norm.gamma = params[f"{prefix}.ffn_norm.scale"]
+        for target, canonical in ((layer.ffn.linear_0, "w1"), (layer.ffn.linear_0_noact, "w3"),
+                                  (layer.ffn.linear_1, "w2")):
+            _linear(target, params[f"{prefix}.ffn.{canonical}.weight"], params.get(f"{prefix}.ffn.{canonical}.bias"))
+    decoder.projection.weight = _head(cfg, params)
+    spec.config.layer_norm_epsilon = cfg.norm_eps
+    spec.config.bos_token, spec.config.eos_token = str(bos_id), str(eos_id)
+    spec.config.unk_token = str(cfg.pad_id)
+    spec.register_vocabulary([str(i) for i in range(cfg.tgt_vocab_size)])
+    return _save(spec, directory)
+
+
+def greedy_decoder(generator, cfg: ModelConfig, prompt_ids: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
+    """Greedy continuations [B, N] of unpadded prompts, in the golden's convention: the end token
+    kept, then pad_id. The prompts are forwarded at once (include_prompt_in_result=False)."""
+    prompts = [[str(t) for t in row] for row in prompt_ids]
+    results = generator.generate_batch(prompts, beam_size=1, sampling_topk=1, max_length=max_new_tokens,
+                                       include_prompt_in_result=False, end_token=str(eos_id), return_end_token=True)
+    tokens = np.full((len(prompts), max_new_tokens), cfg.pad_id, dtype=np.int64)
+    for row, result in enumerate(results):
+        produced = [int(t) for t in result.sequences[0]][:max_new_tokens]
+        tokens[row, :len(produced)] = produced
+    return tokens
 
 
 def greedy(translator, cfg: ModelConfig, src_ids: np.ndarray, max_new_tokens: int) -> np.ndarray:

@@ -2,15 +2,17 @@
 the same run), so every timing can also be read as a fraction of the machine's limit.
 
 Counting (multiply-adds × 2; B batch, S source length, T target length, P cached positions,
-d = d_model, f = d_ff, V = target vocabulary; softmax, norms and embeddings are not counted —
-they are O(d) per token against O(d²)):
+d = d_model, f = d_ff, V = target vocabulary, a = H·d_k the query heads' width, g = H_kv·d_k the
+key/value heads' width (a = g = d in the paper's model); softmax, norms, rotations and embeddings
+are not counted — they are O(d) per token against O(d²)):
 
-    encoder layer, per source token:     4d² (Q,K,V,O) + 2dS (QKᵀ and weights·V) + 2df (FFN)
-    decoder layer, per target token:     4d² + 2dT (self-attention, full T×T as computed)
-                                       + 2d² + 2dS (cross-attention Q, O and its QKᵀ, ·V)
-                                       + 2df (FFN)
-    decoder layer, per source token:     2d² (cross-attention K and V of the memory)
+    encoder layer, per source token:     2da + 2dg (Q,O and K,V) + 2aS (QKᵀ and weights·V) + F
+    decoder layer, per target token:     2da + 2dg + 2aT (self-attention, full T×T as computed)
+                                       + 2da + 2aS (cross-attention Q, O and its QKᵀ, ·V)
+                                       + F
+    decoder layer, per source token:     2dg (cross-attention K and V of the memory)
     head, per target token:              dV
+    F, the feed-forward:                 2df, or 3df gated (gate, up and down)
     one cached decode step per sequence: the decoder terms with T = 1 and P + 1 keys, no memory K/V.
 """
 
@@ -23,21 +25,29 @@ import numpy as np
 from spec import ModelConfig
 
 
+def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(a, g, F): the query heads' width, the key/value heads' width, the FFN's multiply-adds per token."""
+    a, g = cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
+    return a, g, (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.d_ff
+
+
 def forward_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> float:
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
-    macs = cfg.n_encoder_layers * src_len * (4 * d * d + 2 * d * src_len + 2 * d * f)
-    cross = (2 * d * d + 2 * d * src_len) if cfg.has_encoder else 0
-    macs += cfg.n_decoder_layers * tgt_len * (4 * d * d + 2 * d * tgt_len + cross + 2 * d * f)
+    d, v = cfg.d_model, cfg.tgt_vocab_size
+    a, g, ffn = _widths(cfg)
+    macs = cfg.n_encoder_layers * src_len * (2 * d * a + 2 * d * g + 2 * a * src_len + ffn)
+    cross = (2 * d * a + 2 * a * src_len) if cfg.has_encoder else 0
+    macs += cfg.n_decoder_layers * tgt_len * (2 * d * a + 2 * d * g + 2 * a * tgt_len + cross + ffn)
     if cfg.has_encoder:
-        macs += cfg.n_decoder_layers * src_len * 2 * d * d
+        macs += cfg.n_decoder_layers * src_len * 2 * d * g
     macs += tgt_len * d * v
     return 2.0 * batch * macs
 
 
 def decode_step_flops(cfg: ModelConfig, batch: int, past_len: int, src_len: int) -> float:
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
-    cross = (2 * d * d + 2 * d * src_len) if cfg.has_encoder else 0
-    macs = cfg.n_decoder_layers * (4 * d * d + 2 * d * (past_len + 1) + cross + 2 * d * f) + d * v
+    d, v = cfg.d_model, cfg.tgt_vocab_size
+    a, g, ffn = _widths(cfg)
+    cross = (2 * d * a + 2 * a * src_len) if cfg.has_encoder else 0
+    macs = cfg.n_decoder_layers * (2 * d * a + 2 * d * g + 2 * a * (past_len + 1) + cross + ffn) + d * v
     return 2.0 * batch * macs
 
 

@@ -7,7 +7,7 @@
                    [--opset 23|20] [--graphs a,b] [--triton REPO]
     rosetta generate DIR (--src "5 6 7" ... | --prompt "5 6" ...) [--bos 1] [--eos 2] [--max-new-tokens N]
                    [--device auto|cpu|cuda] [--allow-cpu-fallback] [--placement]
-    rosetta bench [--preset tiny | paper-base] [--out DIR] [--contenders a,b]
+    rosetta bench [--preset tiny | paper-base | llama-small] [--out DIR] [--contenders a,b]
     rosetta gpu [--out reports/gpu] [--device cuda|cpu] [--presets ...] [--backends ...] [--bench-preset NAME|none]
     rosetta refusals [--markdown FILE]
     rosetta differences [--markdown FILE]
@@ -655,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     refusals.add_argument("--markdown", help="also write the tables to this Markdown file")
     refusals.set_defaults(handler=cmd_refusals)
     bench = commands.add_parser("bench", help="benchmark every contender (JSON, Markdown and plots)")
-    bench.add_argument("--preset", default="tiny", help="tiny (CI smoke run) or paper-base")
+    bench.add_argument("--preset", default="tiny",
+                       help="tiny (CI smoke run), paper-base, or llama-small (the modern decoder's CPU generation)")
     bench.add_argument("--out", default="reports/bench/tmp", help="folder for bench.json, bench.md, bench.png")
     bench.add_argument("--contenders", help="comma-separated names (default: all)")
     bench.add_argument("--devices", help="cpu and/or cuda: the contenders of each (default: cpu); cuda alone times the GPU workloads (batch 64)")

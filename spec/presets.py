@@ -111,6 +111,17 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False,
         ),
     ),
+    "llama-small": (
+        "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
+        "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "
+        "vocabulary 49152, rope theta 100000, RMSNorm eps 1e-5, tied head, max_len 2048.",
+        ModelConfig(
+            arch="decoder-only", d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536, n_decoder_layers=10,
+            tgt_vocab_size=49152, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_theta=100000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True,
+        ),
+    ),
 }
 
 

@@ -212,3 +212,87 @@ def test_the_cpu_targets_of_a_run_without_torch_eager():
                             fraction_of_matmul_limit=0.8)]
     found = {t["target"]: (t["measured"], t["met"]) for t in targets(results)}
     assert found == {"CPU forward, batch 8, 64/64: onnxruntime >= 75% of the matmul limit": ("80%", True)}
+
+
+# ---- the modern decoder's CPU bench (llama-small) -----------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+def test_ctranslate2_decoder_tokens_equal_the_golden(tmp_path, preset):
+    """The Llama/Qwen2 mapping into CTranslate2's decoder spec (fused q/k/v with GQA or MQA,
+    rotate_half rotary, SwiGLU, RMSNorm, q/k/v biases for Qwen2): greedy tokens, prompts forwarded
+    at once, equal to the golden's, eos kept and pad_id after it."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from benchmarks.ctranslate2_peer import convert_decoder, greedy_decoder
+
+    cfg = get_preset(preset)
+    params = init_params(cfg, seed=0)
+    generator = ctranslate2.Generator(str(convert_decoder(cfg, params, tmp_path / "ct2")), device="cpu",
+                                      compute_type="float32")
+    prompt = np.random.default_rng(0).integers(3, cfg.tgt_vocab_size, (4, 16))
+    want = golden.greedy_generate(cfg, params, None, prompt_ids=prompt, eos_id=2, max_new_tokens=16)
+    np.testing.assert_array_equal(greedy_decoder(generator, cfg, prompt, 16, 2), want)
+    ended = golden.greedy_generate(cfg, params, None, prompt_ids=prompt, eos_id=int(want[0, 3]), max_new_tokens=16)
+    np.testing.assert_array_equal(greedy_decoder(generator, cfg, prompt, 16, int(want[0, 3])), ended)
+
+
+def test_ctranslate2_decoder_refusals_name_the_field():
+    from benchmarks.ctranslate2_peer import Unsupported, convert_decoder
+
+    with pytest.raises(Unsupported, match="q/k norms"):
+        convert_decoder(get_preset("qwen3-tiny"), {}, "/nonexistent")
+    with pytest.raises(Unsupported, match="norm = 'layernorm'"):
+        convert_decoder(get_preset("char-lm"), {}, "/nonexistent")
+
+
+def test_flop_count_of_the_modern_decoder():
+    """Grouped-query attention's narrower K and V, a head_dim apart from d / heads, and the gated
+    FFN's third matrix are counted: a step at position 0 costs 2 FLOPs per weight, the tied
+    table once more as the head (norms aside)."""
+    from spec import count_params
+
+    small = get_preset("llama-small")
+    d, f, v, kv, layers = 576, 1536, 49152, 192, 10
+    step = layers * (2 * d * d + 2 * d * kv + 2 * d * (300 + 1) + 3 * d * f) + d * v
+    assert decode_step_flops(small, 2, 300, 0) == 2 * 2 * step
+    norms = d * (2 * layers + 1)
+    assert decode_step_flops(small, 1, 0, 0) - 2 * 2 * layers * d == 2 * (count_params(small) - norms)
+    qwen3 = get_preset("qwen3-tiny")  # 4 heads of 12 (a = 48) in d 36, 2 key/value heads (g = 24)
+    a, g, layers = 48, 24, 2
+    per_token = 2 * 36 * a + 2 * 36 * g + 2 * a * 5 + 3 * 36 * 60
+    assert forward_flops(qwen3, 1, 0, 5) == 2 * (layers * 5 * per_token + 5 * 36 * 89)
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+model name\t: {model}
+flags\t\t: fpu sse sse2 {flags}
+"""
+
+
+@pytest.mark.parametrize("model, flags, isa", [
+    ("AMD EPYC 7B13", "avx avx2 fma", ["AVX2"]),
+    ("Intel(R) Xeon(R) Platinum 8480+", "avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile",
+     ["AVX2", "AVX-512", "AVX-512 BF16", "AVX-512 VNNI", "AMX"]),
+    ("QEMU Virtual CPU", "", []),
+])
+def test_the_bench_names_the_cpu_and_its_vector_extensions(model, flags, isa):
+    from benchmarks.run import cpu_model_and_vector_isa
+
+    text = CPUINFO.format(vendor="x", model=model, flags=flags)
+    assert cpu_model_and_vector_isa(text) == (model, isa)
+    assert cpu_model_and_vector_isa("") == (None, [])
+
+
+def test_the_llama_small_targets_compare_onnxruntime_with_both_peers():
+    from benchmarks.run import Results, targets
+
+    results = Results("llama-small", {}, {}, {})
+    results.generate = [_row("onnxruntime-cpu-float32", 1, same_tokens=True, tokens_per_second=300),
+                        _row("ctranslate2", 1, same_tokens=True, tokens_per_second=250),
+                        _row("onnxruntime-genai", 1, same_tokens=True, tokens_per_second=400)]
+    found = {t["target"]: (t["measured"], t["met"]) for t in targets(results)}
+    assert found == {
+        "CPU generation (llama-small), batch 8, 64 tokens: onnxruntime >= 1.0x ctranslate2": ("1.20x", True),
+        "CPU generation (llama-small), batch 8, 64 tokens: onnxruntime >= 0.8x onnxruntime-genai": ("0.75x", False)}
+    results.generate[2]["same_tokens"] = False  # a peer with other tokens is not timed against
+    assert len(targets(results)) == 1

@@ -10,7 +10,7 @@ TINY = get_preset("tiny")
 
 def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
-                            "llama-tiny", "qwen2-tiny", "qwen3-tiny"]
+                            "llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())

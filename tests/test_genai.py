@@ -240,3 +240,21 @@ def test_rosetta_check_runs_the_genai_column_with_hf(built, capsys):
     assert "forward-long" in capsys.readouterr().out
     assert main(["check", "--backends", "onnxruntime-genai"]) == 2
     assert "the onnxruntime-genai column runs a Hugging Face model directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_bench_contender_generates_the_golden_tokens_from_canonical_weights():
+    """rosetta bench's onnxruntime-genai contender: the canonical weights written as a Hugging Face
+    directory, built, and its batch greedy search equal to the golden's (eos kept, pad after)."""
+    from benchmarks.contenders import EOS_ID, OnnxRuntimeGenai
+    from spec import get_preset, init_params
+
+    cfg = get_preset("llama-tiny").replace(n_heads=3, n_kv_heads=1)  # heads of 16
+    params = init_params(cfg, seed=0)
+    contender = OnnxRuntimeGenai()
+    contender.prepare(cfg, params)
+    prompt = np.random.default_rng(0).integers(3, cfg.tgt_vocab_size, (4, 16))
+    want = golden.greedy_generate(cfg, params, None, prompt_ids=prompt, eos_id=EOS_ID, max_new_tokens=16)
+    np.testing.assert_array_equal(contender.generate(prompt, 16), want)
+    ended = golden.greedy_generate(cfg, params, None, prompt_ids=prompt, eos_id=int(want[1, 4]), max_new_tokens=16)
+    np.testing.assert_array_equal(contender.runner.greedy_batch(prompt, 16, int(want[1, 4])), ended)

@@ -310,3 +310,40 @@ def test_the_whole_matrix_on_imported_weights(checkpoints):
     ran = [r for r in results if r.status != SKIP]
     assert {r.backend for r in ran} == set(backends)
     assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+
+
+# ---- canonical weights back to a Hugging Face directory --------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+def test_canonical_weights_written_as_a_directory_import_back_and_run_in_transformers(tmp_path, preset):
+    """The importer's mapping run backwards (importers.huggingface_writer): the import of the
+    written directory is the same config and tensors, and transformers' own model of it computes
+    the golden's logits at float64."""
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, get_preset, params_digest
+
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / preset)
+    imported = import_huggingface(directory)
+    assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
+    ids, keep = _padded_batch(cfg)
+    theirs = _transformers_logits(directory, cfg, ids, keep)
+    result = compare(theirs, golden.forward(cfg, params, None, ids, tgt_keep=keep),
+                     _float64_tolerance(cfg, ids.shape[1]))
+    assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dropout": 0.1}, r"cannot hold dropout = 0.1"),
+    ({"norm": "layernorm"}, r"norm = 'layernorm': Llama, Qwen2 and Qwen3 have norm = 'rmsnorm'"),
+    ({"bias": True}, r"bias without qkv_bias"),
+    ({"rope_fraction": 0.5}, r"rope_fraction = 0.5"),
+])
+def test_a_config_no_family_holds_is_not_written(tmp_path, changes, message):
+    from importers.huggingface_writer import to_huggingface
+    from spec import get_preset, init_params
+
+    cfg = get_preset("llama-tiny").replace(**changes)
+    with pytest.raises(ConfigError, match=message):
+        to_huggingface(cfg, init_params(cfg), tmp_path / "out")

@@ -9,7 +9,7 @@ golden, the whole-model cases genai's API can express:
 - forward: the prompt's logits at every position (the generator's first run, ``get_output``);
 - decode: a row at a time (genai appends tokens to a batch only once), the prefix in one call,
   then one token per call through genai's cache, each step's logits;
-- generate: genai's greedy search, a row at a time, with the case's eos_id.
+- generate: genai's greedy search on the batch, with the case's eos_id.
 
 What genai computes differently is reported, not hidden; each of these cells is skipped with its
 cause (measured in tests/test_genai.py), and every other row is compared at every position:
@@ -169,21 +169,37 @@ class GenaiRunner:
         return np.asarray(rows, dtype=np.float64)
 
     def generate(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        """genai's greedy search on each row's prompt; a row it ended early is padded with pad_id."""
         prompt, count, eos_id = np.asarray(inputs["prompt_ids"]), inputs["max_new_tokens"], inputs["eos_id"]
         self._refuse_inexpressible(prompt)
+        if (prompt == self.cfg.pad_id).any():
+            raise NotSupported("the column gives onnxruntime-genai's search unpadded prompts only")
         if eos_id is None:
             raise NotSupported("onnxruntime-genai's search always ends at an eos token; the case has none")
-        tokens = np.full((prompt.shape[0], count), self.cfg.pad_id, dtype=np.int64)
-        for index, row in enumerate(prompt):
-            generator = self._generator(1, prompt.shape[1] + count, eos_id)
-            generator.append_tokens(row[None].astype(np.int32))
-            made = []
-            while not generator.is_done():
-                generator.generate_next_token()
-                made.append(int(generator.get_next_tokens()[0]))
-            tokens[index, :len(made)] = made[:count]
+        return self.greedy_batch(prompt, count, eos_id)
+
+    def greedy_batch(self, prompt: np.ndarray, count: int, eos_id: int) -> np.ndarray:
+        """genai's greedy search on a batch of unpadded prompts [B, P]: tokens [B, count] in the
+        golden's convention, each row's eos kept and pad_id after it (and after genai stopped)."""
+        generator = self._generator(len(prompt), prompt.shape[1] + count, eos_id)
+        generator.append_tokens(np.asarray(prompt, dtype=np.int32))
+        steps = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            steps.append(np.asarray(generator.get_next_tokens()).reshape(-1))
+        tokens = np.full((len(prompt), count), self.cfg.pad_id, dtype=np.int64)
+        made = np.stack(steps, axis=1)[:, :count] if steps else tokens[:, :0]
+        is_eos = made == eos_id
+        after_eos = np.cumsum(is_eos, axis=1) - is_eos > 0  # an eos earlier in the row
+        tokens[:, :made.shape[1]] = np.where(after_eos, self.cfg.pad_id, made)
         return tokens
+
+
+def genai_unsupported_reason(cfg: ModelConfig) -> str | None:
+    """Why the builder's CPU model cannot be made for this config, or None."""
+    if head_size(cfg) % HEAD_SIZE_MULTIPLE:
+        return (f"head size {head_size(cfg)}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
+                f"needs a multiple of {HEAD_SIZE_MULTIPLE}")
+    return None
 
 
 class GenaiBackend:
@@ -223,9 +239,9 @@ class GenaiBackend:
         if imported.family not in FAMILIES:
             raise NotSupported(f"{imported.family}: onnxruntime-genai's builder and the spec share the "
                                f"{', '.join(FAMILIES)} families")
-        if head_size(cfg) % HEAD_SIZE_MULTIPLE:
-            raise NotSupported(f"head size {head_size(cfg)}: onnxruntime's CPU GroupQueryAttention, which the "
-                               f"builder writes, needs a multiple of {HEAD_SIZE_MULTIPLE}")
+        reason = genai_unsupported_reason(cfg)
+        if reason:
+            raise NotSupported(reason)
         if self._built is None:
             folder = Path(tempfile.mkdtemp(prefix="rosetta-genai-"))
             atexit.register(shutil.rmtree, folder, ignore_errors=True)

@@ -1,0 +1,98 @@
+"""Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3): the
+importer's mapping run backwards, so that tools which read only Hugging Face directories
+(onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can run the
+very weights the suite checks.
+
+There is one mapping, the importer's (``llama_mapping``): each rule is inverted (a copy stays a
+copy, a transposed nn.Linear is transposed back), and the result is proven by importing it again,
+which must give back the same config and the same tensors. A config the three families cannot
+hold is refused naming the field. Reads and writes NumPy and safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from importers.huggingface import FAMILIES, import_huggingface, llama_mapping
+from spec import ModelConfig, check_params, params_digest
+from spec.errors import ConfigError, WeightsError
+
+_MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
+    "arch": "decoder-only", "norm_position": "pre", "norm": "rmsnorm", "final_norm": True, "positional": "rope",
+    "rope_fraction": 1.0, "embed_scale": False, "activation": "swish", "gated_ffn": True, "head_bias": False,
+}
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The family whose class computes this config: Qwen3 (q/k norms), Qwen2 (q/k/v biases only),
+    else Llama (biases on all or none); a ConfigError naming a field none of them has."""
+    for field, value in _MODERN_DECODER.items():
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2 and Qwen3 have {field} = {value!r}")
+    if cfg.qk_norm:
+        if cfg.qkv_bias or cfg.bias:
+            raise ConfigError("qk_norm with biases: Qwen3, the family with q/k norms, has no biases")
+        return "qwen3"
+    if cfg.qkv_bias and not cfg.bias:
+        return "qwen2"
+    if cfg.qkv_bias != cfg.bias:
+        raise ConfigError("bias without qkv_bias: Llama's attention_bias and mlp_bias give o_proj and the FFN "
+                          "their biases only with q, k and v's")
+    return "llama"
+
+
+def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dict:
+    config = {
+        "architectures": [FAMILIES[family]], "model_type": family, "vocab_size": cfg.tgt_vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_decoder_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.d_head,
+        "max_position_embeddings": cfg.max_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+        # both forms of θ: transformers 5 reads rope_parameters, older readers the top-level field
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_head, "pad_token_id": cfg.pad_id, "bos_token_id": bos_id,
+        "eos_token_id": eos_id, "dtype": "float32", "attention_dropout": 0.0,
+    }
+    if family == "llama":
+        config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    else:
+        config |= {"use_sliding_window": False}
+    return config
+
+
+def _inverse(how: str, value: np.ndarray) -> np.ndarray:
+    if how == "copy":
+        return value
+    if how == "transpose":  # the spec's [in, out] back to nn.Linear's [out, in]
+        return value.T
+    raise ValueError(f"the rotary families' mapping has no {how!r} rule to invert")
+
+
+def to_huggingface(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | os.PathLike, *,
+                   bos_id: int = 1, eos_id: int = 2) -> Path:
+    """Write config.json and model.safetensors for these canonical weights; the directory."""
+    from safetensors.numpy import save_file
+
+    family = family_of(cfg)
+    check_params(cfg, params, where="the weights to write as a Hugging Face directory")
+    for name, token in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if not 0 <= token < cfg.tgt_vocab_size:
+            raise ConfigError(f"{name} = {token}: outside the vocabulary (0 .. {cfg.tgt_vocab_size - 1})")
+    tensors = {rule.source: np.ascontiguousarray(_inverse(rule.how, np.asarray(params[rule.target], np.float32)))
+               for rule in llama_mapping(cfg)}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(_config_json(cfg, family, bos_id, eos_id), indent=2) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    back = import_huggingface(directory)
+    fields = [f"{name} = {value!r} (read back: {getattr(back.config, name)!r})"
+              for name, value in cfg.to_dict().items() if getattr(back.config, name) != value]
+    if fields:
+        raise ConfigError(f"{directory} as a {family} directory cannot hold " + ", ".join(fields))
+    if params_digest(back.params) != params_digest(params):
+        raise WeightsError(f"writing {directory} as a {family} directory did not give back the same tensors")
+    return directory
