@@ -392,7 +392,11 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
                         "and a stale branch is refused)."),
             (EXPLAINED, "The decoder_step graph is impl_torch's step: the new positions are written into copies (a "
                         "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
-                        "swaps them each step, so every step binds the same buffers."),
+                        "swaps them each step, so every step binds the same buffers. decoder_step_in_place, which "
+                        "the runner serves on the CPU, makes each layer's cache attention one onnxruntime "
+                        "GroupQueryAttention node, which writes the new positions into the past buffers it reads "
+                        "when its present outputs are bound to them: one set of K/V buffers, and attention over "
+                        "the positions written so far."),
         ],
         "RMSNorm: eps inside the root, and the float32 upcast": [
             (MEASURED, f"`torch.nn.RMSNorm`'s default eps: {torch_eps}; `flax.nnx.RMSNorm`'s default epsilon: {norms['flax epsilon']:g}. Both norms pass "

@@ -24,7 +24,8 @@ from spec import ModelConfig, params_digest
 
 _ROOT = Path(__file__).resolve().parent.parent
 _SOURCES = {"torch": ("impl_torch/model.py",), "jax": ("impl_jax/model.py",)}
-_EXPORT_SOURCES = ("export/graphs.py", "export/onnx_model.py", "export/torch_export.py", "export/jax_export.py")
+_EXPORT_SOURCES = ("export/graphs.py", "export/onnx_model.py", "export/torch_export.py", "export/in_place_step.py",
+                   "export/jax_export.py")
 FRAMEWORKS = tuple(_SOURCES)
 
 

@@ -17,7 +17,9 @@ decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7)
 new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
 over all C positions under the causal mask, so every step of a generation has the same shapes,
 and its present buffers can be the next step's past (export.runner keeps two sets and swaps
-them). The prompt's prefill is a step at start 0. Decoder-only models have no encoder graph and
+them). The prompt's prefill is a step at start 0. decoder_step_in_place has decoder_step's
+interface; its GroupQueryAttention writes the new K and V into the past buffers when the present
+outputs are bound to them (export.runner does), and attends over start+T positions only. Decoder-only models have no encoder graph and
 no src_keep/cross inputs. Every dimension above except d, H, d_k and V is dynamic.
 """
 
@@ -31,6 +33,9 @@ from spec import ModelConfig
 
 FORWARD, ENCODER, DECODER_STEP = "forward", "encoder", "decoder_step"
 ROLES = (FORWARD, ENCODER, DECODER_STEP)
+# decoder_step's interface, its cache written in place by onnxruntime's GroupQueryAttention
+# (export/in_place_step.py): torch exports at float32 add it, and the runner serves it on the CPU
+DECODER_STEP_IN_PLACE = "decoder_step_in_place"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
 
 
 def signature(cfg: ModelConfig, role: str) -> GraphSignature:
+    if role == DECODER_STEP_IN_PLACE:
+        return GraphSignature(role, *_fields(signature(cfg, DECODER_STEP)))
     if role not in roles(cfg):
         raise ValueError(f"graph role must be one of {', '.join(roles(cfg))} for this model, got {role!r}")
     src = (Tensor("src_ids", "ids", ("batch", "src_len")), Tensor("src_keep", "keep", ("batch", "src_len")))
@@ -83,6 +90,10 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     past = (Tensor("past_keep", "keep", ("batch", "capacity")),) + _kv("past", cfg, "capacity")
     present = _kv("present", cfg, "capacity") + (Tensor("present_keep", "keep", ("batch", "capacity")),)
     return GraphSignature(role, tgt + (Tensor("start", "position", ()),) + past + cross, (logits,) + present)
+
+
+def _fields(sig: GraphSignature) -> tuple:
+    return sig.inputs, sig.outputs
 
 
 # Example sizes. torch.export treats an axis of size 0 or 1 as a constant, so every dynamic
@@ -104,7 +115,9 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
             ids = rng.integers(0, vocab - 1, shape)
             inputs[tensor.name] = np.where(ids >= cfg.pad_id, ids + 1, ids).astype(np.int64)
         elif tensor.kind == "position":
-            inputs[tensor.name] = np.array(EXAMPLE_START, dtype=np.int64)
+            # the in-place step's GroupQueryAttention (CPU) takes several tokens after position 0 for
+            # one row only, so its example is a prefill
+            inputs[tensor.name] = np.array(0 if role == DECODER_STEP_IN_PLACE else EXAMPLE_START, dtype=np.int64)
         elif tensor.kind == "keep":
             inputs[tensor.name] = np.ones(shape, dtype=bool)
         else:

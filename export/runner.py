@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import DECODER_STEP, ENCODER, FORWARD, example_inputs
+from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, example_inputs
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
@@ -115,12 +115,13 @@ class OnnxCache:
     batch: int
     length: int
     past: tuple[ort.OrtValue, ...]
-    spare: tuple[ort.OrtValue, ...]
+    spare: tuple[ort.OrtValue, ...]  # in place: the same key and value buffers as past, a keep-vector of its own
     cross: tuple[ort.OrtValue, ...] = ()
     src_keep: ort.OrtValue | None = None
     # the step writes into the buffers an older cache of the line reads: a stale branch is refused
     writes: CacheWrites = field(default_factory=CacheWrites, repr=False, compare=False)
     version: int = 0
+    in_place: bool = False  # served by decoder_step_in_place, which writes K and V into past
 
     @property
     def capacity(self) -> int:
@@ -130,10 +131,34 @@ class OnnxCache:
         """A cache with buffers of its own, to continue independently of this one."""
         self.writes.check(self.version)
         device = self.past[0].device_name()
-        past = [value.numpy() for value in self.past]  # the spare set has the same shapes and types
-        return replace(self, past=tuple(_buffer(array, device) for array in past),
-                       spare=tuple(_buffer(np.zeros_like(array), device) for array in past),
-                       writes=CacheWrites(), version=0)
+        past = tuple(_buffer(value.numpy(), device) for value in self.past)
+        return replace(self, past=past, spare=_spare(past, self.in_place), writes=CacheWrites(), version=0)
+
+
+def _spare(past: tuple[ort.OrtValue, ...], in_place: bool) -> tuple[ort.OrtValue, ...]:
+    """The buffers a step writes: new ones of past's shapes and types, or, in place, past's own
+    keys and values (GroupQueryAttention writes them where it reads them) and a new keep-vector."""
+    device = past[0].device_name()
+    if in_place:
+        return (*past[:-1], _buffer(np.zeros_like(past[-1].numpy()), device))
+    return tuple(_buffer(np.zeros_like(value.numpy()), device) for value in past)
+
+
+def served_graphs(graphs: Mapping[str, str], device: str) -> dict[str, str]:
+    """The manifest's graphs a session is made for on the device: decoder_step_in_place on the
+    CPU only (GroupQueryAttention's CUDA kernel has not met a GPU here, so a CUDA session keeps
+    decoder_step, whose placement is checked)."""
+    return {role: file for role, file in graphs.items() if role != DECODER_STEP_IN_PLACE or device == "cpu"}
+
+
+def step_chunks(start: int, n_new: int, batch: int, in_place: bool) -> list[tuple[int, int]]:
+    """The [from, to) slices of a step's n_new tokens that one graph run takes: all at once, but on
+    decoder_step_in_place a chunk after position 0 for more than one row a token at a time, which
+    is all onnxruntime's CPU GroupQueryAttention takes there (the logits are the same: a token
+    attends only to the positions before it)."""
+    if in_place and start > 0 and n_new > 1 and batch > 1:
+        return [(t, t + 1) for t in range(n_new)]
+    return [(0, n_new)]
 
 
 def _buffer(array: np.ndarray, device: str) -> ort.OrtValue:
@@ -172,7 +197,9 @@ class OnnxTransformer:
         self.options = {"optimization": optimization, "deterministic": deterministic, "threads": threads}
         self.providers = [(CUDA, {"device_id": 0}), CPU] if device == "cuda" else [CPU]
         self._placements: dict[str, list[PlacedNode]] = {}  # a CUDA session's, seen at load
-        self.sessions = {role: self._session(role, file) for role, file in self.manifest["graphs"].items()}
+        self.graphs = served_graphs(self.manifest["graphs"], device)
+        self.sessions = {role: self._session(role, file) for role, file in self.graphs.items()}
+        self.in_place = DECODER_STEP_IN_PLACE in self.sessions
 
     def _session(self, role: str, file: str) -> ort.InferenceSession:
         path = self.directory / file
@@ -296,11 +323,9 @@ class OnnxTransformer:
         # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
         kv = np.zeros((batch, cfg.kv_heads, capacity, cfg.d_head), dtype=np.float16 if self.dtype == "float16" else np.float32)
 
-        def buffers() -> tuple[ort.OrtValue, ...]:
-            return (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
-                    _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
-
-        return OnnxCache(batch, 0, buffers(), buffers(), tuple(cross), keep)
+        past = (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
+                _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
+        return OnnxCache(batch, 0, past, _spare(past, self.in_place), tuple(cross), keep, in_place=self.in_place)
 
     def decode_step(self, cache: OnnxCache, tgt_ids, tgt_keep=None) -> tuple[np.ndarray, OnnxCache]:
         """Feed the next tokens [B, n] after the cached ones: logits [B, n, V] and the new cache."""
@@ -309,16 +334,26 @@ class OnnxTransformer:
         check_cache_room(cache.capacity, cache.length, np.shape(tgt_ids)[1])
         cache.writes.check(cache.version)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
-        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt", cache.length),
+        keep = self._keep(tgt_ids, tgt_keep, "tgt", cache.length)
+        logits = []
+        for begin, end in step_chunks(cache.length, tgt_ids.shape[1], cache.batch, cache.in_place):
+            chunk_logits, cache = self._step(cache, tgt_ids[:, begin:end], keep[:, begin:end])
+            logits.append(chunk_logits.numpy())
+        return (logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)), cache
+
+    def _step(self, cache: OnnxCache, tgt_ids: np.ndarray, tgt_keep: np.ndarray) -> tuple[ort.OrtValue, OnnxCache]:
+        """One run of the step graph: reads past, writes spare (in place: keys and values into past)."""
+        cfg = self.cfg
+        feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": tgt_keep,
                                  "start": np.array(cache.length, dtype=np.int64), "past_keep": cache.past[-1],
                                  **dict(zip(_names("past", cfg), cache.past))}
         if cfg.has_encoder:
             feeds["src_keep"] = cache.src_keep
             feeds.update(zip(_names("cross", cfg), cache.cross))
         present = dict(zip(_names("present", cfg) + ["present_keep"], cache.spare))
-        logits = self._run(DECODER_STEP, feeds, into=present)[0]
-        return logits.numpy(), replace(cache, length=cache.length + tgt_ids.shape[1], past=cache.spare,
-                                       spare=cache.past, version=cache.writes.advance(cache.version))
+        logits = self._run(DECODER_STEP_IN_PLACE if cache.in_place else DECODER_STEP, feeds, into=present)[0]
+        return logits, replace(cache, length=cache.length + tgt_ids.shape[1], past=cache.spare, spare=cache.past,
+                               version=cache.writes.advance(cache.version))
 
     def greedy_generate(self, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
                         eos_id: int | None = None, max_new_tokens: int) -> np.ndarray:
@@ -353,7 +388,7 @@ class OnnxTransformer:
         load; otherwise from one profiled run of each graph on small inputs."""
         return {role: self._placements.get(role) or profiled_session(
                     self.directory / file, self.options, self.providers, example_inputs(self.cfg, role, self.dtype))[1]
-                for role, file in self.manifest["graphs"].items()}
+                for role, file in self.graphs.items()}
 
 
 def _names(prefix: str, cfg: ModelConfig) -> list[str]:

@@ -18,7 +18,10 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs, roles, signature
+from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs,
+                           roles, signature)
+from export.in_place_step import (InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx,
+                                  in_place_unsupported_reason)
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import KVCache, Transformer, _decode_step_body
 from spec import ModelConfig
@@ -87,7 +90,15 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
         return ForwardGraph(model)
     if role == ENCODER:
         return EncoderGraph(model)
+    if role == DECODER_STEP_IN_PLACE:
+        return InPlaceDecoderStepGraph(model)
     return DecoderStepGraph(model)
+
+
+def torch_roles(cfg: ModelConfig, dtype: str) -> tuple[str, ...]:
+    """The graphs a torch export writes: every role, and the in-place decode step where onnxruntime's
+    CPU kernel runs it (float32, heads of a multiple of 8)."""
+    return roles(cfg) + (() if in_place_unsupported_reason(cfg, dtype) else (DECODER_STEP_IN_PLACE,))
 
 
 def _dynamic_shapes(sig: GraphSignature) -> tuple:
@@ -111,7 +122,8 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
         program = torch.onnx.export(
             wrapper, example, dynamo=True, opset_version=opset, verbose=False,
             input_names=sig.input_names, output_names=sig.output_names,
-            dynamic_shapes={"tensors": _dynamic_shapes(sig)})
+            dynamic_shapes={"tensors": _dynamic_shapes(sig)},
+            custom_translation_table={cached_attention._opoverload: cached_attention_onnx(cfg.n_heads, cfg.kv_heads)})
     return finish(program.model_proto, cfg, params, sig, dtype=dtype, opset=opset,
                   exporter=f"torch {torch.__version__}")
 
@@ -120,7 +132,7 @@ def export_torch(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
                  dtype: str = "float32", opset: int = OPSETS[0], graph_roles: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export every graph of the model (or graph_roles) into directory as ROLE.onnx, with a
     manifest.json. Returns {role: path}."""
-    wanted = check_options(dtype, opset, graph_roles, roles(cfg), "torch")
+    wanted = check_options(dtype, opset, graph_roles, torch_roles(cfg, dtype), "torch")
     model = Transformer.from_params(cfg, params, dtype=TORCH_DTYPES[dtype])
     directory = Path(directory)
     paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")

@@ -26,6 +26,7 @@ from typing import Any
 
 import onnx
 
+from export.graphs import DECODER_STEP_IN_PLACE
 from export.onnx_model import ExportError
 
 TRITON_TYPES = {
@@ -87,6 +88,8 @@ def write_repository(export_dir: str | Path, repository: str | Path, *, prefix: 
     manifest = json.loads(manifest_path.read_text())
     written = []
     for role, file in manifest["graphs"].items():
+        if role == DECODER_STEP_IN_PLACE:
+            continue  # it writes in place only into buffers its caller binds as both input and output
         name = f"{prefix}_{role}"
         model = onnx.load(str(export_dir / file), load_external_data=False)
         directory = repository / name

@@ -24,10 +24,11 @@ import impl_numpy as golden
 from conformance.cases import EOS_ID, SUBLAYERS
 from conformance.tolerance import compare, compare_generation, tolerance
 from export.cache import exported
-from export.graphs import ENCODER, FORWARD, roles, signature
+from export.graphs import DECODER_STEP_IN_PLACE, ENCODER, FORWARD, roles, signature
 from export.onnx_model import ExportError, metadata
 from export.placement import MATRIX_AND_NORM_OPS, cpu_fallbacks, fallback_message
 from export.runner import CPU, OnnxTransformer, ProviderFallbackError, cuda_available
+from export.torch_export import torch_roles
 from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, conformance_params, params_digest
 
 PRESETS = ("tiny", "char-lm")  # an encoder-decoder and a decoder-only model
@@ -210,7 +211,8 @@ def test_graphs_are_checked_and_stamped(preset):
     for framework in ("torch", "jax"):
         directory = exported(cfg, params, framework=framework, dtype="float32")
         manifest = json.loads((directory / "manifest.json").read_text())
-        expected_roles = roles(cfg) if framework == "torch" else tuple(r for r in (FORWARD, ENCODER) if r in roles(cfg))
+        expected_roles = torch_roles(cfg, "float32") if framework == "torch" else tuple(
+            r for r in (FORWARD, ENCODER) if r in roles(cfg))
         assert tuple(manifest["graphs"]) == expected_roles
         for role, file in manifest["graphs"].items():
             model = onnx.load(str(directory / file))
@@ -230,7 +232,9 @@ def test_graphs_are_checked_and_stamped(preset):
                         "float": onnx.TensorProto.FLOAT}
                 assert types[tensor.name] == want[tensor.kind], tensor.name
             ops = {node.op_type for node in model.graph.node}
-            if framework == "torch" and role != ENCODER or framework == "torch" and cfg.has_encoder:
+            if role == DECODER_STEP_IN_PLACE:  # its self-attention is GroupQueryAttention, cross-attention Attention
+                assert "GroupQueryAttention" in ops and ("Attention" in ops) == cfg.has_encoder
+            elif framework == "torch" and role != ENCODER or framework == "torch" and cfg.has_encoder:
                 assert "Attention" in ops, "opset 23 turns scaled dot-product attention into the Attention op"
 
 
@@ -332,7 +336,7 @@ def test_one_session_shared_by_eight_threads():
 def test_every_node_placed_on_the_cpu_provider():
     cfg = get_preset("tiny")
     placement = _export(cfg, conformance_params(cfg, seed=0), "torch", "float32").placement()
-    assert set(placement) == set(roles(cfg))
+    assert set(placement) == set(torch_roles(cfg, "float32")) == set(roles(cfg)) | {DECODER_STEP_IN_PLACE}
     for role, nodes in placement.items():
         assert nodes and {node.provider for node in nodes} == {CPU}, role
 

@@ -1,0 +1,166 @@
+"""decoder_step_in_place: impl_torch's decode step with each layer's cache attention as one
+onnxruntime GroupQueryAttention node (com.microsoft), which writes the new keys and values into
+the cache it reads and attends over the positions written so far, not the whole capacity.
+
+decoder_step (export/torch_export.py) writes the new positions into copies of the past, because a
+graph never writes its inputs: every step copies the whole cache (measured on paper-base,
+ScatterElements was 15% of a CPU generation's time) and attends over every preallocated
+position under a mask. GroupQueryAttention is built for the other way: when its present outputs
+are bound to its past inputs' buffers, it writes position start … start+n−1 in place, so a step
+costs what its positions cost (export.runner binds them so).
+
+The spec's masks are kept: the keep-vector becomes GroupQueryAttention's additive attention_bias
+(0 for a real key, the dtype's lowest for a pad, at every position up to the step's last), its
+causal mask is the spec's, and a query with no real key up to its position gets zeros (SPEC §6)
+where GroupQueryAttention would average. Its CPU kernel takes a step of several tokens after
+position 0 for one row only; export.runner feeds such a chunk a token at a time.
+
+The attention is a torch custom op (``rosetta::cached_attention``) so that torch.onnx can translate
+it into the one node; run eagerly, it computes the same function with impl_torch's attention (the
+tests compare the two). The graph is exported at float32 for heads of a multiple of 8 (what the
+CPU kernel takes) and used on the CPU: its CUDA kernel has not met a GPU here.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnxscript
+import torch
+from onnx.defs import OpSchema
+from onnxscript import opset18 as op
+from torch import nn
+
+from impl_torch.model import (Transformer, _key_mask, attention_positions, merge_heads, residual, rotary,
+                              scaled_dot_product_attention, split_heads)
+
+MICROSOFT = "com.microsoft"
+HEAD_SIZE_MULTIPLE = 8  # onnxruntime 1.31's CPU GroupQueryAttention: "head_size must be a multiple of 8"
+INT32, INT64 = onnx.TensorProto.INT32, onnx.TensorProto.INT64
+
+
+def in_place_unsupported_reason(cfg, dtype: str) -> str | None:
+    """Why this export has no decoder_step_in_place, or None."""
+    if dtype != "float32":
+        return f"dtype {dtype}: the in-place step is exported at float32 (served on the CPU)"
+    if cfg.d_head % HEAD_SIZE_MULTIPLE:
+        return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention takes multiples of "
+                f"{HEAD_SIZE_MULTIPLE}")
+    return None
+
+
+def register_group_query_attention_schema() -> None:
+    """onnxruntime's GroupQueryAttention as an ONNX schema (the inputs this module uses and their
+    slots), so that onnxscript and onnx.checker know the com.microsoft op; onnxruntime has its own."""
+    if onnx.defs.has("GroupQueryAttention", MICROSOFT):
+        return
+    parameter, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    inputs = [parameter("query", "T"), parameter("key", "T", param_option=optional),
+              parameter("value", "T", param_option=optional), parameter("past_key", "T", param_option=optional),
+              parameter("past_value", "T", param_option=optional), parameter("seqlens_k", "M"),
+              parameter("total_sequence_length", "M"), parameter("cos_cache", "T", param_option=optional),
+              parameter("sin_cache", "T", param_option=optional), parameter("position_ids", "P", param_option=optional),
+              parameter("attention_bias", "T", param_option=optional)]
+    outputs = [parameter("output", "T"), parameter("present_key", "T"), parameter("present_value", "T")]
+    attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
+                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "key/value heads")]
+    onnx.defs.register_schema(OpSchema(
+        "GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs, attributes=attributes,
+        type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], "")]))
+
+
+@torch.library.custom_op("rosetta::cached_attention", mutates_args=())
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor,
+                     past_values: torch.Tensor, keep: torch.Tensor,
+                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new queries' attention over the cache with the new keys and values written at start …
+    start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, d_k], keep [B, C]
+    (the new positions' included) -> (heads [B, n, H·d_k], present keys, present values)."""
+    heads_kv, head_size = past_keys.shape[1], past_keys.shape[3]
+    n, first = q.shape[1], int(start)
+    keys, values = past_keys.clone(), past_values.clone()
+    keys[:, :, first:first + n] = split_heads(k, heads_kv)
+    values[:, :, first:first + n] = split_heads(v, heads_kv)
+    positions = first + torch.arange(n, device=q.device)
+    causal = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]  # [n, C]
+    mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, n, C]
+    heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys, values, mask)
+    return merge_heads(heads), keys, values
+
+
+@cached_attention.register_fake
+def _(q, k, v, past_keys, past_values, keep, start):
+    return torch.empty_like(q), torch.empty_like(past_keys), torch.empty_like(past_values)
+
+
+def cached_attention_onnx(n_heads: int, kv_heads: int):
+    """cached_attention as ONNX: one GroupQueryAttention over the first start+n positions, with the
+    keep-vector as its additive bias and zeros for a query without a real key."""
+    register_group_query_attention_schema()
+    microsoft = onnxscript.values.Opset(MICROSOFT, 1)
+
+    def translation(q, k, v, past_keys, past_values, keep, start):
+        n = op.Shape(q, start=1, end=2)  # [1]
+        total = op.Add(op.Reshape(start, op.Constant(value_ints=[1])), n)  # [1]: the length after the step
+        batch = op.Shape(q, start=0, end=1)
+        # GroupQueryAttention's lengths: each row's last position (the rows share the slots) and the total
+        seqlens = op.Cast(op.Expand(op.Sub(total, op.Constant(value_ints=[1])), batch), to=INT32)
+        total_length = op.Cast(op.Squeeze(total, op.Constant(value_ints=[0])), to=INT32)
+        seen = op.Slice(keep, op.Constant(value_ints=[0]), total, op.Constant(value_ints=[1]))  # [B, T]
+        zero = op.CastLike(op.Constant(value_float=0.0), q)
+        lowest = op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min)), q)
+        bias = op.Unsqueeze(op.Where(seen, zero, lowest), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
+        bias = op.Expand(bias, op.Concat(batch, op.Constant(value_ints=[1]), n, total, axis=0))  # [B, 1, n, T]
+        heads, present_keys, present_values = microsoft.GroupQueryAttention(
+            q, k, v, past_keys, past_values, seqlens, total_length, None, None, None, bias,
+            num_heads=n_heads, kv_num_heads=kv_heads)
+        # a query whose positions up to its own hold no real token has no key: zeros (SPEC §6)
+        real_so_far = op.CumSum(op.Cast(seen, to=INT64), op.Constant(value_int=1))  # [B, T]
+        at_queries = op.Slice(real_so_far, op.Reshape(start, op.Constant(value_ints=[1])), total,
+                              op.Constant(value_ints=[1]))  # [B, n]
+        has_key = op.Unsqueeze(op.Greater(at_queries, op.Constant(value_int=0)), op.Constant(value_ints=[2]))
+        return op.Where(has_key, heads, zero), present_keys, present_values
+
+    return translation
+
+
+class InPlaceDecoderStepGraph(nn.Module):
+    """The decode step of impl_torch._decode_step_body with the cache write and the attention as
+    cached_attention: same inputs and outputs as decoder_step (export/graphs.py). Only the keep
+    vector is written into a copy (it is [B, C] booleans)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        model, cfg = self.model, self.model.cfg
+        tgt_ids, tgt_keep, start, past_keep, *rest = tensors
+        past, rest = rest[:2 * cfg.n_decoder_layers], rest[2 * cfg.n_decoder_layers:]
+        src_keep, cross = (rest[0], rest[1:]) if cfg.has_encoder else (None, None)
+        batch, n_new = tgt_ids.shape
+        positions = start + torch.arange(n_new, device=start.device)
+        keep = past_keep.clone().scatter_(1, positions[None, :].expand(batch, n_new), tgt_keep)
+        cross_mask = None if src_keep is None else _key_mask(src_keep)
+        y = model.embed(tgt_ids, "tgt", offset=start)
+        rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)
+        present = []
+        for i, layer in enumerate(model.decoder.layers):
+            attention = layer.self_attn
+
+            def self_attention(h: torch.Tensor) -> torch.Tensor:
+                # the q, k and v of MultiHeadAttention.attend and key_value_heads, in GQA's [B, n, heads·d_k]
+                k, v = attention.key_value_heads(h, rope_positions)
+                q = attention.head_norm("q", split_heads(attention.q(h), cfg.n_heads))
+                q = q if rope_positions is None else rotary(cfg, q, rope_positions)
+                heads, keys, values = cached_attention(merge_heads(q), merge_heads(k), merge_heads(v),
+                                                       past[2 * i], past[2 * i + 1], keep, start)
+                present.extend((keys, values))
+                return attention.o(heads)
+
+            y = residual(cfg, layer.self_attn_norm, y, self_attention)
+            if cross is not None:
+                y = residual(cfg, layer.cross_attn_norm, y,
+                             lambda h: layer.cross_attn.attend(h, cross[2 * i], cross[2 * i + 1], cross_mask))
+            y = layer.ffn_block(y)
+        return (model.output_logits(model.decoder.final_norm(y)), *present, keep)
