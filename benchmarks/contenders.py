@@ -357,8 +357,9 @@ class OnnxRuntimeGenai(Contender):
 
 def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
     """Every contender on each device asked for. On the CPU: golden first, torch eager (the
-    reference of every CPU ratio) second, the outside peers (CTranslate2, onnxruntime-genai) last. On a GPU: every framework at float16
-    (torch eager first, the reference of the GPU ratios), float32 and bfloat16 where it runs them."""
+    reference of every CPU ratio) second, the outside peers (CTranslate2, onnxruntime-genai) last.
+    On a GPU: every framework at float16 (torch eager first, the reference of the GPU ratios),
+    float32 and bfloat16 where it runs them."""
     chosen: list[Contender] = []
     if "cpu" in devices:
         chosen += [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(), JaxJit(),

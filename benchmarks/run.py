@@ -446,9 +446,10 @@ def _share(fraction: float | None) -> str:
 
 def markdown(results: Results) -> str:
     m = results.machine
+    vector_isa = ", ".join(m.get("vector_isa") or []) or "none of AVX2, AVX-512, AMX found"
     lines = [f"# Benchmark: {results.preset}", "",
-             f"Machine: {m.get('cpu_model') or m['cpu']} ({', '.join(m.get('vector_isa') or []) or 'none of AVX2, AVX-512, AMX found'}), "
-             f"{m['cores']} cores; measured float32 matrix-product limit "
+             f"Machine: {m.get('cpu_model') or m['cpu']} ({vector_isa}), {m['cores']} cores; "
+             "measured float32 matrix-product limit "
              f"{m['matmul_float32_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {m['copy_bytes_per_second'] / 1e9:.1f} GB/s."]
     if "cuda_matmul_flops" in m:
         peaks = ", ".join(f"{dtype} {flops / 1e12:.0f} TFLOP/s" for dtype, flops in m["cuda_matmul_flops"].items()

@@ -44,7 +44,9 @@ from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
 FAMILIES = ("llama", "qwen2", "qwen3")  # the builder's and the spec's common families
-HEAD_SIZE_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
+# onnxruntime's CPU GroupQueryAttention with the rotation inside it, as the builder writes it:
+# "head_size shall be a multiple of 16" (without the rotation, export/in_place_step.py: of 8)
+HEAD_SIZE_MULTIPLE = 16
 LEFT_PADDING = ("onnxruntime-genai reads the attention mask as each row's length (GroupQueryAttention's "
                 "seqlens_k): a row with n real tokens is computed as if its first n slots were real, so a pad "
                 "before a real token is attended and a real token after it is not; the spec masks each pad "
@@ -229,7 +231,8 @@ class GenaiBackend:
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:
-            return f"onnxruntime-genai runs whole decoders ({', '.join(MODEL_CASES)}); its graph has no sublayer entry points"
+            return (f"onnxruntime-genai runs whole decoders ({', '.join(MODEL_CASES)}); its graph has no sublayer "
+                    "entry points")
         return None
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> GenaiRunner:
