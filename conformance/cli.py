@@ -1,7 +1,8 @@
 """The ``rosetta`` command (also ``python -m conformance``).
 
     rosetta check [--preset tiny | --weights FILE] [--hf DIR] [--backends a,b] [--dtypes ...] [--devices ...]
-                  [-k FILTER] [--fail-fast] [--report DIR] [--jobs N]
+                  [-k FILTER] [--fail-fast] [--report DIR] [--jobs N] [--shard I/N]
+    rosetta merge REPORT... --out DIR
     rosetta import DIR --out FILE.safetensors
     rosetta export [--preset tiny | --weights FILE] --out DIR [--framework torch|jax] [--dtype float32|float16]
                    [--opset 23|20] [--graphs a,b] [--triton REPO]
@@ -37,8 +38,10 @@ from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult, plan_matrix
 from conformance.parallel import WorkerPool, auto_jobs
 from conformance.report import (attention_paths, columns_and_rows, format_attention_paths, summary_counts,
                                 write_report)
+from conformance.shards import MergeError, merge_reports, parse_shard, read_reports, shard_plan
 from conformance.tolerance import DTYPES
 from spec import (
+    ModelConfig,
     SpecError,
     conformance_params,
     count_params,
@@ -213,12 +216,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown dtype(s) {', '.join(unknown)}; known: {', '.join(DTYPES)}")
     devices = _split(args.devices)
+    if args.shard:
+        try:
+            shard = parse_shard(args.shard)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
     jobs = None if args.jobs == "auto" else _positive(args.jobs, "--jobs")
     start = time.perf_counter()
     pool = _early_workers(jobs, backends, dtypes, devices)
     try:
         cfg, params, source = _load_model(args)
         plan = plan_matrix(cfg, backends, dtypes, devices)
+        if args.shard:
+            plan = shard_plan(plan, *shard)
+            source = {**source, "shard": args.shard}
         jobs = auto_jobs(plan.columns) if jobs is None else jobs
         # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
         show_progress = sys.stderr.isatty() and not args.quiet
@@ -266,6 +277,33 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)
         return 1
     return 1 if counts[FAIL] or counts[ERROR] else 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """One matrix from the reports of several shards or machines (conformance.shards)."""
+    writable_folder(Path(args.out), "--out")
+    try:
+        reports, names = read_reports([Path(path) for path in args.reports])
+        merged = merge_reports(reports, names)
+    except MergeError as error:
+        raise UsageError(str(error)) from None
+    results = merged["cells"]
+    cfg = ModelConfig.from_json(json.dumps(reports[0]["config"]))
+    source = {key: value for key, value in reports[0]["source"].items() if key != "shard"}
+    problems = format_problems(results)
+    print(format_table(results))
+    if problems:
+        print("\n" + problems)
+    for conflict in merged["conflicts"]:
+        print(f"CONFLICT {json.dumps(conflict)}")
+    counts = summary_counts(results)
+    seconds = sum(report.get("wall_seconds") or 0.0 for report in reports)
+    written = write_report(Path(args.out), results, cfg, source, reports[0]["params_sha256"], seconds,
+                           format_table(results), problems, merged=merged)
+    print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped, "
+          f"{len(merged['conflicts'])} conflicting, from {len(reports)} reports")
+    print(f"report written: {', '.join(str(path) for path in written)}")
+    return 1 if counts[FAIL] or counts[ERROR] or merged["conflicts"] or counts[PASS] == 0 else 0
 
 
 def _register_transformers(directory: Path) -> None:
@@ -576,12 +614,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "cells train_step-* and train_steps-* (§14); not by default: they triple a warm tiny matrix "
                        "(docs/backward.md)")
     check.add_argument("--report", help="write report.json, report.md and heatmap.png into this folder")
+    check.add_argument("--shard", help="run the I-th of N deterministic slices of the columns (I/N); "
+                                       "`rosetta merge` combines the slices' reports")
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.add_argument("--jobs", default="auto",
                        help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.set_defaults(handler=cmd_check)
+    merge = commands.add_parser("merge", help="one matrix from the reports of several shards or machines")
+    merge.add_argument("reports", nargs="+", help="report folders (or report.json files) of `rosetta check --report`")
+    merge.add_argument("--out", required=True, help="folder for the merged report.json, report.md and heatmap.png")
+    merge.set_defaults(handler=cmd_merge)
     importer = commands.add_parser("import", help="import a Hugging Face model directory (GPT-2, Marian, BART, "
                                    "Llama, Qwen2, Qwen3) into a weights file")
     importer.add_argument("directory", type=Path, help="holds config.json and model.safetensors")

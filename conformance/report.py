@@ -3,8 +3,13 @@
 report.json (schema_version 1):
     passed          true when at least one cell ran and none failed or errored
     counts          {"pass", "fail", "error", "skip"}: cells per status
-    spec_version, config (ModelConfig fields), source ({"preset", "seed"} or {"weights"}),
+    spec_version, project_version (this package's), config (ModelConfig fields),
+    source          {"preset", "seed"} or {"weights"}, and "shard": "I/N" for a slice (--shard)
     params_sha256   spec.params_digest of the weights every cell used
+    machine         {"hostname", "platform", "processor", "python"} of the machine that ran it
+                    (null in a merged report: merged_from names each report's, columns says
+                    which report each column came from, conflicts lists cells the reports
+                    disagree on; any conflict makes passed false)
     versions        python and every framework's installed version (null when absent)
     devices         {"cpu": name, "<backend>/<device>": name reported by the backend}
     tolerance_policy {"formula", "safety"}
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import socket
 from importlib import metadata
 from pathlib import Path
 
@@ -31,6 +37,12 @@ from conformance.adapter import get_backend
 from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
+
+
+def machine() -> dict[str, str]:
+    """What a report says about the machine that ran it."""
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
 
 SCHEMA_VERSION = 1
 _FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx", "onnxscript", "onnxruntime-gpu",
@@ -151,18 +163,35 @@ def write_error_growth(path: Path, localizations: dict) -> bool:
     return True
 
 
+def _sources(sources: list[dict]) -> str:
+    return ", ".join(f"{source['report']} ({(source['machine'] or {}).get('hostname')})" for source in sources)
+
+
+def project_version() -> str | None:
+    try:
+        return metadata.version("transformer-rosetta")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return None
+
+
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
-                 seconds: float, table: str, problems: str, localizations: dict | None = None) -> list[Path]:
-    """Write report.json, report.md and heatmap.png into directory; return the paths written."""
+                 seconds: float, table: str, problems: str, localizations: dict | None = None, *,
+                 merged: dict | None = None) -> list[Path]:
+    """Write report.json, report.md and heatmap.png into directory; return the paths written.
+    params: the weights, or (a merged report, conformance.shards) their digest; merged: the
+    merge's conflicts, columns and sources, which also decide `passed`."""
     counts = summary_counts(results)
+    conflicts = (merged or {}).get("conflicts", [])
     report = {
         "schema_version": SCHEMA_VERSION,
-        "passed": counts[FAIL] == 0 and counts[ERROR] == 0 and counts[PASS] > 0,
+        "passed": counts[FAIL] == 0 and counts[ERROR] == 0 and counts[PASS] > 0 and not conflicts,
         "counts": counts,
         "spec_version": SPEC_VERSION,
+        "project_version": project_version(),
         "config": cfg.to_dict(),
         "source": source,
-        "params_sha256": params_digest(params),
+        "params_sha256": params if isinstance(params, str) else params_digest(params),
+        "machine": None if merged else machine(),
         "versions": framework_versions(),
         "devices": device_names(results),
         "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * sqrt(n)) "
@@ -171,6 +200,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "attention_paths": attention_paths(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         "cells": [r.to_dict() for r in results],
+        **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
     directory.mkdir(parents=True, exist_ok=True)
     written = [directory / "report.json", directory / "report.md"]
@@ -178,9 +208,13 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     title = f"{source.get('preset') or source.get('weights')}: error / tolerance per cell"
     has_heatmap = write_heatmap(directory / "heatmap.png", results, title)
     markdown = ["# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
+                *([f"- merged from: {_sources(merged['sources'])}", f"- conflicting cells: {len(conflicts)}"]
+                  if merged else []),
                 f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s",
                 f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}", "",
                 "Cells show max|error| / tolerance (below 1 passes).", "", "```", table, "```", "", problems]
+    if conflicts:
+        markdown += ["", "## Conflicting cells", "", *(f"- {json.dumps(conflict)}" for conflict in conflicts)]
     if paths := format_attention_paths(report["attention_paths"]):
         markdown += ["", "Attention path of the passing cells, where a backend names it (an explicit path is the "
                      "program of the `-math` column, not evidence for the native primitive):", "", "```", paths, "```"]
