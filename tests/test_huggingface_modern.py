@@ -347,3 +347,33 @@ def test_a_config_no_family_holds_is_not_written(tmp_path, changes, message):
     cfg = get_preset("llama-tiny").replace(**changes)
     with pytest.raises(ConfigError, match=message):
         to_huggingface(cfg, init_params(cfg), tmp_path / "out")
+
+
+# ---- a bias added after rounding: JAX at float16 ---------------------------------------------------------
+
+QWEN2_HEADS_OF_16 = lambda: transformers.Qwen2Config(  # noqa: E731 - the model where it was found
+    vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=3,
+    num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=100, eos_token_id=100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rounding", ["once", "twice"])
+def test_a_biased_projection_rounded_twice_fails_qwen2_at_float16(tmp_path, monkeypatch, rounding):
+    """impl_jax.Linear rounds x W + b once, as torch's addmm does; flax's nnx.Linear rounds x W to
+    float16 before adding b. On a random Qwen2 (biases on q, k and v; 512 tokens) the second
+    rounding alone takes forward-long past its tolerance, in the math path as in the native one."""
+    pytest.importorskip("jax")
+    import impl_jax.model
+    from flax import nnx
+
+    if rounding == "twice":  # nnx.Linear as it is
+        monkeypatch.setattr(impl_jax.model.Linear, "__init__", nnx.Linear.__init__)
+        monkeypatch.setattr(impl_jax.model.Linear, "__call__", nnx.Linear.__call__)
+    imported = import_huggingface(build_checkpoint("qwen2", QWEN2_HEADS_OF_16(), tmp_path / "qwen2"))
+    from conformance.harness import plan_matrix, run_matrix
+
+    results = run_matrix(imported.config, imported.params,
+                         plan_matrix(imported.config, ["jax-math"], ["float16"], ["cpu"]), pattern="forward-long")
+    cell, = [r for r in results if r.status != SKIP]
+    assert cell.status == (PASS if rounding == "once" else "fail"), (cell.ratio, cell.reason)
