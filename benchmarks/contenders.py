@@ -329,7 +329,7 @@ class OnnxRuntimeGenai(Contender):
         except ImportError as error:
             raise Skip(f"not installed ({error})") from None
         from conformance.backends.genai_backend import GenaiRunner, build_model, genai_unsupported_reason
-        from importers.huggingface_writer import family_of
+        from importers.huggingface_writer import family_of, to_huggingface
         from spec.errors import ConfigError
 
         try:
@@ -339,8 +339,6 @@ class OnnxRuntimeGenai(Contender):
         reason = genai_unsupported_reason(cfg)
         if reason:
             raise Skip(reason)
-        from importers.huggingface_writer import to_huggingface
-
         self.directory = tempfile.TemporaryDirectory(prefix="rosetta-genai-")
         folder = Path(self.directory.name)
         to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)

@@ -25,7 +25,7 @@ no src_keep/cross inputs. Every dimension above except d, H, d_k and V is dynami
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
 
 def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     if role == DECODER_STEP_IN_PLACE:
-        return GraphSignature(role, *_fields(signature(cfg, DECODER_STEP)))
+        return replace(signature(cfg, DECODER_STEP), role=role)
     if role not in roles(cfg):
         raise ValueError(f"graph role must be one of {', '.join(roles(cfg))} for this model, got {role!r}")
     src = (Tensor("src_ids", "ids", ("batch", "src_len")), Tensor("src_keep", "keep", ("batch", "src_len")))
@@ -90,10 +90,6 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     past = (Tensor("past_keep", "keep", ("batch", "capacity")),) + _kv("past", cfg, "capacity")
     present = _kv("present", cfg, "capacity") + (Tensor("present_keep", "keep", ("batch", "capacity")),)
     return GraphSignature(role, tgt + (Tensor("start", "position", ()),) + past + cross, (logits,) + present)
-
-
-def _fields(sig: GraphSignature) -> tuple:
-    return sig.inputs, sig.outputs
 
 
 # Example sizes. torch.export treats an axis of size 0 or 1 as a constant, so every dynamic

@@ -32,7 +32,7 @@ from conformance.harness import FAIL, PASS, SKIP, golden_runner_for, plan_matrix
 from conformance.tolerance import compare, tolerance  # noqa: E402
 from importers import import_huggingface  # noqa: E402
 from spec import WeightsError  # noqa: E402
-from tests.test_huggingface_modern import build_checkpoint  # noqa: E402
+from tests.test_huggingface_modern import QWEN2_HEADS_OF_16, build_checkpoint  # noqa: E402
 
 GENAI_CONFIGS = {
     # 4 query heads of 16 over 2 key/value heads, untied head, vocabulary 97
@@ -42,10 +42,7 @@ GENAI_CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=1, eos_token_id=2,
         pad_token_id=0),
     # multi-query: 3 query heads of 16 over 1; q/k/v biases; tied; no pad token
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=101, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=100, eos_token_id=100),
+    "qwen2": QWEN2_HEADS_OF_16,
     # head_dim 16 where hidden / heads is 10; q/k head norms
     "qwen3": lambda: transformers.Qwen3Config(
         vocab_size=89, hidden_size=40, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,

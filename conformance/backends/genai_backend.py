@@ -57,10 +57,6 @@ ALL_PAD = ("a row with no real token is a length of 0 to onnxruntime-genai: its 
            "refuses it (seqlens_k = -1 is out of range); the spec defines that row's numbers (SPEC §5.2)")
 
 
-def head_size(cfg: ModelConfig) -> int:
-    return cfg.head_dim or cfg.d_model // cfg.n_heads
-
-
 def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None:
     """Why genai cannot run rows whose real tokens are ``keep`` [B, L] (decode: steps from
     ``first_step`` on), or None where it can: its masks are lengths, and its steps are real."""
@@ -198,8 +194,8 @@ class GenaiRunner:
 
 def genai_unsupported_reason(cfg: ModelConfig) -> str | None:
     """Why the builder's CPU model cannot be made for this config, or None."""
-    if head_size(cfg) % HEAD_SIZE_MULTIPLE:
-        return (f"head size {head_size(cfg)}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
+    if cfg.d_head % HEAD_SIZE_MULTIPLE:
+        return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
                 f"needs a multiple of {HEAD_SIZE_MULTIPLE}")
     return None
 
