@@ -21,7 +21,7 @@ install: $(TEST_STAMP)
 # the project runs from PYTHONPATH (whatever PYTHONPATH already holds is kept after it).
 GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 gpu:
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m conformance gpu --out reports/gpu
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m rosetta gpu --out reports/gpu
 
 # A venv left half-made by an interrupted run has python but no pip: it is made again.
 # jax2onnx declares the CPU 'onnxruntime' package, which would overwrite onnxruntime-gpu's module;

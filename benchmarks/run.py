@@ -336,7 +336,7 @@ def _matrix_cold_and_warm(backends: tuple[str, ...], log) -> list[dict]:
                 ("warm, --backward", ["--backward"]))
         for run, options in runs:
             start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "conformance", "check", "--preset", "tiny", "--quiet",
+            done = subprocess.run([sys.executable, "-m", "rosetta", "check", "--preset", "tiny", "--quiet",
                                    "--backends", ",".join(backends), *options], env=environment, capture_output=True,
                                   text=True)
             seconds = time.perf_counter() - start

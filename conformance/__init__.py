@@ -1,1 +1,1 @@
-"""The conformance harness: case catalogue, tolerance policy, adapter registry, matrix, CLI."""
+"""The conformance harness: case catalogue, tolerance policy, adapter registry, matrix, reports."""

@@ -21,7 +21,8 @@ import numpy as np
 
 import impl_numpy as golden
 from conformance.adapter import NotSupported
-from conformance.cases import SUBLAYERS
+from conformance.cases import SUBLAYERS, is_training
+from conformance.harness import ERROR, FAIL, SKIP, CellResult
 from conformance.tolerance import compare, tolerance
 from spec import ModelConfig, params_under
 from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
@@ -244,3 +245,44 @@ def localize_backward_column(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     inputs = build_case(cfg, params, "loss", mask_case).inputs
     runner = backend.load(cfg, params, dtype, device)
     return localize_backward(cfg, params, runner, dtype, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])
+
+
+def _runs_layers(name: str) -> bool:
+    """Whether a backend runs the model layer by layer (a whole-model backend, transformers, has no
+    stages to feed one by one)."""
+    from conformance.adapter import get_backend
+
+    backend, _ = get_backend(name)
+    return backend is not None and getattr(backend, "supports_sublayer", lambda sublayer: None)("decoder_layer") is None
+
+
+def localize_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], results: list[CellResult],
+                      every_column: bool = False) -> dict[str, Localization]:
+    """{'<backend>/<dtype>/<device> (forward-<mask case>)': localization} of each column whose
+    whole-model cells failed (of every column that ran, with every_column), and '... (backward of
+    loss-<mask case>)' of each column whose whole-model gradient or training cells failed: what
+    `rosetta check` prints and its report keeps."""
+    failing: dict[tuple[str, str, str], str] = {}
+    failing_backward: dict[tuple[str, str, str], str] = {}
+    for r in results:
+        column = (r.backend, r.dtype, r.device)
+        if r.status == SKIP:
+            continue
+        if every_column:
+            failing.setdefault(column, "pad_right")
+        if r.sublayer in WHOLE_MODEL and r.status in (FAIL, ERROR):
+            failing[column] = r.mask_case if r.sublayer == "forward" else failing.get(column, "pad_right")
+        if (r.sublayer in ("grad-forward", "grad-loss") or is_training(r.sublayer)) and r.status in (FAIL, ERROR):
+            failing_backward.setdefault(column, r.mask_case if r.sublayer == "grad-loss" else "pad_right")
+    localizations = {}
+    for (backend, dtype, device), mask_case in failing.items():
+        if not _runs_layers(backend):
+            continue
+        if cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk"):
+            localizations[f"{backend}/{dtype}/{device} (forward-{mask_case})"] = localize_column(
+                cfg, params, backend, dtype, device, mask_case)
+    for (backend, dtype, device), mask_case in failing_backward.items():
+        if _runs_layers(backend) and (cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk", "pad_start")):
+            localizations[f"{backend}/{dtype}/{device} (backward of loss-{mask_case})"] = localize_backward_column(
+                cfg, params, backend, dtype, device, mask_case)
+    return localizations

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -479,6 +479,12 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
     return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst, stage)
 
 
+def run_gallery(cfg: ModelConfig, params, mutations: Sequence[Mutation] | None = None) -> list[Verdict]:
+    """Every mistake of the gallery (MUTATIONS, or those given) applied in turn to the
+    numpy-float32 backend, the golden unchanged: each must be caught and localized."""
+    return [run_mutation(cfg, params, mutation) for mutation in (MUTATIONS if mutations is None else mutations)]
+
+
 def gallery_table(verdicts: list[Verdict]) -> str:
     lines = ["| mutation | the mistake | cells failed | first failing sublayer | first failing cell | "
              "localized stage | verdict |", "|---|---|---:|---|---|---|---|"]
@@ -487,6 +493,11 @@ def gallery_table(verdicts: list[Verdict]) -> str:
         lines.append(f"| `{v.mutation.name}` | {v.mutation.mistake} | {v.failed_cells}/{v.total_cells} | "
                      f"{v.first_sublayer or '-'} | {v.worst} | {v.first_stage or 'none alone'} | {verdict} |")
     return "\n".join(lines)
+
+
+def gallery_page(verdicts: list[Verdict], preset: str) -> str:
+    """The gallery's table as a Markdown page (`rosetta mutations --markdown FILE`)."""
+    return f"# Mutation gallery ({preset})\n\n{gallery_table(verdicts)}\n"
 
 
 def _defined_in(target: str) -> str:

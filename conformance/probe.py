@@ -603,3 +603,8 @@ def probe_table(observed: Sequence[Observation]) -> str:
              "| topic | primitive | device | observed here | the spec |", "|---|---|---|---|---|"]
     lines += [f"| {p.topic} | {p.primitive} | {device} | {result} | {p.spec} |" for p, device, result in observed]
     return "\n".join(lines)
+
+
+def probe_page(observed: Sequence[Observation]) -> str:
+    """The probe's table as a Markdown page (`rosetta probe --markdown FILE`)."""
+    return f"# Native-behaviour probe\n\nMeasured by `rosetta probe`.\n\n{probe_table(observed)}\n"

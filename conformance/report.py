@@ -19,6 +19,9 @@ report.json (schema_version 1):
     localization    {"<backend>/<dtype>/<device> (forward-<mask case>)": {"first_failure": stage or null,
                     "stages": [{name, sublayer, isolated_ratio, chained_ratio, note}]}} for the columns
                     localized (failing whole-model cells, or every column with --localize)
+    placements      (a run on a Ray cluster) {"<backend>/<dtype>/<device>": {"node_id", "hostname",
+                    "device", "driver", "pid", "gpu_ids", "versions"}}: the node, device, driver and
+                    package versions each column ran on (null where its actor died before saying)
     cells           one record per cell: backend, device, dtype, sublayer, mask_case, status,
                     passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path
                     (infinite errors are written as the string "inf")
@@ -26,10 +29,13 @@ report.json (schema_version 1):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
+import re
 import socket
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -39,10 +45,37 @@ from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
 
 
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
 def machine() -> dict[str, str]:
     """What a report says about the machine that ran it."""
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
+
+
+def driver_version(text: str) -> str | None:
+    """The NVIDIA kernel module's version from /proc/driver/nvidia/version."""
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return found.group(1) if found else None
+
+
+def device_facts(device: str) -> dict[str, str | None]:
+    """The device's name and driver as the machine reports them."""
+    if device == "cpu":
+        return {"device": "cpu", "name": platform.processor() or platform.machine(), "driver": None}
+    name = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.strip().splitlines()
+        name = listed[0].strip() if listed else None
+    if name is None:
+        with contextlib.suppress(ImportError, RuntimeError, AssertionError):
+            import torch
+
+            name = torch.cuda.get_device_name(0)
+    return {"device": device, "name": name or "unknown CUDA device",
+            "driver": driver_version(NVIDIA_DRIVER.read_text()) if NVIDIA_DRIVER.exists() else None}
 
 SCHEMA_VERSION = 1
 _FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx", "onnxscript", "onnxruntime-gpu",
@@ -98,6 +131,43 @@ def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, st
     columns = list(dict.fromkeys((r.backend, r.dtype, r.device) for r in ran))
     rows = list(dict.fromkeys(f"{r.sublayer}-{r.mask_case}" for r in ran))
     return columns, rows
+
+
+def _cell_text(result: CellResult) -> str:
+    if result.status == PASS:
+        return f"ok {result.ratio:.2f}"
+    if result.status == FAIL:
+        return f"FAIL {result.ratio:.3g}" if result.ratio is not None else "FAIL"
+    return "ERROR" if result.status == ERROR else "skip"
+
+
+def format_table(results: list[CellResult]) -> str:
+    """Rows sublayer-mask_case, columns backend/dtype/device; cells 'ok r' with r = error/tolerance."""
+    columns, rows = columns_and_rows(results)
+    cells = {(f"{r.sublayer}-{r.mask_case}", (r.backend, r.dtype, r.device)): _cell_text(r) for r in results
+             if (r.backend, r.dtype, r.device) in columns}
+    headers = ["case"] + ["/".join(column) for column in columns]
+    body = [[row] + [cells.get((row, column), "") for column in columns] for row in rows]
+    widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(headers))]
+    lines = ["  ".join(text.ljust(width) for text, width in zip(headers, widths))]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(text.ljust(width) for text, width in zip(line, widths)) for line in body]
+    return "\n".join(lines)
+
+
+def format_problems(results: list[CellResult]) -> str:
+    """A line per failed or errored cell, and one per column and reason for the skipped cells."""
+    lines = []
+    for r in results:
+        if r.status in (FAIL, ERROR):
+            lines.append(f"{r.status.upper()} {r.test_id}: {r.reason}")
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        if r.status == SKIP:
+            skipped.setdefault((f"{r.backend}/{r.dtype}/{r.device}", r.reason), []).append(r.test_id)
+    for (column, reason), ids in skipped.items():
+        lines.append(f"skipped {column} ({len(ids)} cells): {reason}")
+    return "\n".join(lines)
 
 
 def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:
@@ -167,6 +237,20 @@ def _sources(sources: list[dict]) -> str:
     return ", ".join(f"{source['report']} ({(source['machine'] or {}).get('hostname')})" for source in sources)
 
 
+def format_placements(placements: dict[str, dict | None]) -> str:
+    """One line a column: the node, device and driver that ran it (an executor's placements)."""
+    lines = ["where each column ran:"]
+    for column, where in placements.items():
+        if where is None:
+            lines.append(f"  {column}: unknown (its actor died before it said)")
+        elif "error" in where:
+            lines.append(f"  {column}: unknown ({where['error']})")
+        else:
+            driver = f", driver {where['driver']}" if where.get("driver") else ""
+            lines.append(f"  {column}: {where['hostname']} (node {where['node_id'][:8]}), {where['device']}{driver}")
+    return "\n".join(lines)
+
+
 def project_version() -> str | None:
     try:
         return metadata.version("transformer-rosetta")
@@ -176,10 +260,11 @@ def project_version() -> str | None:
 
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
-                 merged: dict | None = None) -> list[Path]:
+                 merged: dict | None = None, placements: dict | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
-    merge's conflicts, columns and sources, which also decide `passed`."""
+    merge's conflicts, columns and sources, which also decide `passed`; placements: where each
+    column ran, from an executor that spreads them over nodes (the Ray executor's)."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     report = {
@@ -199,6 +284,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "wall_seconds": round(seconds, 3),
         "attention_paths": attention_paths(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
+        **({"placements": placements} if placements else {}),
         "cells": [r.to_dict() for r in results],
         **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
@@ -221,6 +307,8 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     if has_heatmap:
         markdown += ["", "![error / tolerance heatmap](heatmap.png)"]
         written.append(directory / "heatmap.png")
+    if placements:
+        markdown += ["", "## Where each column ran", "", "```", format_placements(placements), "```"]
     for column, found in (localizations or {}).items():
         first = found.first_failure
         markdown += ["", f"## Localization {column}", "",

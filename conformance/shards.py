@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from conformance.harness import CellResult, Plan
+from conformance.harness import ERROR, FAIL, PASS, CellResult, Plan
+from conformance.report import format_problems, format_table, summary_counts, write_report
+from spec import ModelConfig
 
 Column = tuple[str, str, str]  # (backend, dtype, device)
 
@@ -100,6 +102,7 @@ def merge_reports(reports: list[Mapping], names: list[str]) -> dict:
     columns = {f"{c.backend}/{c.dtype}/{c.device}": owner[c.test_id] for c in cells.values()}
     sources = [{"report": name, "shard": report.get("source", {}).get("shard"), "machine": report.get("machine"),
                 "versions": report.get("versions"), "devices": report.get("devices"),
+                **({"placements": report["placements"]} if report.get("placements") else {}),
                 "wall_seconds": report.get("wall_seconds")} for report, name in zip(reports, names)]
     return {"cells": list(cells.values()), "conflicts": conflicts, "columns": columns, "sources": sources}
 
@@ -128,3 +131,36 @@ def read_reports(paths: list[Path]) -> tuple[list[dict], list[str]]:
             raise MergeError(f"{file}: not a report written by `rosetta check --report`")
         names.append(str(path))
     return reports, names
+
+
+@dataclass(frozen=True)
+class MergedReport:
+    """The merged matrix and what was written of it."""
+    cells: list[CellResult]
+    conflicts: list[dict]
+    report_count: int  # the reports merged
+    table: str  # report.format_table of the cells
+    problems: str  # report.format_problems of the cells
+    written: list[Path]
+
+    @property
+    def passed(self) -> bool:
+        """At least one cell ran, none failed or errored, and no two reports disagree."""
+        counts = summary_counts(self.cells)
+        return not (counts[FAIL] or counts[ERROR] or self.conflicts or counts[PASS] == 0)
+
+
+def merge_into_report(paths: Sequence[Path], out: Path) -> MergedReport:
+    """One matrix from the reports of several shards or machines: read them (report folders or
+    report.json files), merge them (merge_reports) and write the merged report.json, report.md
+    and heatmap.png into out. Raises MergeError for reports that do not check the same thing."""
+    reports, names = read_reports(list(paths))
+    merged = merge_reports(reports, names)
+    cells = merged["cells"]
+    cfg = ModelConfig.from_json(json.dumps(reports[0]["config"]))
+    source = {key: value for key, value in reports[0]["source"].items() if key != "shard"}
+    table, problems = format_table(cells), format_problems(cells)
+    seconds = sum(report.get("wall_seconds") or 0.0 for report in reports)
+    written = write_report(out, cells, cfg, source, reports[0]["params_sha256"], seconds, table, problems,
+                           merged=merged)
+    return MergedReport(cells, merged["conflicts"], len(reports), table, problems, written)

@@ -1,7 +1,7 @@
 """What `rosetta check` shows a person at a terminal, drawn with rich (the progress bars, tables
 and summaries this ecosystem's tools use): a live progress bar, the matrix with each cell
 colored by its verdict, and the failures in a panel. Output that goes to a file or a pipe stays
-the plain text of conformance.cli, which the reports and docs quote.
+the plain text of conformance.report.format_table, which the reports and docs quote.
 """
 
 from __future__ import annotations

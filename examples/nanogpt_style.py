@@ -176,7 +176,7 @@ def backend(name: str = "nanogpt-style") -> CustomBackend:
 
 
 if __name__ == "__main__":
-    from conformance.cli import main
+    from rosetta.main import main
 
     register_backend("nanogpt-style", backend)
     sys.exit(main(["check", "--preset", "char-lm", "--backends", "nanogpt-style", "--dtypes", "float32", *sys.argv[1:]]))

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from export.exporters import FRAMEWORKS, export_model
 from spec import ModelConfig, params_digest
 
 _ROOT = Path(__file__).resolve().parent.parent
 _SOURCES = {"torch": ("impl_torch/model.py",), "jax": ("impl_jax/model.py",)}
 _EXPORT_SOURCES = ("export/graphs.py", "export/onnx_model.py", "export/torch_export.py", "export/in_place_step.py",
                    "export/jax_export.py")
-FRAMEWORKS = tuple(_SOURCES)
 
 
 def cache_root() -> Path | None:
@@ -60,10 +60,6 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
     """The directory of this model's export (written on first use). framework: 'torch' | 'jax'."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    if framework == "torch":
-        from export.torch_export import export_torch as export
-    else:
-        from export.jax_export import export_jax as export
     root = cache_root()
     if root is not None:
         try:
@@ -72,7 +68,7 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
             root = None  # an unwritable home: export every time rather than fail
     if root is None:
         directory = Path(tempfile.mkdtemp(prefix="rosetta-onnx-"))
-        export(cfg, params, directory, dtype=dtype, opset=opset)
+        export_model(cfg, params, directory, framework=framework, dtype=dtype, opset=opset)
         return directory
     directory = root / cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset)
     if (directory / "manifest.json").is_file():
@@ -81,7 +77,7 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
             return directory
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     try:
-        export(cfg, params, staging, dtype=dtype, opset=opset)
+        export_model(cfg, params, staging, framework=framework, dtype=dtype, opset=opset)
         shutil.rmtree(directory, ignore_errors=True)
         staging.rename(directory)  # another process may have won the race: its copy is the same
     except OSError:

@@ -234,6 +234,12 @@ class OnnxTransformer:
             raise ProviderFallbackError(message)
         warnings.warn(f"CUDA FALLBACK: {message}", RuntimeWarning, stacklevel=3)
 
+    @property
+    def provider_name(self) -> str:
+        """The provider the sessions try first: CUDAExecutionProvider or CPUExecutionProvider."""
+        first = self.providers[0]
+        return first if isinstance(first, str) else first[0]
+
     def has(self, role: str) -> bool:
         return role in self.sessions
 

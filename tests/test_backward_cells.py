@@ -9,9 +9,9 @@ import torch
 
 import impl_torch.model as torch_model
 from conformance.cases import GRADIENT_INPUTS, SUBLAYERS, build_case, case_names, is_gradient
-from conformance.cli import main
 from conformance.harness import FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.tolerance import compare_gradients
+from rosetta.main import main
 from spec import conformance_params, get_preset
 from tests.variants import VARIANTS
 

@@ -72,7 +72,7 @@ def test_flop_count_is_the_documented_formula():
 
 @pytest.mark.slow
 def test_bench_tiny_writes_every_report(tmp_path, capsys):
-    from conformance.cli import main
+    from rosetta.main import main
 
     out = tmp_path / "bench"
     assert main(["bench", "--preset", "tiny", "--out", str(out), "--matrix-backends", "numpy-float32"]) == 0

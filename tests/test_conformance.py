@@ -13,10 +13,10 @@ from conformance.backends.numpy_backend import NumpyFloat32Backend
 import impl_numpy as golden
 from conformance.cases import (MASK_CASES, SUBLAYERS, applicable_cases, attention_queries, build_case, case_names,
                                catalogue, choose_generation_rows)
-from conformance.cli import main
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.mutations import MUTATIONS, MutantBackend
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
+from rosetta.main import main
 from spec import conformance_params, get_preset, list_presets
 from tests.variants import TINY, VARIANTS
 
@@ -313,8 +313,8 @@ def test_cli_init_info_and_check_weights(tmp_path, capsys):
     assert main(["check", "--weights", str(path), "--preset", "tiny"]) == 2
 
 
-def test_python_dash_m_conformance():
-    done = subprocess.run([sys.executable, "-m", "conformance", "presets"], capture_output=True, text=True, check=True)
+def test_python_dash_m_rosetta():
+    done = subprocess.run([sys.executable, "-m", "rosetta", "presets"], capture_output=True, text=True, check=True)
     assert "paper-base" in done.stdout and "63,082,496" in done.stdout
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cli import build_parser
 from conformance.differences import differences_page, excerpt
+from rosetta.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

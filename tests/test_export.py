@@ -484,7 +484,7 @@ def test_triton_repository_matches_the_graphs(tmp_path):
 # ---- the CLI --------------------------------------------------------------------------------
 
 def test_cli_export_and_generate(tmp_path, capsys):
-    from conformance.cli import main
+    from rosetta.main import main
 
     cfg = get_preset("tiny")
     params = conformance_params(cfg, seed=0)
@@ -512,7 +512,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
      "cannot write graph role(s) decoder_step"),
 ] + ([] if HAS_CUDA else [(["generate", "{export}", "--src", "5", "--device", "cuda"], "CUDA provider cannot run here")]))
 def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
-    from conformance.cli import main
+    from rosetta.main import main
 
     cfg = get_preset("tiny")
     directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")

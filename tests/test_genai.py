@@ -230,7 +230,7 @@ def test_a_head_size_genai_cannot_run_on_the_cpu_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_rosetta_check_runs_the_genai_column_with_hf(built, capsys):
-    from conformance.cli import main
+    from rosetta.main import main
 
     arguments = ["--backends", "onnxruntime-genai", "--dtypes", "float32", "-k", "forward", "--quiet"]
     assert main(["check", "--hf", str(built["qwen3"].directory), *arguments]) == 0

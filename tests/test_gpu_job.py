@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from conformance.cli import main
-from conformance.gpu_job import NVIDIA_DRIVER, driver_version, folder_name, plan_steps
+from conformance.report import NVIDIA_DRIVER, driver_version
+from rosetta.gpu import folder_name, plan_steps
+from rosetta.main import main
 
 
 def test_the_default_plan(tmp_path):

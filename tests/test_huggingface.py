@@ -22,10 +22,10 @@ import impl_numpy as golden  # noqa: E402
 from conformance.adapter import register_backend, unregister_backend  # noqa: E402
 from conformance.backends.transformers_backend import TransformersBackend, TransformersRunner  # noqa: E402
 from conformance.cases import build_case  # noqa: E402
-from conformance.cli import main  # noqa: E402
 from conformance.harness import FAIL, PASS, SKIP, plan_matrix, run_matrix  # noqa: E402
 from conformance.tolerance import compare, tolerance  # noqa: E402
 from importers import import_huggingface, import_to_file  # noqa: E402
+from rosetta.main import main  # noqa: E402
 from spec import ConfigError, WeightsError, load_weights, params_digest  # noqa: E402
 
 # Odd sizes: 3 and 5 heads (d_k 16 and 12), vocabularies 101, 103, 89 and 97.

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from conformance.adapter import register_backend, unregister_backend
-from conformance.cli import main
 from conformance.localize import localize_column
 from conformance.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
+from rosetta.main import main
 from spec import get_preset, conformance_params
 
 TINY = get_preset("tiny")

@@ -1,4 +1,4 @@
-"""Columns in worker processes (conformance.parallel): the same cells, order and verdicts as
+"""Columns in worker processes (conformance.executors.local_pool): the same cells, order and verdicts as
 one process; a backend registered with a callable stays in the calling process; a worker that
 dies turns its unfinished cells into errors that say why, and the other columns still run;
 fail-fast stops the workers."""
@@ -9,9 +9,9 @@ import pytest
 
 from conformance.adapter import register_backend, unregister_backend
 from conformance.byo import CustomBackend  # noqa: F401 - registered with a callable below
-from conformance.cli import main
+from rosetta.main import main
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
-from conformance.parallel import auto_jobs
+from conformance.executors.local_pool import auto_jobs
 from spec import get_preset, conformance_params
 
 CFG = get_preset("tiny")
@@ -89,7 +89,7 @@ def siblings(tmp_path, monkeypatch):
 
 def test_columns_of_one_program_family_run_in_one_worker(siblings):
     """jax and jax-math share their programs: a dtype's two columns go to one worker, in turn."""
-    from conformance.parallel import column_groups
+    from conformance.executors import column_groups
 
     columns = [("sibling", "float32", "cpu"), ("numpy-float32", "float32", "cpu"),
                ("other-sibling", "float32", "cpu"), ("sibling", "float16", "cpu")]
@@ -106,14 +106,14 @@ def test_columns_of_one_program_family_run_in_one_worker(siblings):
 def test_an_exporters_columns_of_every_dtype_share_one_worker():
     """onnx's float32 and float16 exports share torch.onnx's start-up (family_spans_dtypes); the
     onnx-jax columns are another exporter's group; the longest groups are handed out first."""
-    from conformance.parallel import _cost_rank, column_groups
+    from conformance.executors import column_groups, cost_rank
 
     columns = [("onnx", "float32", "cpu"), ("onnx-jax", "float32", "cpu"), ("onnx", "float16", "cpu"),
                ("onnx-jax", "float16", "cpu"), ("onnx", "float32", "cuda")]
     assert column_groups(columns) == [[columns[0], columns[2]], [columns[1], columns[3]], [columns[4]]]
     order = [("torch", "float32", "cpu"), ("jax", "float64", "cpu"), ("jax", "bfloat16", "cpu"),
              ("onnx", "float32", "cpu"), ("my-plugin", "float32", "cpu")]
-    assert sorted(order, key=_cost_rank) == [order[3], order[2], order[1], order[0], order[4]]
+    assert sorted(order, key=cost_rank) == [order[3], order[2], order[1], order[0], order[4]]
 
 
 def test_a_worker_dying_inside_a_group_leaves_the_rest_of_the_group_to_another(siblings):
@@ -141,7 +141,7 @@ def test_jobs_must_be_positive(jobs, capsys):
 def test_a_pool_started_ahead_runs_the_matrix_and_is_closed():
     """Workers started before the plan (importing their frameworks, and a name that is not a
     backend, meanwhile) give the sequential results; afterwards no process is left."""
-    from conformance.parallel import WorkerPool
+    from conformance.executors.local_pool import WorkerPool
 
     pool = WorkerPool(3, preload=["numpy-float32", "torch", "no-such-backend"])
     plan = _plan(["numpy-float32", "torch"])  # three columns: numpy float32, torch float32 and float16
@@ -154,7 +154,7 @@ def test_a_pool_started_ahead_runs_the_matrix_and_is_closed():
 
 
 def test_a_pool_is_closed_when_the_run_needs_no_worker():
-    from conformance.parallel import WorkerPool
+    from conformance.executors.local_pool import WorkerPool
 
     pool = WorkerPool(2)
     run_matrix(CFG, PARAMS, _plan(["numpy-float32"]), jobs=1, pattern="mha-none-*")
@@ -163,7 +163,7 @@ def test_a_pool_is_closed_when_the_run_needs_no_worker():
 
 
 def test_workers_are_started_early_only_where_the_run_will_use_them(monkeypatch, tmp_path):
-    from conformance import cli
+    import rosetta.check as cli
 
     monkeypatch.setattr(cli, "NVIDIA_DRIVER", tmp_path / "absent")
     monkeypatch.setattr("os.cpu_count", lambda: 2)

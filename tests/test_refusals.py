@@ -9,18 +9,20 @@ import pytest
 from conformance.refusals import (
     BAD_INPUTS,
     BAD_WEIGHTS,
+    REFUSALS_PREAMBLE,
     consistent,
     observe_inputs,
     observe_weights,
     refusal_table,
 )
+from rosetta.main import main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "refusals.md"
 
 
 @pytest.fixture(scope="module")
 def weights_observed():
-    return observe_weights()
+    return observe_weights(command_line=main)  # the CLI's entry points too, handed in from the floor above
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,6 @@ def test_bad_inputs_refused_alike_everywhere(inputs_observed, case):
 
 
 def test_the_docs_table_is_current(weights_observed, inputs_observed):
-    from conformance.cli import REFUSALS_PREAMBLE
-
     expected = REFUSALS_PREAMBLE + refusal_table(weights_observed, inputs_observed)
     assert DOCS.read_text() == expected, "regenerate with: rosetta refusals --markdown docs/refusals.md"
 

@@ -158,13 +158,14 @@ def test_a_thousand_generations_do_not_grow_memory(backend):
 # ---- the CLI under interruption and unwritable folders ----------------------------------------
 
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, tmp_path):
-    import conformance.cli as cli
+    import rosetta.check
+    from rosetta.main import main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "run_matrix", interrupted)
-    assert cli.main(["check", "--backends", "numpy-float32", "--report", str(tmp_path / "report")]) == 130
+    monkeypatch.setattr(rosetta.check, "run_matrix", interrupted)
+    assert main(["check", "--backends", "numpy-float32", "--report", str(tmp_path / "report")]) == 130
     error = capsys.readouterr().err
     assert "interrupted" in error and "Traceback" not in error
     assert not (tmp_path / "report" / "report.json").exists()  # no half-written report
@@ -175,7 +176,7 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, tmp_path):
     ["export", "--preset", "tiny", "--graphs", "forward", "--out", "{file}/onnx"],
 ])
 def test_unwritable_folders_are_refused_before_any_work(tmp_path, capsys, argv):
-    from conformance.cli import main
+    from rosetta.main import main
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a folder cannot be made under a file (root ignores permissions)

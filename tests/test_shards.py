@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.cli import main
 from conformance.harness import Plan
 from conformance.shards import MergeError, merge_reports, parse_shard, read_reports, shard_plan
+from rosetta.main import main
 from spec import get_preset
 
 CHECK = ["check", "--preset", "tiny", "--backends", "numpy-float32,torch", "--dtypes", "float32,float64,float16",

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from conformance.cli import main
 from conformance.train_parity import TEXT, text_batches, train_parity
+from rosetta.main import main
 from spec import conformance_params, get_preset
 
 CHAR_LM = get_preset("char-lm")

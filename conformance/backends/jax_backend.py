@@ -173,7 +173,7 @@ class JaxBackend(FrameworkBackend):
     attention = "sdpa"
     name = "jax"
     # jax and jax-math compile the same programs but for attention: the parallel harness runs a
-    # dtype's two columns in one worker, one after the other (conformance.parallel.column_groups)
+    # dtype's two columns in one worker, one after the other (conformance.executors.column_groups)
     program_family = "jax"
 
     def __init__(self):

@@ -15,10 +15,10 @@ machine's own frameworks with the project on PYTHONPATH.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -26,10 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance.report import NVIDIA_DRIVER, device_facts, framework_versions
+from rosetta.arguments import CommandLine, UsageError, comma_list, writable_folder
+
 MATRIX_BACKENDS = ("torch", "torch-math", "jax", "jax-math", "onnx", "onnx-jax")
 MATRIX_PRESETS = ("tiny", "char-lm")
 BENCH_PRESET = "paper-base"
-NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
 
 
 @dataclass(frozen=True)
@@ -60,33 +62,9 @@ def device_contenders(device: str) -> tuple[str, ...]:
     return tuple(c.name for c in contenders((device,)))
 
 
-def driver_version(text: str) -> str | None:
-    """The NVIDIA kernel module's version from /proc/driver/nvidia/version."""
-    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
-    return found.group(1) if found else None
-
-
 def folder_name(device_name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'"""
     return re.sub(r"[^a-z0-9.]+", "-", device_name.lower()).strip("-") or "device"
-
-
-def device_facts(device: str) -> dict[str, str | None]:
-    """The device's name and driver as the machine reports them."""
-    if device == "cpu":
-        return {"device": "cpu", "name": platform.processor() or platform.machine(), "driver": None}
-    name = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, timeout=30, check=True).stdout.strip().splitlines()
-        name = listed[0].strip() if listed else None
-    if name is None:
-        with contextlib.suppress(ImportError, RuntimeError, AssertionError):
-            import torch
-
-            name = torch.cuda.get_device_name(0)
-    return {"device": device, "name": name or "unknown CUDA device",
-            "driver": driver_version(NVIDIA_DRIVER.read_text()) if NVIDIA_DRIVER.exists() else None}
 
 
 def _git_commit() -> str | None:
@@ -106,10 +84,11 @@ def _headline(log: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_gpu_job(out_root: Path, device: str, command: list[str], **plan_options) -> int:
-    from conformance.cli import UsageError, main, writable_folder
-    from conformance.report import framework_versions
-
+def run_gpu_job(out_root: Path, device: str, command: list[str], run_command: CommandLine, **plan_options) -> int:
+    """Run the job's steps (plan_steps) one after another through run_command, the `rosetta`
+    entry point, each step's output into its log; write environment.json after each step and
+    summary.md at the end, into a folder of out_root named after the device. command: the
+    command line recorded. Exit code 0 when every step's was 0."""
     if device == "cuda" and not NVIDIA_DRIVER.exists():
         raise UsageError("no CUDA device here (no NVIDIA driver): `rosetta gpu` runs on a machine with a GPU; "
                          "--device cpu runs the same job on the CPU")
@@ -126,7 +105,7 @@ def run_gpu_job(out_root: Path, device: str, command: list[str], **plan_options)
         log_path = out / f"{step.name}.log"
         start = time.perf_counter()
         with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            code = main(list(step.argv))
+            code = run_command(list(step.argv))
         seconds = time.perf_counter() - start
         record["steps"].append({"name": step.name, "argv": ["rosetta", *step.argv], "exit_code": code,
                                 "seconds": round(seconds, 1), "headline": _headline(log_path.read_text())})
@@ -145,3 +124,27 @@ def summary_table(record: dict) -> str:
              "| step | exit | seconds | result |", "|---|---|---:|---|"]
     lines += [f"| {s['name']} | {s['exit_code']} | {s['seconds']:.1f} | {s['headline']} |" for s in record["steps"]]
     return "\n".join(lines)
+
+
+def cmd_gpu(args: argparse.Namespace, run_command: CommandLine) -> int:
+    """The whole GPU report: matrix, probe and benchmark into one folder."""
+    return run_gpu_job(args.out, args.device, ["rosetta", *args.argv], run_command,
+                       presets=tuple(comma_list(args.presets) or MATRIX_PRESETS),
+                       backends=tuple(comma_list(args.backends) or MATRIX_BACKENDS),
+                       bench_preset=None if args.bench_preset == "none" else args.bench_preset,
+                       bench_contenders=tuple(comma_list(args.bench_contenders) or ()))
+
+
+def add_gpu(commands: argparse._SubParsersAction, run_command: CommandLine) -> None:
+    """run_command: the `rosetta` entry point, which runs each step of the job."""
+    gpu = commands.add_parser("gpu", help="the whole GPU report: matrix, probe and benchmark into one folder")
+    gpu.add_argument("--out", type=Path, default=Path("reports/gpu"),
+                     help="parent folder; the report goes into a folder named after the device (default reports/gpu)")
+    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cuda (default), or cpu for the same job on the CPU")
+    gpu.add_argument("--presets", default="tiny,char-lm", help="presets of the matrix (default tiny,char-lm)")
+    gpu.add_argument("--backends", default="torch,torch-math,jax,jax-math,onnx,onnx-jax",
+                     help="backends of the matrix (default: every GPU backend)")
+    gpu.add_argument("--bench-preset", default="paper-base", help="preset of the benchmark, or none")
+    gpu.add_argument("--bench-contenders", help="default: every contender on the device")
+    gpu.set_defaults(handler=lambda args: cmd_gpu(args, run_command))

@@ -1,11 +1,11 @@
-"""Columns of the conformance matrix in parallel worker processes.
+"""The local executor: columns of the conformance matrix in parallel worker processes.
 
 A column (backend, dtype, device) is independent of every other: it loads its own runner and
 compares each case with the golden. Most of a JAX column's time is Python tracing and lowering
 hundreds of small XLA programs, which one process does on one core; workers run several
 columns at once. Results are put back in the order the sequential run gives them.
 
-A worker is a fresh interpreter (`python -m conformance.parallel`) fed messages on its stdin
+A worker is a fresh interpreter (`python -m conformance.executors.local_pool`) fed messages on its stdin
 and answering on its stdout (length-prefixed JSON, the parameters as safetensors bytes: no
 pickle anywhere in this project): not a fork (JAX and torch hold threads a fork would copy half
 of), and not multiprocessing's spawn, which re-imports the caller's main module. So a worker
@@ -29,14 +29,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from conformance.adapter import importable_by_name, register_backend, registered_paths
+from conformance.adapter import get_backend, importable_by_name, register_backend, registered_paths
+from conformance.cases import build_case
+from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
+from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
 from spec import ModelConfig
 
-# The groups that take longest go first, so that the last one to finish is short. With empty
-# caches: the onnx group (two dtypes of torch.onnx exports) ~40 s; a dtype's jax and jax-math
-# columns 15-35 s, and XLA compiles half-precision programs about twice as slowly as float32.
-_SLOW_FIRST = ("onnx", "jax", "jax-math", "onnx-jax", "torch", "torch-math")
-_SLOW_DTYPES_FIRST = ("bfloat16", "float16", "float32", "tf32", "float64")
 _LENGTH = struct.Struct(">Q")
 
 
@@ -68,9 +66,7 @@ def _result_message(result) -> dict:
     return dataclasses.asdict(result)  # floats, strings and a tuple of ints: JSON keeps them (NaN too)
 
 
-def _result_from(message: dict):
-    from conformance.harness import CellResult
-
+def _result_from(message: dict) -> CellResult:
     worst = message.pop("worst_index")
     return CellResult(**message, worst_index=None if worst is None else tuple(worst))
 
@@ -84,31 +80,6 @@ def auto_jobs(columns: Sequence[tuple[str, str, str]]) -> int:
     return max(1, min(os.cpu_count() or 1, sum(1 for name, _, _ in columns if importable_by_name(name))))
 
 
-def _cost_rank(column: tuple[str, str, str]) -> tuple[int, int]:
-    name, dtype, _ = column
-    backends, dtypes = len(_SLOW_FIRST), len(_SLOW_DTYPES_FIRST)
-    return (_SLOW_FIRST.index(name) if name in _SLOW_FIRST else backends,
-            _SLOW_DTYPES_FIRST.index(dtype) if dtype in _SLOW_DTYPES_FIRST else dtypes)
-
-
-def column_groups(columns: Sequence[tuple[str, str, str]]) -> list[list[tuple[str, str, str]]]:
-    """Columns that compile the same programs, in the order given, as one group for one worker:
-    a backend's optional `program_family` (jax and jax-math differ only in attention) with the
-    dtype and device, or with the device alone where the backend says `family_spans_dtypes`
-    (an ONNX exporter's start-up, the same for every dtype). A worker runs its group's columns
-    one after another, so the later ones find the earlier one's work done in the same process."""
-    from conformance.adapter import get_backend
-
-    groups: dict[tuple, list[tuple[str, str, str]]] = {}
-    for column in columns:
-        name, dtype, device = column
-        backend, _ = get_backend(name)
-        family = getattr(backend, "program_family", name)
-        key = (family, device) if getattr(backend, "family_spans_dtypes", False) else (family, dtype, device)
-        groups.setdefault(key, []).append(column)
-    return list(groups.values())
-
-
 class _Worker:
     """One worker process, and a thread that turns its answers into messages on a queue."""
 
@@ -117,7 +88,7 @@ class _Worker:
         self.stderr = tempfile.TemporaryFile()
         # torch sizes its thread pool at import: the cores are shared among the workers
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        argv = [sys.executable, "-m", "conformance.parallel"] + (["--preload", ",".join(preload)] if preload else [])
+        argv = [sys.executable, "-m", "conformance.executors.local_pool"] + (["--preload", ",".join(preload)] if preload else [])
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         env=environment)
         threading.Thread(target=self._listen, args=(inbox,), daemon=True).start()
@@ -180,18 +151,34 @@ class WorkerPool:
             worker.close()
 
 
+class LocalPool:
+    """The Executor of worker processes on this machine: up to `jobs` of them, a column group at
+    a time each, taken from `pool` where one was started ahead (closed after the run either way)."""
+
+    def __init__(self, jobs: int, pool: WorkerPool | None = None):
+        self.jobs, self.pool = jobs, pool
+
+    def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
+            on_result: OnResult) -> None:
+        pool, self.pool = self.pool, None
+        run_in_workers(cfg, params, [(item.index, item.case.name, item.column) for item in work], self.jobs,
+                       on_result, pool)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
                    jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
     time each, from `pool` where one was started ahead (it is closed here either way).
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run."""
-    from conformance.harness import ERROR, CellResult
-
-    by_column: dict[tuple, list[tuple[int, str]]] = {}
+    by_column: dict[Column, list[tuple[int, str]]] = {}
     for index, case_name, column in work:
         by_column.setdefault(column, []).append((index, case_name))
-    groups = column_groups(sorted(by_column, key=_cost_rank))
+    groups = column_groups(sorted(by_column, key=cost_rank))
     jobs = max(1, min(jobs, len(groups)))
     from safetensors.numpy import save
 
@@ -259,10 +246,6 @@ def _serve() -> None:
     requests = sys.stdin.buffer
 
     from safetensors.numpy import load
-
-    from conformance.adapter import get_backend
-    from conformance.cases import build_case
-    from conformance.harness import golden_runner_for, reference_for, run_cell
 
     if sys.argv[1:2] == ["--preload"]:
         for name in sys.argv[2].split(","):

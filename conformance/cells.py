@@ -1,0 +1,128 @@
+"""One cell of the matrix: a case run by one column (backend, dtype, device) and compared with
+the golden, and the result it gives. Every executor (conformance.executors) runs cells with
+run_cell, in whatever process or node holds the column's runner."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from conformance.adapter import NotSupported, get_backend
+from conformance.backends.numpy_backend import NumpyRunner, golden_output
+from conformance.cases import SUBLAYERS, Case, forward_of, is_gradient, is_training
+from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
+from conformance.training_cells import TrainingReference, compare_training
+from spec import ModelConfig
+
+PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    backend: str
+    device: str
+    dtype: str
+    sublayer: str
+    mask_case: str
+    status: str  # pass | fail | skip | error
+    max_abs_err: float | None = None
+    rel_err: float | None = None
+    tol: float | None = None
+    worst_index: tuple[int, ...] | None = None
+    reason: str = ""
+    seconds: float = 0.0
+    path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
+
+    @property
+    def test_id(self) -> str:
+        return cell_id(self.sublayer, self.mask_case, self.dtype, self.backend, self.device)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.max_abs_err is None or self.tol is None:
+            return None
+        return self.max_abs_err / self.tol if self.tol > 0 else (0.0 if self.max_abs_err == 0 else math.inf)
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        record["passed"] = self.status == PASS
+        record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        for key in ("max_abs_err", "rel_err", "tol"):
+            if record[key] is not None and not math.isfinite(record[key]):
+                record[key] = str(record[key])  # JSON has no inf
+        return record
+
+
+def cell_id(sublayer: str, mask_case: str, dtype: str, backend: str, device: str) -> str:
+    """The id a cell has in reports and under pytest: mha-causal_pad-float32-torch-cpu."""
+    return f"{sublayer}-{mask_case}-{dtype}-{backend}-{device}"
+
+
+def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> NumpyRunner:
+    return NumpyRunner(cfg, params, "float64")
+
+
+def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):
+    """The golden's output for a case, computed once per case (a training case's: its own run)."""
+    if case.name not in references:
+        references[case.name] = TrainingReference(cfg, params, case.inputs) if is_training(case.sublayer) \
+            else golden_output(cfg, params, case.sublayer, case.inputs, golden)
+    return references[case.name]
+
+
+def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference,
+              runners: dict) -> CellResult:
+    base = dict(backend=name, device=device, dtype=dtype, sublayer=case.sublayer, mask_case=case.mask_case)
+    start = time.perf_counter()
+    try:
+        key = (name, dtype, device)
+        if key not in runners:
+            backend, _ = get_backend(name)
+            runners[key] = backend.load(cfg, params, dtype, device)
+        output = _output(runners[key], case)
+        named = getattr(runners[key], "attention_path", None)
+        base["path"] = named(case.sublayer, case.inputs) if named else ""
+    except NotSupported as reason:
+        return CellResult(**base, status=SKIP, reason=f"not supported: {reason}")
+    except Exception as error:  # noqa: BLE001 - any backend failure (SpecError included) is a reported error
+        return CellResult(**base, status=ERROR, reason=f"{type(error).__name__}: {error}",
+                          seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    relative = tolerance(dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(cfg))
+    if case.sublayer == "generate":
+        result = compare_generation(output, *reference, relative, case.inputs["eos_id"])
+    elif is_gradient(case.sublayer):
+        # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
+        kink_width = tolerance(dtype, case.reduction_length, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
+        result = compare_gradients(output, reference.gradients, reference.terms, relative,
+                                   reference.kink_allowance(kink_width))
+    elif is_training(case.sublayer):
+        # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
+        # stored value's own rounding for the update
+        result = compare_training(output, reference, dtype, relative, tolerance(dtype, case.reduction_length, 2 * SUBLAYERS[
+            case.sublayer].depth(cfg)), relative, tolerance(dtype, 1, 1))
+    else:
+        result = compare(output, reference, relative)
+    return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
+                      rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
+                      reason=result.reason, seconds=seconds)
+
+
+def _output(runner, case: Case):
+    """What a runner gives for a case: run's output, or a gradient case's named gradients from
+    Runner.gradients (a runner without it has no backward: skipped, with that reason)."""
+    if is_training(case.sublayer):
+        train = getattr(runner, "train", None)
+        if train is None:
+            raise NotSupported("this backend does not train (its runner has no train method)")
+        return train(case.sublayer, case.inputs)
+    if not is_gradient(case.sublayer):
+        return runner.run(case.sublayer, case.inputs)
+    gradients = getattr(runner, "gradients", None)
+    if gradients is None:
+        raise NotSupported("this backend computes no gradients (its runner has no gradients method)")
+    return gradients(case.sublayer, case.inputs)

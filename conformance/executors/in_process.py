@@ -1,0 +1,28 @@
+"""Every column in the calling process, one after another (`--jobs 1`, and any column whose
+backend exists only in this process)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from conformance.cells import golden_runner_for, reference_for, run_cell
+from conformance.executors import OnResult, WorkItem
+from spec import ModelConfig
+
+
+class InProcess:
+    """Runs cells here, loading each column's runner once and the golden's output once per case."""
+
+    def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
+            on_result: OnResult) -> None:
+        golden, references, runners = golden_runner_for(cfg, params), {}, {}
+        for item in work:
+            name, dtype, device = item.column
+            reference = reference_for(cfg, params, item.case, golden, references)
+            if on_result(item.index, run_cell(cfg, params, item.case, name, dtype, device, reference, runners)):
+                return
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,5 @@
+import sys
+
+from rosetta.main import main
+
+sys.exit(main())

@@ -1,0 +1,211 @@
+"""`rosetta check`, the conformance matrix against the golden, and `rosetta merge`, one matrix
+from the reports of several shards or machines (conformance.shards)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from conformance import terminal
+from conformance.adapter import backend_names, importable_by_name
+from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
+from conformance.localize import localize_failures
+from conformance.models import load_model, register_model_directory
+from conformance.executors.local_pool import WorkerPool, auto_jobs
+from conformance.report import (NVIDIA_DRIVER, attention_paths, format_attention_paths, format_placements,
+                                format_problems, format_table, summary_counts, write_report)
+from conformance.shards import MergeError, merge_into_report, parse_shard, shard_plan
+from conformance.tolerance import DTYPES
+from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
+
+
+def _early_workers(jobs: int | None, backends: list[str] | None, dtypes: list[str] | None,
+                   devices: list[str] | None) -> WorkerPool | None:
+    """Worker processes started before the model is loaded and the matrix planned, importing the
+    frameworks meanwhile (planning imports them here too): ~2 s of a warm check. None where the
+    run will be one process: --jobs 1, or a GPU (auto gives one process where any column is on
+    a GPU, so none is started where a device other than the CPU is asked for or present)."""
+    if jobs is None:
+        if (devices and set(devices) != {"cpu"}) or (not devices and NVIDIA_DRIVER.exists()):
+            return None
+        jobs = os.cpu_count() or 1
+    names = [name for name in (backends or backend_names()) if importable_by_name(name)]
+    count = min(jobs, len(names) * len(dtypes or DTYPES))  # at most one worker per column
+    return WorkerPool(count, preload=names) if count > 1 else None
+
+
+def _ray_cluster(address: str | None, accelerator: str | None):
+    """The Ray executor, connected and pre-flighted; a clear refusal where it cannot be."""
+    from conformance.executors.ray_cluster import ClusterMismatch, RayCluster, RayUnavailable
+
+    try:
+        return RayCluster(address, accelerator)
+    except (RayUnavailable, ClusterMismatch) as error:
+        raise UsageError(str(error)) from None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.weights and args.preset_given:
+        raise UsageError("give either --preset or --weights, not both")
+    if args.hf and args.preset_given:
+        raise UsageError("--hf runs the Hugging Face model of DIR: give it alone (the weights are DIR's import) "
+                         "or with --weights FILE made by `rosetta import`, not with --preset")
+    if args.report:
+        writable_folder(Path(args.report), "--report")
+    if args.hf:
+        if not Path(args.hf).is_dir():
+            raise UsageError(f"--hf {args.hf}: not a directory")
+        register_model_directory(args.hf)
+    backends = comma_list(args.backends)
+    for column in ("transformers", "onnxruntime-genai"):
+        if backends and column in backends and not args.hf:
+            raise UsageError(f"the {column} column runs a Hugging Face model directory: give it with --hf DIR")
+    if backends:
+        unknown = [b for b in backends if b not in backend_names()]
+        if unknown:
+            raise UsageError(f"unknown backend(s) {', '.join(unknown)}; registered: {', '.join(backend_names())}")
+    dtypes = comma_list(args.dtypes)
+    if dtypes:
+        unknown = [d for d in dtypes if d not in DTYPES]
+        if unknown:
+            raise UsageError(f"unknown dtype(s) {', '.join(unknown)}; known: {', '.join(DTYPES)}")
+    devices = comma_list(args.devices)
+    if args.shard:
+        try:
+            shard = parse_shard(args.shard)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    jobs = None if args.jobs == "auto" else positive_integer(args.jobs, "--jobs")
+    if args.executor != "ray" and (args.address or args.accelerator):
+        raise UsageError("--address and --accelerator name a Ray cluster: give them with --executor ray")
+    if args.executor == "ray" and jobs is not None:
+        raise UsageError("--jobs counts the local executor's worker processes; on Ray each column group is an actor")
+    start = time.perf_counter()
+    executor = _ray_cluster(args.address, args.accelerator) if args.executor == "ray" else None
+    pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
+    try:
+        cfg, params, source = load_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf)
+        plan = plan_matrix(cfg, backends, dtypes, devices, cluster_devices=executor.devices() if executor else None)
+        if args.shard:
+            plan = shard_plan(plan, *shard)
+            source = {**source, "shard": args.shard}
+        jobs = auto_jobs(plan.columns) if jobs is None else jobs
+        # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
+        show_progress = sys.stderr.isatty() and not args.quiet
+        with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
+            results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress,
+                                 jobs=jobs, pool=pool, backward=args.backward, executor=executor)
+    finally:
+        if pool is not None:
+            pool.close()
+        if executor is not None:
+            executor.close()
+    placements = executor.placements if executor is not None else None
+    seconds = time.perf_counter() - start
+    counts = summary_counts(results)
+    label = source.get("preset") or source.get("weights") or source.get("hf")
+    title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
+    problems = format_problems(results)
+    if sys.stdout.isatty():
+        console = Console()
+        console.print(terminal.matrix_table(results, title))
+        if (panel := terminal.failure_panel(results)) is not None:
+            console.print(panel)
+        skipped = [line for line in problems.splitlines() if line.startswith("skipped ")]
+        if skipped:
+            console.print("\n".join(skipped), style="dim", markup=False, highlight=False)
+    else:
+        print(title)
+        print("cells: max|error| / tolerance, below 1 passes\n")
+        print(format_table(results))
+        if problems:
+            print("\n" + problems)
+    print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
+          f"in {seconds:.2f} s")
+    if paths := format_attention_paths(attention_paths(results)):
+        print(paths)
+    if placements:
+        print(format_placements(placements))
+    localizations = localize_failures(cfg, params, results, args.localize)
+    for column, localization in localizations.items():
+        first = localization.first_failure
+        verdict = f"first failing stage: {first.name} ({first.sublayer})" if first else "no stage fails on its own"
+        print(f"\nlocalization {column}: {verdict}\n{localization.table()}")
+    if args.report:
+        written = write_report(Path(args.report), results, cfg, source, params, seconds, format_table(results), problems,
+                               localizations, placements=placements)
+        print(f"report written: {', '.join(str(path) for path in written)}")
+    if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
+        hint = "; gradient and training cells run with --backward" if args.k and ("grad" in args.k or "train" in args.k) \
+            and not args.backward else ""
+        print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)
+        return 1
+    return 1 if counts[FAIL] or counts[ERROR] else 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """One matrix from the reports of several shards or machines (conformance.shards)."""
+    out = writable_folder(Path(args.out), "--out")
+    try:
+        merged = merge_into_report([Path(path) for path in args.reports], out)
+    except MergeError as error:
+        raise UsageError(str(error)) from None
+    print(merged.table)
+    if merged.problems:
+        print("\n" + merged.problems)
+    for conflict in merged.conflicts:
+        print(f"CONFLICT {json.dumps(conflict)}")
+    counts = summary_counts(merged.cells)
+    print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped, "
+          f"{len(merged.conflicts)} conflicting, from {merged.report_count} reports")
+    print(f"report written: {', '.join(str(path) for path in merged.written)}")
+    return 0 if merged.passed else 1
+
+
+def add_check(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser("check", help="run the conformance matrix against the golden")
+    check.add_argument("--preset", default=None, help="preset config with its conformance weights, "
+                       "spec.conformance_params (default: tiny)")
+    check.add_argument("--weights", type=Path, help="a weights file (config read from it)")
+    check.add_argument("--hf", type=Path, help="a Hugging Face model directory: adds the transformers column (and, "
+                       "without --weights, imports its weights)")
+    check.add_argument("--seed", type=int, default=0, help="weights seed for --preset (default 0)")
+    check.add_argument("--backends", help=f"comma-separated (default all: {', '.join(backend_names())})")
+    check.add_argument("--dtypes", help=f"comma-separated (default all: {', '.join(DTYPES)})")
+    check.add_argument("--devices", help="comma-separated, or auto (default: every device present)")
+    check.add_argument("-k", help="only cells whose id contains this (or matches this glob)")
+    check.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
+    check.add_argument("--backward", action="store_true",
+                       help="add the gradient cells grad-<sublayer>-<mask case> (SPEC.md §13) and the training "
+                       "cells train_step-* and train_steps-* (§14); not by default: they triple a warm tiny matrix "
+                       "(docs/backward.md)")
+    check.add_argument("--report", help="write report.json, report.md and heatmap.png into this folder")
+    check.add_argument("--shard", help="run the I-th of N deterministic slices of the columns (I/N); "
+                                       "`rosetta merge` combines the slices' reports")
+    check.add_argument("--localize", action="store_true",
+                       help="show the stage-by-stage error table of every column (failing columns always get it)")
+    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--jobs", default="auto",
+                       help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
+    check.add_argument("--executor", choices=("local", "ray"), default="local",
+                       help="where the columns run: local worker processes (default), or the actors of a Ray "
+                       "cluster, placed by the CPU or GPU each column needs (docs/cluster.md)")
+    check.add_argument("--address", help="with --executor ray: the cluster to join (auto: the one started on this "
+                       "machine by `ray start`; HOST:PORT: its head). Default: a new one-machine cluster")
+    check.add_argument("--accelerator", help="with --executor ray: the GPU kind CUDA columns need, e.g. H100 "
+                       "(Ray's accelerator_type resource)")
+    check.set_defaults(handler=cmd_check)
+
+
+def add_merge(commands: argparse._SubParsersAction) -> None:
+    merge = commands.add_parser("merge", help="one matrix from the reports of several shards or machines")
+    merge.add_argument("reports", nargs="+", help="report folders (or report.json files) of `rosetta check --report`")
+    merge.add_argument("--out", required=True, help="folder for the merged report.json, report.md and heatmap.png")
+    merge.set_defaults(handler=cmd_merge)

@@ -1,0 +1,194 @@
+"""The packages stack in floors, and an import only ever points down (issue 26):
+
+    spec < impl_numpy, impl_torch, impl_jax < importers, export < conformance < benchmarks < rosetta
+
+Every import of every module is read from its source (those inside functions too), so a lazy
+import cannot hide an arrow up a floor; and no module imports itself back through others.
+`from package import name` where name is a submodule counts as an import of that submodule."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {"spec": 0, "impl_numpy": 1, "impl_torch": 1, "impl_jax": 1, "importers": 2, "export": 2, "conformance": 3,
+          "benchmarks": 4, "rosetta": 5}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted, e.g. "conformance.report"; a package is its __init__
+    path: str  # relative to the tree's root, for messages
+    source: str
+    is_package: bool
+
+
+@dataclass(frozen=True)
+class Arrow:
+    importer: str
+    imported: str
+    where: str  # path:line
+
+
+def read_tree(root: Path, packages=tuple(FLOORS)) -> dict[str, Module]:
+    """Every .py module of the packages under root, by dotted name."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_package else parts)
+            modules[name] = Module(name, str(path.relative_to(root)), path.read_text(), is_package)
+    return modules
+
+
+def _absolute(module: Module, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` names, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _known(name: str, modules: dict[str, Module]) -> str | None:
+    """The project module a dotted name is (or lies in), or None for a name outside the project."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def arrows(modules: dict[str, Module]) -> list[Arrow]:
+    """Every import between the project's modules, top-level and inside functions alike."""
+    found = []
+    for module in modules.values():
+        for node in ast.walk(ast.parse(module.source, module.path)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(module, node)
+                named = [f"{base}.{alias.name}" for alias in node.names]
+                targets = [name if name in modules else base for name in named]
+            else:
+                continue
+            for target in targets:
+                imported = _known(target, modules)
+                if imported is not None and imported != module.name:
+                    found.append(Arrow(module.name, imported, f"{module.path}:{node.lineno}"))
+    return list(dict.fromkeys(found))  # `from a import b, c` of one module is one arrow
+
+
+def _floor(name: str) -> int:
+    return FLOORS[name.split(".")[0]]
+
+
+def upward(found: list[Arrow]) -> list[str]:
+    """'path:line: a -> b (floor i imports floor j)' for each import of a higher package."""
+    return [f"{arrow.where}: {arrow.importer} -> {arrow.imported} "
+            f"(floor {_floor(arrow.importer)} imports floor {_floor(arrow.imported)})"
+            for arrow in found if _floor(arrow.imported) > _floor(arrow.importer)]
+
+
+def cycles(found: list[Arrow]) -> list[str]:
+    """Cycles 'a -> b -> a' among the modules: in each group of modules that import one another
+    (Tarjan's strongly connected components), the shortest way round from each module that no
+    cycle already shown passes through."""
+    graph: dict[str, set[str]] = {}
+    for arrow in found:
+        graph.setdefault(arrow.importer, set()).add(arrow.imported)
+        graph.setdefault(arrow.imported, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for neighbour in sorted(graph[node]):
+            if neighbour not in index:
+                visit(neighbour)
+                low[node] = min(low[node], low[neighbour])
+            elif neighbour in stack:
+                low[node] = min(low[node], index[neighbour])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    shown = []
+    for group in sorted(groups):
+        covered: set[str] = set()
+        for start in group:
+            if start not in covered:
+                cycle = _shortest_cycle(graph, start, set(group))
+                covered.update(cycle)
+                shown.append(" -> ".join(cycle))
+    return shown
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str, members: set[str]) -> list[str]:
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for neighbour in sorted(graph[node] & members):
+                if neighbour == start:
+                    return paths[node] + [start]
+                if neighbour not in paths:
+                    paths[neighbour] = paths[node] + [neighbour]
+                    following.append(neighbour)
+        frontier = following
+    raise AssertionError(f"no way back to {start} within {sorted(members)}")
+
+
+# ---- the project ------------------------------------------------------------------------------
+
+PROJECT = read_tree(ROOT)
+
+
+def test_every_package_is_read():
+    assert {name.split(".")[0] for name in PROJECT} == set(FLOORS)
+    assert "rosetta.main" in PROJECT and "conformance.report" in PROJECT
+
+
+def test_no_import_points_up_a_floor():
+    found = upward(arrows(PROJECT))
+    assert not found, "imports of a higher package:\n" + "\n".join(found)
+
+
+def test_no_module_imports_itself_back():
+    found = cycles(arrows(PROJECT))
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+# ---- the checker can fail ---------------------------------------------------------------------
+
+def test_a_planted_upward_import_and_cycle_are_reported(tmp_path):
+    sources = {
+        "spec/__init__.py": "",
+        "spec/model.py": "import numpy\n\ndef load():\n    from conformance.report import write  # lazy: counted\n",
+        "conformance/__init__.py": "",
+        "conformance/report.py": "from conformance import tables\n",  # a submodule named by `from package import`
+        "conformance/tables.py": "from .report import write\nfrom spec import load\n",  # relative; spec's own name
+        "rosetta/__init__.py": "",
+        "rosetta/main.py": "from conformance.report import write\n",
+    }
+    for path, source in sources.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(source)
+    found = arrows(read_tree(tmp_path, ("spec", "conformance", "rosetta")))
+    assert upward(found) == ["spec/model.py:4: spec.model -> conformance.report (floor 0 imports floor 3)"]
+    assert cycles(found) == ["conformance.report -> conformance.tables -> conformance.report"]
+    assert Arrow("conformance.tables", "spec", "conformance/tables.py:2") in found
