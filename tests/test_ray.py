@@ -11,10 +11,15 @@ import threading
 import pytest
 
 from conformance.adapter import register_backend, unregister_backend
-from conformance.executors.ray_cluster import (cluster_devices, column_requirement,
-                                               unplaceable_reason, version_mismatches)
+from conformance.executors.ray_cluster import (cluster_devices, column_requirement, unplaceable_reason,
+                                               unreachable, version_mismatches)
 from conformance.harness import ERROR, PASS, SKIP, plan_matrix, run_matrix
 from spec import conformance_params, get_preset
+
+try:
+    import ray
+except ImportError:  # Ray is an optional extra (pip install '.[ray]'); the test extra has it
+    ray = None
 
 CFG = get_preset("tiny")
 PARAMS = conformance_params(CFG, seed=0)
@@ -47,13 +52,29 @@ def test_nodes_of_different_versions_are_named_field_by_field():
     assert version_mismatches(planted) == ["torch: 2.11.0 on b, 2.13.0 on a", "python: 3.12.1 on c, 3.11.7 on a"]
 
 
+def test_an_address_nothing_answers_at_is_named_before_ray_retries_for_minutes():
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert unreachable(f"127.0.0.1:{port}") is None and unreachable(f"ray://127.0.0.1:{port}") is None
+    assert unreachable(f"127.0.0.1:{port}") == f"nothing answers at 127.0.0.1:{port} (Connection refused)"
+    assert unreachable("auto") is None  # Ray finds that one itself, and says so at once when there is none
+
+
+def test_rosetta_check_names_an_address_with_no_cluster(capsys):
+    """Before the module's cluster starts: an initialized Ray is used whatever the address."""
+    if ray is None:
+        pytest.skip("Ray is not installed (pip install '.[ray]')")
+    from rosetta.main import main
+
+    assert main(["check", "--backends", "numpy-float32", "--executor", "ray", "--address", "127.0.0.1:1"]) == 2
+    assert "no Ray cluster at 127.0.0.1:1: nothing answers at 127.0.0.1:1 (Connection refused)" in capsys.readouterr().err
+
+
 # ---- on a local cluster of fake nodes --------------------------------------------------------
-
-try:
-    import ray
-except ImportError:  # Ray is an optional extra (pip install '.[ray]'); the test extra has it
-    ray = None
-
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -92,6 +92,19 @@ def version_mismatches(fingerprints: Mapping[str, Mapping[str, str | None]]) -> 
     return problems
 
 
+def unreachable(address: str, seconds: float = 5.0) -> str | None:
+    """Why a head at HOST:PORT (or ray://HOST:PORT) cannot be reached, or None where it answers
+    or the address is not of that form ('auto', 'local')."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except OSError as error:
+        return f"nothing answers at {host}:{port} ({error.strerror or type(error).__name__})"
+    return None
+
+
 def fingerprint() -> dict[str, str | None]:
     """What must agree across the nodes: this project's version, Python's and every framework's."""
     from conformance.report import framework_versions, project_version
@@ -189,6 +202,8 @@ class RayCluster:
         self.started = not ray.is_initialized()
         if self.started:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            if address and (why := unreachable(address)) is not None:  # ray.init would retry for minutes
+                raise RayUnavailable(f"no Ray cluster at {address}: {why}")
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as error:
