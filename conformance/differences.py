@@ -93,6 +93,11 @@ SECTIONS = [
             "g = H / H_kv (`repeat_interleave`'s order, SPEC.md §5.11). The KV cache holds the H_kv heads.",
             {"NumPy (golden)": "group_heads", "PyTorch": ("group_heads", "scaled_dot_product_attention"),
              "JAX / Flax": ("group_heads", "_attention")}),
+    Section("Linear layers: where x W + b is rounded",
+            "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
+            "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "
+            "torch's `nn.Linear` (addmm) does.",
+            {"NumPy (golden)": "linear", "PyTorch": "MultiHeadAttention.__init__", "JAX / Flax": "Linear"}),
     Section("The training step: loss, clipping, optimizer, schedule",
             "SPEC.md §5.9 and §14: the loss against q = 1 − ε on the target, 0 on pad and ε/(V − 2) elsewhere; "
             "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
@@ -211,7 +216,37 @@ def _modern_numbers() -> dict[str, dict]:
         inverse = (np.float32(theta) ** (-np.arange(0, r, 2, dtype=np.float32) / np.float32(r))).astype(dtype)
         angles = (positions.astype(dtype)[:, None] * inverse[None, :]).astype(np.float64)
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
-    return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes()}
+    return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
+            "linear": _linear_roundings()}
+
+
+def _linear_roundings() -> dict[str, float]:
+    """x W + b at float16 (x [256, 64], W [64, 64], b ~ N(0, 1)) by torch's nn.Linear, by
+    impl_jax.Linear and by flax's nnx.Linear alone: how often each differs from torch, and each
+    one's largest error against the float64 product."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from impl_jax.model import Linear
+
+    rng = np.random.default_rng(0)
+    x, weight, bias = (rng.standard_normal(shape).astype(np.float16) for shape in ((256, 64), (64, 64), (64,)))
+    exact = x.astype(np.float64) @ weight.astype(np.float64) + bias.astype(np.float64)
+    torch_linear = torch.nn.Linear(64, 64, dtype=torch.float16)
+    with torch.no_grad():
+        torch_linear.weight.copy_(torch.from_numpy(weight.T.copy()))
+        torch_linear.bias.copy_(torch.from_numpy(bias))
+        by_torch = torch_linear(torch.from_numpy(x)).numpy()
+    found = {}
+    for name, layer_class in (("ours", Linear), ("nnx", nnx.Linear)):
+        layer = layer_class(64, 64, dtype=jnp.float16, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+        layer.kernel.value, layer.bias.value = jnp.asarray(weight), jnp.asarray(bias)
+        output = np.asarray(layer(jnp.asarray(x)))
+        found[f"{name} differs"] = float((output != by_torch).mean())
+        found[f"{name} error"] = float(np.abs(output.astype(np.float64) - exact).max())
+    found["torch error"] = float(np.abs(by_torch.astype(np.float64) - exact).max())
+    return found
 
 
 def _training_numbers() -> dict[str, dict]:
@@ -312,7 +347,7 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
     linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
     defaults, update, clip, smoothing = (training[k] for k in ("defaults", "update", "clip", "smoothing"))
     decayed, tensors, decayed_numbers, numbers = defaults["decayed"]
-    norms, rope, grouped = modern["norms"], modern["rope"], modern["attention nodes"]
+    norms, rope, grouped, linear = modern["norms"], modern["rope"], modern["attention nodes"], modern["linear"]
     torch_eps = "None, the input dtype's machine epsilon" if norms["torch eps"] is None else norms["torch eps"]
     q = lambda name: "{:.4f} on the target, {:.4f} on pad, {:.4f} elsewhere".format(*smoothing[name][:3])  # noqa: E731
     return {
@@ -407,6 +442,18 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
             (EXPLAINED, "impl_torch and impl_jax write the norm out rather than call `F.rms_norm` or "
                         "`nnx.RMSNorm`, whose order of cast and scale is not the checkpoints'; ε outside the root "
                         "is mutation `rms_eps_outside_root` (docs/mutation-gallery.md)."),
+        ],
+        "Linear layers: where x W + b is rounded": [
+            (MEASURED, f"At float16 (x [256, 64], W [64, 64], b ~ N(0, 1), CPU): `nnx.Linear` alone differs from "
+                       f"torch's `nn.Linear` in {linear['nnx differs']:.1%} of the outputs, impl_jax's `Linear` in "
+                       f"{linear['ours differs']:.1%}. Largest error against the float64 x W + b: torch "
+                       f"{linear['torch error']:.3g}, impl_jax {linear['ours error']:.3g}, `nnx.Linear` "
+                       f"{linear['nnx error']:.3g}."),
+            (EXPLAINED, "`nnx.Linear` rounds x W to its dtype and then adds b, a second rounding; impl_jax's "
+                        "`Linear` asks the dot for a float32 result (`preferred_element_type`), adds b there and "
+                        "rounds once. With the second rounding, a random Qwen2 (biases on q, k and v) failed "
+                        "forward-long at float16 in the jax columns at 1.11× its tolerance; rounded once, 0.49× "
+                        "(tests/test_huggingface_modern.py plants the double rounding and sees it fail)."),
         ],
         "Rotary positions (RoPE): layout and the tables' precision": [
             (MEASURED, f"Largest error in cos(angle) over positions 0–4095, r = 64, θ = 10⁴, with the angles "
