@@ -8,20 +8,19 @@ import contextlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from conformance import terminal
 from conformance.adapter import backend_names, importable_by_name
-from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
-from conformance.localize import localize_failures
-from conformance.models import load_model, register_model_directory
-from conformance.executors.local_pool import WorkerPool, auto_jobs
+from conformance.check import check_model
+from conformance.cells import ERROR, FAIL, PASS, SKIP
+from conformance.executors.local_pool import WorkerPool
+from conformance.models import register_model_directory
 from conformance.report import (NVIDIA_DRIVER, attention_paths, format_attention_paths, format_placements,
-                                format_problems, format_table, summary_counts, write_report)
-from conformance.shards import MergeError, merge_into_report, parse_shard, shard_plan
+                                format_problems, format_table, summary_counts)
+from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
 
@@ -87,28 +86,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--address and --accelerator name a Ray cluster: give them with --executor ray")
     if args.executor == "ray" and jobs is not None:
         raise UsageError("--jobs counts the local executor's worker processes; on Ray each column group is an actor")
-    start = time.perf_counter()
     executor = _ray_cluster(args.address, args.accelerator) if args.executor == "ray" else None
     pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
-    try:
-        cfg, params, source = load_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf)
-        plan = plan_matrix(cfg, backends, dtypes, devices, cluster_devices=executor.devices() if executor else None)
-        if args.shard:
-            plan = shard_plan(plan, *shard)
-            source = {**source, "shard": args.shard}
-        jobs = auto_jobs(plan.columns) if jobs is None else jobs
-        # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
-        show_progress = sys.stderr.isatty() and not args.quiet
-        with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
-            results = run_matrix(cfg, params, plan, pattern=args.k, fail_fast=args.fail_fast, progress=progress,
-                                 jobs=jobs, pool=pool, backward=args.backward, executor=executor)
-    finally:
-        if pool is not None:
-            pool.close()
-        if executor is not None:
-            executor.close()
-    placements = executor.placements if executor is not None else None
-    seconds = time.perf_counter() - start
+    # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
+    show_progress = sys.stderr.isatty() and not args.quiet
+    with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
+        run = check_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf, backends=backends,
+                          dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
+                          fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
+                          jobs=jobs, executor=executor, pool=pool, progress=progress)
+    results, source, seconds = run.results, run.source, run.seconds
     counts = summary_counts(results)
     label = source.get("preset") or source.get("weights") or source.get("hf")
     title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
@@ -131,18 +118,16 @@ def cmd_check(args: argparse.Namespace) -> int:
           f"in {seconds:.2f} s")
     if paths := format_attention_paths(attention_paths(results)):
         print(paths)
-    if placements:
-        print(format_placements(placements))
-    localizations = localize_failures(cfg, params, results, args.localize)
-    for column, localization in localizations.items():
+    if run.placements:
+        print(format_placements(run.placements))
+    for column, localization in run.localizations.items():
         first = localization.first_failure
         verdict = f"first failing stage: {first.name} ({first.sublayer})" if first else "no stage fails on its own"
         print(f"\nlocalization {column}: {verdict}\n{localization.table()}")
     if args.report:
-        written = write_report(Path(args.report), results, cfg, source, params, seconds, format_table(results), problems,
-                               localizations, placements=placements)
+        written = run.write_report(args.report)
         print(f"report written: {', '.join(str(path) for path in written)}")
-    if counts[PASS] + counts[FAIL] + counts[ERROR] == 0:
+    if not run.ran:
         hint = "; gradient and training cells run with --backward" if args.k and ("grad" in args.k or "train" in args.k) \
             and not args.backward else ""
         print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)

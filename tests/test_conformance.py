@@ -323,3 +323,25 @@ def test_float32_headroom_under_the_policy(matrices):
     golden's own float32 uses at most ~0.14 of it); if this creeps up, the policy is too tight."""
     worst = max(r.ratio for cells in matrices.values() for r in cells.values() if r.ratio is not None)
     assert worst < 0.3
+
+
+def test_check_model_is_rosetta_check_from_python(tmp_path, capsys):
+    """conformance.check.check_model: the cells, verdict and report of `rosetta check`, without the CLI."""
+    import json
+
+    from conformance.check import check_model
+
+    run = check_model(preset="tiny", backends=["numpy-float32", "torch"], dtypes=["float32"], pattern="ffn-*",
+                      jobs=1, shard=(2, 2))
+    assert run.ran and run.passed and run.source == {"preset": "tiny", "seed": 0, "shard": "2/2"}
+    assert {r.backend for r in run.results} == {"torch"}  # the second of two slices, sorted by backend
+    assert main(["check", "--backends", "numpy-float32,torch", "--dtypes", "float32", "-k", "ffn-*", "--jobs", "1",
+                 "--shard", "2/2", "--report", str(tmp_path / "cli")]) == 0
+    capsys.readouterr()
+    run.write_report(tmp_path / "python")
+    cli, python = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("cli", "python"))
+    assert [(c["sublayer"], c["status"], c["max_abs_err"]) for c in cli["cells"]] == [
+        (c["sublayer"], c["status"], c["max_abs_err"]) for c in python["cells"]]
+    assert cli["source"] == python["source"] and cli["params_sha256"] == python["params_sha256"]
+    nothing = check_model(backends=["numpy-float32"], pattern="no-such-cell", jobs=1)
+    assert not nothing.ran and not nothing.passed

@@ -158,13 +158,13 @@ def test_a_thousand_generations_do_not_grow_memory(backend):
 # ---- the CLI under interruption and unwritable folders ----------------------------------------
 
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys, tmp_path):
-    import rosetta.check
+    import conformance.check
     from rosetta.main import main
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rosetta.check, "run_matrix", interrupted)
+    monkeypatch.setattr(conformance.check, "run_matrix", interrupted)
     assert main(["check", "--backends", "numpy-float32", "--report", str(tmp_path / "report")]) == 130
     error = capsys.readouterr().err
     assert "interrupted" in error and "Traceback" not in error
