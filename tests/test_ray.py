@@ -82,8 +82,12 @@ def cluster():
     GPU node's id."""
     if ray is None:
         pytest.skip("Ray is not installed (pip install '.[ray]')")
+    import os
+
     from ray.cluster_utils import Cluster
 
+    usage_stats = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # read by every node the cluster starts
     small = {"object_store_memory": 80 * 1024**2, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **small})
     gpu_node = cluster.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:H100": 1.0}, **small)
@@ -92,6 +96,10 @@ def cluster():
     yield gpu_node.node_id
     ray.shutdown()
     cluster.shutdown()
+    if usage_stats is None:
+        del os.environ["RAY_USAGE_STATS_ENABLED"]
+    else:
+        os.environ["RAY_USAGE_STATS_ENABLED"] = usage_stats
 
 
 @pytest.fixture
