@@ -96,7 +96,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
                           jobs=jobs, executor=executor, pool=pool, progress=progress)
     results, source, seconds = run.results, run.source, run.seconds
-    counts = summary_counts(results)
+    counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
     title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
     problems = format_problems(results)
@@ -132,7 +132,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             and not args.backward else ""
         print(f"no cell ran (every cell was skipped or filtered out){hint}", file=sys.stderr)
         return 1
-    return 1 if counts[FAIL] or counts[ERROR] else 0
+    return 0 if run.passed else 1
 
 
 def cmd_merge(args: argparse.Namespace) -> int:

@@ -194,7 +194,7 @@ class RayCluster:
     if Ray is already initialized in this process its cluster is used and left running.
     `accelerator` names the GPU kind CUDA columns need (e.g. H100)."""
 
-    def __init__(self, address: str | None = None, accelerator: str | None = None, *, preflight: bool = True):
+    def __init__(self, address: str | None = None, accelerator: str | None = None):
         ray = _ray()
         self.accelerator = accelerator
         self.placements: dict[str, dict] = {}  # "backend/dtype/device" -> where it ran
@@ -208,7 +208,7 @@ class RayCluster:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as error:
                 raise RayUnavailable(f"no Ray cluster at {address or 'this machine'}: {error}") from None
-        self.versions = self.preflight() if preflight else {}
+        self.versions = self.preflight()
 
     # the cluster as it is now
     def nodes(self) -> list[dict]:
@@ -258,55 +258,55 @@ class RayCluster:
                 groups.append(_Group(columns, requirement))
         if not groups:
             return
-        # the golden once per case, computed here and shared through the object store
+        # the golden once per case that a placed column runs, computed here and shared through the object store
         golden, references, shared = golden_runner_for(cfg, params), {}, {}
-        for item in work:
+        for item in (item for group in groups for column in group.columns for item in by_column[column]):
             if item.case.name not in shared:
                 shared[item.case.name] = (ray.put(item.case),
                                           ray.put(reference_for(cfg, params, item.case, golden, references)))
         weights = ray.put({name: np.ascontiguousarray(value) for name, value in params.items()})
-        actor_class = ray.remote(ColumnGroup)
-        setup = (cfg.to_json(), weights, registered_paths())
-
-        def start(group: _Group, columns: list[Column]) -> None:
-            gpus = group.requirement.get("GPU", 0.0)
-            extra = {name: amount for name, amount in group.requirement.items() if name not in ("CPU", "GPU")}
-            group.actor = actor_class.options(num_cpus=group.requirement.get("CPU", 0.0), num_gpus=gpus,
-                                              resources=extra or None, max_restarts=0, max_task_retries=0,
-                                              max_concurrency=1).remote(*setup)
-            for column in columns:
-                self.placements[_column_key(column)] = group.actor.where.remote(column)
-                for item in by_column[column]:
-                    case, reference = shared[item.case.name]
-                    group.pending[group.actor.run.remote(case, reference, column)] = item
-
+        # what a group's actor is started with, and each cell's arguments (the object store's refs)
+        self._submission = (ray.remote(ColumnGroup), (cfg.to_json(), weights, registered_paths()), by_column, shared)
         self._groups = groups
         for group in groups:
-            start(group, group.columns)
+            self._start(group, group.columns)
         try:
-            self._gather(groups, on_result, start)
+            self._gather(groups, on_result)
         finally:
             self.placements = {column: _resolved(where) for column, where in self.placements.items()}
             self._release()
 
-    def _gather(self, groups: list[_Group], on_result: OnResult, start) -> None:
+    def _start(self, group: _Group, columns: list[Column]) -> None:
+        """A new actor for the group, given the columns' cells in order, each column's `where` first."""
+        actor_class, setup, by_column, shared = self._submission
+        extra = {name: amount for name, amount in group.requirement.items() if name not in ("CPU", "GPU")}
+        group.actor = actor_class.options(num_cpus=group.requirement.get("CPU", 0.0),
+                                          num_gpus=group.requirement.get("GPU", 0.0), resources=extra or None,
+                                          max_restarts=0, max_task_retries=0).remote(*setup)
+        for column in columns:
+            self.placements[_column_key(column)] = group.actor.where.remote(column)
+            for item in by_column[column]:
+                case, reference = shared[item.case.name]
+                group.pending[group.actor.run.remote(case, reference, column)] = item
+
+    def _gather(self, groups: list[_Group], on_result: OnResult) -> None:
         ray = _ray()
         owner = {ref: group for group in groups for ref in group.pending}
         while owner:
             # every cell done by now, in one call (a call per cell would scan every pending cell each time)
             ready, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0.05)
             for ref in ready:
-                if ref in owner and self._take(ref, owner, on_result, start):
+                if ref in owner and self._take(ref, owner, on_result):
                     return
 
-    def _take(self, ref, owner: dict, on_result: OnResult, start) -> bool:
+    def _take(self, ref, owner: dict, on_result: OnResult) -> bool:
         """Report one finished cell, or its actor's death; True when the run should stop."""
         ray = _ray()
         group = owner.pop(ref)
         try:
             result = ray.get(ref)
         except ray.exceptions.RayActorError as died:
-            return self._lost(group, died, owner, on_result, start)
+            return self._lost(group, died, owner, on_result)
         except ray.exceptions.RayError as error:
             result = _cell(group.pending[ref], ERROR, f"{type(error).__name__}: {' '.join(str(error).split())[:600]}")
         item = group.pending.pop(ref)
@@ -318,7 +318,7 @@ class RayCluster:
             group.actor = None
         return on_result(item.index, result)
 
-    def _lost(self, group: _Group, died, owner: dict, on_result: OnResult, start) -> bool:
+    def _lost(self, group: _Group, died, owner: dict, on_result: OnResult) -> bool:
         """The group's actor is gone: the unfinished cells of the column it was running are
         errors that quote Ray's detail; a new actor takes the group's columns not started."""
         for ref in group.pending:
@@ -330,7 +330,7 @@ class RayCluster:
             if on_result(item.index, _cell(item, ERROR, f"the Ray actor running this column died ({detail})")):
                 return True
         if later := list(dict.fromkeys(item.column for item in left if item.column != crashed)):
-            start(group, later)
+            self._start(group, later)
             owner.update({ref: group for ref in group.pending})
         return False
 
