@@ -19,10 +19,13 @@ To be driven by the harness a backend implements:
     class Runner:
         def run(self, sublayer: str, inputs: dict) -> numpy array   # see conformance/cases.py
         def attention_path(self, sublayer, inputs) -> str   # optional: the attention this case ran
+        def graph_served(self, sublayer) -> str     # optional: the ONNX graph that serves this case
         def gradients(self, sublayer, inputs) -> dict[str, array]   # optional: a grad-* case (SPEC §13)
 
 ``params`` are the canonical float32 NumPy parameters (spec.param_shapes); a runner raises
 ``NotSupported`` for a sublayer it does not implement (reported as skipped, with the reason).
+A runner that can compute only some rows of a case the spec's way (onnxruntime-genai's padding)
+returns ``Partial``: the rows it computed are compared, the others named with why.
 """
 
 from __future__ import annotations
@@ -39,6 +42,29 @@ from spec import ModelConfig
 
 class NotSupported(Exception):
     """Raised by a runner for a sublayer or input it does not implement."""
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A runner's output of which only some entries are the spec's computation. ``output`` has the
+    full shape; ``compared`` (boolean, over its leading axes: [B] rows, or [B, N] rows and decode
+    steps) says which entries are compared with the golden; ``left_out`` says why, for every row
+    with something left out."""
+
+    output: np.ndarray
+    compared: np.ndarray
+    left_out: dict[int, str]
+
+    def describe(self) -> str:
+        """Which rows (and steps) were left out, and why: 'rows 1, 2 (steps 1-3): <why>; row 0: <why>'."""
+        rows_by_reason: dict[str, list[str]] = {}
+        for row, why in sorted(self.left_out.items()):
+            kept = np.asarray(self.compared[row])
+            steps = np.flatnonzero(~kept) if kept.ndim else np.array([], dtype=int)
+            where = "" if not (kept.ndim and kept.any()) else \
+                f" (step {steps[0]})" if len(steps) == 1 else f" (steps {steps[0]}-{steps[-1]})"
+            rows_by_reason.setdefault(why, []).append(f"{row}{where}")
+        return "; ".join(f"row{'s' * (len(rows) > 1)} {', '.join(rows)}: {why}" for why, rows in rows_by_reason.items())
 
 
 class Runner(Protocol):

@@ -55,6 +55,7 @@ import numpy as np
 
 import impl_numpy as golden
 from impl_numpy import backward as golden_backward
+from conformance.tolerance import rotary_angle, tolerance
 from spec import ModelConfig
 from spec.dropout import draw_dropout_masks
 from spec.masks import causal_mask, combine_masks, key_mask
@@ -97,19 +98,51 @@ MASK_CASES: dict[str, str] = {
     "far": f"RoPE far from position 0: keys from position {FAR_POSITION} on (causal, padded), or decode steps after "
            f"{FAR_POSITION} cached positions (rotary configs)",
     "long": f"a {LONG_PROMPT}-token sequence, padding at the end (rotary configs)",
-    "small": "activations of size 1e-3, whose mean square (1e-6) is below ε: where ε's place decides the value "
-             "(RMSNorm configs)",
-    "large": "activations of size 1e3, whose squares overflow float16 (65504): the norm's statistics must be taken "
-             "wider (RMSNorm configs)",
 }
-_ROTARY_CASES = ("far", "long")  # only rotary configs run them
 SMALL_ACTIVATIONS = 1e-3
 LARGE_ACTIVATIONS = 1e3  # a Llama's residual stream has outliers this size
-_SCALED = {"small": SMALL_ACTIVATIONS, "large": LARGE_ACTIVATIONS}  # the norm's activation sizes
+_SIZES = {"small": SMALL_ACTIVATIONS, "large": LARGE_ACTIVATIONS}
+_SIZE_PURPOSE = {"small": "activations of size 1e-3, whose mean square (1e-6) is about ε: where ε's place decides "
+                          "the value",
+                 "large": "activations of size 1e3, whose squares overflow float16 (65504): the norm's statistics "
+                          "must be taken wider"}
+# Every norm the config has meets both sizes (SPEC §11): plain small and large are the FFN's norm
+# (norm) and the q/k head norms (mha, qk_norm configs), <size>_<role> the norms of the other roles,
+# the role's first module taking the small case and its last the large one
+NORM_ROLES = {"attn": "the self-attention's", "cross": "the cross-attention's", "final": "each stack's final",
+              "embed": "the embeddings'"}
+MASK_CASES.update({size: f"{purpose} (norm: the FFN's norm; mha: the q/k head norms of qk_norm configs)"
+                   for size, purpose in _SIZE_PURPOSE.items()})
+MASK_CASES.update({f"{size}_{role}": f"{_SIZE_PURPOSE[size]} ({whose} norm)"
+                   for role, whose in NORM_ROLES.items() for size in _SIZES})
+_ROTARY_CASES = ("far", "long")  # only rotary configs run them
+_SCALED = tuple(name for name in MASK_CASES if name.split("_")[0] in _SIZES)
+
+
+def activation_size(mask_case: str) -> float:
+    """The size of a case's activations: 1e-3 for the small cases, 1e3 for the large, else 1."""
+    return _SIZES.get(mask_case.split("_")[0], 1.0)
+
+
+def _norm_role(mask_case: str) -> str:
+    """The norm a norm case runs: 'ffn' for none, small and large, else the role its name ends in."""
+    return mask_case.split("_", 1)[1] if "_" in mask_case and mask_case.split("_")[0] in _SIZES else "ffn"
+
+
+def norm_modules(cfg: ModelConfig, role: str) -> list[str]:
+    """Every norm module of one role, encoder first: 'ffn', 'attn' and 'cross' name the layers' norms
+    of those sublayers, 'final' each stack's final norm, 'embed' each stack's embedding norm."""
+    stacks = [("encoder", cfg.n_encoder_layers)] * cfg.has_encoder + [("decoder", cfg.n_decoder_layers)]
+    within = {"ffn": "ffn_norm", "attn": "self_attn_norm", "cross": "cross_attn_norm"}
+    if role in within:
+        return [f"{stack}.layers.{i}.{within[role]}" for stack, count in stacks for i in range(count)
+                if role != "cross" or stack == "decoder" and cfg.has_encoder]
+    present = {"final": cfg.final_norm, "embed": cfg.embed_norm}[role]
+    return [f"{stack}.{'norm' if role == 'final' else 'embed_norm'}" for stack, _ in stacks if present]
 
 _ATTENTION_CASES = ("none", "pad_right", "pad_left", "pad_middle", "causal", "causal_pad", "lq_ne_lk",
                     "single_token", "all_pad", "incremental", "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
-_SELF_ATTENTION_CASES = (*_ATTENTION_CASES, "far")
+_SELF_ATTENTION_CASES = (*_ATTENTION_CASES, "far", *_SIZES)  # the sizes: qk_norm configs' head norms
 _CROSS_CASES = ("cross_pad", "lq_ne_lk", "single_token", "all_pad")
 _ENCODER_LAYER_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "all_pad",
                         "mask_k", "mask_qk", "mask_b1qk", "mask_bhqk")
@@ -143,7 +176,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              _SELF_ATTENTION_CASES, lambda c: 1),
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
-    Sublayer("norm", "the config's norm (layernorm, std or rmsnorm)", ("none", "small", "large"), lambda c: 1),
+    Sublayer("norm", "the config's norm (layernorm, std or rmsnorm), each of its norms at both sizes",
+             ("none", *_SCALED), lambda c: 1),
     Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
     Sublayer("encoder_layer", "an encoder layer (each mask case the next layer)", _ENCODER_LAYER_CASES, lambda c: 4,
              True),
@@ -252,10 +286,22 @@ class Case:
     mask_case: str
     inputs: dict[str, Any] = field(compare=False, repr=False)
     reduction_length: int = 1  # the longest inner product or sum in the case
+    angle: float = 0.0  # the rotary angle whose rounding its rotations carry (tolerance.rotary_angle)
 
     @property
     def name(self) -> str:
         return f"{self.sublayer}-{self.mask_case}"
+
+    @property
+    def floor(self) -> float:
+        """The smallest output size the tolerance is relative to (SPEC §8): a case's activations'
+        size where they are small, since rounding is relative to the terms an output sums, else 1."""
+        return min(1.0, activation_size(self.mask_case))
+
+    def tolerance(self, cfg: ModelConfig, dtype: str, depth: int | None = None) -> float:
+        """SPEC §8's relative tolerance of this case at dtype (at `depth`, else its sublayer's)."""
+        return tolerance(dtype, self.reduction_length, SUBLAYERS[self.sublayer].depth(cfg) if depth is None else depth,
+                         self.angle)
 
 
 def case_seed(sublayer: str, mask_case: str) -> int:
@@ -298,7 +344,7 @@ def _token_ids(rng: np.random.Generator, batch: int, length: int, vocab: int, pa
 
 def _explicit_mask(rng: np.random.Generator, mask_case: str, batch: int, heads: int, q_len: int, k_len: int) -> np.ndarray | None:
     """Masks for the attention-level mask cases (None = no mask)."""
-    if mask_case in ("none", "lq_ne_lk", "single_token"):
+    if mask_case in ("none", "lq_ne_lk", "single_token", *_SIZES):
         return None
     if mask_case in ("pad_right", "pad_left", "pad_middle", "all_pad", "cross_pad"):
         padding = "pad_right" if mask_case == "cross_pad" else mask_case
@@ -343,12 +389,6 @@ def _layer(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     stack = cfg.n_encoder_layers if sublayer == "encoder_layer" or (sublayer == "mha" and cfg.has_encoder) \
         else cfg.n_decoder_layers
     return applicable_cases(cfg, sublayer).index(mask_case) % stack
-
-
-def _rotated(cfg: ModelConfig, positions: int) -> int:
-    """The reduction length positions 0..positions−1 bring to a rotary config's case: the largest
-    position's square, as for sinusoids (SPEC §8); nothing without RoPE."""
-    return positions ** 2 if cfg.positional == "rope" else 1
 
 
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
@@ -398,7 +438,7 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(cfg.d_head, k_len)
     if sublayer in ("mha", "mha_cross"):
         q_len, k_len = _lengths(mask_case)
-        x = _normal(rng, BATCH, q_len, d)
+        x = _normal(rng, BATCH, q_len, d) * np.float32(activation_size(mask_case))
         self_attention = sublayer == "mha" and q_len == k_len
         context = x if self_attention else _normal(rng, BATCH, k_len, d)
         module = (f"{stack}.layers.{_layer(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
@@ -408,12 +448,14 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
                   "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}
         if cfg.positional == "rope":  # positions enter an attention only through its rotations
             inputs["offset"] = offset
-        return inputs, max(d, k_len, _rotated(cfg, offset + k_len))
-    if sublayer in ("ffn", "norm", "ffn_block"):
-        module = {"ffn": f"{stack}.layers.0.ffn", "norm": f"{stack}.layers.0.ffn_norm", "ffn_block": f"{stack}.layers.0"}[sublayer]
-        key = "layer" if sublayer == "ffn_block" else "module"
-        x = _normal(rng, BATCH, TGT_LEN, d) * np.float32(_SCALED.get(mask_case, 1.0))
-        return {key: module, "x": x}, d if sublayer == "norm" else max(d, d_ff)
+        return inputs, max(d, k_len)
+    if sublayer == "norm":
+        modules = norm_modules(cfg, _norm_role(mask_case))
+        module = modules[-1] if mask_case.startswith("large") else modules[0]
+        return {"module": module, "x": _normal(rng, BATCH, TGT_LEN, d) * np.float32(activation_size(mask_case))}, d
+    if sublayer in ("ffn", "ffn_block"):
+        key, module = ("module", f"{stack}.layers.0.ffn") if sublayer == "ffn" else ("layer", f"{stack}.layers.0")
+        return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
         return {"index": _layer(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
@@ -434,7 +476,10 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
                 "self_mask": self_mask,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
-    reduction = max(d, d_ff, SRC_LEN + 3, (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2, _rotated(cfg, tgt_ids.shape[1]))
+    # the keys a query sums over; added positions round like their angle times p (SPEC §8), rotated
+    # ones are the case's rotary angle (Case.angle)
+    positions = tgt_ids.shape[1] if cfg.positional == "rope" else (SRC_LEN + 3 + MAX_NEW_TOKENS) ** 2
+    reduction = max(d, d_ff, SRC_LEN + 3, positions)
     if sublayer == "encoder":
         return {"src_ids": src_ids}, reduction
     if sublayer == "decoder":
@@ -642,7 +687,9 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
             return ()
     else:
         cases = tuple(c for c in cases if c not in _ROTARY_CASES)
-    if cfg.norm != "rmsnorm":
+    if forward_of(sublayer) == "norm":
+        cases = tuple(c for c in cases if norm_modules(cfg, _norm_role(c)))
+    elif not cfg.qk_norm:  # an attention's activations meet a norm only in its head norms
         cases = tuple(c for c in cases if c not in _SCALED)
     if not cfg.dropout > 0:
         cases = tuple(c for c in cases if c != "dropout")
@@ -666,7 +713,23 @@ def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
     build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
     inputs, reduction = build(cfg, params, sublayer, mask_case, rng)
-    return Case(sublayer, mask_case, inputs, reduction)
+    return Case(sublayer, mask_case, inputs, reduction, rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs)))
+
+
+def largest_rotated_position(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> int:
+    """The largest position by which a case's rotations turn a query or key; 0 without RoPE."""
+    if cfg.positional != "rope":
+        return 0
+    forward = forward_of(sublayer)
+    if forward == "mha":  # keys at offset .. offset + K − 1, the queries the last of them
+        return inputs.get("offset", 0) + np.shape(inputs["context"])[1] - 1
+    if forward == "decoder_layer":
+        return np.shape(inputs["y"])[1] - 1
+    if forward in ("decoder", "forward", "decode", "loss", *TRAINING_SUBLAYERS):
+        return np.shape(inputs["tgt_ids"])[-1] - 1
+    if forward == "generate":
+        return np.shape(inputs["prompt_ids"])[1] + inputs["max_new_tokens"] - 1
+    return 0
 
 
 def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray], backward: bool = False) -> list[Case]:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from conformance.adapter import NotSupported, get_backend
+from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, Case, forward_of, is_gradient, is_training
 from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
@@ -19,6 +19,18 @@ from conformance.training_cells import TrainingReference, compare_training
 from spec import ModelConfig
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
+# Why a cell was skipped, which decides whether a column that ran nothing fails the verdict:
+ABSENT = "absent"  # declared up front: the framework is not installed, the device not present, or the
+#                    backend does not run this dtype on this device (the plan's skipped columns)
+UNDECLARED = ""  # not skipped
+NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
+REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
+
+
+def unavailable_kind(reason: str) -> str:
+    """The kind of a skip for a column no runner was made for: a backend that is installed but
+    raised while loading (adapter.get_backend's "failed to load") is broken, anything else absent."""
+    return REFUSED if reason.startswith("failed to load") else ABSENT
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,8 @@ class CellResult:
     reason: str = ""
     seconds: float = 0.0
     path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
+    graph: str = ""  # the ONNX graph that served the cell, where the runner names it (Runner.graph_served)
+    skip: str = UNDECLARED  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER or REFUSED
 
     @property
     def test_id(self) -> str:
@@ -86,30 +100,39 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         output = _output(runners[key], case)
         named = getattr(runners[key], "attention_path", None)
         base["path"] = named(case.sublayer, case.inputs) if named else ""
+        served = getattr(runners[key], "graph_served", None)
+        base["graph"] = served(case.sublayer) if served else ""
     except NotSupported as reason:
-        return CellResult(**base, status=SKIP, reason=f"not supported: {reason}")
+        return CellResult(**base, status=SKIP, reason=f"not supported: {reason}", skip=REFUSED)
     except Exception as error:  # noqa: BLE001 - any backend failure (SpecError included) is a reported error
         return CellResult(**base, status=ERROR, reason=f"{type(error).__name__}: {error}",
                           seconds=time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    relative = tolerance(dtype, case.reduction_length, SUBLAYERS[case.sublayer].depth(cfg))
+    compared, left_out = None, ""
+    if isinstance(output, Partial):  # only some rows are the spec's computation: those are compared
+        if not np.any(output.compared):
+            return CellResult(**base, status=SKIP, reason=f"not supported: {output.describe()}", skip=REFUSED,
+                              seconds=seconds)
+        output, compared, left_out = output.output, output.compared, f"left out {output.describe()}"
+    relative = case.tolerance(cfg, dtype)
     if case.sublayer == "generate":
-        result = compare_generation(output, *reference, relative, case.inputs["eos_id"])
+        result = compare_generation(output, *reference, relative, case.inputs["eos_id"], compared)
     elif is_gradient(case.sublayer):
         # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
-        kink_width = tolerance(dtype, case.reduction_length, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
+        kink_width = case.tolerance(cfg, dtype, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
         result = compare_gradients(output, reference.gradients, reference.terms, relative,
                                    reference.kink_allowance(kink_width))
     elif is_training(case.sublayer):
         # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
         # stored value's own rounding for the update
-        result = compare_training(output, reference, dtype, relative, tolerance(dtype, case.reduction_length, 2 * SUBLAYERS[
-            case.sublayer].depth(cfg)), relative, tolerance(dtype, 1, 1))
+        result = compare_training(output, reference, dtype, relative,
+                                  case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)), relative,
+                                  tolerance(dtype, 1, 1))
     else:
-        result = compare(output, reference, relative)
+        result = compare(output, reference, relative, case.floor, compared)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
-                      reason=result.reason, seconds=seconds)
+                      reason="; ".join(filter(None, (result.reason, left_out))), seconds=seconds)
 
 
 def _output(runner, case: Case):

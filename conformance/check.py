@@ -24,7 +24,8 @@ from conformance.executors.local_pool import WorkerPool, auto_jobs
 from conformance.harness import plan_matrix, run_matrix
 from conformance.localize import localize_failures
 from conformance.models import load_model, register_model_directory
-from conformance.report import format_problems, format_table, summary_counts, write_report
+from conformance.report import (empty_columns, format_problems, format_table, matrix_passed, summary_counts,
+                                write_report)
 from conformance.shards import shard_plan
 from spec import ModelConfig
 
@@ -51,8 +52,13 @@ class CheckRun:
         return any(r.status in (PASS, FAIL, ERROR) for r in self.results)
 
     @property
+    def empty_columns(self) -> dict[str, str]:
+        """The columns that ran no cell though they had some, with why (report.empty_columns)."""
+        return empty_columns(self.results)
+
+    @property
     def passed(self) -> bool:
-        return self.ran and not any(r.status in (FAIL, ERROR) for r in self.results)
+        return matrix_passed(self.results)
 
     def write_report(self, directory: str | Path) -> list[Path]:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""

@@ -13,7 +13,8 @@ import numpy as np
 from conformance.adapter import backend_names, get_backend, importable_by_name
 from conformance.cases import catalogue
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
-    ERROR, FAIL, PASS, SKIP, CellResult, cell_id, golden_runner_for, reference_for, run_cell)
+    ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, SKIP, CellResult, cell_id, golden_runner_for, reference_for, run_cell,
+    unavailable_kind)
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
@@ -97,9 +98,11 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     cases = catalogue(cfg, params, backward)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
+        kind = unavailable_kind(reason)
         for case in cases:
             if matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
-                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason))
+                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason,
+                                          skip=kind))
     work: list[WorkItem] = []
     for column in plan.columns:
         name, dtype, device = column
@@ -112,7 +115,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                 continue
             if (why := why_not(case.sublayer)) is not None:
                 results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP,
-                                          reason=f"not supported: {why}"))
+                                          reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
             else:
                 work.append(WorkItem(len(work), case, column))
     finished: dict[int, CellResult] = {}

@@ -23,7 +23,7 @@ import impl_numpy as golden
 from conformance.adapter import NotSupported
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, SKIP, CellResult
-from conformance.tolerance import compare, tolerance
+from conformance.tolerance import compare, rotary_angle, tolerance
 from spec import ModelConfig, params_under
 from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
 
@@ -97,7 +97,8 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
             plan.append(("encoder.norm", "norm", lambda x: golden.norm(cfg, params_under(p, "encoder.norm"), x),
                          lambda x: {"module": "encoder.norm", "x": x}))
         memory_reference = golden.encoder(cfg, p, src_ids, src_keep)
-    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, src_ids, "src") if cfg.has_encoder else None)
+    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, src_ids, "src") if cfg.has_encoder else None,
+                          0 if src_ids is None else src_ids.shape[1])
 
     memory = None if memory_reference is None else _f32(memory_reference)
     self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
@@ -112,17 +113,20 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
         plan.append(("decoder.norm", "norm", lambda y: golden.norm(cfg, params_under(p, "decoder.norm"), y),
                      lambda y: {"module": "decoder.norm", "x": y}))
     plan.append(("head", "logits", lambda h: golden.output_logits(cfg, p, h), lambda h: {"h": h}))
-    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, tgt_ids, "tgt"))
+    stages += _run_stages(runner, dtype, cfg, plan, golden.embed(cfg, p, tgt_ids, "tgt"), tgt_ids.shape[1])
     return Localization(stages)
 
 
-def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_reference: np.ndarray | None) -> list[Stage]:
-    """Run one stack's stages; the first (an embedding) has no input activation."""
+def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_reference: np.ndarray | None,
+                length: int) -> list[Stage]:
+    """Run one stack's stages on sequences of `length` (the keys each query sums over, the
+    positions its rotations turn by: SPEC §8); the first (an embedding) has no input activation."""
     stages = []
     reference = first_reference  # the golden's output of the previous stage (float64)
     chained = None  # the backend's output of the previous stage
     for name, sublayer, golden_function, inputs in plan:
-        relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff), SUBLAYERS[sublayer].depth(cfg))
+        relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, length), SUBLAYERS[sublayer].depth(cfg),
+                             rotary_angle(cfg, length - 1))
         if golden_function is None:  # embedding: inputs are ids, isolated and chained coincide
             expected, next_reference, isolated_inputs, chained_inputs = reference, reference, inputs, None
         else:
@@ -213,8 +217,9 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             gradient = "grad-" + sublayer
             reference = GradientReference(reference_runner, gradient, inputs)
             depth = SUBLAYERS[gradient].depth(cfg)
-            relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth)
-            kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2))
+            angle = rotary_angle(cfg, tgt_ids.shape[1] - 1)
+            relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth, angle)
+            kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2, angle))
             try:
                 result = compare_gradients(runner.gradients(gradient, inputs), reference.gradients, reference.terms,
                                            relative, kinks)

@@ -236,7 +236,10 @@ def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y):
     return d_x, norm_grads, grads  # the same on the pre-norm skip path
 
 
-# ---- the modern decoder's mistakes (run on llama-tiny) -----------------------------------------
+# ---- the modern decoder's mistakes (run on llama-tiny, and on the preset whose number each gets wrong) ----
+
+HEAD_NORM_EPS = ("at the forward case's activations of size 1, where ε moves a head norm by about ε/2, a layer moves "
+                 "by less than its tolerance; mha-small's q and k of size 1e-3 fail by far more")
 
 def _rope_interleaved(cfg, x, positions):
     # GPT-J's and Meta's original layout: dimension 2i turns with 2i + 1, not with i + r/2
@@ -271,6 +274,25 @@ def _cached_keys_rotated_at_the_step(cfg, p, x, k, v, mask, positions=None):
     return _original("attend")(cfg, p, x, k, v, mask, positions)
 
 
+def _theta_written_in(cfg, x, positions):
+    return _original("rotary")(cfg.replace(rope_theta=10000.0), x, positions)  # RoFormer's base, not the config's
+
+
+def _partial_rotary_on_the_last_dimensions(cfg, x, positions):
+    r, width = cfg.rotary_dim, x.shape[-1]
+    tail = _original("rotary")(cfg.replace(rope_fraction=1.0, head_dim=r), x[..., width - r:], positions)
+    return np.concatenate([x[..., :width - r], tail], axis=-1)  # the last r dimensions turn, not the first
+
+
+def _head_norm_eps_outside_the_root(cfg, p, name, x):
+    scale = p.get(f"{name}_norm.scale")  # the head norms alone: the layers' norms are right
+    return x if scale is None else _rms_eps_outside_the_root(x, scale, None, float(cfg.norm_eps))
+
+
+def _head_norm_with_qwen3s_eps(cfg, p, name, x):
+    return _original("head_norm")(cfg.replace(norm_eps=1e-6), p, name, x)  # Qwen3's rms_norm_eps written in
+
+
 def _gate_and_up_swapped(p, x, activation):
     swapped = {**p, "w1.weight": p["w3.weight"], "w3.weight": p["w1.weight"]}  # silu(x W_up) ⊙ x W_gate
     return _original("feed_forward")(swapped, x, activation)
@@ -289,6 +311,13 @@ class Mutation:
     also: tuple[tuple[str, Callable], ...] = ()  # the same mistake in another function (a loss's VJP)
     backward: bool = False  # a training mistake: the gradient and training cases run too
     preset: str | None = None  # the preset the mistake needs (a modern decoder's), on its conformance weights
+    unlocalized: str = ""  # why no stage fails alone, where expected_stage is None (mistakes_page says it)
+
+
+MASKS = "the mistake is in how the model builds its masks, which the whole-stack cases catch"
+LOOP = "the mistake is in the generation loop, which only the generate cases run"
+LOSS = "the mistake is in the loss, after the last stage"
+NO_STAGE = "no stage of the localized case fails alone; the cells above catch it"
 
 
 MUTATIONS: list[Mutation] = [
@@ -311,7 +340,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("heads_reshape", "heads split by a reshape to [B, H, T, d_k] without the transpose", "split_heads",
              _heads_without_transpose, "mha", "encoder.layers.0"),
     Mutation("causal_off_by_one", "causal mask that hides the current position (< instead of <=)", "causal_mask",
-             _causal_off_by_one, "decoder", None),
+             _causal_off_by_one, "decoder", None, unlocalized=MASKS),
     Mutation("fill_minus_1e9", "masked scores filled with -1e9: rows with no key average V instead of giving 0 "
              "(and in float16 the fill overflows to -inf: NaN)",
              "softmax", _fill_minus_1e9, "attention", "encoder.layers.0", localize_on="all_pad"),
@@ -332,18 +361,18 @@ MUTATIONS: list[Mutation] = [
     Mutation("head_bias_dropped", "the output projection without its bias (a config with head_bias)",
              "output_logits", _head_bias_dropped, "logits", "head", config={"head_bias": True}),
     Mutation("ignores_eos", "greedy generation ignores eos_id: finished rows go on", "greedy_generate",
-             _generation_ignores_eos, "generate", None),
+             _generation_ignores_eos, "generate", None, unlocalized=LOOP),
     Mutation("loop_never_advances", "a generation loop that never advances: every step reruns the first",
-             "greedy_generate", _loop_never_advances, "generate", None),
+             "greedy_generate", _loop_never_advances, "generate", None, unlocalized=LOOP),
     Mutation("loop_feeds_back_input", "a generation loop that feeds back its previous input, not the new token",
-             "greedy_generate", _loop_feeds_back_its_input, "generate", None),
+             "greedy_generate", _loop_feeds_back_its_input, "generate", None, unlocalized=LOOP),
 ]
 
 MUTATIONS += [
     Mutation("loss_over_pads", "the loss averaged over pad targets too", "token_cross_entropy", _loss_over_pads,
-             "loss", None, also=(("token_cross_entropy_vjp", _loss_over_pads_vjp),), backward=True),
+             "loss", None, also=(("token_cross_entropy_vjp", _loss_over_pads_vjp),), backward=True, unlocalized=LOSS),
     Mutation("smoothing_onto_pad", "label smoothing spread onto the pad index as well", "smoothed_targets",
-             _smoothing_onto_pad, "loss", None, config={"label_smoothing": 0.1}, backward=True),
+             _smoothing_onto_pad, "loss", None, config={"label_smoothing": 0.1}, backward=True, unlocalized=LOSS),
     Mutation("eps_inside_root", "Adam's ε inside the square root: m̂ / √(v̂ + ε)", "adam_update",
              _eps_inside_the_root, "train_step", "step 1 params", backward=True),
     Mutation("decay_on_vectors", "AdamW's weight decay applied to biases and norm parameters too", "decays",
@@ -356,7 +385,8 @@ MUTATIONS += [
     Mutation("detached_residual", "a .detach() on the residual's skip path", "residual_vjp", _detached_residual,
              "grad-ffn_block", "decoder.layers.1", backward=True),
     Mutation("dropout_unscaled", "dropout that keeps units without scaling them by 1 / (1 − p)", "dropout",
-             _dropout_unscaled, "loss", None, backward=True),
+             _dropout_unscaled, "loss", None, backward=True,
+             unlocalized="the mistake is in training mode's dropout, which only the dropout cases run"),
 ]
 
 MUTATIONS += [
@@ -369,9 +399,19 @@ MUTATIONS += [
     Mutation("kv_heads_tiled", "key/value heads repeated in the wrong order (tile, not repeat_interleave)",
              "group_heads", _key_value_heads_tiled, "attention", "decoder.layers.0", preset="llama-tiny"),
     Mutation("rope_after_cache_write", "keys cached unrotated, then rotated by the step's position when read",
-             "attend", _cached_keys_rotated_at_the_step, "mha", None, preset="llama-tiny"),
+             "attend", _cached_keys_rotated_at_the_step, "mha", None, preset="llama-tiny",
+             unlocalized="the mistake is in the cache, which a teacher-forced forward never reads"),
     Mutation("swiglu_swapped", "SwiGLU with gate and up swapped: silu(x W_up) ⊙ x W_gate", "feed_forward",
              _gate_and_up_swapped, "ffn", "decoder.layers.0", preset="llama-tiny"),
+    # a number written in where the config has one: each fails the preset whose value is not the default
+    Mutation("rope_theta_written_in", "RoPE's θ written in as 10000 (Llama 3's is 500000)", "rotary",
+             _theta_written_in, "mha", "decoder.layers.0", preset="llama-tiny"),
+    Mutation("partial_rotary_last_dims", "partial rotary turning a head's last r dimensions, not its first",
+             "rotary", _partial_rotary_on_the_last_dimensions, "mha", "decoder.layers.0", preset="stablelm-tiny"),
+    Mutation("head_norm_eps_outside_root", "Qwen3's q/k head norms with ε outside the root", "head_norm",
+             _head_norm_eps_outside_the_root, "mha", None, preset="qwen3-tiny", unlocalized=HEAD_NORM_EPS),
+    Mutation("head_norm_eps_written_in", "Qwen3's q/k head norms with Qwen3's ε 1e-6 written in", "head_norm",
+             _head_norm_with_qwen3s_eps, "mha", None, preset="qwen3-tiny", unlocalized=HEAD_NORM_EPS),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.
@@ -534,6 +574,6 @@ def mistakes_page(verdicts: list[Verdict], preset: str) -> str:
                   excerpt(_defined_in(m.target), m.target), "```", "",
                   f"What it does: {v.failed_cells} of {v.total_cells} cells fail; the first failing sublayer is "
                   f"`{v.first_sublayer}` (first failing cell {v.worst}). Localized to: "
-                  f"{'`' + v.first_stage + '`' if v.first_stage else 'no stage alone (the mistake is in how the model builds its masks, which the whole-stack cases catch)'}. "
+                  f"{'`' + v.first_stage + '`' if v.first_stage else f'no stage alone ({m.unlocalized or NO_STAGE})'}. "
                   f"Verdict: {'caught and localized' if v.caught and v.localized else 'NOT localized as expected'}.", ""]
     return "\n".join(lines)

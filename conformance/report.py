@@ -1,8 +1,11 @@
 """What `rosetta check --report DIR` writes: report.json, report.md and heatmap.png.
 
 report.json (schema_version 1):
-    passed          true when at least one cell ran and none failed or errored
+    passed          true when at least one cell ran, none failed or errored, and no column ran nothing
+                    (empty_columns)
     counts          {"pass", "fail", "error", "skip"}: cells per status
+    empty_columns   {"<backend>/<dtype>/<device>": why}: the columns that had cells and ran none of them
+                    for a reason nobody declared up front (matrix_passed)
     spec_version, project_version (this package's), config (ModelConfig fields),
     source          {"preset", "seed"} or {"weights"}, and "shard": "I/N" for a slice (--shard)
     params_sha256   spec.params_digest of the weights every cell used
@@ -16,6 +19,8 @@ report.json (schema_version 1):
     wall_seconds
     attention_paths {"<backend>/<dtype>/<device>": {path: passing cells}} for backends that name the
                     attention each cell ran (jax: jax.nn.dot_product_attention, or explicit and why)
+    graphs          {"<backend>/<dtype>/<device>": {graph: cells that ran}} for the ONNX columns: forward,
+                    encoder, decoder_step_in_place, or decoder_step with why the in-place step did not serve
     localization    {"<backend>/<dtype>/<device> (forward-<mask case>)": {"first_failure": stage or null,
                     "stages": [{name, sublayer, isolated_ratio, chained_ratio, note}]}} for the columns
                     localized (failing whole-model cells, or every column with --localize)
@@ -40,7 +45,7 @@ from importlib import metadata
 from pathlib import Path
 
 from conformance.adapter import get_backend
-from conformance.harness import ERROR, FAIL, PASS, SKIP, CellResult
+from conformance.cells import ERROR, FAIL, PASS, REFUSED, SKIP, CellResult
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
 
@@ -108,21 +113,67 @@ def summary_counts(results: list[CellResult]) -> dict[str, int]:
     return {status: sum(r.status == status for r in results) for status in (PASS, FAIL, ERROR, SKIP)}
 
 
+def empty_columns(results: list[CellResult]) -> dict[str, str]:
+    """The columns that had cells and ran none, each with why: every cell skipped, and some of them
+    refused (a NotSupported while loading or running, a backend that failed to load). A column
+    whose every skip was declared up front (framework not installed, device not present, a
+    dtype or sublayer the backend says it does not run) is not one: its skip line says so."""
+    by_column: dict[str, list[CellResult]] = {}
+    for r in results:
+        by_column.setdefault(f"{r.backend}/{r.dtype}/{r.device}", []).append(r)
+    return {column: "; ".join(dict.fromkeys(r.reason for r in cells if r.skip == REFUSED))
+            for column, cells in by_column.items()
+            if all(r.status == SKIP for r in cells) and any(r.skip == REFUSED for r in cells)}
+
+
+def matrix_passed(results: list[CellResult], conflicts: list | tuple = ()) -> bool:
+    """The verdict: some cell ran, none failed or errored, no column ran nothing (empty_columns),
+    and no two merged reports disagree on a cell."""
+    counts = summary_counts(results)
+    return counts[PASS] > 0 and not counts[FAIL] and not counts[ERROR] and not conflicts and not empty_columns(results)
+
+
+def format_empty_columns(empty: dict[str, str]) -> str:
+    """One line a column that ran nothing, with why."""
+    return "\n".join(f"RAN NOTHING {column}: {why}" for column, why in empty.items())
+
+
+def _cells_per(results: list[CellResult], attribute: str, statuses: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """By column, the cells of these statuses per value of a CellResult attribute that names what
+    served them (their attention path, their graph); cells that name nothing are not counted."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in results:
+        if r.status in statuses and (value := getattr(r, attribute)):
+            column = counts.setdefault(f"{r.backend}/{r.dtype}/{r.device}", {})
+            column[value] = column.get(value, 0) + 1
+    return counts
+
+
+def _format_cells_per(label: str, counts: dict[str, dict[str, int]]) -> str:
+    return "\n".join(f"{label} {column}: " + "; ".join(f"{count} cells {value}" for value, count in found.items())
+                     for column, found in counts.items())
+
+
 def attention_paths(results: list[CellResult]) -> dict[str, dict[str, int]]:
     """Passing cells per attention path, by column, for the backends that name their path: a
     cell that ran another backend's program is not evidence for this one's primitive."""
-    paths: dict[str, dict[str, int]] = {}
-    for r in results:
-        if r.status == PASS and r.path:
-            column = paths.setdefault(f"{r.backend}/{r.dtype}/{r.device}", {})
-            column[r.path] = column.get(r.path, 0) + 1
-    return paths
+    return _cells_per(results, "path", (PASS,))
 
 
 def format_attention_paths(paths: dict[str, dict[str, int]]) -> str:
     """One line per column: how many passing cells took each attention path."""
-    return "\n".join(f"attention in {column}: " + "; ".join(f"{count} cells {path}" for path, count in found.items())
-                     for column, found in paths.items())
+    return _format_cells_per("attention in", paths)
+
+
+def graphs_served(results: list[CellResult]) -> dict[str, dict[str, int]]:
+    """The cells each ONNX graph served (passed or failed), by column: decoder_step_in_place, or
+    decoder_step with why the in-place step did not serve."""
+    return _cells_per(results, "graph", (PASS, FAIL))
+
+
+def format_graphs_served(graphs: dict[str, dict[str, int]]) -> str:
+    """One line per column: how many cells each graph served."""
+    return _format_cells_per("graphs in", graphs)
 
 
 def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, str]], list[str]]:
@@ -156,11 +207,14 @@ def format_table(results: list[CellResult]) -> str:
 
 
 def format_problems(results: list[CellResult]) -> str:
-    """A line per failed or errored cell, and one per column and reason for the skipped cells."""
+    """A line per failed or errored cell and per cell compared on some rows only, and one per
+    column and reason for the skipped cells."""
     lines = []
     for r in results:
         if r.status in (FAIL, ERROR):
             lines.append(f"{r.status.upper()} {r.test_id}: {r.reason}")
+        elif r.status == PASS and "left out " in r.reason:  # adapter.Partial: some rows were not compared
+            lines.append(f"partly compared {r.test_id}: {r.reason[r.reason.index('left out '):]}")
     skipped: dict[tuple[str, str], list[str]] = {}
     for r in results:
         if r.status == SKIP:
@@ -267,10 +321,12 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     column ran, from an executor that spreads them over nodes (the Ray executor's)."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
+    empty = empty_columns(results)
     report = {
         "schema_version": SCHEMA_VERSION,
-        "passed": counts[FAIL] == 0 and counts[ERROR] == 0 and counts[PASS] > 0 and not conflicts,
+        "passed": matrix_passed(results, conflicts),
         "counts": counts,
+        "empty_columns": empty,
         "spec_version": SPEC_VERSION,
         "project_version": project_version(),
         "config": cfg.to_dict(),
@@ -279,10 +335,11 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "machine": None if merged else machine(),
         "versions": framework_versions(),
         "devices": device_names(results),
-        "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * sqrt(n)) "
-                                        "* max(1, max|golden|)", "safety": SAFETY},
+        "tolerance_policy": {"formula": "SAFETY * sqrt(depth) * (u_storage + u_accumulate * (sqrt(n) + A)) "
+                                        "* max(s, max|golden|)", "safety": SAFETY},
         "wall_seconds": round(seconds, 3),
         "attention_paths": attention_paths(results),
+        "graphs": graphs_served(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         **({"placements": placements} if placements else {}),
         "cells": [r.to_dict() for r in results],
@@ -294,6 +351,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     title = f"{source.get('preset') or source.get('weights')}: error / tolerance per cell"
     has_heatmap = write_heatmap(directory / "heatmap.png", results, title)
     markdown = ["# Conformance report\n", f"- passed: **{report['passed']}** ({counts})",
+                *(f"- ran nothing: {column} ({why})" for column, why in empty.items()),
                 *([f"- merged from: {_sources(merged['sources'])}", f"- conflicting cells: {len(conflicts)}"]
                   if merged else []),
                 f"- config: `{cfg.to_json()}`", f"- source: {source}", f"- wall time: {seconds:.2f} s",
@@ -304,6 +362,8 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     if paths := format_attention_paths(report["attention_paths"]):
         markdown += ["", "Attention path of the passing cells, where a backend names it (an explicit path is the "
                      "program of the `-math` column, not evidence for the native primitive):", "", "```", paths, "```"]
+    if graphs := format_graphs_served(report["graphs"]):
+        markdown += ["", "The ONNX graph that served each cell that ran:", "", "```", graphs, "```"]
     if has_heatmap:
         markdown += ["", "![error / tolerance heatmap](heatmap.png)"]
         written.append(directory / "heatmap.png")

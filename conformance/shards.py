@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from conformance.harness import ERROR, FAIL, PASS, CellResult, Plan
-from conformance.report import format_problems, format_table, summary_counts, write_report
+from conformance.harness import CellResult, Plan
+from conformance.report import format_problems, format_table, matrix_passed, write_report
 from spec import ModelConfig
 
 Column = tuple[str, str, str]  # (backend, dtype, device)
@@ -64,7 +64,8 @@ def cell_from_dict(record: Mapping) -> CellResult:
                       record["status"], number(record["max_abs_err"]), number(record["rel_err"]),
                       number(record["tol"]),
                       None if record["worst_index"] is None else tuple(record["worst_index"]),
-                      record.get("reason", ""), float(record.get("seconds", 0.0)), record.get("path", ""))
+                      record.get("reason", ""), float(record.get("seconds", 0.0)), record.get("path", ""),
+                      record.get("skip", ""), record.get("graph", ""))
 
 
 def _same_verdict(a: CellResult, b: CellResult) -> bool:
@@ -145,9 +146,9 @@ class MergedReport:
 
     @property
     def passed(self) -> bool:
-        """At least one cell ran, none failed or errored, and no two reports disagree."""
-        counts = summary_counts(self.cells)
-        return not (counts[FAIL] or counts[ERROR] or self.conflicts or counts[PASS] == 0)
+        """At least one cell ran, none failed or errored, no column ran nothing, and no two
+        reports disagree."""
+        return matrix_passed(self.cells, self.conflicts)
 
 
 def merge_into_report(paths: Sequence[Path], out: Path) -> MergedReport:

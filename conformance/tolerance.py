@@ -1,13 +1,15 @@
 """The tolerance policy (SPEC.md §8) and the comparison of one output against the golden.
 
-    tol = SAFETY · √depth · (u_storage + u_accumulate · √n)
-    pass iff  max|actual − golden| ≤ tol · max(1, max|golden|)
+    tol = SAFETY · √depth · (u_storage + u_accumulate · (√n + A))
+    pass iff  max|actual − golden| ≤ tol · max(s, max|golden|)
 
 u_storage is the unit roundoff (half the machine epsilon) of the dtype values are stored in,
 u_accumulate that of the dtype sums are accumulated in (float32 for the half formats and TF32,
 as every framework's matmuls and softmax do; the dtype itself otherwise), n the longest
 reduction (inner product or sum) the case contains, depth the number of sublayers chained in
-it. The formula is the same for every case; no case has a hand-tuned tolerance.
+it, A the rotary angle whose rounding the case's rotations carry (rotary_angle; 0 without
+RoPE) and s the size of the case's activations (1 but for the small ones). The formula is the
+same for every case; no case has a hand-tuned tolerance.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
+from spec import ModelConfig
 
 SAFETY = 8.0
 
@@ -32,12 +36,27 @@ ACCUMULATE = {"float64": "float64", "float32": "float32", "tf32": "float32", "fl
 DTYPES = tuple(UNIT_ROUNDOFF)
 
 
-def tolerance(dtype: str, reduction_length: int, depth: int) -> float:
-    """The relative tolerance for a case computed in ``dtype``."""
+def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0) -> float:
+    """The relative tolerance for a case computed in ``dtype``; ``angle`` is the case's
+    rotary_angle (the rotary tables are float32 or wider, so their roundoff is u_accumulate's)."""
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     storage, accumulate = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
-    return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * math.sqrt(max(1, reduction_length)))
+    return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * (math.sqrt(max(1, reduction_length)) + angle))
+
+
+def rotary_angle(cfg: ModelConfig, largest_position: int) -> float:
+    """A (SPEC §8): the mean, over a head's d_k/2 pairs, of the angle whose rounding a rotation at
+    the largest position carries. Pair i turns by p·ω_i, ω_i = θ^(−2i/r); rounded in a table of
+    unit roundoff u, that angle is off by about u·p·ω_i radians, and so is the pair's share of a
+    score q·k, which sums every pair of the head. Pair 0 turns by p itself (ω_0 = 1), an integer
+    every table holds exactly, so only cos and sin's own rounding (u_storage's) is left there;
+    the pairs past r do not turn. 0 without RoPE."""
+    if cfg.positional != "rope" or largest_position <= 0:
+        return 0.0
+    r = cfg.rotary_dim
+    frequencies = cfg.rope_theta ** (-np.arange(2, r, 2) / r)  # ω_1 … ω_{r/2−1}
+    return float(largest_position * frequencies.sum() / (cfg.d_head / 2))
 
 
 @dataclass(frozen=True)
@@ -45,7 +64,7 @@ class Comparison:
     passed: bool
     max_abs_err: float
     rel_err: float  # ‖actual − golden‖₂ / ‖golden‖₂
-    tol: float  # absolute: the relative tolerance times max(1, max|golden|)
+    tol: float  # absolute: the relative tolerance times max(floor, max|golden|)
     worst_index: tuple[int, ...] | None
     worst_actual: float | None
     worst_expected: float | None
@@ -57,9 +76,13 @@ class Comparison:
         return self.max_abs_err / self.tol if self.tol > 0 else (0.0 if self.max_abs_err == 0 else math.inf)
 
 
-def compare(actual: object, expected: np.ndarray, relative_tol: float) -> Comparison:
+def compare(actual: object, expected: np.ndarray, relative_tol: float, floor: float = 1.0,
+            where: np.ndarray | None = None) -> Comparison:
     """Compare a backend's output with the golden. NaN/Inf in the output fail unless the golden
-    holds the very same value at that place; a shape mismatch fails with the two shapes."""
+    holds the very same value at that place; a shape mismatch fails with the two shapes. The
+    tolerance is relative to max(floor, max|golden|): floor is the size of the terms the output
+    sums, 1 but for a case of small activations (Case.floor). `where` (boolean over the leading
+    axes, adapter.Partial's) limits the comparison to the entries a backend computed."""
     expected = np.asarray(expected)
     try:
         actual = np.asarray(actual)
@@ -74,8 +97,13 @@ def compare(actual: object, expected: np.ndarray, relative_tol: float) -> Compar
         return Comparison(False, math.inf, math.inf, 0.0, None, None, None, f"output dtype {actual.dtype} is not numeric")
     actual64 = actual.astype(np.float64)
     expected64 = expected.astype(np.float64)
-    finite_golden = np.isfinite(expected64)
-    scale = max(1.0, float(np.abs(expected64[finite_golden]).max())) if finite_golden.any() else 1.0
+    kept = np.ones(expected.shape, dtype=bool)
+    if where is not None:
+        where = np.asarray(where, dtype=bool)
+        kept = np.broadcast_to(where.reshape(where.shape + (1,) * (expected.ndim - where.ndim)), expected.shape)
+        actual64 = np.where(kept, actual64, expected64)  # what was left out is not compared
+    finite_golden = np.isfinite(expected64) & kept
+    scale = max(floor, float(np.abs(expected64[finite_golden]).max())) if finite_golden.any() else floor
     tol = relative_tol * scale
     same_special = ~finite_golden & ((actual64 == expected64) | (np.isnan(actual64) & np.isnan(expected64)))
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is handled just below
@@ -86,7 +114,7 @@ def compare(actual: object, expected: np.ndarray, relative_tol: float) -> Compar
     worst = np.unravel_index(int(np.argmax(difference)), difference.shape)
     max_abs = float(difference[worst])
     finite = np.isfinite(difference)
-    reference_norm = float(np.linalg.norm(np.where(finite_golden, expected64, 0.0)))
+    reference_norm = float(np.linalg.norm(np.where(finite_golden, expected64, 0.0)))  # of the entries compared
     error_norm = float(np.linalg.norm(np.where(finite, difference, 0.0))) if finite.all() else math.inf
     rel = error_norm / reference_norm if reference_norm > 0 else (0.0 if error_norm == 0 else math.inf)
     passed = bool(max_abs <= tol)
@@ -105,13 +133,14 @@ def _describe(actual: np.ndarray, expected: np.ndarray, worst: tuple, max_abs: f
 
 
 def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_logits: np.ndarray,
-                       relative_tol: float, eos_id: int | None) -> Comparison:
+                       relative_tol: float, eos_id: int | None, rows: np.ndarray | None = None) -> Comparison:
     """Greedy tokens must equal the golden's, except at a near-tie (SPEC.md §8): at the first step
     where a row differs, the golden's logit for the backend's token must be within the logit
     tolerance of the golden's best logit at that step; the row is not compared after it (the
     prefixes differ from there on). A row the golden ended with eos_id is padding from then on,
     exactly: a different token there is never a tie (the golden chose nothing at those steps).
-    golden_step_logits [B, N, V] are the golden's logits at each step."""
+    golden_step_logits [B, N, V] are the golden's logits at each step; `rows` (boolean [B],
+    adapter.Partial's) limits the comparison to the rows a backend generated."""
     golden_tokens = np.asarray(golden_tokens)
     try:
         actual = np.asarray(actual)
@@ -123,6 +152,8 @@ def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_lo
     tol = relative_tol * max(1.0, float(np.abs(golden_step_logits).max()))
     worst_margin, ties = 0.0, []
     for row in range(golden_tokens.shape[0]):
+        if rows is not None and not rows[row]:
+            continue
         differ = np.flatnonzero(actual[row] != golden_tokens[row])
         if differ.size == 0:
             continue
@@ -204,14 +235,23 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
         if error / bound >= worst_ratio:
             worst_name, worst_ratio, worst_error, worst_bound = name, error / bound, error, bound
             scale = norm if norm > 0 else 1.0
-            cosine = float((mine * golden).sum() / (np.linalg.norm(mine) * np.linalg.norm(golden))) \
-                if np.linalg.norm(mine) > 0 and np.linalg.norm(golden) > 0 else 1.0
             denominator = "‖g*‖" if norm == float(np.linalg.norm(golden)) else "‖terms‖"
             notes = [f"{name}: ‖g − g*‖/{denominator} {error:.3g}",
                      f"max|g − g*|/{denominator} {np.abs(mine - golden).max() / scale:.3g}",
-                     f"cosine {cosine:.9f}"] + ([f"ReLU kink allowance {allowance / scale:.3g}"] if allowance else [])
+                     _cosine(mine, golden)] + ([f"ReLU kink allowance {allowance / scale:.3g}"] if allowance else [])
     passed = worst_error <= worst_bound
-    reason = ", ".join(notes) + ("" if passed else f" > tol {worst_bound:.3g}")
+    if not passed:  # the normwise error and its bound first: they are the verdict
+        notes[0] += f" > tol {worst_bound:.3g}"
+    reason = ", ".join(notes)
     return Comparison(passed, worst_error, worst_error, worst_bound, None, None, None,
                       reason if not passed else f"worst {reason}" if worst_name else "")
+
+
+def _cosine(mine: np.ndarray, golden: np.ndarray) -> str:
+    """The cosine of the angle between a gradient and the golden's: undefined, and said so, where
+    either is zero (a gradient that is all zeros does not point the golden's way)."""
+    zero = [label for label, g in (("‖g‖", mine), ("‖g*‖", golden)) if not np.any(g)]
+    if zero:
+        return f"cosine undefined ({' and '.join(zero)} = 0)"
+    return f"cosine {float((mine * golden).sum() / (np.linalg.norm(mine) * np.linalg.norm(golden))):.9f}"
 

@@ -18,14 +18,16 @@ new tokens' K, V and keep at positions start … start+T−1 of a copy of the ca
 over all C positions under the causal mask, so every step of a generation has the same shapes,
 and its present buffers can be the next step's past (export.runner keeps two sets and swaps
 them). The prompt's prefill is a step at start 0. decoder_step_in_place has decoder_step's
-interface; its GroupQueryAttention writes the new K and V into the past buffers when the present
-outputs are bound to them (export.runner does), and attends over start+T positions only. Decoder-only models have no encoder graph and
-no src_keep/cross inputs. Every dimension above except d, H, d_k and V is dynamic.
+interface but for its cache's head size, d_k rounded up to a multiple of 8 (what onnxruntime's
+CPU kernel takes; the dimensions past d_k hold zeros); its GroupQueryAttention writes the new K
+and V into the past buffers when the present outputs are bound to them (export.runner does), and
+attends over start+T positions only. Decoder-only models have no encoder graph and no
+src_keep/cross inputs. Every dimension above except d, H, d_k and V is dynamic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +38,23 @@ ROLES = (FORWARD, ENCODER, DECODER_STEP)
 # decoder_step's interface, its cache written in place by onnxruntime's GroupQueryAttention
 # (export/in_place_step.py): torch exports at float32 add it, and the runner serves it on the CPU
 DECODER_STEP_IN_PLACE = "decoder_step_in_place"
+GROUP_QUERY_HEAD_MULTIPLE = 8  # onnxruntime 1.31's CPU GroupQueryAttention: "head_size must be a multiple of 8"
+
+
+def cache_head_size(cfg: ModelConfig, role: str) -> int:
+    """The head size of a step graph's cache: d_k, rounded up to GroupQueryAttention's multiple of 8
+    for decoder_step_in_place (the extra dimensions are zeros in q, k and v alike, so no score
+    changes, and the attention's scale is set to d_k's)."""
+    if role != DECODER_STEP_IN_PLACE:
+        return cfg.d_head
+    return -(-cfg.d_head // GROUP_QUERY_HEAD_MULTIPLE) * GROUP_QUERY_HEAD_MULTIPLE
+
+
+def in_place_unsupported_reason(dtype: str) -> str | None:
+    """Why an export of this dtype has no decoder_step_in_place, or None."""
+    if dtype != "float32":
+        return f"dtype {dtype}: the in-place step is exported at float32 (served on the CPU)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -67,15 +86,19 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
     return (FORWARD, DECODER_STEP)
 
 
-def _kv(prefix: str, cfg: ModelConfig, length: str) -> tuple[Tensor, ...]:
+def _kv(prefix: str, cfg: ModelConfig, length: str, head_size: int | None = None) -> tuple[Tensor, ...]:
     """prefix.{i}.key and prefix.{i}.value for each decoder layer: [B, H, length, d_k]"""
-    return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.kv_heads, length, cfg.d_head))
+    return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.kv_heads, length, head_size or cfg.d_head))
                  for i in range(cfg.n_decoder_layers) for part in ("key", "value"))
 
 
 def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     if role == DECODER_STEP_IN_PLACE:
-        return replace(signature(cfg, DECODER_STEP), role=role)
+        head_size = cache_head_size(cfg, role)
+        cache = {t.name: t for prefix in ("past", "present") for t in _kv(prefix, cfg, "capacity", head_size)}
+        copying = signature(cfg, DECODER_STEP)
+        return GraphSignature(role, tuple(cache.get(t.name, t) for t in copying.inputs),
+                              tuple(cache.get(t.name, t) for t in copying.outputs))
     if role not in roles(cfg):
         raise ValueError(f"graph role must be one of {', '.join(roles(cfg))} for this model, got {role!r}")
     src = (Tensor("src_ids", "ids", ("batch", "src_len")), Tensor("src_keep", "keep", ("batch", "src_len")))

@@ -17,8 +17,11 @@ position 0 for one row only; export.runner feeds such a chunk a token at a time.
 
 The attention is a torch custom op (``rosetta::cached_attention``) so that torch.onnx can translate
 it into the one node; run eagerly, it computes the same function with impl_torch's attention (the
-tests compare the two). The graph is exported at float32 for heads of a multiple of 8 (what the
-CPU kernel takes) and used on the CPU: its CUDA kernel has not met a GPU here.
+tests compare the two). The CPU kernel takes heads of a multiple of 8 only: other heads (qwen2-tiny's
+10, qwen3-tiny's 12) are padded with zeros to the next multiple in q, k and v alike, which changes
+no score, with the attention's scale set to the real head size's, and the cache holds the padded
+heads (export.graphs.cache_head_size). The graph is exported at float32 and used on the CPU: its
+CUDA kernel has not met a GPU here.
 """
 
 from __future__ import annotations
@@ -34,18 +37,7 @@ from impl_torch.model import (Transformer, _key_mask, attention_positions, merge
                               scaled_dot_product_attention, split_heads)
 
 MICROSOFT = "com.microsoft"
-HEAD_SIZE_MULTIPLE = 8  # onnxruntime 1.31's CPU GroupQueryAttention: "head_size must be a multiple of 8"
 INT32, INT64 = onnx.TensorProto.INT32, onnx.TensorProto.INT64
-
-
-def in_place_unsupported_reason(cfg, dtype: str) -> str | None:
-    """Why this export has no decoder_step_in_place, or None."""
-    if dtype != "float32":
-        return f"dtype {dtype}: the in-place step is exported at float32 (served on the CPU)"
-    if cfg.d_head % HEAD_SIZE_MULTIPLE:
-        return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention takes multiples of "
-                f"{HEAD_SIZE_MULTIPLE}")
-    return None
 
 
 def register_group_query_attention_schema() -> None:
@@ -63,7 +55,9 @@ def register_group_query_attention_schema() -> None:
               parameter("attention_bias", "T", param_option=optional)]
     outputs = [parameter("output", "T"), parameter("present_key", "T"), parameter("present_value", "T")]
     attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
-                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "key/value heads")]
+                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "key/value heads"),
+                  OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "the scores' factor (1/√head_size)",
+                                     required=False)]
     onnx.defs.register_schema(OpSchema(
         "GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], "")]))
@@ -74,17 +68,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key
                      past_values: torch.Tensor, keep: torch.Tensor,
                      start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The new queries' attention over the cache with the new keys and values written at start …
-    start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, d_k], keep [B, C]
-    (the new positions' included) -> (heads [B, n, H·d_k], present keys, present values)."""
-    heads_kv, head_size = past_keys.shape[1], past_keys.shape[3]
+    start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, p] with p ≥ d_k (the
+    padded head size: zeros past d_k), keep [B, C] (the new positions' included) -> (heads
+    [B, n, H·d_k], present keys, present values)."""
+    heads_kv = past_keys.shape[1]
+    head_size = k.shape[2] // heads_kv
     n, first = q.shape[1], int(start)
     keys, values = past_keys.clone(), past_values.clone()
-    keys[:, :, first:first + n] = split_heads(k, heads_kv)
-    values[:, :, first:first + n] = split_heads(v, heads_kv)
+    keys[:, :, first:first + n, :head_size] = split_heads(k, heads_kv)
+    values[:, :, first:first + n, :head_size] = split_heads(v, heads_kv)
     positions = first + torch.arange(n, device=q.device)
     causal = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]  # [n, C]
     mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, n, C]
-    heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys, values, mask)
+    heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys[..., :head_size],
+                                         values[..., :head_size], mask)
     return merge_heads(heads), keys, values
 
 
@@ -93,11 +90,24 @@ def _(q, k, v, past_keys, past_values, keep, start):
     return torch.empty_like(q), torch.empty_like(past_keys), torch.empty_like(past_values)
 
 
-def cached_attention_onnx(n_heads: int, kv_heads: int):
+def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: int):
     """cached_attention as ONNX: one GroupQueryAttention over the first start+n positions, with the
-    keep-vector as its additive bias and zeros for a query without a real key."""
+    keep-vector as its additive bias and zeros for a query without a real key; heads of head_size
+    padded with zeros to `padded` (the cache's head size) around it."""
     register_group_query_attention_schema()
     microsoft = onnxscript.values.Opset(MICROSOFT, 1)
+    extra = padded - head_size
+
+    def pad_heads(x, heads):  # [B, n, heads·head_size] -> [B, n, heads·padded], zeros past head_size
+        split = op.Reshape(x, op.Constant(value_ints=[0, 0, heads, head_size]))
+        widened = op.Pad(split, op.Constant(value_ints=[0, 0, 0, 0, 0, 0, 0, extra]))
+        return op.Reshape(widened, op.Constant(value_ints=[0, 0, heads * padded]))
+
+    def unpad_heads(x):  # [B, n, H·padded] -> [B, n, H·head_size]
+        split = op.Reshape(x, op.Constant(value_ints=[0, 0, n_heads, padded]))
+        kept = op.Slice(split, op.Constant(value_ints=[0]), op.Constant(value_ints=[head_size]),
+                        op.Constant(value_ints=[3]))
+        return op.Reshape(kept, op.Constant(value_ints=[0, 0, n_heads * head_size]))
 
     def translation(q, k, v, past_keys, past_values, keep, start):
         n = op.Shape(q, start=1, end=2)  # [1]
@@ -111,9 +121,13 @@ def cached_attention_onnx(n_heads: int, kv_heads: int):
         lowest = op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min)), q)
         bias = op.Unsqueeze(op.Where(seen, zero, lowest), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
         bias = op.Expand(bias, op.Concat(batch, op.Constant(value_ints=[1]), n, total, axis=0))  # [B, 1, n, T]
+        if extra:  # zeros past head_size in q and k add nothing to a score; the scale is head_size's
+            q, k, v = pad_heads(q, n_heads), pad_heads(k, kv_heads), pad_heads(v, kv_heads)
         heads, present_keys, present_values = microsoft.GroupQueryAttention(
             q, k, v, past_keys, past_values, seqlens, total_length, None, None, None, bias,
-            num_heads=n_heads, kv_num_heads=kv_heads)
+            num_heads=n_heads, kv_num_heads=kv_heads, scale=head_size ** -0.5)
+        if extra:
+            heads = unpad_heads(heads)
         # a query whose positions up to its own hold no real token has no key: zeros (SPEC §6)
         real_so_far = op.CumSum(op.Cast(seen, to=INT64), op.Constant(value_int=1))  # [B, T]
         at_queries = op.Slice(real_so_far, op.Reshape(start, op.Constant(value_ints=[1])), total,

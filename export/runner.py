@@ -30,7 +30,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, example_inputs
+from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, cache_head_size, example_inputs,
+                           in_place_unsupported_reason)
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
@@ -243,6 +244,21 @@ class OnnxTransformer:
     def has(self, role: str) -> bool:
         return role in self.sessions
 
+    @property
+    def step_graph(self) -> str:
+        """The graph that serves decoding here, with why it is not the in-place one where it is not:
+        'decoder_step_in_place', or e.g. 'decoder_step (dtype float16: ...)'; '' without a step graph."""
+        if self.in_place:
+            return DECODER_STEP_IN_PLACE
+        if DECODER_STEP not in self.sessions:
+            return ""
+        if DECODER_STEP_IN_PLACE in self.manifest["graphs"]:
+            why = ("on cuda: GroupQueryAttention's CUDA kernel has not met a GPU here" if self.device == "cuda"
+                   else "the in-place step is switched off")
+        else:
+            why = in_place_unsupported_reason(self.dtype) or f"the {self.manifest.get('exporter', '')} export writes none"
+        return f"{DECODER_STEP} ({why})"
+
     def _require(self, role: str) -> ort.InferenceSession:
         if role not in self.sessions:
             raise ExportError(f"this export has no {role} graph (it has {', '.join(self.sessions)}); "
@@ -327,7 +343,8 @@ class OnnxTransformer:
             keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
             keep = _buffer(keep, self.device)
         # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
-        kv = np.zeros((batch, cfg.kv_heads, capacity, cfg.d_head), dtype=np.float16 if self.dtype == "float16" else np.float32)
+        head_size = cache_head_size(cfg, DECODER_STEP_IN_PLACE if self.in_place else DECODER_STEP)
+        kv = np.zeros((batch, cfg.kv_heads, capacity, head_size), dtype=np.float16 if self.dtype == "float16" else np.float32)
 
         past = (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
                 _buffer(np.zeros((batch, capacity), dtype=bool), self.device))

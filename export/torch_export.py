@@ -18,10 +18,9 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, example_inputs,
-                           roles, signature)
-from export.in_place_step import (InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx,
-                                  in_place_unsupported_reason)
+from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, cache_head_size,
+                           example_inputs, in_place_unsupported_reason, roles, signature)
+from export.in_place_step import InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import KVCache, Transformer, _decode_step_body
 from spec import ModelConfig
@@ -97,8 +96,8 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
 
 def torch_roles(cfg: ModelConfig, dtype: str) -> tuple[str, ...]:
     """The graphs a torch export writes: every role, and the in-place decode step where onnxruntime's
-    CPU kernel runs it (float32, heads of a multiple of 8)."""
-    return roles(cfg) + (() if in_place_unsupported_reason(cfg, dtype) else (DECODER_STEP_IN_PLACE,))
+    CPU kernel runs it (float32; any head size, padded to its multiple of 8)."""
+    return roles(cfg) + (() if in_place_unsupported_reason(dtype) else (DECODER_STEP_IN_PLACE,))
 
 
 def _dynamic_shapes(sig: GraphSignature) -> tuple:
@@ -123,7 +122,8 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
             wrapper, example, dynamo=True, opset_version=opset, verbose=False,
             input_names=sig.input_names, output_names=sig.output_names,
             dynamic_shapes={"tensors": _dynamic_shapes(sig)},
-            custom_translation_table={cached_attention._opoverload: cached_attention_onnx(cfg.n_heads, cfg.kv_heads)})
+            custom_translation_table={cached_attention._opoverload: cached_attention_onnx(
+                cfg.n_heads, cfg.kv_heads, cfg.d_head, cache_head_size(cfg, DECODER_STEP_IN_PLACE))})
     return finish(program.model_proto, cfg, params, sig, dtype=dtype, opset=opset,
                   exporter=f"torch {torch.__version__}")
 

@@ -18,8 +18,9 @@ from conformance.check import check_model
 from conformance.cells import ERROR, FAIL, PASS, SKIP
 from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
-from conformance.report import (NVIDIA_DRIVER, attention_paths, format_attention_paths, format_placements,
-                                format_problems, format_table, summary_counts)
+from conformance.report import (NVIDIA_DRIVER, attention_paths, empty_columns, format_attention_paths,
+                                format_empty_columns, format_graphs_served, format_placements, format_problems,
+                                format_table, graphs_served, summary_counts)
 from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
@@ -114,10 +115,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(format_table(results))
         if problems:
             print("\n" + problems)
-    print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped "
+    empty = run.empty_columns
+    nothing = f", {len(empty)} column{'s' * (len(empty) != 1)} ran nothing" if empty else ""
+    print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped{nothing} "
           f"in {seconds:.2f} s")
+    if empty:
+        print(format_empty_columns(empty))
     if paths := format_attention_paths(attention_paths(results)):
         print(paths)
+    if graphs := format_graphs_served(graphs_served(results)):
+        print(graphs)
     if run.placements:
         print(format_placements(run.placements))
     for column, localization in run.localizations.items():
@@ -147,9 +154,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
         print("\n" + merged.problems)
     for conflict in merged.conflicts:
         print(f"CONFLICT {json.dumps(conflict)}")
-    counts = summary_counts(merged.cells)
+    counts, empty = summary_counts(merged.cells), empty_columns(merged.cells)
     print(f"\n{counts[PASS]} passed, {counts[FAIL] + counts[ERROR]} failed, {counts[SKIP]} skipped, "
           f"{len(merged.conflicts)} conflicting, from {merged.report_count} reports")
+    if empty:
+        print(format_empty_columns(empty))
     print(f"report written: {', '.join(str(path) for path in merged.written)}")
     return 0 if merged.passed else 1
 

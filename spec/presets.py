@@ -78,14 +78,14 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
     ),
     "llama-tiny": (
         "A Llama-family decoder at odd sizes (SmolLM2's and Llama 3.2's layout): pre-RMSNorm "
-        "(eps 1e-5) with a final norm, rotary positions (theta 10000), SwiGLU FFN, no biases "
-        "anywhere, no embedding scale, untied head; d 48, 6 heads of 8, grouped-query attention "
-        "with 3 key/value heads (2 groups), d_ff 88, 2 layers, vocabulary 97.",
+        "(eps 1e-5) with a final norm, rotary positions (theta 500000, Llama 3's), SwiGLU FFN, no "
+        "biases anywhere, no embedding scale, untied head; d 48, 6 heads of 8, grouped-query "
+        "attention with 3 key/value heads (2 groups), d_ff 88, 2 layers, vocabulary 97.",
         ModelConfig(
             arch="decoder-only", d_model=48, n_heads=6, n_kv_heads=3, d_ff=88, n_decoder_layers=2,
             tgt_vocab_size=97, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
-            final_norm=True, positional="rope", embed_scale=False, activation="swish", gated_ffn=True,
-            qkv_bias=False, bias=False,
+            final_norm=True, positional="rope", rope_theta=500000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False,
         ),
     ),
     "qwen2-tiny": (
@@ -103,12 +103,26 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
         "A Qwen3-family decoder at odd sizes: as qwen2-tiny without the q/k/v biases, with an "
         "RMSNorm of each head's q and k before the rotation, and head_dim decoupled from "
         "d_model / n_heads (Qwen3-0.6B: d 1024, 16 heads of 128): d 36, 4 heads of 12, 2 "
-        "key/value heads, d_ff 60, 2 layers, vocabulary 89, untied head.",
+        "key/value heads, d_ff 60, 2 layers, vocabulary 89, untied head. Its eps is 1e-5, not "
+        "Qwen3's 1e-6, so that a port with Qwen3's eps written into its norms fails.",
         ModelConfig(
             arch="decoder-only", d_model=36, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=60, n_decoder_layers=2,
-            tgt_vocab_size=89, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            tgt_vocab_size=89, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
             final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
             gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False,
+        ),
+    ),
+    "stablelm-tiny": (
+        "A StableLM-2-family decoder at odd sizes (stablelm-2-1_6b's layout, GPT-NeoX's partial "
+        "rotary): pre-LayerNorm with biases (eps 1e-5) and a final norm, rotary positions on the "
+        "first quarter of each head's dimensions (theta 10000), SwiGLU FFN, biases on q, k and v "
+        "only, multi-head attention, no embedding scale, untied head; d 48, 3 heads of 16 (4 "
+        "rotate), d_ff 80, 2 layers, vocabulary 103.",
+        ModelConfig(
+            arch="decoder-only", d_model=48, n_heads=3, d_ff=80, n_decoder_layers=2, tgt_vocab_size=103,
+            max_len=2048, norm_position="pre", norm="layernorm", norm_eps=1e-5, final_norm=True,
+            positional="rope", rope_fraction=0.25, embed_scale=False, activation="swish", gated_ffn=True,
+            qkv_bias=True, bias=False,
         ),
     ),
     "llama-small": (

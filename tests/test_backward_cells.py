@@ -103,6 +103,17 @@ def test_the_comparison_fails(mistake, message):
     assert not result.passed and message in result.reason, result.reason
 
 
+def test_a_zero_gradient_never_reads_as_agreement():
+    """A detached key gives an all-zero gradient: its cosine with the golden's is undefined, said
+    so, never 1; the failure line leads with the normwise error and its bound."""
+    result = compare_gradients({"x": np.zeros((2, 3)), "k.bias": np.zeros(3)}, GOLDEN, TERMS, 1e-6)
+    assert not result.passed
+    assert result.reason.startswith("x: ‖g − g*‖/‖terms‖ 0.983 > tol 1e-06,"), result.reason
+    assert "cosine undefined (‖g‖ = 0)" in result.reason and "cosine 1" not in result.reason
+    passing = compare_gradients({"x": GOLDEN["x"]}, {"x": GOLDEN["x"]}, {"x": TERMS["x"]}, 1e-6)
+    assert passing.passed and "cosine 1.000000000" in passing.reason
+
+
 def test_an_entry_whose_terms_cancel_is_not_required_exact():
     """x[1, 1] is 0 in the golden but its terms are not (0.7): a backend's rounding there passes."""
     mine = {"x": GOLDEN["x"] + np.array([[0, 0, 0], [0, 1e-12, 0]]), "k.bias": np.zeros(3)}

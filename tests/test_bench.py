@@ -93,11 +93,11 @@ def test_bench_tiny_writes_every_report(tmp_path, capsys):
     assert len(positions) == 4
     assert results["matrix"][0]["cells"] == results["matrix"][0]["passed"] > 0
     cold, warm, *backward = results["matrix_wall"]
-    assert (cold["run"], warm["run"]) == ("cold", "warm") and cold["passed"] == warm["passed"] == 97
+    assert (cold["run"], warm["run"]) == ("cold", "warm") and cold["passed"] == warm["passed"] == 103
     assert [r["run"] for r in backward] == ["warm, --backward (its gradients' programs cold)", "warm, --backward"]
-    assert all(r["passed"] == 97 + 88 + 6 and r["failed"] == 0 for r in backward)
+    assert all(r["passed"] == 103 + 94 + 6 and r["failed"] == 0 for r in backward)
     assert cold["failed"] == warm["failed"] == 0 and cold["seconds"] > 0 and warm["seconds"] > 0
-    assert "| cold | numpy-float32 | 97 | 0 |" in (out / "bench.md").read_text()
+    assert "| cold | numpy-float32 | 103 | 0 |" in (out / "bench.md").read_text()
     assert all(s["reason"] for s in results["skipped"])
 
 

@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import json
 
 import pytest
@@ -10,7 +11,7 @@ TINY = get_preset("tiny")
 
 def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
-                            "llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-small"]
+                            "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -132,3 +133,39 @@ def test_preset_contents():
     assert get_preset("learned-pos").positional == "learned" and not get_preset("learned-pos").embed_scale
     char_lm = get_preset("char-lm")
     assert char_lm.arch == "decoder-only" and char_lm.norm_position == "pre" and char_lm.final_norm
+
+
+def _porters_numbers():
+    """SPEC §2's table of the numbers a port writes in: (field, where, default, {preset: value})."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "spec" / "SPEC.md").read_text()
+    table = text.split("**The numbers a port writes in.**", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        field, where, default, presets = (cell.strip() for cell in line.strip("|").split("|"))
+        values = dict(re.findall(r"`([\w-]+)` \(([^)]+)\)", presets))
+        rows.append((field.strip("`"), where, default, {name: float(value) for name, value in values.items()}))
+    return rows
+
+
+# the config's value each row of the table means: the head norms' ε is norm_eps, head_dim and
+# n_kv_heads are read through their defaults (d_head, kv_heads)
+_VALUE = {"head_dim": lambda cfg: cfg.d_head, "n_kv_heads": lambda cfg: cfg.kv_heads}
+_APPLIES = {"rotary configs": lambda cfg: cfg.positional == "rope", "every config": lambda cfg: True,
+            "`norm = rmsnorm`": lambda cfg: cfg.norm == "rmsnorm", "`norm = layernorm`": lambda cfg: cfg.norm == "layernorm",
+            "`qk_norm` (the head norms')": lambda cfg: cfg.qk_norm}
+_DEFAULT = {"d_model / n_heads": lambda cfg: cfg.d_model // cfg.n_heads, "n_heads": lambda cfg: cfg.n_heads}
+
+
+def test_every_number_a_port_writes_in_differs_from_its_default_in_some_preset():
+    rows = _porters_numbers()
+    assert {field for field, *_ in rows} == {"rope_theta", "norm_eps", "rope_fraction", "head_dim", "n_kv_heads"}
+    for field, where, default, presets in rows:
+        assert presets, f"{field} ({where}): no preset differs from {default}"
+        for name, stated in presets.items():
+            cfg = get_preset(name)
+            value = _VALUE.get(field, lambda cfg: getattr(cfg, field))(cfg)
+            common = _DEFAULT[default](cfg) if default in _DEFAULT else float(default)
+            assert _APPLIES[where](cfg), f"{name} is not a config where {field} ({where}) applies"
+            assert value == stated != common, f"{name}.{field} is {value}; SPEC §2 says {stated}, default {common}"

@@ -8,13 +8,14 @@ import sys
 import numpy as np
 import pytest
 
-from conformance.adapter import NotSupported, get_backend, register_backend, unregister_backend
+from conformance.adapter import NotSupported, Partial, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
 import impl_numpy as golden
 from conformance.cases import (MASK_CASES, SUBLAYERS, applicable_cases, attention_queries, build_case, case_names,
                                catalogue, choose_generation_rows)
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.mutations import MUTATIONS, MutantBackend
+from conformance.report import empty_columns, format_problems
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
 from rosetta.main import main
 from spec import conformance_params, get_preset, list_presets
@@ -49,10 +50,13 @@ def test_catalogue_float32_against_golden(matrices, variant, sublayer, mask_case
 
 def test_catalogue_covers_every_mask_case_and_sublayer():
     cases = catalogue(TINY, PARAMS, backward=True)
-    modern_only = {"far", "long", "small", "large"}  # rotary positions, RMSNorm's ε and its float32 statistics
-    assert {c.mask_case for c in cases} == set(MASK_CASES) - modern_only
+    rotary_only = {"far", "long"}
+    norms_tiny_lacks = {"small_final", "large_final", "small_embed", "large_embed"}  # tiny has neither norm
+    assert {c.mask_case for c in cases} == set(MASK_CASES) - rotary_only - norms_tiny_lacks
     llama = get_preset("llama-tiny")
-    assert modern_only <= {c.mask_case for c in catalogue(llama, conformance_params(llama))}
+    assert rotary_only <= {c.mask_case for c in catalogue(llama, conformance_params(llama))}
+    embed_norm = VARIANTS["tiny.learned_swish_shared_embednorm"].replace(final_norm=True)
+    assert norms_tiny_lacks <= {mask_case for mask_case in applicable_cases(embed_norm, "norm")}
     assert {c.sublayer for c in cases} == set(SUBLAYERS)
     assert not any("-" in mask_case for mask_case in MASK_CASES)  # a worker splits "grad-mha-causal" at its last '-'
     decoder_only = catalogue(VARIANTS["char-lm"], conformance_params(VARIANTS["char-lm"]))
@@ -301,6 +305,84 @@ def test_cli_failing_backend_exits_1(capsys):
     finally:
         unregister_backend("mutant")
     assert "FAIL attention-none-float32-mutant-cpu" in capsys.readouterr().out
+
+
+class _Refuses(NumpyFloat32Backend):
+    """A backend that cannot run this model at all, as onnxruntime-genai refuses a head size its
+    CPU kernel lacks: every cell skipped, at load."""
+    name = "refuses"
+
+    def load(self, cfg, params, dtype, device):
+        raise NotSupported("head size 16: this kernel takes multiples of 32")
+
+
+class _BrokenAtImport:
+    def __init__(self):
+        raise RuntimeError("CUDA driver too old")
+
+
+def test_a_column_that_ran_nothing_fails_the_check(tmp_path, capsys):
+    """Every cell of a column skipped is not a pass: rosetta check names the column and why, its
+    report says so, and it exits 1 (before, the other columns' passes made the verdict). A skip
+    declared up front (a framework not installed) is one line and no failure; a backend that
+    raised while loading is."""
+    register_backend("refuses", _Refuses)
+    register_backend("ghost", "no_such_framework_module:Backend")
+    register_backend("broken", _BrokenAtImport)
+    arguments = ["--dtypes", "float32", "-k", "forward-none", "--quiet"]
+    try:
+        assert main(["check", "--backends", "torch,refuses", *arguments, "--report", str(tmp_path)]) == 1
+        out = capsys.readouterr().out
+        assert "1 passed, 0 failed, 1 skipped, 1 column ran nothing" in out
+        assert "RAN NOTHING refuses/float32/cpu: not supported: head size 16: this kernel takes multiples of 32" in out
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["passed"] is False and list(report["empty_columns"]) == ["refuses/float32/cpu"]
+        assert main(["check", "--backends", "torch,ghost", *arguments]) == 0
+        assert "skipped ghost/float32/cpu (1 cells): not installed" in capsys.readouterr().out
+        assert main(["check", "--backends", "torch,broken", *arguments]) == 1
+        assert "RAN NOTHING broken/float32/cpu: failed to load: RuntimeError: CUDA driver too old" in capsys.readouterr().out
+        # a column whose cells are sublayers its backend says it lacks ran nothing it could run: no failure
+        assert main(["check", "--backends", "torch,onnx", "--dtypes", "float32", "-k", "ffn-none", "--quiet"]) == 0
+    finally:
+        for name in ("refuses", "ghost", "broken"):
+            unregister_backend(name)
+
+
+class _RowOneWrong(NumpyFloat32Backend):
+    """Computes row 1 of the forward wrongly and says so (adapter.Partial), as onnxruntime-genai
+    says which padded rows it cannot compute the spec's way; `compared` is what it claims."""
+    name = "row-one-wrong"
+
+    def __init__(self, compared):
+        self.compared = compared
+
+    def load(self, cfg, params, dtype, device):
+        runner, compared = super().load(cfg, params, dtype, device), self.compared
+
+        class Runner:
+            def run(self, sublayer, inputs):
+                out = runner.run(sublayer, inputs)
+                out[1] += 1.0
+                return Partial(out, np.array(compared), {1: "its padding cannot be expressed"})
+        return Runner()
+
+
+@pytest.mark.parametrize("compared, status", [([True, False, True], PASS), ([True, True, True], FAIL),
+                                              ([False, False, False], SKIP)],
+                         ids=["row left out", "row compared", "nothing compared"])
+def test_a_partial_output_is_compared_on_its_rows_and_says_what_it_left_out(compared, status):
+    register_backend("row-one-wrong", lambda: _RowOneWrong(compared))
+    try:
+        results = run_matrix(TINY, PARAMS, plan_matrix(TINY, ["row-one-wrong"], ["float32"]), pattern="forward-none")
+    finally:
+        unregister_backend("row-one-wrong")
+    [result] = results
+    assert result.status == status, result.reason
+    if status == PASS:
+        assert result.reason == "left out row 1: its padding cannot be expressed"
+        assert "partly compared forward-none-float32-row-one-wrong-cpu: left out row 1" in format_problems(results)
+    if status == SKIP:  # nothing the backend computed is the spec's: the column ran nothing
+        assert empty_columns(results) == {"row-one-wrong/float32/cpu": "not supported: row 1: its padding cannot be expressed"}
 
 
 def test_cli_init_info_and_check_weights(tmp_path, capsys):

@@ -2,9 +2,10 @@
 place (export/in_place_step.py), served by export.runner on the CPU.
 
 It must be the same function as decoder_step on every mask the spec allows (pads anywhere, a
-query with no real key, a chunk continued after position 0), really write into the past buffers,
-and be refused where onnxruntime's kernel cannot run it. A planted mistake in its graph (the
-padding bias dropped) is caught by the same comparison.
+query with no real key, a chunk continued after position 0), at every head size (those its CPU
+kernel lacks padded to a multiple of 8), really write into the past buffers, and say which graph
+served each conformance cell. Planted mistakes in its graph (the padding bias dropped, the padded
+heads' scale left to the padded size) are caught by the same comparison.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from hypothesis import strategies as st
 import impl_numpy as golden
 from conformance.tolerance import compare, tolerance
 from export.cache import exported
-from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE, example_inputs
-from export.in_place_step import InPlaceDecoderStepGraph, in_place_unsupported_reason
+from conformance.harness import PASS, plan_matrix, run_matrix
+from conformance.report import format_graphs_served, graphs_served
+from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE, cache_head_size, example_inputs, in_place_unsupported_reason
+from export.in_place_step import InPlaceDecoderStepGraph
 from export.runner import OnnxTransformer, served_graphs, step_chunks
 from export.torch_export import DecoderStepGraph, torch_roles
 from impl_torch.model import Transformer
 from spec import conformance_params, get_preset
 
-PRESETS = ["tiny", "llama-tiny", "char-lm"]  # cross-attention beside it; GQA and RoPE; learned positions
+# cross-attention beside it; GQA and RoPE; learned positions; heads of 12 padded to 16
+PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny"]
 
 
 def _batch(cfg, seed=1):
@@ -105,11 +109,30 @@ def test_a_cuda_session_keeps_the_copying_step():
     assert DECODER_STEP_IN_PLACE not in served_graphs(graphs, "cuda")
 
 
-def test_where_onnxruntime_cannot_run_it_it_is_not_exported():
-    assert "float16" in in_place_unsupported_reason(get_preset("tiny"), "float16")
-    assert "head size 12" in in_place_unsupported_reason(get_preset("qwen3-tiny"), "float32")
-    assert DECODER_STEP_IN_PLACE not in torch_roles(get_preset("qwen2-tiny"), "float32")  # heads of 10
-    assert DECODER_STEP_IN_PLACE in torch_roles(get_preset("llama-tiny"), "float32")
+def test_every_head_size_has_it_at_float32():
+    """The CPU kernel takes heads of a multiple of 8: the others are padded, and the cache with them."""
+    assert "float16" in in_place_unsupported_reason("float16") and in_place_unsupported_reason("float32") is None
+    for preset, padded in (("qwen2-tiny", 16), ("qwen3-tiny", 16), ("llama-tiny", 8), ("tiny", 16)):
+        cfg = get_preset(preset)
+        assert DECODER_STEP_IN_PLACE in torch_roles(cfg, "float32")
+        assert (cache_head_size(cfg, DECODER_STEP_IN_PLACE), cache_head_size(cfg, DECODER_STEP)) == (padded, cfg.d_head)
+    assert DECODER_STEP_IN_PLACE not in torch_roles(get_preset("qwen2-tiny"), "float16")
+
+
+def test_each_onnx_cell_says_which_graph_served_it():
+    """qwen2-tiny's heads of 10 were once served by decoder_step without a word; now the in-place
+    step serves them at float32, and at float16 the copying step says why."""
+    cfg = get_preset("qwen2-tiny")
+    results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["onnx"], ["float32", "float16"], ["cpu"]))
+    ran = [r for r in results if r.status == PASS]
+    assert {r.graph for r in ran if r.sublayer in ("decode", "generate") and r.dtype == "float32"} == {DECODER_STEP_IN_PLACE}
+    float16 = {r.graph for r in ran if r.sublayer in ("decode", "generate") and r.dtype == "float16"}
+    assert float16 == {"decoder_step (dtype float16: the in-place step is exported at float32 (served on the CPU))"}
+    assert {r.graph for r in ran if r.sublayer == "forward"} == {"forward"}
+    served = graphs_served(results)
+    assert served["onnx/float32/cpu"][DECODER_STEP_IN_PLACE] == len(
+        [r for r in ran if r.dtype == "float32" and r.sublayer in ("decode", "generate")])
+    assert "graphs in onnx/float32/cpu: " in format_graphs_served(served)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -121,17 +144,16 @@ def test_run_in_torch_the_in_place_graph_module_is_the_copying_one(preset):
     inputs = example_inputs(cfg, DECODER_STEP_IN_PLACE, "float32")
     inputs["past_keep"][1, :2] = False
     tensors = [torch.from_numpy(value) for value in inputs.values()]
+    head_size = cfg.d_head
+    copying = [torch.from_numpy(value[..., :head_size] if name.startswith("past.") else value)
+               for name, value in inputs.items()]  # the same cache without the padded dimensions
     with torch.no_grad():
-        ours, theirs = InPlaceDecoderStepGraph(model)(*tensors), DecoderStepGraph(model)(*tensors)
+        ours, theirs = InPlaceDecoderStepGraph(model)(*tensors), DecoderStepGraph(model)(*copying)
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[..., :head_size] if a.dim() == 4 else a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_graph_that_attends_to_pads_is_caught(tmp_path):
-    """The planted mistake: GroupQueryAttention's attention_bias removed from the in-place graph, so
-    pads are attended as keys. The chunked run above then misses the golden."""
-    cfg = get_preset("llama-tiny")
-    params = conformance_params(cfg)
+def _planted_graph(tmp_path, cfg, params, plant):
     planted = tmp_path / "planted"
     shutil.copytree(exported(cfg, params), planted)
     file = json.loads((planted / "manifest.json").read_text())["graphs"][DECODER_STEP_IN_PLACE]
@@ -139,13 +161,35 @@ def test_a_graph_that_attends_to_pads_is_caught(tmp_path):
     nodes = [node for node in graph.graph.node if node.op_type == "GroupQueryAttention"]
     assert len(nodes) == cfg.n_decoder_layers
     for node in nodes:
-        del node.input[10:]  # attention_bias is input 10
+        plant(node)
     onnx.save(graph, str(planted / file))
     ids = _batch(cfg)
     ours, keep = _chunked_logits(OnnxTransformer(planted, device="cpu"), cfg, ids, None)
     want = golden.forward(cfg, params, None, ids, tgt_keep=keep)
-    result = compare(ours, want, tolerance("float32", max(cfg.d_model, cfg.d_ff, 144), 2 * cfg.n_decoder_layers + 2))
+    return compare(ours, want, tolerance("float32", max(cfg.d_model, cfg.d_ff, 144), 2 * cfg.n_decoder_layers + 2))
+
+
+def test_a_graph_that_attends_to_pads_is_caught(tmp_path):
+    """The planted mistake: GroupQueryAttention's attention_bias removed from the in-place graph, so
+    pads are attended as keys. The chunked run above then misses the golden."""
+    cfg = get_preset("llama-tiny")
+    result = _planted_graph(tmp_path, cfg, conformance_params(cfg), lambda node: node.input.__delitem__(slice(10, None)))
     assert not result.passed and result.worst_index[0] in (1, 2)  # a padded row
+
+
+def test_padded_heads_scaled_by_the_padded_size_are_caught(tmp_path):
+    """The planted mistake: qwen3-tiny's heads of 12, padded to 16, scaled by GroupQueryAttention's
+    default 1/√16 instead of 1/√12 (the scale attribute dropped)."""
+    cfg = get_preset("qwen3-tiny")
+
+    def drop_scale(node):
+        kept = [attribute for attribute in node.attribute if attribute.name != "scale"]
+        assert len(kept) == len(node.attribute) - 1
+        del node.attribute[:]
+        node.attribute.extend(kept)
+
+    result = _planted_graph(tmp_path, cfg, conformance_params(cfg), drop_scale)
+    assert not result.passed and result.max_abs_err > 100 * result.tol
 
 
 def test_the_step_profile_sees_the_cache_copy_go():

@@ -10,12 +10,14 @@ import pytest
 from conformance.adapter import register_backend, unregister_backend
 from conformance.byo import CustomBackend  # noqa: F401 - registered with a callable below
 from rosetta.main import main
+from conformance.cases import case_names
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
 from conformance.executors.local_pool import auto_jobs
 from spec import get_preset, conformance_params
 
 CFG = get_preset("tiny")
 PARAMS = conformance_params(CFG, seed=0)
+CASES = len(case_names(CFG))  # the forward cases of a column (103)
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def test_workers_give_the_sequential_results():
     one = run_matrix(CFG, PARAMS, plan, jobs=1)
     two = run_matrix(CFG, PARAMS, plan, jobs=2)
     assert [(r.test_id, r.status) for r in one] == [(r.test_id, r.status) for r in two]
-    assert sum(r.status == PASS for r in two) == 3 * 97  # numpy f32, torch f32 and f16
+    assert sum(r.status == PASS for r in two) == 3 * CASES  # numpy f32, torch f32 and f16
     for a, b in zip(one, two):  # torch's thread count differs in a worker: sums may round apart,
         assert (a.max_abs_err is None) == (b.max_abs_err is None)  # by a small part of the tolerance
         if a.max_abs_err is not None:
@@ -50,17 +52,17 @@ def test_a_dying_worker_gives_errors_and_the_rest_runs(extra_backends):
                          progress=lambda result, done, total: progress.append((done, total)))
     crashed = [r for r in results if r.backend == "crashing" and r.dtype == "float32"]  # float16: skipped
     assert [r.status for r in crashed[:3]] == [PASS] * 3
-    assert {r.status for r in crashed[3:]} == {ERROR} and len(crashed) == 97
+    assert {r.status for r in crashed[3:]} == {ERROR} and len(crashed) == CASES
     assert "died (exit code 3: simulated crash)" in crashed[3].reason
     assert {r.status for r in results if r.backend == "numpy-float32" and r.dtype == "float32"} == {PASS}
-    assert progress[-1] == (2 * 97, 2 * 97) and len(progress) == 2 * 97
+    assert progress[-1] == (2 * CASES, 2 * CASES) and len(progress) == 2 * CASES
 
 
 def test_fail_fast_stops_the_workers(extra_backends):
     results = run_matrix(CFG, PARAMS, _plan(["zeros", "numpy-float32"]), jobs=2, fail_fast=True)
     ran = [r for r in results if r.status in (PASS, FAIL, ERROR)]
     # the other column's cells that finished before the stop are kept, in their order
-    assert [r.status for r in ran if r.backend == "zeros"] == [FAIL] and len(ran) < 2 * 97
+    assert [r.status for r in ran if r.backend == "zeros"] == [FAIL] and len(ran) < 2 * CASES
 
 
 def test_a_backend_registered_with_a_callable_runs_here():

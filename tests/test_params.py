@@ -21,6 +21,8 @@ EXPECTED_COUNTS = {
     "llama-tiny": 2 * 97 * 48 + 2 * (48 * 48 + 2 * 48 * 24 + 48 * 48 + 3 * 48 * 88 + 2 * 48) + 48,  # 48,720
     "qwen2-tiny": 101 * 40 + 2 * (40 * 40 + 40 + 2 * (40 * 10 + 10) + 40 * 40 + 3 * 40 * 72 + 2 * 40) + 40,
     "qwen3-tiny": 2 * 89 * 36 + 2 * (36 * 48 + 2 * 36 * 24 + 48 * 36 + 2 * 12 + 3 * 36 * 60 + 2 * 36) + 36,
+    # LayerNorms with biases (two a layer and the final one), q/k/v biases, no o or FFN biases
+    "stablelm-tiny": 2 * 103 * 48 + 2 * (4 * 48 * 48 + 3 * 48 + 3 * 48 * 80 + 2 * 2 * 48) + 2 * 48,
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }

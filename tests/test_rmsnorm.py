@@ -62,7 +62,9 @@ def test_the_whole_model_backward_agrees_with_central_differences():
 
 
 @pytest.mark.parametrize("cfg, patterns, dtypes", [
-    (TINY, ("norm-*", "grad-norm-*", "forward-pad_right-*", "grad-loss-pad_right-*", "train_step-dropout-*"),
+    # the gradient of one norm of each size: every norm is the same function
+    (TINY, ("norm-*", "grad-norm-none-*", "grad-norm-small-*", "grad-norm-large-*", "forward-pad_right-*",
+            "grad-loss-pad_right-*", "train_step-dropout-*"),
      ("float64", "float32", "float16", "bfloat16")),
     # ten steps: a saturated GELU's exact zero once hid a unit from the golden's cancellation check
     # (half-precision training is tiny-rmsnorm's train_step above, and fails by design, SPEC §14.1)
@@ -144,4 +146,6 @@ def test_a_norm_without_its_float32_statistics_fails_the_large_case(backend, mon
     finally:
         if backend == "jax":
             jax.clear_caches()
-    assert {r.test_id for r in planted if r.status != PASS} == {f"norm-large-float16-{backend}-cpu"}
+    # every norm's large case: the FFN's, the self-attention's and the final one
+    assert {r.test_id for r in planted if r.status != PASS} == {
+        f"norm-{case}-float16-{backend}-cpu" for case in ("large", "large_attn", "large_final")}

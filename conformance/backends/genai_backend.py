@@ -11,8 +11,9 @@ golden, the whole-model cases genai's API can express:
   then one token per call through genai's cache, each step's logits;
 - generate: genai's greedy search on the batch, with the case's eos_id.
 
-What genai computes differently is reported, not hidden; each of these cells is skipped with its
-cause (measured in tests/test_genai.py), and every other row is compared at every position:
+What genai computes differently is reported, not hidden: the rows (and decode steps) it cannot
+compute the spec's way are left out of the comparison with their cause (measured in
+tests/test_genai.py), and every other row is compared at every position (adapter.Partial):
 - its attention reads the attention mask as each row's length (GroupQueryAttention's seqlens_k):
   a row with n real tokens is computed as if its first n slots were real, pads among them (a
   left-padded row's logits, where genai's length says real, equal the golden's with that keep);
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.adapter import NotSupported
+from conformance.adapter import NotSupported, Partial
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
@@ -53,6 +54,9 @@ LEFT_PADDING = ("onnxruntime-genai reads the attention mask as each row's length
                 "where it stands (SPEC §5.2)")
 PAD_STEP = ("onnxruntime-genai's generator takes every appended token as real (its attention mask grows by "
             "ones), so a pad fed as a decode step attends and is attended; the spec masks it (SPEC §5.2)")
+UNPADDED_ONLY = ("a right-padded prompt is a shorter prompt to onnxruntime-genai's search, which appends after its "
+                 "last real token; the spec generates after the pads (SPEC §7): the column gives the search unpadded "
+                 "prompts only")
 ALL_PAD = ("a row with no real token is a length of 0 to onnxruntime-genai: its GroupQueryAttention "
            "refuses it (seqlens_k = -1 is out of range); the spec defines that row's numbers (SPEC §5.2)")
 
@@ -125,26 +129,42 @@ class GenaiRunner:
         params.set_search_options(max_length=max_length, do_sample=False, batch_size=batch)
         return self.og.Generator(model, params)
 
-    def _refuse_inexpressible(self, ids: np.ndarray, first_step: int | None = None) -> None:
-        reason = inexpressible(np.asarray(ids) != self.cfg.pad_id, first_step)
-        if reason:
-            raise NotSupported(reason)
+    def _left_out(self, ids: np.ndarray) -> dict[int, str]:
+        """The rows genai cannot run, each with why (inexpressible, row by row)."""
+        keep = np.asarray(ids) != self.cfg.pad_id
+        return {row: why for row in range(len(keep)) if (why := inexpressible(keep[row:row + 1])) is not None}
 
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         if sublayer not in MODEL_CASES:
             raise NotSupported(f"onnxruntime-genai runs whole decoders ({', '.join(MODEL_CASES)}), not {sublayer}")
         return getattr(self, sublayer)(inputs)
 
-    # ---- the whole-model cases: what genai cannot express is refused, the rest run as genai runs it ----
-    def forward(self, inputs: Mapping[str, Any]) -> np.ndarray:
+    # ---- the whole-model cases: what genai cannot express is left out, the rest run as genai runs it ----
+    def forward(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         ids = np.asarray(inputs["tgt_ids"])
-        self._refuse_inexpressible(ids)
-        return self.logits(ids)
+        left_out = self._left_out(ids)
+        rows = np.array([row not in left_out for row in range(len(ids))])
+        logits = np.full((*ids.shape, self.cfg.tgt_vocab_size), np.nan)
+        if rows.any():
+            logits[rows] = self.logits(ids[rows])
+        return Partial(logits, rows, left_out) if left_out else logits
 
-    def decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
+    def decode(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
+        """Each row's steps until the first it cannot run: a row genai cannot express is left out,
+        and so is every step from the first pad fed as a step on."""
         ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-        self._refuse_inexpressible(ids, prefix)
-        return self.step_logits(ids, prefix)
+        left_out = self._left_out(ids)
+        steps = np.zeros((len(ids), ids.shape[1] - prefix), dtype=bool)
+        for row in range(len(ids)):
+            if row not in left_out:
+                pads = np.flatnonzero(ids[row, prefix:] == self.cfg.pad_id)
+                steps[row, :pads[0] if pads.size else steps.shape[1]] = True
+                if pads.size:
+                    left_out[row] = PAD_STEP
+        logits = np.full((*steps.shape, self.cfg.tgt_vocab_size), np.nan)
+        for row in np.flatnonzero(steps.any(axis=1)):
+            logits[row, :steps[row].sum()] = self.step_logits(ids[row:row + 1, :prefix + steps[row].sum()], prefix)[0]
+        return Partial(logits, steps, left_out) if left_out else logits
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         """The generator's first run on a batch of prompts [B, L]: logits [B, L, V]."""
@@ -166,14 +186,19 @@ class GenaiRunner:
             rows.append(steps)
         return np.asarray(rows, dtype=np.float64)
 
-    def generate(self, inputs: Mapping[str, Any]) -> np.ndarray:
+    def generate(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
+        """genai's search on the batch of the unpadded prompts: a padded one (left padding, which its
+        mask reads as a length) is left out."""
         prompt, count, eos_id = np.asarray(inputs["prompt_ids"]), inputs["max_new_tokens"], inputs["eos_id"]
-        self._refuse_inexpressible(prompt)
-        if (prompt == self.cfg.pad_id).any():
-            raise NotSupported("the column gives onnxruntime-genai's search unpadded prompts only")
         if eos_id is None:
             raise NotSupported("onnxruntime-genai's search always ends at an eos token; the case has none")
-        return self.greedy_batch(prompt, count, eos_id)
+        padded = self._left_out(prompt)
+        left_out = {row: padded.get(row, UNPADDED_ONLY) for row in range(len(prompt)) if (prompt[row] == self.cfg.pad_id).any()}
+        rows = np.array([row not in left_out for row in range(len(prompt))])
+        tokens = np.full((len(prompt), count), self.cfg.pad_id, dtype=np.int64)
+        if rows.any():
+            tokens[rows] = self.greedy_batch(prompt[rows], count, eos_id)
+        return Partial(tokens, rows, left_out) if left_out else tokens
 
     def greedy_batch(self, prompt: np.ndarray, count: int, eos_id: int) -> np.ndarray:
         """genai's greedy search on a batch of unpadded prompts [B, P]: tokens [B, count] in the

@@ -16,7 +16,7 @@ import numpy as np
 from conformance.adapter import NotSupported
 from conformance.cases import decode_steps, is_backward
 from export.cache import exported
-from export.graphs import DECODER_STEP
+from export.graphs import DECODER_STEP, ENCODER, FORWARD
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
@@ -27,6 +27,11 @@ WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
 class OnnxRunner:
     def __init__(self, model: OnnxTransformer, source: str):
         self.model, self.cfg, self.source = model, model.cfg, source
+
+    def graph_served(self, sublayer: str) -> str:
+        """The graph that serves a case: forward, encoder, or the decode step (export.runner's
+        step_graph: the in-place one, or the copying one with why)."""
+        return {"forward": FORWARD, "encoder": ENCODER}.get(sublayer, self.model.step_graph)
 
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         model = self.model

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from conformance.adapter import get_backend, register_backend, registered_paths
-from conformance.cells import ERROR, SKIP, CellResult, golden_runner_for, reference_for, run_cell
+from conformance.cells import (ABSENT, ERROR, SKIP, CellResult, golden_runner_for, reference_for, run_cell,
+                               unavailable_kind)
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
 from spec import ModelConfig
 
@@ -164,8 +165,9 @@ class ColumnGroup:
         backend, reason = get_backend(name)
         present = backend.devices() if backend is not None else []
         if device not in present:
-            return CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP,
-                              reason=reason or f"device {device} not present for {name} on {socket.gethostname()}")
+            reason = reason or f"device {device} not present for {name} on {socket.gethostname()}"
+            return CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason,
+                              skip=unavailable_kind(reason))
         case = replace(case, inputs=_writable(case.inputs))
         return run_cell(self.cfg, self.params, case, name, dtype, device, reference, self.runners)
 
@@ -252,7 +254,7 @@ class RayCluster:
             if (why := unplaceable_reason(requirement, nodes)) is not None:  # skipped, never waited for
                 for column in columns:
                     for item in by_column[column]:
-                        if on_result(item.index, _cell(item, SKIP, why)):
+                        if on_result(item.index, _cell(item, SKIP, why, ABSENT)):  # no node has its device
                             return
             else:
                 groups.append(_Group(columns, requirement))
@@ -371,6 +373,6 @@ def _resolved(where) -> dict | None:
         return {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"}
 
 
-def _cell(item: WorkItem, status: str, reason: str) -> CellResult:
+def _cell(item: WorkItem, status: str, reason: str, skip: str = "") -> CellResult:
     name, dtype, device = item.column
-    return CellResult(name, device, dtype, item.case.sublayer, item.case.mask_case, status, reason=reason)
+    return CellResult(name, device, dtype, item.case.sublayer, item.case.mask_case, status, reason=reason, skip=skip)
