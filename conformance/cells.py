@@ -22,7 +22,6 @@ PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
 # Why a cell was skipped, which decides whether a column that ran nothing fails the verdict:
 ABSENT = "absent"  # declared up front: the framework is not installed, the device not present, or the
 #                    backend does not run this dtype on this device (the plan's skipped columns)
-UNDECLARED = ""  # not skipped
 NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
 
@@ -49,7 +48,8 @@ class CellResult:
     seconds: float = 0.0
     path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
     graph: str = ""  # the ONNX graph that served the cell, where the runner names it (Runner.graph_served)
-    skip: str = UNDECLARED  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER or REFUSED
+    skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER or REFUSED
+    left_out: str = ""  # the rows a runner could not compute the spec's way, and why (adapter.Partial)
 
     @property
     def test_id(self) -> str:
@@ -108,12 +108,13 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         return CellResult(**base, status=ERROR, reason=f"{type(error).__name__}: {error}",
                           seconds=time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    compared, left_out = None, ""
+    compared = None
     if isinstance(output, Partial):  # only some rows are the spec's computation: those are compared
         if not np.any(output.compared):
             return CellResult(**base, status=SKIP, reason=f"not supported: {output.describe()}", skip=REFUSED,
                               seconds=seconds)
-        output, compared, left_out = output.output, output.compared, f"left out {output.describe()}"
+        base["left_out"] = output.describe()
+        output, compared = output.output, output.compared
     relative = case.tolerance(cfg, dtype)
     if case.sublayer == "generate":
         result = compare_generation(output, *reference, relative, case.inputs["eos_id"], compared)
@@ -132,7 +133,7 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         result = compare(output, reference, relative, case.floor, compared)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
-                      reason="; ".join(filter(None, (result.reason, left_out))), seconds=seconds)
+                      reason=result.reason, seconds=seconds)
 
 
 def _output(runner, case: Case):

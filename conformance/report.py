@@ -28,7 +28,8 @@ report.json (schema_version 1):
                     "device", "driver", "pid", "gpu_ids", "versions"}}: the node, device, driver and
                     package versions each column ran on (null where its actor died before saying)
     cells           one record per cell: backend, device, dtype, sublayer, mask_case, status,
-                    passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path
+                    passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path, graph,
+                    skip (a skipped cell's kind: absent, sublayer or refused), left_out (rows not compared)
                     (infinite errors are written as the string "inf")
 """
 
@@ -213,8 +214,8 @@ def format_problems(results: list[CellResult]) -> str:
     for r in results:
         if r.status in (FAIL, ERROR):
             lines.append(f"{r.status.upper()} {r.test_id}: {r.reason}")
-        elif r.status == PASS and "left out " in r.reason:  # adapter.Partial: some rows were not compared
-            lines.append(f"partly compared {r.test_id}: {r.reason[r.reason.index('left out '):]}")
+        if r.left_out:  # adapter.Partial: some rows were not compared
+            lines.append(f"partly compared {r.test_id}: left out {r.left_out}")
     skipped: dict[tuple[str, str], list[str]] = {}
     for r in results:
         if r.status == SKIP:

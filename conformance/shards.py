@@ -65,7 +65,7 @@ def cell_from_dict(record: Mapping) -> CellResult:
                       number(record["tol"]),
                       None if record["worst_index"] is None else tuple(record["worst_index"]),
                       record.get("reason", ""), float(record.get("seconds", 0.0)), record.get("path", ""),
-                      record.get("skip", ""), record.get("graph", ""))
+                      record.get("graph", ""), record.get("skip", ""), record.get("left_out", ""))
 
 
 def _same_verdict(a: CellResult, b: CellResult) -> bool:
