@@ -35,68 +35,19 @@ report.json (schema_version 1):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import platform
-import re
-import socket
-import subprocess
-from importlib import metadata
 from pathlib import Path
 
 from conformance.adapter import get_backend
 from conformance.cells import ERROR, FAIL, PASS, REFUSED, SKIP, CellResult
+from conformance.machine import framework_versions, machine, project_version
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
 
 
-NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
-
-
-def machine() -> dict[str, str]:
-    """What a report says about the machine that ran it."""
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
-
-
-def driver_version(text: str) -> str | None:
-    """The NVIDIA kernel module's version from /proc/driver/nvidia/version."""
-    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
-    return found.group(1) if found else None
-
-
-def device_facts(device: str) -> dict[str, str | None]:
-    """The device's name and driver as the machine reports them."""
-    if device == "cpu":
-        return {"device": "cpu", "name": platform.processor() or platform.machine(), "driver": None}
-    name = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                text=True, timeout=30, check=True).stdout.strip().splitlines()
-        name = listed[0].strip() if listed else None
-    if name is None:
-        with contextlib.suppress(ImportError, RuntimeError, AssertionError):
-            import torch
-
-            name = torch.cuda.get_device_name(0)
-    return {"device": device, "name": name or "unknown CUDA device",
-            "driver": driver_version(NVIDIA_DRIVER.read_text()) if NVIDIA_DRIVER.exists() else None}
-
 SCHEMA_VERSION = 1
-_FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx", "onnxscript", "onnxruntime-gpu",
-               "matplotlib")
-
-
-def framework_versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata (no framework is imported)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _FRAMEWORKS:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 def device_names(results: list[CellResult]) -> dict[str, str]:
@@ -304,13 +255,6 @@ def format_placements(placements: dict[str, dict | None]) -> str:
             driver = f", driver {where['driver']}" if where.get("driver") else ""
             lines.append(f"  {column}: {where['hostname']} (node {where['node_id'][:8]}), {where['device']}{driver}")
     return "\n".join(lines)
-
-
-def project_version() -> str | None:
-    try:
-        return metadata.version("transformer-rosetta")
-    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return None
 
 
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,

@@ -63,7 +63,7 @@ def finish(model: onnx.ModelProto, cfg: ModelConfig, params: Mapping[str, np.nda
     """Set the IR version, stamp the metadata, check the names against the signature and run
     onnx.checker with full shape inference. Returns the (modified) model."""
     # onnx 1.23 writes IR version 14 by default while onnxruntime 1.31 reads up to 13, so the
-    # graph carries the lowest IR version its opsets need (conformance/probe.py records both).
+    # graph carries the lowest IR version its opsets need (pages/probe.py records both).
     model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
     metadata = {
         "config": cfg.to_json(),

@@ -7,7 +7,7 @@ imports it. Each subcommand parses its arguments, calls a library function and p
 - rosetta.check: check (the conformance matrix) and merge (the matrix from several reports).
 - rosetta.weights: import, presets, init and info.
 - rosetta.export_commands: export and generate.
-- rosetta.pages: mutations, train-parity, backward-page, probe, refusals and differences.
+- rosetta.page_commands: mutations, train-parity, backward-page, probe, refusals and differences.
 - rosetta.bench: bench.
 - rosetta.gpu: gpu, the whole GPU report, run as a sequence of the commands above.
 """

@@ -18,9 +18,10 @@ from conformance.check import check_model
 from conformance.cells import ERROR, FAIL, PASS, SKIP
 from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
-from conformance.report import (NVIDIA_DRIVER, attention_paths, empty_columns, format_attention_paths,
-                                format_empty_columns, format_graphs_served, format_placements, format_problems,
-                                format_table, graphs_served, summary_counts)
+from conformance.machine import NVIDIA_DRIVER
+from conformance.report import (attention_paths, empty_columns, format_attention_paths, format_empty_columns,
+                                format_graphs_served, format_placements, format_problems, format_table,
+                                graphs_served, summary_counts)
 from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conformance.report import NVIDIA_DRIVER, device_facts, framework_versions
+from conformance.machine import NVIDIA_DRIVER, device_facts, framework_versions
 from rosetta.arguments import CommandLine, UsageError, comma_list, writable_folder
 
 MATRIX_BACKENDS = ("torch", "torch-math", "jax", "jax-math", "onnx", "onnx-jax")

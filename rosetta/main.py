@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rosetta import bench, check, export_commands, gpu, pages, weights
+from rosetta import bench, check, export_commands, gpu, page_commands, weights
 from rosetta.arguments import UsageError
 from spec import SpecError
 
@@ -39,16 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_check(commands)
     check.add_merge(commands)
     weights.add_import(commands)
-    pages.add_mutations(commands)
-    pages.add_train_parity(commands)
-    pages.add_backward_page(commands)
-    pages.add_probe(commands)
+    page_commands.add_mutations(commands)
+    page_commands.add_train_parity(commands)
+    page_commands.add_backward_page(commands)
+    page_commands.add_probe(commands)
     gpu.add_gpu(commands, run_command=main)  # the job runs its steps as `rosetta` commands
     export_commands.add_export(commands)
     export_commands.add_generate(commands)
-    pages.add_refusals(commands, command_line=main)  # the CLI is one of the entry points it observes
+    page_commands.add_refusals(commands, command_line=main)  # the CLI is one of the entry points it observes
     bench.add_bench(commands)
-    pages.add_differences(commands)
+    page_commands.add_differences(commands)
     weights.add_presets(commands)
     weights.add_init(commands)
     weights.add_info(commands)

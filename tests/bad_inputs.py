@@ -1,10 +1,10 @@
 """Bad inputs every backend must refuse with the same InputError message (SPEC.md §10), taken
-from the catalogue in conformance/refusals.py (whose test runs every case through every entry
+from the catalogue in pages/refusals.py (whose test runs every case through every entry
 point); these are the tiny preset's forward and generation cases in the form the per-backend
 tests parametrize over.
 """
 
-from conformance.refusals import BAD_INPUTS
+from pages.refusals import BAD_INPUTS
 
 
 def _forward_cases():

@@ -1,9 +1,9 @@
-"""docs/backward.md's generated part (conformance/backward_page.py) is current, and every golden
+"""docs/backward.md's generated part (pages/backward.py) is current, and every golden
 VJP appears in it beside the frameworks' code."""
 
 from pathlib import Path
 
-from conformance.backward_page import BEGIN, END, FORWARDS, PRIMITIVES, _vjps, backward_page, generated_part
+from pages.backward import BEGIN, END, FORWARDS, PRIMITIVES, _vjps, backward_page, generated_part
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import impl_numpy as golden
 from conformance.cases import (MASK_CASES, SUBLAYERS, applicable_cases, attention_queries, build_case, case_names,
                                catalogue, choose_generation_rows)
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
-from conformance.mutations import MUTATIONS, MutantBackend
+from pages.mutations import MUTATIONS, MutantBackend
 from conformance.report import empty_columns, format_problems
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
 from rosetta.main import main

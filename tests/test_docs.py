@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.differences import differences_page, excerpt
+from pages.differences import differences_page, excerpt
 from rosetta.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _excerpt_blocks(text: str):
 
 
 def test_excerpts_are_the_source_as_it_is():
-    from conformance.differences import source_of
+    from pages.differences import source_of
 
     blocks = _excerpt_blocks((ROOT / "docs" / "framework-differences.md").read_text())
     assert len(blocks) >= 20

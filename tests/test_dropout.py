@@ -84,7 +84,7 @@ def test_the_frameworks_refuse_bad_masks_too():
 
 def test_the_dropout_cells_pass_and_see_an_unscaled_dropout():
     from conformance.harness import PASS, plan_matrix, run_matrix
-    from conformance.mutations import MUTATIONS, run_mutation
+    from pages.mutations import MUTATIONS, run_mutation
     from spec import conformance_params, get_preset
 
     tiny = get_preset("tiny")

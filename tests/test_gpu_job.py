@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conformance.report import NVIDIA_DRIVER, driver_version
+from conformance.machine import NVIDIA_DRIVER, driver_version
 from rosetta.gpu import folder_name, plan_steps
 from rosetta.main import main
 

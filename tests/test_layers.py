@@ -1,6 +1,9 @@
-"""The packages stack in floors, and an import only ever points down (issue 26):
+"""The packages stack in floors, and an import only ever points down (issues 26 and 37):
 
-    spec < impl_numpy, impl_torch, impl_jax < importers, export < conformance < benchmarks < rosetta
+    spec < impl_numpy, impl_torch, impl_jax < importers, export < conformance < pages, benchmarks < rosetta
+
+and so do the modules inside conformance/, the verdict machinery (CONFORMANCE_FLOORS): a
+cell is run below the executors that run it, and they below the reports written of it.
 
 Every import of every module is read from its source (those inside functions too), so a lazy
 import cannot hide an arrow up a floor; and no module imports itself back through others.
@@ -14,7 +17,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"spec": 0, "impl_numpy": 1, "impl_torch": 1, "impl_jax": 1, "importers": 2, "export": 2, "conformance": 3,
-          "benchmarks": 4, "rosetta": 5}
+          "pages": 4, "benchmarks": 4, "rosetta": 5}
+# conformance/'s own floors, by module (a package's floor is its submodules' too)
+CONFORMANCE_FLOORS = {
+    "tolerance": 0, "adapter": 0, "machine": 0,  # the policy, the protocol, where a run ran
+    "cases": 1,  # the catalogue
+    "backends": 2, "byo": 2, "export_check": 2,  # what runs a case
+    "training_cells": 3, "observability": 3, "models": 3,  # what reads the golden or a backend's outputs
+    "cells": 4,  # one cell run and judged
+    "executors": 5,  # where cells run
+    "harness": 6,  # the matrix planned and handed to an executor
+    "localize": 7, "report": 7,  # what is made of the results
+    "shards": 8, "terminal": 8,
+    "check": 9,  # one whole check
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,20 @@ def arrows(modules: dict[str, Module]) -> list[Arrow]:
 
 def _floor(name: str) -> int:
     return FLOORS[name.split(".")[0]]
+
+
+def conformance_floor(name: str) -> int:
+    """A conformance module's floor; KeyError for one CONFORMANCE_FLOORS does not place."""
+    return CONFORMANCE_FLOORS[name.split(".")[1]]
+
+
+def upward_inside_conformance(found: list[Arrow]) -> list[str]:
+    """'path:line: a -> b (floor i imports floor j)' for each import of a higher conformance module."""
+    inside = [arrow for arrow in found if arrow.importer.startswith("conformance.")
+              and arrow.imported.startswith("conformance.")]
+    return [f"{arrow.where}: {arrow.importer} -> {arrow.imported} "
+            f"(floor {conformance_floor(arrow.importer)} imports floor {conformance_floor(arrow.imported)})"
+            for arrow in inside if conformance_floor(arrow.imported) > conformance_floor(arrow.importer)]
 
 
 def upward(found: list[Arrow]) -> list[str]:
@@ -168,6 +198,17 @@ def test_no_import_points_up_a_floor():
     assert not found, "imports of a higher package:\n" + "\n".join(found)
 
 
+def test_every_conformance_module_has_a_floor():
+    unplaced = [name for name in PROJECT if name.startswith("conformance.")
+                and name.split(".")[1] not in CONFORMANCE_FLOORS]
+    assert not unplaced, f"place these in CONFORMANCE_FLOORS: {unplaced}"
+
+
+def test_no_import_points_up_inside_conformance():
+    found = upward_inside_conformance(arrows(PROJECT))
+    assert not found, "imports of a higher module of conformance/:\n" + "\n".join(found)
+
+
 def test_no_module_imports_itself_back():
     found = cycles(arrows(PROJECT))
     assert not found, "import cycles:\n" + "\n".join(found)
@@ -192,3 +233,16 @@ def test_a_planted_upward_import_and_cycle_are_reported(tmp_path):
     assert upward(found) == ["spec/model.py:4: spec.model -> conformance.report (floor 0 imports floor 3)"]
     assert cycles(found) == ["conformance.report -> conformance.tables -> conformance.report"]
     assert Arrow("conformance.tables", "spec", "conformance/tables.py:2") in found
+
+
+def test_an_executor_importing_the_report_is_reported(tmp_path):
+    """The arrow issue 37 removed: an executor (floor 5) that imports the report (floor 7)."""
+    sources = {"conformance/__init__.py": "", "conformance/report.py": "",
+               "conformance/executors/__init__.py": "",
+               "conformance/executors/ray_cluster.py": "def where():\n    from conformance.report import device_facts\n"}
+    for path, source in sources.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(source)
+    found = upward_inside_conformance(arrows(read_tree(tmp_path, ("conformance",))))
+    assert found == ["conformance/executors/ray_cluster.py:2: conformance.executors.ray_cluster -> conformance.report "
+                     "(floor 5 imports floor 7)"]

@@ -6,7 +6,7 @@ import pytest
 
 from conformance.adapter import register_backend, unregister_backend
 from conformance.localize import localize_column
-from conformance.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
+from pages.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
 from rosetta.main import main
 from spec import get_preset, conformance_params
 
@@ -54,7 +54,7 @@ def test_the_committed_gallery_matches_the_code():
 def test_the_committed_mistakes_page_matches_the_code():
     import re
 
-    from conformance.mutations import mistakes_page
+    from pages.mutations import mistakes_page
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "mistakes.md").read_text()
     fresh = mistakes_page([_verdict(m) for m in MUTATIONS], "tiny")
@@ -103,7 +103,7 @@ def test_cli_mutations(tmp_path, capsys):
 
 
 def test_probe_runs_every_probe(capsys):
-    from conformance.probe import PROBES, observation, probe_devices, run_probes
+    from pages.probe import PROBES, observation, probe_devices, run_probes
 
     observed = run_probes(["cpu", "cuda"])
     per_device = [p for p in PROBES if p.per_device]

@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conformance.probe import (BACKWARD_KEEP, MASKED_ROW, PROBES, _gradient_verdict, _masked_row_backward_verdict,
+from pages.probe import (BACKWARD_KEEP, MASKED_ROW, PROBES, _gradient_verdict, _masked_row_backward_verdict,
                                _masked_row_gradients, _observe, _refusal, probe_devices)
 
 BACKWARD = [p for p in PROBES if p.topic == "fully masked row, backward"]

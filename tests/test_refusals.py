@@ -1,4 +1,4 @@
-"""Bad weights files and bad inputs (conformance/refusals.py): every entry point refuses each one
+"""Bad weights files and bad inputs (pages/refusals.py): every entry point refuses each one
 with the same error class and message, the CLI prints it with exit code 2 and no traceback, and
 docs/refusals.md is what `rosetta refusals` prints today."""
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.refusals import (
+from pages.refusals import (
     BAD_INPUTS,
     BAD_WEIGHTS,
     REFUSALS_PREAMBLE,
@@ -58,7 +58,7 @@ def test_the_docs_table_is_current(weights_observed, inputs_observed):
 
 def test_consistency_check_can_fail():
     """The checker itself: an accepted input, a wrong message and a disagreement are all reported."""
-    from conformance.refusals import Observation
+    from pages.refusals import Observation
 
     accepted = [Observation("c", "golden", "accepted", "", False)]
     assert "golden: accepted" in consistent(accepted)["c"][0]

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conformance.train_parity import TEXT, text_batches, train_parity
+from pages.train_parity import TEXT, text_batches, train_parity
 from rosetta.main import main
 from spec import conformance_params, get_preset
 

@@ -14,7 +14,7 @@ from spec import (
     params_digest,
     save_weights,
 )
-from conformance.refusals import changed_tensors, weights_metadata
+from pages.refusals import changed_tensors, weights_metadata
 
 TINY = get_preset("tiny")
 

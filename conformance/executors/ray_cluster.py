@@ -108,7 +108,7 @@ def unreachable(address: str, seconds: float = 5.0) -> str | None:
 
 def fingerprint() -> dict[str, str | None]:
     """What must agree across the nodes: this project's version, Python's and every framework's."""
-    from conformance.report import framework_versions, project_version
+    from conformance.machine import framework_versions, project_version
 
     return {"transformer-rosetta": project_version(), **framework_versions()}
 
@@ -146,7 +146,7 @@ class ColumnGroup:
         """The node, device, driver and versions that this column's cells ran on."""
         import ray
 
-        from conformance.report import device_facts
+        from conformance.machine import device_facts
 
         name, _, device = column
         backend, _ = get_backend(name)

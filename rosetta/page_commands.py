@@ -14,7 +14,7 @@ from spec import conformance_params, get_preset
 
 def cmd_mutations(args: argparse.Namespace) -> int:
     """Run the mutation gallery: every mistake must be caught and localized."""
-    from conformance.mutations import gallery_page, gallery_table, mistakes_page, run_gallery
+    from pages.mutations import gallery_page, gallery_table, mistakes_page, run_gallery
 
     cfg = get_preset(args.preset)
     params = conformance_params(cfg, args.seed)
@@ -34,7 +34,7 @@ def cmd_mutations(args: argparse.Namespace) -> int:
 
 def cmd_train_parity(args: argparse.Namespace) -> int:
     """Train the golden, PyTorch and JAX side by side; draw the losses and the divergence."""
-    from conformance.train_parity import train_parity, write
+    from pages.train_parity import train_parity, write
 
     cfg = get_preset(args.preset)
     start = time.perf_counter()
@@ -49,7 +49,7 @@ def cmd_train_parity(args: argparse.Namespace) -> int:
 
 def cmd_backward_page(args: argparse.Namespace) -> int:
     """Rewrite the generated part of docs/backward.md from the code."""
-    from conformance.backward_page import backward_page
+    from pages.backward import backward_page
 
     current = args.markdown.read_text() if args.markdown.exists() else "# The backward half\n"
     args.markdown.write_text(backward_page(current))
@@ -59,7 +59,7 @@ def cmd_backward_page(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     """What each framework's own primitives do on the spec's edge cases, measured here."""
-    from conformance.probe import probe_page, probe_table, run_probes
+    from pages.probe import probe_page, probe_table, run_probes
 
     observed = run_probes()
     print(probe_table(observed))
@@ -73,7 +73,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_refusals(args: argparse.Namespace, command_line: CommandLine) -> int:
     """Every bad weights file and bad input of the catalogue through every entry point, the CLI's
     own (command_line, the `rosetta` entry point) among them."""
-    from conformance.refusals import ENTRY_POINTS, run_catalogue
+    from pages.refusals import ENTRY_POINTS, run_catalogue
 
     start = time.perf_counter()
     run = run_catalogue(tuple(comma_list(args.backends) or ENTRY_POINTS), command_line=command_line)
@@ -92,7 +92,7 @@ def cmd_refusals(args: argparse.Namespace, command_line: CommandLine) -> int:
 
 def cmd_differences(args: argparse.Namespace) -> int:
     """The framework-differences page: source excerpts side by side and the measured differences."""
-    from conformance.differences import differences_page
+    from pages.differences import differences_page
 
     page = differences_page()
     print(page)

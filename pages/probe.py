@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.report import framework_versions
+from conformance.machine import framework_versions
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.probe import observation
+from pages.probe import observation
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {"NumPy (golden)": "impl_numpy/model.py", "PyTorch": "impl_torch/model.py", "JAX / Flax": "impl_jax/model.py"}
@@ -103,7 +103,7 @@ SECTIONS = [
             "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
             "from 1, with AdamW's λ on matrices and tables only. Each framework runs its own optimizer, "
             "configured from `TrainingConfig`. The numbers below are `_training_numbers()` in "
-            "conformance/differences.py, computed by every `rosetta differences` from the calls each item names.",
+            "pages/differences.py, computed by every `rosetta differences` from the calls each item names.",
             {"NumPy (golden)": ("smoothed_targets", "token_cross_entropy",
                                 "impl_numpy/training.py::clip_by_global_norm", "impl_numpy/training.py::adam_update",
                                 "spec/training.py::learning_rate", "spec/training.py::decays"),
@@ -532,7 +532,7 @@ def _differences(observed, positional: dict[str, float], ops: dict[str, Counter]
 
 
 def differences_page() -> str:
-    from conformance.probe import framework_versions, run_probes
+    from pages.probe import framework_versions, run_probes
 
     observed = run_probes(["cpu"])  # the page quotes the CPU's behaviour
     found = _differences(observed, _positional_errors(), _onnx_ops(), _training_numbers(), _modern_numbers())
