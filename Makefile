@@ -11,8 +11,11 @@ TEST_STAMP := $(VENV)/.installed-test
 demo: $(STAMP)
 	$(BIN)/rosetta check --preset tiny --report reports/demo
 
+# The suite on every core (at most 4 workers: each imports torch and JAX, tests/conftest.py gives
+# each one thread), a test at a time to whichever worker is free, but the tests of a module's
+# once-made fixture (a matrix run, a Ray cluster) in one worker (tests/conftest.py groups them).
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup
 
 install: $(TEST_STAMP)
 

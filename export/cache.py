@@ -71,18 +71,27 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
         export_model(cfg, params, directory, framework=framework, dtype=dtype, opset=opset)
         return directory
     directory = root / cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset)
-    if (directory / "manifest.json").is_file():
-        manifest = json.loads((directory / "manifest.json").read_text())
-        if all((directory / name).is_file() for name in manifest["graphs"].values()):
-            return directory
+    if _complete(directory):
+        return directory
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     try:
         export_model(cfg, params, staging, framework=framework, dtype=dtype, opset=opset)
-        shutil.rmtree(directory, ignore_errors=True)
-        staging.rename(directory)  # another process may have won the race: its copy is the same
+        # An entry appears whole, by one rename, and is never removed once whole: another process
+        # (a test worker beside this one) may be reading the copy that won the race.
+        if not _complete(directory):
+            shutil.rmtree(directory, ignore_errors=True)  # what an interrupted run of older code left
+            staging.rename(directory)
     except OSError:
-        if not (directory / "manifest.json").is_file():
+        if not _complete(directory):
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def _complete(directory: Path) -> bool:
+    """Whether a cache entry holds its manifest and every graph the manifest names."""
+    if not (directory / "manifest.json").is_file():
+        return False
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return all((directory / name).is_file() for name in manifest["graphs"].values())

@@ -13,12 +13,13 @@ from __future__ import annotations
 import ast
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pages.probe import observation
+from pages.probe import Observation, observation
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {"NumPy (golden)": "impl_numpy/model.py", "PyTorch": "impl_torch/model.py", "JAX / Flax": "impl_jax/model.py"}
@@ -37,80 +38,6 @@ def excerpt(path: str, name: str) -> str:
         scope = node.body
     start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
     return textwrap.dedent("\n".join(lines[start:node.end_lineno]))
-
-
-@dataclass(frozen=True)
-class Section:
-    title: str
-    intro: str
-    names: dict[str, str | tuple[str, ...]]  # implementation label -> function/class name(s) in its file
-
-
-SECTIONS = [
-    Section("Weight layouts and transposes",
-            "The spec stores a linear map as `[in, out]` and computes `x @ W + b`, as the paper writes it.",
-            {"NumPy (golden)": "linear", "PyTorch": "Transformer.from_params", "JAX / Flax": "_variable"}),
-    Section("Positional encoding layouts",
-            "PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...): interleaved in the paper, "
-            "`sinusoidal-concat` puts all sines first (tensor2tensor's layout).",
-            {name: "sinusoidal_table" for name in IMPLEMENTATIONS}),
-    Section("Where 1/√d_k is applied, mask polarity and rows with no key",
-            "softmax(QKᵀ/√d_k)V with a boolean keep-mask (True = may attend); a query row with no key "
-            "outputs zeros (SPEC.md §6).",
-            {"NumPy (golden)": "scaled_dot_product_attention", "PyTorch": "scaled_dot_product_attention",
-             "JAX / Flax": ("scaled_dot_product_attention", "_attention")}),
-    Section("Splitting heads",
-            "Heads are contiguous blocks of d_k columns: [B, T, d] → [B, H, T, d_k].",
-            {name: "split_heads" for name in IMPLEMENTATIONS}),
-    Section("LayerNorm: variance and eps",
-            "γ (x − μ) / √(σ² + ε) + β with the biased variance and the config's ε.",
-            {"NumPy (golden)": "layer_norm", "PyTorch": "Norm", "JAX / Flax": "Norm"}),
-    Section("GELU",
-            "`gelu` is the exact erf form; `gelu-tanh` the tanh approximation. The config chooses.",
-            {"NumPy (golden)": "gelu", "PyTorch": "ACTIVATIONS", "JAX / Flax": "gelu"}),
-    Section("Matmul precision (TF32)",
-            "Conformance states the float32 matmul precision on every run ('highest'); the `tf32` column "
-            "of the matrix is the same float32 model with TF32 matmuls, on CUDA only.",
-            {"PyTorch": "conformance/backends/torch_backend.py::matmul_precision",
-             "JAX / Flax": "conformance/backends/jax_backend.py::JaxRunner._scope"}),
-    Section("KV-cache shapes",
-            "The golden: L decoder layers × (keys, values) of [B, H, P, d_k] for the P positions decoded, "
-            "plus their keep-vector. The frameworks: keys and values of [L, B, H, C, d_k] for a capacity C, "
-            "the keep-vector [B, C] and the length P.",
-            {name: "KVCache" for name in IMPLEMENTATIONS}),
-    Section("RMSNorm: eps inside the root, and the float32 upcast",
-            "γ x / √(mean(x²) + ε) with no bias (SPEC.md §5.6). A half-precision x is normalised in float32, "
-            "cast back to its dtype, and only then scaled by γ, as Hugging Face's Llama does.",
-            {name: "rms_norm" for name in IMPLEMENTATIONS}),
-    Section("Rotary positions (RoPE): layout and the tables' precision",
-            "The rotate_half layout: dimension i pairs with i + r/2, not with its neighbour (SPEC.md §5.11). "
-            "The angles pos · θ^(−2i/r) are taken in float32 or wider whatever the model's dtype, and the "
-            "keys are rotated before they enter the KV cache.",
-            {"NumPy (golden)": ("rope_tables", "rotary"), "PyTorch": ("rope_tables", "rotary"),
-             "JAX / Flax": ("rope_tables", "rotary")}),
-    Section("Grouped-query attention: native entry points and the explicit repeat",
-            "H query heads share H_kv key/value heads: key/value head j serves query heads j·g .. (j+1)·g − 1, "
-            "g = H / H_kv (`repeat_interleave`'s order, SPEC.md §5.11). The KV cache holds the H_kv heads.",
-            {"NumPy (golden)": "group_heads", "PyTorch": ("group_heads", "scaled_dot_product_attention"),
-             "JAX / Flax": ("group_heads", "_attention")}),
-    Section("Linear layers: where x W + b is rounded",
-            "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
-            "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "
-            "torch's `nn.Linear` (addmm) does.",
-            {"NumPy (golden)": "linear", "PyTorch": "MultiHeadAttention.__init__", "JAX / Flax": "Linear"}),
-    Section("The training step: loss, clipping, optimizer, schedule",
-            "SPEC.md §5.9 and §14: the loss against q = 1 − ε on the target, 0 on pad and ε/(V − 2) elsewhere; "
-            "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
-            "from 1, with AdamW's λ on matrices and tables only. Each framework runs its own optimizer, "
-            "configured from `TrainingConfig`. The numbers below are `_training_numbers()` in "
-            "pages/differences.py, computed by every `rosetta differences` from the calls each item names.",
-            {"NumPy (golden)": ("smoothed_targets", "token_cross_entropy",
-                                "impl_numpy/training.py::clip_by_global_norm", "impl_numpy/training.py::adam_update",
-                                "spec/training.py::learning_rate", "spec/training.py::decays"),
-             "PyTorch": ("smoothed_targets", "token_cross_entropy", "impl_torch/training.py::make_optimizer",
-                         "impl_torch/training.py::clip_by_global_norm"),
-             "JAX / Flax": ("smoothed_targets", "token_cross_entropy", "impl_jax/training.py::make_optimizer")}),
-]
 
 
 def _assignment(path: str, name: str) -> str:
@@ -332,210 +259,382 @@ def _training_numbers() -> dict[str, dict]:
     return {"defaults": defaults, "update": update, "clip": clip, "smoothing": smoothing_at,
             "first count": {name: seen[0] for name, seen in counts.items()}}
 
-
 # ---- the page ----------------------------------------------------------------------------------
 
 MEASURED, EXPLAINED = "measured", "explained"  # a number this run saw, or a reading of the code
 
 
-def _differences(observed, positional: dict[str, float], ops: dict[str, Counter],
-                 training: dict[str, dict], modern: dict[str, dict]) -> dict[str, list[tuple[str, str]]]:
-    """Each section's items, as (MEASURED, text) when the text quotes what this run measured or
-    computed, (EXPLAINED, text) when it reads the code above or the frameworks' documentation."""
-    p = lambda topic, primitive: observation(observed, topic, primitive)  # noqa: E731
+@dataclass(frozen=True)
+class Measurements:
+    """What one run measured or computed, for the sections to quote."""
+    observed: list[Observation]  # `rosetta probe` on the CPU
+    positional: dict[str, float]  # _positional_errors()
+    ops: dict[str, Counter]  # _onnx_ops()
+    training: dict[str, dict]  # _training_numbers()
+    modern: dict[str, dict]  # _modern_numbers()
+
+
+def _probed(measurements: Measurements, topic: str, primitive: str) -> str:
+    """What `rosetta probe` saw one primitive do on one topic, on the CPU."""
+    return observation(measurements.observed, topic, primitive)
+
+
+# Each section's items: (MEASURED, text) when the text quotes what this run measured or computed,
+# (EXPLAINED, text) when it reads the code or the frameworks' documentation.
+
+def _weight_layouts(measurements: Measurements) -> list[tuple[str, str]]:
+    """The exported graph's linear nodes, and each framework's weight layout."""
+    linear_ops = measurements.ops["23"]["MatMul"] + measurements.ops["23"]["Gemm"]
+    return [
+        (MEASURED, f"ONNX (torch export): the tiny forward graph holds {linear_ops} MatMul/Gemm nodes whose "
+                   "weights are initializers in the exporter's own layout."),
+        (EXPLAINED, "PyTorch's `nn.Linear` stores `[out, in]` and computes `x @ Wᵀ`: every Linear weight is "
+                    "transposed on the way in and out, nothing else changes (`tests/test_torch.py`)."),
+        (EXPLAINED, "Flax's `nnx.Linear` kernel is `[in, out]` like the spec: no transpose, only the leaf name "
+                    "(`kernel` for `weight`, `embedding` for an embedding's `weight`)."),
+        (EXPLAINED, "An exported graph's metadata carries the weights' SHA-256, so a graph is tied to the file it "
+                    "came from (`rosetta export`)."),
+    ]
+
+
+def _positional_layouts(measurements: Measurements) -> list[tuple[str, str]]:
+    """The sinusoid table's error from float64 and from float32 angles, and where impl_jax makes it."""
+    positional = measurements.positional
+    return [
+        (MEASURED, f"Angles in float64, rounded to float32 at the end (impl_torch, impl_jax, the golden at "
+                   f"float32): max error {positional['float64 angles']:.1e} over positions 0–4095 at d=512; the "
+                   f"same table from float32 angles: {positional['float32 angles']:.1e}."),
+        (EXPLAINED, "impl_jax makes the table on the host in NumPy (JAX has float64 only in x64 mode); so its ONNX "
+                    "export holds a table of max_len positions, while the torch export computes the sinusoids in "
+                    "the graph (docs/onnx.md)."),
+    ]
+
+
+def _attention_scale_and_masks(measurements: Measurements) -> list[tuple[str, str]]:
+    """What each attention primitive does with a fully masked row, its mask and float64, and the
+    exported graph's attention nodes."""
+    ops = measurements.ops
+    return [
+        (MEASURED, f"Fully masked row, torch SDPA (CPU): "
+                   f"{_probed(measurements, 'fully masked row', 'torch F.scaled_dot_product_attention')}; "
+                   f"`nn.MultiheadAttention`: "
+                   f"{_probed(measurements, 'fully masked row', 'torch nn.MultiheadAttention')}; "
+                   f"`jax.nn.dot_product_attention`: "
+                   f"{_probed(measurements, 'fully masked row', 'jax.nn.dot_product_attention')}; "
+                   f"onnxruntime `Attention`: "
+                   f"{_probed(measurements, 'fully masked row', 'onnxruntime Attention')}."),
+        (MEASURED, f"SDPA's boolean mask: "
+                   f"{_probed(measurements, 'mask forms', 'torch F.scaled_dot_product_attention')}."),
+        (MEASURED, f"Fill values before a softmax, for an all-masked row: "
+                   f"{_probed(measurements, 'fill values, all-masked row', 'torch.softmax after a fill')}."),
+        (MEASURED, f"`jax.nn.dot_product_attention` at float64: "
+                   f"{_probed(measurements, 'float64 attention', 'jax.nn.dot_product_attention')}."),
+        (MEASURED, f"ONNX: at opset 23 the tiny forward graph has {ops['23']['Attention']} `Attention` nodes and "
+                   f"{ops['23']['Softmax']} `Softmax`; at opset 20 it has {ops['20']['Attention']} and "
+                   f"{ops['20']['Softmax']}. onnxruntime's Attention and a `[B,1,1,K]` mask: "
+                   f"{_probed(measurements, 'mask broadcasting', 'onnxruntime Attention')}."),
+        (EXPLAINED, "No fill value gives the spec's zeros, so every implementation enforces the row rule itself "
+                    "(the `all_pad` cells check it)."),
+        (EXPLAINED, "`nn.MultiheadAttention`'s `key_padding_mask` has the opposite polarity (True = ignore)."),
+        (EXPLAINED, "`jax.nn.dot_product_attention` takes its softmax in float32 whatever the input, so impl_jax "
+                    "sends float64 through its explicit path; the report names the path each cell took."),
+    ]
+
+
+def _head_splitting(measurements: Measurements) -> list[tuple[str, str]]:
+    """The reshape all three share, and the axis order jax.nn.dot_product_attention wants."""
+    return [
+        (EXPLAINED, "The same reshape-then-transpose in all three; reshaping `[B, T, d]` straight to "
+                    "`[B, H, T, d_k]` without the transpose is mutation `heads_reshape` "
+                    "(docs/mutation-gallery.md)."),
+        (EXPLAINED, "`jax.nn.dot_product_attention` wants `[B, T, H, d_k]` (heads after the sequence axis): "
+                    "impl_jax swaps axes around the call."),
+    ]
+
+
+def _layer_norm(measurements: Measurements) -> list[tuple[str, str]]:
+    """torch's and Flax's LayerNorm defaults, and what our norms do instead."""
+    return [
+        (MEASURED, f"`torch.nn.LayerNorm` default: "
+                   f"{_probed(measurements, 'LayerNorm defaults', 'torch.nn.LayerNorm')}; "
+                   f"`flax.nnx.LayerNorm` default: "
+                   f"{_probed(measurements, 'LayerNorm defaults', 'flax.nnx.LayerNorm')}."),
+        (EXPLAINED, "Flax's `use_fast_variance` takes E[x²] − E[x]² in one pass, which cancels on values far "
+                    "from 0; our norms pass the config's eps and take two passes."),
+        (EXPLAINED, "Half-precision activations: both implementations take the statistics in float32 and cast "
+                    "back."),
+    ]
+
+
+def _gelu(measurements: Measurements) -> list[tuple[str, str]]:
+    """torch's and jax's GELU defaults, which the implementations never rely on."""
+    return [
+        (MEASURED, f"`torch.nn.functional.gelu` default: "
+                   f"{_probed(measurements, 'GELU default', 'torch.nn.functional.gelu')}; "
+                   f"`jax.nn.gelu` default: {_probed(measurements, 'GELU default', 'jax.nn.gelu')}."),
+        (EXPLAINED, "Both implementations choose the form from the config, never the default."),
+    ]
+
+
+def _matmul_precision(measurements: Measurements) -> list[tuple[str, str]]:
+    """torch's and jax's default float32 matmul precision, and why every run states its own."""
+    return [
+        (MEASURED, f"torch's default here: {_probed(measurements, 'matmul precision', 'torch')}; "
+                   f"jax's: {_probed(measurements, 'matmul precision', 'jax')}."),
+        (EXPLAINED, "On NVIDIA GPUs JAX's default float32 matmul rounds its inputs to TF32 and PyTorch's does "
+                    "not (their documentation), so both backends state the precision on every run."),
+        (EXPLAINED, "ONNX graphs carry no precision setting: on CUDA, onnxruntime's provider options decide "
+                    "(`rosetta check --devices cuda` measures the result)."),
+    ]
+
+
+def _kv_cache_shapes(measurements: Measurements) -> list[tuple[str, str]]:
+    """The decoder_step graph's cache inputs and outputs, and how each implementation writes its cache."""
     past, present = _kv_names()
-    linear_ops = {k: ops[k]["MatMul"] + ops[k]["Gemm"] for k in ops}
+    return [
+        (MEASURED, f"The ONNX decoder_step graph takes {', '.join(past)}, … and returns {', '.join(present)}, … "
+                   "at the same capacity."),
+        (EXPLAINED, "Both preallocate `capacity` positions and attend over all of them under a mask, for "
+                    "different reasons: impl_jax because XLA compiles once per shape, so it writes with "
+                    "`dynamic_update_slice` and returns a new cache; impl_torch because a growing cache "
+                    "allocates every step and, on a GPU, plans a new attention kernel for every key length, so "
+                    "it writes into its buffers in place (a cache is continued one way; `copy()` one to branch, "
+                    "and a stale branch is refused)."),
+        (EXPLAINED, "The decoder_step graph is impl_torch's step: the new positions are written into copies (a "
+                    "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
+                    "swaps them each step, so every step binds the same buffers. decoder_step_in_place, which "
+                    "the runner serves on the CPU, makes each layer's cache attention one onnxruntime "
+                    "GroupQueryAttention node, which writes the new positions into the past buffers it reads "
+                    "when its present outputs are bound to them: one set of K/V buffers, and attention over "
+                    "the positions written so far."),
+    ]
+
+
+def _rms_norm(measurements: Measurements) -> list[tuple[str, str]]:
+    """torch's and Flax's RMSNorm defaults, and how far F.rms_norm's order of cast and scale moves
+    the outputs at bfloat16."""
+    norms = measurements.modern["norms"]
+    torch_eps = "None, the input dtype's machine epsilon" if norms["torch eps"] is None else norms["torch eps"]
+    return [
+        (MEASURED, f"`torch.nn.RMSNorm`'s default eps: {torch_eps}; `flax.nnx.RMSNorm`'s default epsilon: "
+                   f"{norms['flax epsilon']:g}. Both norms pass the config's ε."),
+        (MEASURED, f"At bfloat16 (256 rows of 64, γ ≈ 1 ± 0.5): `F.rms_norm`, which scales by γ in float32 "
+                   f"before the one cast, differs from the spec's cast-then-scale in {norms['differ']:.0%} of "
+                   f"the outputs, by up to {norms['worst']:.3g}."),
+        (EXPLAINED, "impl_torch and impl_jax write the norm out rather than call `F.rms_norm` or "
+                    "`nnx.RMSNorm`, whose order of cast and scale is not the checkpoints'; ε outside the root "
+                    "is mutation `rms_eps_outside_root` (docs/mutation-gallery.md)."),
+    ]
+
+
+def _rotary_positions(measurements: Measurements) -> list[tuple[str, str]]:
+    """RoPE's angle error when its tables are taken in a narrower dtype, and how the implementations
+    take them."""
+    rope = measurements.modern["rope"]
+    return [
+        (MEASURED, f"Largest error in cos(angle) over positions 0–4095, r = 64, θ = 10⁴, with the angles "
+                   f"taken in float32: {rope['float32']:.1e}; in bfloat16: {rope['bfloat16']:.2f}; in float16: "
+                   f"{rope['float16']:.2f} (transformers PR #29285)."),
+        (EXPLAINED, "impl_torch and impl_jax take the tables in float32 (float64 for a float64 model) and cast "
+                    "them to the activations' dtype, so the multiply runs in that dtype; tables in float16 are "
+                    "mutation `rope_tables_float16`, the interleaved layout (GPT-J's, Meta's original Llama "
+                    "code) is `rope_interleaved`."),
+        (EXPLAINED, "impl_jax builds the positions with `lax.iota`, not `jnp.arange` of a traced offset, so "
+                    "the decode step compiles once and jax2onnx can export it."),
+    ]
+
+
+def _grouped_query_attention(measurements: Measurements) -> list[tuple[str, str]]:
+    """What the native attention entry points do with fewer key/value heads, and the heads of the
+    exported graph's Attention nodes."""
+    grouped = measurements.modern["attention nodes"]
+    return [
+        (MEASURED, f"`F.scaled_dot_product_attention` with 2 K/V heads for 4: "
+                   f"{_probed(measurements, 'grouped-query attention', 'torch F.scaled_dot_product_attention')}; "
+                   f"with `enable_gqa=True`: "
+                   f"{_probed(measurements, 'grouped-query attention', 'torch F.scaled_dot_product_attention(enable_gqa=True)')}; "
+                   f"`jax.nn.dot_product_attention`: "
+                   f"{_probed(measurements, 'grouped-query attention', 'jax.nn.dot_product_attention')}."),
+        (EXPLAINED, "impl_torch's SDPA path passes `enable_gqa=True` and impl_jax's native path hands "
+                    "`jax.nn.dot_product_attention` the H_kv heads; each framework's math path (and the golden) "
+                    "repeats the K/V heads explicitly with `repeat_interleave` / `jnp.repeat`. `torch.repeat`'s "
+                    "tiled order is mutation `kv_heads_tiled`."),
+        (MEASURED, f"ONNX (torch export): qwen2-tiny's forward graph holds {len(grouped)} `Attention` nodes, "
+                   f"whose query and key inputs have {' and '.join(sorted({f'{q} and {k}' for q, k in grouped}))} "
+                   "heads: the grouping stays inside the op, with no repeat of K and V before it."),
+    ]
+
+
+def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
+    """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
+    nn.Linear at float16."""
+    linear = measurements.modern["linear"]
+    return [
+        (MEASURED, f"At float16 (x [256, 64], W [64, 64], b ~ N(0, 1), CPU): `nnx.Linear` alone differs from "
+                   f"torch's `nn.Linear` in {linear['nnx differs']:.1%} of the outputs, impl_jax's `Linear` in "
+                   f"{linear['ours differs']:.1%}. Largest error against the float64 x W + b: torch "
+                   f"{linear['torch error']:.3g}, impl_jax {linear['ours error']:.3g}, `nnx.Linear` "
+                   f"{linear['nnx error']:.3g}."),
+        (EXPLAINED, "`nnx.Linear` rounds x W to its dtype and then adds b, a second rounding; impl_jax's "
+                    "`Linear` asks the dot for a float32 result (`preferred_element_type`), adds b there and "
+                    "rounds once. With the second rounding, a random Qwen2 (biases on q, k and v) failed "
+                    "forward-long at float16 in the jax columns at 1.11× its tolerance; rounded once, 0.49× "
+                    "(tests/test_huggingface_modern.py plants the double rounding and sees it fail)."),
+    ]
+
+
+def _training_step(measurements: Measurements) -> list[tuple[str, str]]:
+    """The optimizers' defaults, ε's placement, clipping, label smoothing and the schedule's first
+    count in torch, optax and the spec, and how the implementations match the spec."""
+    training = measurements.training
     defaults, update, clip, smoothing = (training[k] for k in ("defaults", "update", "clip", "smoothing"))
     decayed, tensors, decayed_numbers, numbers = defaults["decayed"]
-    norms, rope, grouped, linear = modern["norms"], modern["rope"], modern["attention nodes"], modern["linear"]
-    torch_eps = "None, the input dtype's machine epsilon" if norms["torch eps"] is None else norms["torch eps"]
-    q = lambda name: "{:.4f} on the target, {:.4f} on pad, {:.4f} elsewhere".format(*smoothing[name][:3])  # noqa: E731
-    return {
-        "Weight layouts and transposes": [
-            (MEASURED, f"ONNX (torch export): the tiny forward graph holds {linear_ops['23']} MatMul/Gemm nodes whose "
-                       "weights are initializers in the exporter's own layout."),
-            (EXPLAINED, "PyTorch's `nn.Linear` stores `[out, in]` and computes `x @ Wᵀ`: every Linear weight is "
-                        "transposed on the way in and out, nothing else changes (`tests/test_torch.py`)."),
-            (EXPLAINED, "Flax's `nnx.Linear` kernel is `[in, out]` like the spec: no transpose, only the leaf name "
-                        "(`kernel` for `weight`, `embedding` for an embedding's `weight`)."),
-            (EXPLAINED, "An exported graph's metadata carries the weights' SHA-256, so a graph is tied to the file it "
-                        "came from (`rosetta export`)."),
-        ],
-        "Positional encoding layouts": [
-            (MEASURED, f"Angles in float64, rounded to float32 at the end (impl_torch, impl_jax, the golden at "
-                       f"float32): max error {positional['float64 angles']:.1e} over positions 0–4095 at d=512; the "
-                       f"same table from float32 angles: {positional['float32 angles']:.1e}."),
-            (EXPLAINED, "impl_jax makes the table on the host in NumPy (JAX has float64 only in x64 mode); so its ONNX "
-                        "export holds a table of max_len positions, while the torch export computes the sinusoids in "
-                        "the graph (docs/onnx.md)."),
-        ],
-        "Where 1/√d_k is applied, mask polarity and rows with no key": [
-            (MEASURED, f"Fully masked row, torch SDPA (CPU): {p('fully masked row', 'torch F.scaled_dot_product_attention')}; "
-                       f"`nn.MultiheadAttention`: {p('fully masked row', 'torch nn.MultiheadAttention')}; "
-                       f"`jax.nn.dot_product_attention`: {p('fully masked row', 'jax.nn.dot_product_attention')}; "
-                       f"onnxruntime `Attention`: {p('fully masked row', 'onnxruntime Attention')}."),
-            (MEASURED, f"SDPA's boolean mask: {p('mask forms', 'torch F.scaled_dot_product_attention')}."),
-            (MEASURED, f"Fill values before a softmax, for an all-masked row: "
-                       f"{p('fill values, all-masked row', 'torch.softmax after a fill')}."),
-            (MEASURED, f"`jax.nn.dot_product_attention` at float64: "
-                       f"{p('float64 attention', 'jax.nn.dot_product_attention')}."),
-            (MEASURED, f"ONNX: at opset 23 the tiny forward graph has {ops['23']['Attention']} `Attention` nodes and "
-                       f"{ops['23']['Softmax']} `Softmax`; at opset 20 it has {ops['20']['Attention']} and "
-                       f"{ops['20']['Softmax']}. onnxruntime's Attention and a `[B,1,1,K]` mask: "
-                       f"{p('mask broadcasting', 'onnxruntime Attention')}."),
-            (EXPLAINED, "No fill value gives the spec's zeros, so every implementation enforces the row rule itself "
-                        "(the `all_pad` cells check it)."),
-            (EXPLAINED, "`nn.MultiheadAttention`'s `key_padding_mask` has the opposite polarity (True = ignore)."),
-            (EXPLAINED, "`jax.nn.dot_product_attention` takes its softmax in float32 whatever the input, so impl_jax "
-                        "sends float64 through its explicit path; the report names the path each cell took."),
-        ],
-        "Splitting heads": [
-            (EXPLAINED, "The same reshape-then-transpose in all three; reshaping `[B, T, d]` straight to "
-                        "`[B, H, T, d_k]` without the transpose is mutation `heads_reshape` "
-                        "(docs/mutation-gallery.md)."),
-            (EXPLAINED, "`jax.nn.dot_product_attention` wants `[B, T, H, d_k]` (heads after the sequence axis): "
-                        "impl_jax swaps axes around the call."),
-        ],
-        "LayerNorm: variance and eps": [
-            (MEASURED, f"`torch.nn.LayerNorm` default: {p('LayerNorm defaults', 'torch.nn.LayerNorm')}; "
-                       f"`flax.nnx.LayerNorm` default: {p('LayerNorm defaults', 'flax.nnx.LayerNorm')}."),
-            (EXPLAINED, "Flax's `use_fast_variance` takes E[x²] − E[x]² in one pass, which cancels on values far "
-                        "from 0; our norms pass the config's eps and take two passes."),
-            (EXPLAINED, "Half-precision activations: both implementations take the statistics in float32 and cast "
-                        "back."),
-        ],
-        "GELU": [
-            (MEASURED, f"`torch.nn.functional.gelu` default: {p('GELU default', 'torch.nn.functional.gelu')}; "
-                       f"`jax.nn.gelu` default: {p('GELU default', 'jax.nn.gelu')}."),
-            (EXPLAINED, "Both implementations choose the form from the config, never the default."),
-        ],
-        "Matmul precision (TF32)": [
-            (MEASURED, f"torch's default here: {p('matmul precision', 'torch')}; jax's: {p('matmul precision', 'jax')}."),
-            (EXPLAINED, "On NVIDIA GPUs JAX's default float32 matmul rounds its inputs to TF32 and PyTorch's does "
-                        "not (their documentation), so both backends state the precision on every run."),
-            (EXPLAINED, "ONNX graphs carry no precision setting: on CUDA, onnxruntime's provider options decide "
-                        "(`rosetta check --devices cuda` measures the result)."),
-        ],
-        "KV-cache shapes": [
-            (MEASURED, f"The ONNX decoder_step graph takes {', '.join(past)}, … and returns {', '.join(present)}, … "
-                       "at the same capacity."),
-            (EXPLAINED, "Both preallocate `capacity` positions and attend over all of them under a mask, for "
-                        "different reasons: impl_jax because XLA compiles once per shape, so it writes with "
-                        "`dynamic_update_slice` and returns a new cache; impl_torch because a growing cache "
-                        "allocates every step and, on a GPU, plans a new attention kernel for every key length, so "
-                        "it writes into its buffers in place (a cache is continued one way; `copy()` one to branch, "
-                        "and a stale branch is refused)."),
-            (EXPLAINED, "The decoder_step graph is impl_torch's step: the new positions are written into copies (a "
-                        "graph never writes its inputs); the runner keeps two sets of buffers on the device and "
-                        "swaps them each step, so every step binds the same buffers. decoder_step_in_place, which "
-                        "the runner serves on the CPU, makes each layer's cache attention one onnxruntime "
-                        "GroupQueryAttention node, which writes the new positions into the past buffers it reads "
-                        "when its present outputs are bound to them: one set of K/V buffers, and attention over "
-                        "the positions written so far."),
-        ],
-        "RMSNorm: eps inside the root, and the float32 upcast": [
-            (MEASURED, f"`torch.nn.RMSNorm`'s default eps: {torch_eps}; `flax.nnx.RMSNorm`'s default epsilon: {norms['flax epsilon']:g}. Both norms pass "
-                       "the config's ε."),
-            (MEASURED, f"At bfloat16 (256 rows of 64, γ ≈ 1 ± 0.5): `F.rms_norm`, which scales by γ in float32 "
-                       f"before the one cast, differs from the spec's cast-then-scale in {norms['differ']:.0%} of "
-                       f"the outputs, by up to {norms['worst']:.3g}."),
-            (EXPLAINED, "impl_torch and impl_jax write the norm out rather than call `F.rms_norm` or "
-                        "`nnx.RMSNorm`, whose order of cast and scale is not the checkpoints'; ε outside the root "
-                        "is mutation `rms_eps_outside_root` (docs/mutation-gallery.md)."),
-        ],
-        "Linear layers: where x W + b is rounded": [
-            (MEASURED, f"At float16 (x [256, 64], W [64, 64], b ~ N(0, 1), CPU): `nnx.Linear` alone differs from "
-                       f"torch's `nn.Linear` in {linear['nnx differs']:.1%} of the outputs, impl_jax's `Linear` in "
-                       f"{linear['ours differs']:.1%}. Largest error against the float64 x W + b: torch "
-                       f"{linear['torch error']:.3g}, impl_jax {linear['ours error']:.3g}, `nnx.Linear` "
-                       f"{linear['nnx error']:.3g}."),
-            (EXPLAINED, "`nnx.Linear` rounds x W to its dtype and then adds b, a second rounding; impl_jax's "
-                        "`Linear` asks the dot for a float32 result (`preferred_element_type`), adds b there and "
-                        "rounds once. With the second rounding, a random Qwen2 (biases on q, k and v) failed "
-                        "forward-long at float16 in the jax columns at 1.11× its tolerance; rounded once, 0.49× "
-                        "(tests/test_huggingface_modern.py plants the double rounding and sees it fail)."),
-        ],
-        "Rotary positions (RoPE): layout and the tables' precision": [
-            (MEASURED, f"Largest error in cos(angle) over positions 0–4095, r = 64, θ = 10⁴, with the angles "
-                       f"taken in float32: {rope['float32']:.1e}; in bfloat16: {rope['bfloat16']:.2f}; in float16: "
-                       f"{rope['float16']:.2f} (transformers PR #29285)."),
-            (EXPLAINED, "impl_torch and impl_jax take the tables in float32 (float64 for a float64 model) and cast "
-                        "them to the activations' dtype, so the multiply runs in that dtype; tables in float16 are "
-                        "mutation `rope_tables_float16`, the interleaved layout (GPT-J's, Meta's original Llama "
-                        "code) is `rope_interleaved`."),
-            (EXPLAINED, "impl_jax builds the positions with `lax.iota`, not `jnp.arange` of a traced offset, so "
-                        "the decode step compiles once and jax2onnx can export it."),
-        ],
-        "Grouped-query attention: native entry points and the explicit repeat": [
-            (MEASURED, f"`F.scaled_dot_product_attention` with 2 K/V heads for 4: "
-                       f"{p('grouped-query attention', 'torch F.scaled_dot_product_attention')}; with "
-                       f"`enable_gqa=True`: "
-                       f"{p('grouped-query attention', 'torch F.scaled_dot_product_attention(enable_gqa=True)')}; "
-                       f"`jax.nn.dot_product_attention`: "
-                       f"{p('grouped-query attention', 'jax.nn.dot_product_attention')}."),
-            (EXPLAINED, "impl_torch's SDPA path passes `enable_gqa=True` and impl_jax's native path hands "
-                        "`jax.nn.dot_product_attention` the H_kv heads; each framework's math path (and the golden) "
-                        "repeats the K/V heads explicitly with `repeat_interleave` / `jnp.repeat`. `torch.repeat`'s "
-                        "tiled order is mutation `kv_heads_tiled`."),
-            (MEASURED, f"ONNX (torch export): qwen2-tiny's forward graph holds {len(grouped)} `Attention` nodes, "
-                       f"whose query and key inputs have {' and '.join(sorted({f'{q} and {k}' for q, k in grouped}))} "
-                       "heads: the grouping stays inside the op, with no repeat of K and V before it."),
-        ],
-        "The training step: loss, clipping, optimizer, schedule": [
-            (MEASURED, f"AdamW's weight decay by default: {defaults['torch']['weight_decay']:g} in torch "
-                       f"(`torch.optim.AdamW([p]).defaults`), {defaults['optax']['weight_decay']:g} in optax "
-                       f"(`inspect.signature(optax.adamw)`), {defaults['spec']['weight_decay']:g} in the spec "
-                       f"(`TrainingConfig().weight_decay`). "
-                       f"β2 and ε default to {defaults['torch']['beta2']:g} and {defaults['torch']['eps']:g} in torch, "
-                       f"{defaults['optax']['beta2']:g} and {defaults['optax']['eps']:g} in optax, "
-                       f"{defaults['spec']['beta2']:g} and {defaults['spec']['eps']:g} in the spec. "
-                       f"`decays` picks {decayed} of the tiny preset's {tensors} tensors (`param_shapes`; the matrices "
-                       f"and tables: {decayed_numbers:,} of {numbers:,} numbers), never a bias or a norm."),
-            (MEASURED, f"ε outside the root: one update at step 1, lr 1, of a gradient element 1e-5 (m̂ = g, v̂ = g², "
-                       f"ε {defaults['spec']['eps']:g}) moves it by {update['golden']:.4f} in the golden "
-                       f"(`adam_update`), {update['torch']:.4f} in `torch.optim.Adam(eps=ε)`, {update['optax']:.4f} in "
-                       f"`optax.adam(eps=ε)`. With ε inside, m̂ / √(v̂ + ε), the move is {update['inside']:.4f} "
-                       f"(the formula at float64), {update['optax inside']:.4f} in `optax.adam(eps=0, eps_root=ε)`: "
-                       f"optax's `eps_root` "
-                       f"(default {defaults['optax']['eps_root']:g}) is the term under the root."),
-            (MEASURED, f"Clipping a gradient of norm {clip['norm']:g} to {clip['to']:g}: "
-                       f"`torch.nn.utils.clip_grad_norm_([p], {clip['to']:g})` scales it by {clip['torch']:.8g}, a "
-                       f"divisor of ‖g‖ + {clip['to'] / clip['torch'] - clip['norm']:.1e}; "
-                       f"`optax.clip_by_global_norm({clip['to']:g})` by {clip['optax']:g} and the golden's "
-                       f"`clip_by_global_norm` by {clip['golden']:g}, a divisor of ‖g‖."),
-            (MEASURED, f"Label smoothing at V = {smoothing['V']}, ε = {smoothing['eps']:g} (pad {smoothing['pad']}, "
-                       f"target {smoothing['target']}): the spec's q is {q('spec')} (`smoothed_targets`); "
-                       f"`F.cross_entropy(logits, target, label_smoothing=ε)` uses {q('torch')} (read back as "
-                       f"softmax − ∂L/∂logits) and `optax.smooth_labels(one_hot, ε)` gives {q('optax')}. On one "
-                       f"N(0, 1) logits row the loss is {smoothing['spec'][3]:.4f} by the spec, "
-                       f"{smoothing['torch'][3]:.4f} by torch and {smoothing['optax'][3]:.4f} by optax: "
-                       f"{smoothing['spec'][3] - smoothing['torch'][3]:.1e} apart."),
-            (MEASURED, f"The first update's rate is taken at count {training['first count']['torch']} by "
-                       f"`LambdaLR(optimizer, f)` and at count {training['first count']['optax']} by an optax schedule "
-                       f"(`optax.sgd(f)`, one update; f records its argument); the spec's first step is 1."),
-            (EXPLAINED, "torch takes a per-parameter weight decay as parameter groups, so impl_torch builds two "
-                        "(decayed and not); optax takes a `mask`, a tree of booleans like the parameters. Both come "
-                        "from `decays`, and both state the spec's λ, β2 and ε rather than take a default."),
-            (EXPLAINED, "`torch.optim.Adam(weight_decay=λ)` adds λθ to the gradient before Adam scales it (an L2 "
-                        "penalty), not AdamW's decoupled decay; `TrainingConfig` refuses weight decay with `adam`."),
-            (EXPLAINED, "impl_torch clips by the spec's rule itself (`torch._foreach_mul_` by c/‖g‖) instead of "
-                        "`clip_grad_norm_`, whose 1e-6 is a relative error of 1e-6/‖g‖ in every clipped gradient; "
-                        "impl_jax uses `optax.clip_by_global_norm`, which is the spec's rule."),
-            (EXPLAINED, "Neither framework's built-in smoothing can leave pad at 0, so impl_torch and impl_jax build "
-                        "the spec's q (`smoothed_targets`) and hand it to the cross-entropy of class probabilities "
-                        "(`F.cross_entropy` with probabilities, `optax.softmax_cross_entropy`)."),
-            (EXPLAINED, "Both implementations call the schedule at count + 1. At the count itself the paper's formula "
-                        "gives min(0^-0.5, 0 · warmup^-1.5) = 0 to the first update, and every later rate would be one "
-                        "step behind the golden's."),
-        ],
-    }
+
+    def q(name: str) -> str:
+        return "{:.4f} on the target, {:.4f} on pad, {:.4f} elsewhere".format(*smoothing[name][:3])
+
+    return [
+        (MEASURED, f"AdamW's weight decay by default: {defaults['torch']['weight_decay']:g} in torch "
+                   f"(`torch.optim.AdamW([p]).defaults`), {defaults['optax']['weight_decay']:g} in optax "
+                   f"(`inspect.signature(optax.adamw)`), {defaults['spec']['weight_decay']:g} in the spec "
+                   f"(`TrainingConfig().weight_decay`). "
+                   f"β2 and ε default to {defaults['torch']['beta2']:g} and {defaults['torch']['eps']:g} in torch, "
+                   f"{defaults['optax']['beta2']:g} and {defaults['optax']['eps']:g} in optax, "
+                   f"{defaults['spec']['beta2']:g} and {defaults['spec']['eps']:g} in the spec. "
+                   f"`decays` picks {decayed} of the tiny preset's {tensors} tensors (`param_shapes`; the matrices "
+                   f"and tables: {decayed_numbers:,} of {numbers:,} numbers), never a bias or a norm."),
+        (MEASURED, f"ε outside the root: one update at step 1, lr 1, of a gradient element 1e-5 (m̂ = g, v̂ = g², "
+                   f"ε {defaults['spec']['eps']:g}) moves it by {update['golden']:.4f} in the golden "
+                   f"(`adam_update`), {update['torch']:.4f} in `torch.optim.Adam(eps=ε)`, {update['optax']:.4f} in "
+                   f"`optax.adam(eps=ε)`. With ε inside, m̂ / √(v̂ + ε), the move is {update['inside']:.4f} "
+                   f"(the formula at float64), {update['optax inside']:.4f} in `optax.adam(eps=0, eps_root=ε)`: "
+                   f"optax's `eps_root` "
+                   f"(default {defaults['optax']['eps_root']:g}) is the term under the root."),
+        (MEASURED, f"Clipping a gradient of norm {clip['norm']:g} to {clip['to']:g}: "
+                   f"`torch.nn.utils.clip_grad_norm_([p], {clip['to']:g})` scales it by {clip['torch']:.8g}, a "
+                   f"divisor of ‖g‖ + {clip['to'] / clip['torch'] - clip['norm']:.1e}; "
+                   f"`optax.clip_by_global_norm({clip['to']:g})` by {clip['optax']:g} and the golden's "
+                   f"`clip_by_global_norm` by {clip['golden']:g}, a divisor of ‖g‖."),
+        (MEASURED, f"Label smoothing at V = {smoothing['V']}, ε = {smoothing['eps']:g} (pad {smoothing['pad']}, "
+                   f"target {smoothing['target']}): the spec's q is {q('spec')} (`smoothed_targets`); "
+                   f"`F.cross_entropy(logits, target, label_smoothing=ε)` uses {q('torch')} (read back as "
+                   f"softmax − ∂L/∂logits) and `optax.smooth_labels(one_hot, ε)` gives {q('optax')}. On one "
+                   f"N(0, 1) logits row the loss is {smoothing['spec'][3]:.4f} by the spec, "
+                   f"{smoothing['torch'][3]:.4f} by torch and {smoothing['optax'][3]:.4f} by optax: "
+                   f"{smoothing['spec'][3] - smoothing['torch'][3]:.1e} apart."),
+        (MEASURED, f"The first update's rate is taken at count {training['first count']['torch']} by "
+                   f"`LambdaLR(optimizer, f)` and at count {training['first count']['optax']} by an optax schedule "
+                   f"(`optax.sgd(f)`, one update; f records its argument); the spec's first step is 1."),
+        (EXPLAINED, "torch takes a per-parameter weight decay as parameter groups, so impl_torch builds two "
+                    "(decayed and not); optax takes a `mask`, a tree of booleans like the parameters. Both come "
+                    "from `decays`, and both state the spec's λ, β2 and ε rather than take a default."),
+        (EXPLAINED, "`torch.optim.Adam(weight_decay=λ)` adds λθ to the gradient before Adam scales it (an L2 "
+                    "penalty), not AdamW's decoupled decay; `TrainingConfig` refuses weight decay with `adam`."),
+        (EXPLAINED, "impl_torch clips by the spec's rule itself (`torch._foreach_mul_` by c/‖g‖) instead of "
+                    "`clip_grad_norm_`, whose 1e-6 is a relative error of 1e-6/‖g‖ in every clipped gradient; "
+                    "impl_jax uses `optax.clip_by_global_norm`, which is the spec's rule."),
+        (EXPLAINED, "Neither framework's built-in smoothing can leave pad at 0, so impl_torch and impl_jax build "
+                    "the spec's q (`smoothed_targets`) and hand it to the cross-entropy of class probabilities "
+                    "(`F.cross_entropy` with probabilities, `optax.softmax_cross_entropy`)."),
+        (EXPLAINED, "Both implementations call the schedule at count + 1. At the count itself the paper's formula "
+                    "gives min(0^-0.5, 0 · warmup^-1.5) = 0 to the first update, and every later rate would be one "
+                    "step behind the golden's."),
+    ]
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    intro: str
+    names: dict[str, str | tuple[str, ...]]  # implementation label -> function/class name(s) in its file
+    items: Callable[[Measurements], list[tuple[str, str]]]  # what differs, measured and explained
+
+
+SECTIONS = [
+    Section("Weight layouts and transposes",
+            "The spec stores a linear map as `[in, out]` and computes `x @ W + b`, as the paper writes it.",
+            {"NumPy (golden)": "linear", "PyTorch": "Transformer.from_params", "JAX / Flax": "_variable"},
+            _weight_layouts),
+    Section("Positional encoding layouts",
+            "PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...): interleaved in the paper, "
+            "`sinusoidal-concat` puts all sines first (tensor2tensor's layout).",
+            {name: "sinusoidal_table" for name in IMPLEMENTATIONS},
+            _positional_layouts),
+    Section("Where 1/√d_k is applied, mask polarity and rows with no key",
+            "softmax(QKᵀ/√d_k)V with a boolean keep-mask (True = may attend); a query row with no key "
+            "outputs zeros (SPEC.md §6).",
+            {"NumPy (golden)": "scaled_dot_product_attention", "PyTorch": "scaled_dot_product_attention",
+             "JAX / Flax": ("scaled_dot_product_attention", "_attention")},
+            _attention_scale_and_masks),
+    Section("Splitting heads",
+            "Heads are contiguous blocks of d_k columns: [B, T, d] → [B, H, T, d_k].",
+            {name: "split_heads" for name in IMPLEMENTATIONS},
+            _head_splitting),
+    Section("LayerNorm: variance and eps",
+            "γ (x − μ) / √(σ² + ε) + β with the biased variance and the config's ε.",
+            {"NumPy (golden)": "layer_norm", "PyTorch": "Norm", "JAX / Flax": "Norm"},
+            _layer_norm),
+    Section("GELU",
+            "`gelu` is the exact erf form; `gelu-tanh` the tanh approximation. The config chooses.",
+            {"NumPy (golden)": "gelu", "PyTorch": "ACTIVATIONS", "JAX / Flax": "gelu"},
+            _gelu),
+    Section("Matmul precision (TF32)",
+            "Conformance states the float32 matmul precision on every run ('highest'); the `tf32` column "
+            "of the matrix is the same float32 model with TF32 matmuls, on CUDA only.",
+            {"PyTorch": "conformance/backends/torch_backend.py::matmul_precision",
+             "JAX / Flax": "conformance/backends/jax_backend.py::JaxRunner._scope"},
+            _matmul_precision),
+    Section("KV-cache shapes",
+            "The golden: L decoder layers × (keys, values) of [B, H, P, d_k] for the P positions decoded, "
+            "plus their keep-vector. The frameworks: keys and values of [L, B, H, C, d_k] for a capacity C, "
+            "the keep-vector [B, C] and the length P.",
+            {name: "KVCache" for name in IMPLEMENTATIONS},
+            _kv_cache_shapes),
+    Section("RMSNorm: eps inside the root, and the float32 upcast",
+            "γ x / √(mean(x²) + ε) with no bias (SPEC.md §5.6). A half-precision x is normalised in float32, "
+            "cast back to its dtype, and only then scaled by γ, as Hugging Face's Llama does.",
+            {name: "rms_norm" for name in IMPLEMENTATIONS},
+            _rms_norm),
+    Section("Rotary positions (RoPE): layout and the tables' precision",
+            "The rotate_half layout: dimension i pairs with i + r/2, not with its neighbour (SPEC.md §5.11). "
+            "The angles pos · θ^(−2i/r) are taken in float32 or wider whatever the model's dtype, and the "
+            "keys are rotated before they enter the KV cache.",
+            {"NumPy (golden)": ("rope_tables", "rotary"), "PyTorch": ("rope_tables", "rotary"),
+             "JAX / Flax": ("rope_tables", "rotary")},
+            _rotary_positions),
+    Section("Grouped-query attention: native entry points and the explicit repeat",
+            "H query heads share H_kv key/value heads: key/value head j serves query heads j·g .. (j+1)·g − 1, "
+            "g = H / H_kv (`repeat_interleave`'s order, SPEC.md §5.11). The KV cache holds the H_kv heads.",
+            {"NumPy (golden)": "group_heads", "PyTorch": ("group_heads", "scaled_dot_product_attention"),
+             "JAX / Flax": ("group_heads", "_attention")},
+            _grouped_query_attention),
+    Section("Linear layers: where x W + b is rounded",
+            "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
+            "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "
+            "torch's `nn.Linear` (addmm) does.",
+            {"NumPy (golden)": "linear", "PyTorch": "MultiHeadAttention.__init__", "JAX / Flax": "Linear"},
+            _linear_layers),
+    Section("The training step: loss, clipping, optimizer, schedule",
+            "SPEC.md §5.9 and §14: the loss against q = 1 − ε on the target, 0 on pad and ε/(V − 2) elsewhere; "
+            "the gradients scaled by min(1, c/‖g‖); then θ ← θ − lr(t) (m̂/(√v̂ + ε) + λθ) at step t counted "
+            "from 1, with AdamW's λ on matrices and tables only. Each framework runs its own optimizer, "
+            "configured from `TrainingConfig`. The numbers below are `_training_numbers()` in "
+            "pages/differences.py, computed by every `rosetta differences` from the calls each item names.",
+            {"NumPy (golden)": ("smoothed_targets", "token_cross_entropy",
+                                "impl_numpy/training.py::clip_by_global_norm", "impl_numpy/training.py::adam_update",
+                                "spec/training.py::learning_rate", "spec/training.py::decays"),
+             "PyTorch": ("smoothed_targets", "token_cross_entropy", "impl_torch/training.py::make_optimizer",
+                         "impl_torch/training.py::clip_by_global_norm"),
+             "JAX / Flax": ("smoothed_targets", "token_cross_entropy", "impl_jax/training.py::make_optimizer")},
+            _training_step),
+]
 
 
 def differences_page() -> str:
     from pages.probe import framework_versions, run_probes
 
-    observed = run_probes(["cpu"])  # the page quotes the CPU's behaviour
-    found = _differences(observed, _positional_errors(), _onnx_ops(), _training_numbers(), _modern_numbers())
+    measurements = Measurements(run_probes(["cpu"]),  # the page quotes the CPU's behaviour
+                                _positional_errors(), _onnx_ops(), _training_numbers(), _modern_numbers())
     versions = framework_versions()
     lines = ["# Where the frameworks differ, side by side", "",
              "Generated by `rosetta differences --markdown docs/framework-differences.md` from the source files "
@@ -548,9 +647,10 @@ def differences_page() -> str:
             for name in (names,) if isinstance(names, str) else names:
                 path, name = name.split("::") if "::" in name else (IMPLEMENTATIONS[label], name)
                 lines += [f"**{label}** — `{path}` · `{name}`", "", "```python", source_of(path, name), "```", ""]
+        found = section.items(measurements)
         for kind, heading in ((MEASURED, "What differs, measured by this run (`rosetta probe`, the exported graphs):"),
                               (EXPLAINED, "Why, from the code above and the frameworks' documentation (not measured):")):
-            items = [text for item_kind, text in found[section.title] if item_kind == kind]
+            items = [text for item_kind, text in found if item_kind == kind]
             if items:
                 lines += [heading, ""] + [f"- {text}" for text in items] + [""]
     return "\n".join(lines)
