@@ -43,6 +43,12 @@ def op_shares(events: list[dict]) -> dict[str, float]:
     return {op: duration / total for op, duration in by_op.most_common()} if total else {}
 
 
+def op_runs(events: list[dict]) -> dict[str, int]:
+    """onnxruntime profile events -> how many times each op type's kernels ran (no timing in it)."""
+    return dict(Counter(event["args"]["op_name"] for event in events
+                        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time")))
+
+
 def compare_steps(preset: str, *, batch: int | None = None, new_tokens: int | None = None,
                   repeats: int = 4) -> dict:
     cfg = get_preset(preset)
@@ -83,7 +89,7 @@ def compare_steps(preset: str, *, batch: int | None = None, new_tokens: int | No
             events = json.loads(Path(model.sessions[role].end_profiling()).read_text())
         median = statistics.median(seconds[role])
         rows.append({"graph": role, "median_seconds": median, "tokens_per_second": produced / median,
-                     "op_shares": op_shares(events)})
+                     "op_shares": op_shares(events), "op_runs": op_runs(events)})
     return {"preset": preset, "batch": batch, "prompt": plan.generate_source, "new_tokens": new_tokens,
             "tokens": produced, "same_tokens": True, "repeats": repeats, "steps": rows,
             "machine": _machine(quick=True), "versions": _versions()}

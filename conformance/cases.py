@@ -45,6 +45,7 @@ with size-1 axes broadcasting) or None; a backend must normalize them (spec.inpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping
@@ -99,6 +100,8 @@ MASK_CASES: dict[str, str] = {
            f"{FAR_POSITION} cached positions (rotary configs)",
     "long": f"a {LONG_PROMPT}-token sequence, padding at the end (rotary configs)",
 }
+# the parameters cast to float64, asked for only by the cases whose inputs the golden chooses
+GoldenParams = Callable[[], Mapping[str, np.ndarray]]
 SMALL_ACTIVATIONS = 1e-3
 LARGE_ACTIVATIONS = 1e3  # a Llama's residual stream has outliers this size
 _SIZES = {"small": SMALL_ACTIVATIONS, "large": LARGE_ACTIVATIONS}
@@ -411,7 +414,7 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
     return _token_ids(rng, BATCH, src_len, cfg.src_vocab_size, cfg.pad_id, source_padding), tgt
 
 
-def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_case: str,
            rng: np.random.Generator) -> tuple[dict[str, Any], int]:
     """(inputs, reduction length) for one case."""
     d, d_ff, heads = cfg.d_model, cfg.d_ff, cfg.n_heads
@@ -494,7 +497,7 @@ def _build(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, ma
         prefix = tgt_ids.shape[1] - 2 if mask_case == "far" else min(2, tgt_ids.shape[1] - 1)
         return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": prefix}, reduction
     if sublayer == "generate":
-        return _generation_inputs(cfg, params, rng, mask_case), reduction
+        return _generation_inputs(cfg, golden_params, rng, mask_case), reduction
     if sublayer == "loss":
         inputs = {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": next_tokens(cfg, tgt_ids)}
         if mask_case == "dropout":
@@ -545,7 +548,7 @@ def record_steps(inputs: Mapping[str, Any], step: Callable[..., dict[str, Any]])
     return records
 
 
-def _training_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+def _training_inputs(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_case: str,
                      rng: np.random.Generator) -> tuple[dict[str, Any], int]:
     """A training case: N batches with the mask case's padding (N = 1 for train_step), and the
     optimizer. train_steps clips, to CLIPPED_TO of the golden's first gradient norm."""
@@ -558,29 +561,28 @@ def _training_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublaye
                                                  for i, tgt in enumerate(tgt_ids)]
     training = TRAINING
     if sublayer == "train_steps":
-        p = golden.cast_params(cfg, params)
-        _, grads = golden_backward.loss_and_gradients(cfg, p, None if src_ids is None else src_ids[0], tgt_ids[0],
+        _, grads = golden_backward.loss_and_gradients(cfg, golden_params(), None if src_ids is None else src_ids[0], tgt_ids[0],
                                                       targets[0])
         norm = float(np.sqrt(sum((g * g).sum() for g in grads.values())))
         training = dataclasses.replace(TRAINING, clip_norm=CLIPPED_TO * norm)
-    _, reduction = _build(cfg, params, "loss", mask_case, np.random.default_rng(0))
+    _, reduction = _build(cfg, golden_params, "loss", mask_case, np.random.default_rng(0))
     # a weight's gradient also sums over every position of the batch
     return {"training": training, "src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets,
             **({} if masks is None else {"dropout_masks": masks})}, max(reduction, BATCH * (SRC_LEN + 3))
 
 
-def _gradient_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+def _gradient_inputs(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_case: str,
                      rng: np.random.Generator) -> tuple[dict[str, Any], int]:
     """A gradient case: its forward's inputs, then the cotangent d_out drawn from the same stream
     (random and seeded, never all ones: a sum() makes a norm's input gradient zero)."""
     forward = forward_of(sublayer)
-    inputs, reduction = _build(cfg, params, forward, mask_case, rng)
+    inputs, reduction = _build(cfg, golden_params, forward, mask_case, rng)
     d_out = np.float32(1.0) if forward == "loss" else _normal(rng, *output_shape(cfg, forward, inputs))
     # a weight's gradient also sums over every position of the batch
     return {**inputs, "d_out": d_out}, max(reduction, BATCH * (SRC_LEN + 3))
 
 
-def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: np.random.Generator,
+def _generation_inputs(cfg: ModelConfig, golden_params: GoldenParams, rng: np.random.Generator,
                        mask_case: str) -> dict[str, Any]:
     """A generate case whose greedy output tells a working loop from a broken one (SPEC.md §11):
     GENERATION_CANDIDATES candidates are drawn for each batch row, with the row's padding, and
@@ -596,7 +598,7 @@ def _generation_inputs(cfg: ModelConfig, params: Mapping[str, np.ndarray], rng: 
         prompt = _token_ids(rng, candidates, 3, cfg.tgt_vocab_size, cfg.pad_id, "pad_left" if mask_case != "none" else "none")
     new_tokens = max(1, min(MAX_NEW_TOKENS, cfg.max_len - (1 if prompt is None else 3)))
     bos_id = cfg.pad_id if mask_case == "pad_start" else min(BOS_ID, cfg.tgt_vocab_size - 1)
-    tokens = golden.greedy_generate(cfg, params, src_ids, prompt_ids=prompt, bos_id=bos_id, eos_id=None,
+    tokens = golden.greedy_decoding(cfg, golden_params(), src_ids, prompt_ids=prompt, bos_id=bos_id, eos_id=None,
                                     max_new_tokens=new_tokens)
     rows, eos_id = choose_generation_rows(tokens, BATCH, min(EOS_ID, cfg.tgt_vocab_size - 1), cfg.pad_id)
     return {"src_ids": None if src_ids is None else src_ids[rows], "prompt_ids": None if prompt is None else prompt[rows],
@@ -708,11 +710,16 @@ def case_names(cfg: ModelConfig, backward: bool = False) -> list[tuple[str, str]
             if backward or not is_backward(sublayer)]
 
 
-def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str) -> Case:
-    """One case, its inputs built (the generate cases read the golden's tokens on `params`)."""
+def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
+               golden_params: GoldenParams | None = None) -> Case:
+    """One case, its inputs built (the generate cases read the golden's tokens on `params`, the
+    train_steps cases its first gradient's norm). golden_params gives the parameters cast to
+    float64 where the caller holds them already (a golden runner's); else they are cast here,
+    if the case needs them."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
     build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
-    inputs, reduction = build(cfg, params, sublayer, mask_case, rng)
+    inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer, mask_case,
+                              rng)
     return Case(sublayer, mask_case, inputs, reduction, rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs)))
 
 
@@ -735,4 +742,5 @@ def largest_rotated_position(cfg: ModelConfig, sublayer: str, inputs: Mapping[st
 def catalogue(cfg: ModelConfig, params: Mapping[str, np.ndarray], backward: bool = False) -> list[Case]:
     """Every applicable (sublayer, mask case) of the config, inputs built; the gradient and
     training cases too when `backward`."""
-    return [build_case(cfg, params, sublayer, mask_case) for sublayer, mask_case in case_names(cfg, backward)]
+    golden_params = functools.cache(lambda: golden.cast_params(cfg, params))
+    return [build_case(cfg, params, sublayer, mask_case, golden_params) for sublayer, mask_case in case_names(cfg, backward)]

@@ -14,6 +14,7 @@ import numpy as np
 from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, Case, forward_of, is_gradient, is_training
+from conformance.memory import golden_budget
 from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
 from conformance.training_cells import TrainingReference, compare_training
 from spec import ModelConfig
@@ -77,7 +78,9 @@ def cell_id(sublayer: str, mask_case: str, dtype: str, backend: str, device: str
 
 
 def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> NumpyRunner:
-    return NumpyRunner(cfg, params, "float64")
+    """The golden at float64; streamed layer by layer where its whole cast would not fit here
+    (conformance.memory.golden_budget)."""
+    return NumpyRunner(cfg, params, "float64", golden_budget(cfg, params))
 
 
 def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):

@@ -4,6 +4,7 @@ by conformance.cells, whose names are also importable from here."""
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from conformance.adapter import backend_names, get_backend, importable_by_name
-from conformance.cases import catalogue
+from conformance.cases import Case, build_case, case_names
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
     ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, SKIP, CellResult, cell_id, golden_runner_for, reference_for, run_cell,
     unavailable_kind)
@@ -83,7 +84,9 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     The cells run on `executor` (conformance.executors), closed here; without one, in this
     process, or with jobs > 1 in that many local worker processes, taken from `pool` where the
     caller started them ahead (closed here, used or not). The results come back in the
-    sequential order whatever ran them."""
+    sequential order whatever ran them. `progress` is called with each finished cell, the cells
+    finished and the cells to run; one with a `planned` method is first given the number of
+    cells each column will run."""
     executor = executor or (LocalPool(jobs, pool) if jobs > 1 else InProcess())
     try:
         return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor)
@@ -95,14 +98,17 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
 
 def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor: Executor) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
-    cases = catalogue(cfg, params, backward)
+    names = case_names(cfg, backward)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
         kind = unavailable_kind(reason)
-        for case in cases:
-            if matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
-                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP, reason=reason,
-                                          skip=kind))
+        for sublayer, mask_case in names:
+            if matches(cell_id(sublayer, mask_case, dtype, name, device), pattern):
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=reason, skip=kind))
+    # a case is built only when some column runs it: its inputs may take the golden to make (the
+    # generate cases' rows), which at a real checkpoint's size costs more than the cell itself
+    built: dict[tuple[str, str], Case] = {}
+    golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
     for column in plan.columns:
         name, dtype, device = column
@@ -110,16 +116,20 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
         # is not made for a column whose every cell would be skipped
         backend, _ = get_backend(name)
         why_not = getattr(backend, "supports_sublayer", lambda sublayer: None)
-        for case in cases:
-            if not matches(cell_id(case.sublayer, case.mask_case, dtype, name, device), pattern):
+        for sublayer, mask_case in names:
+            if not matches(cell_id(sublayer, mask_case, dtype, name, device), pattern):
                 continue
-            if (why := why_not(case.sublayer)) is not None:
-                results.append(CellResult(name, device, dtype, case.sublayer, case.mask_case, SKIP,
+            if (why := why_not(sublayer)) is not None:
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
                                           reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
-            else:
-                work.append(WorkItem(len(work), case, column))
+                continue
+            if (sublayer, mask_case) not in built:
+                built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p)
+            work.append(WorkItem(len(work), built[sublayer, mask_case], column))
     finished: dict[int, CellResult] = {}
     stopped = False
+    if hasattr(progress, "planned"):  # a progress that reports by column (terminal.ColumnLines)
+        progress.planned(collections.Counter(item.column for item in work))
 
     def record(index: int, result: CellResult) -> bool:
         """Keep a cell's result; True when the run should stop."""
@@ -136,7 +146,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
     if here:
-        InProcess().run(cfg, params, here, record)
+        InProcess(golden).run(cfg, params, here, record)
     if elsewhere and not stopped:
         executor.run(cfg, params, elsewhere, record)
     return results + [finished[index] for index in sorted(finished)]

@@ -18,7 +18,7 @@ def load_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | Non
     its conformance weights of this seed (spec.conformance_params). The source is what a report
     records: {"weights": FILE}, {"hf": DIR, "family": ...} or {"preset": NAME, "seed": N}."""
     if weights:
-        cfg, params = load_weights(weights)
+        cfg, params = load_weights(weights, mapped=True)  # read-only views of the file, read as used
         return cfg, params, {"weights": str(weights)}
     if hf:
         from importers import import_huggingface

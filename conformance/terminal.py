@@ -1,18 +1,21 @@
 """What `rosetta check` shows a person at a terminal, drawn with rich (the progress bars, tables
-and summaries this ecosystem's tools use): a live progress bar, the matrix with each cell
-colored by its verdict, and the failures in a panel. Output that goes to a file or a pipe stays
-the plain text of conformance.report.format_table, which the reports and docs quote.
+and summaries this ecosystem's tools use): a live progress bar with the time left, the matrix
+with each cell colored by its verdict, and the failures in a panel. Output that goes to a file
+or a pipe stays plain text: a line per finished column while it runs (ColumnLines), then
+conformance.report.format_table, which the reports and docs quote.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from conformance.harness import ERROR, FAIL, PASS, CellResult
@@ -27,7 +30,7 @@ def progress_bar(console: Console) -> Iterator[Callable[[CellResult, int, int], 
     the cell that just finished."""
     failures = 0
     with Progress(TextColumn("[bold]checking"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[failed]}"), TextColumn("[dim]{task.fields[cell]}"),
+                  TextColumn("[dim]left"), TimeRemainingColumn(), TextColumn("{task.fields[failed]}"), TextColumn("[dim]{task.fields[cell]}"),
                   console=console, transient=True) as progress:
         task = progress.add_task("cells", total=None, failed="", cell="")
 
@@ -38,6 +41,48 @@ def progress_bar(console: Console) -> Iterator[Callable[[CellResult, int, int], 
                             failed=f"[bold red]{failures} failed" if failures else "")
 
         yield update
+
+
+class ColumnLines:
+    """The progress of a run whose output goes to a file or a pipe: one line per finished column,
+    with its cells and failures, the time since the first cell was planned and an estimate of
+    the time left (the cells left at the pace so far). A log of a long check on a real
+    checkpoint shows where it is without a terminal."""
+
+    def __init__(self, stream: TextIO):
+        self.stream, self.start = stream, time.perf_counter()
+        self.cells: dict[tuple[str, str, str], int] = {}
+        self.left: dict[tuple[str, str, str], int] = {}
+        self.failed: dict[tuple[str, str, str], int] = {}
+        self.columns_done = 0
+
+    def planned(self, cells_by_column: Mapping[tuple[str, str, str], int]) -> None:
+        """Told by the harness, before the first cell, how many cells each column will run."""
+        self.start = time.perf_counter()
+        self.cells = {column: count for column, count in cells_by_column.items() if count}
+        self.left, self.failed = dict(self.cells), dict.fromkeys(self.cells, 0)
+
+    def __call__(self, result: CellResult, done: int, total: int) -> None:
+        column = (result.backend, result.dtype, result.device)
+        if column not in self.left:
+            return
+        self.left[column] -= 1
+        self.failed[column] += result.status in (FAIL, ERROR)
+        if self.left[column]:
+            return
+        self.columns_done += 1
+        elapsed = time.perf_counter() - self.start
+        remaining = elapsed / done * (total - done)
+        print(f"column {self.columns_done}/{len(self.left)} done: {'/'.join(column)}, {self.cells[column]} cells, "
+              f"{self.failed[column]} failed; {done}/{total} cells of the run, {clock(elapsed)} elapsed, "
+              f"about {clock(remaining)} left", file=self.stream, flush=True)
+
+
+def clock(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour."""
+    minutes, second = divmod(round(seconds), 60)
+    hours, minute = divmod(minutes, 60)
+    return f"{hours}:{minute:02d}:{second:02d}" if hours else f"{minute}:{second:02d}"
 
 
 def _cell(result: CellResult) -> str:

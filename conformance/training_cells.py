@@ -33,7 +33,6 @@ import numpy as np
 from conformance.backends.numpy_backend import GradientReference, NumpyRunner
 from conformance.cases import TRAINING_RECORD, training_batches
 from conformance.tolerance import Comparison, compare, compare_gradients
-from impl_numpy import training as golden_training
 from spec import ModelConfig
 from spec.training import TrainingConfig, decays, learning_rate
 

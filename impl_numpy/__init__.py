@@ -19,6 +19,7 @@ from impl_numpy.model import (
     gelu,
     generation_start,
     gelu_tanh,
+    greedy_decoding,
     greedy_generate,
     group_heads,
     head_norm,

@@ -501,15 +501,23 @@ def greedy_generate(cfg: ModelConfig, params: Params, src_ids: np.ndarray | None
                     prompt_ids: np.ndarray | None = None, bos_id: int | None = None,
                     eos_id: int | None = None, max_new_tokens: int, dtype: np.dtype = np.float64,
                     return_step_logits: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """greedy_decoding on the canonical float32 parameters, cast to the computation dtype first."""
+    return greedy_decoding(cfg, cast_params(cfg, params, dtype), src_ids, prompt_ids=prompt_ids, bos_id=bos_id,
+                           eos_id=eos_id, max_new_tokens=max_new_tokens, return_step_logits=return_step_logits)
+
+
+def greedy_decoding(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None = None, *,
+                    prompt_ids: np.ndarray | None = None, bos_id: int | None = None, eos_id: int | None = None,
+                    max_new_tokens: int, return_step_logits: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Greedy decoding with the KV cache -> new tokens [B, max_new_tokens] (and, when asked, the
-    logits each step chose from [B, max_new_tokens, V]; zeros for steps after all finished).
+    logits each step chose from [B, max_new_tokens, V]; zeros for steps after all finished), on
+    parameters already cast to the computation dtype (cast_params).
 
     Encoder-decoder: decoding starts from bos_id. Decoder-only: from prompt_ids [B, P] (pad_id
     marks prompt padding). Each step takes the arg-max token (ties go to the lowest id); after a
     sequence emits eos_id its remaining tokens are pad_id. Generated tokens always count as real
     tokens, even if an id equals pad_id."""
     batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
-    p = cast_params(cfg, params, dtype)
     step_ids, step_keep, cache = generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)

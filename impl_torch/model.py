@@ -13,6 +13,7 @@ else changes: embeddings are [V, d] in both, norms are vectors.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -468,12 +469,19 @@ class Transformer(nn.Module):
                     device: str | torch.device = "cpu", attention: str = "sdpa") -> "Transformer":
         """Build from canonical float32 NumPy parameters (checked against the spec first)."""
         check_params(cfg, params)
-        model = cls(cfg, attention)
+        with torch.device("meta"):  # no random initialisation to pay for: every tensor is replaced below
+            model = cls(cfg, attention)
         linear_weights = _linear_weight_names(model)
-        state = {name: torch.from_numpy(np.ascontiguousarray(value.T if name in linear_weights else value))
-                 for name, value in params.items()}
-        model.load_state_dict(state, strict=True)
-        return model.to(device=device, dtype=dtype)
+        state = {}
+        for name, value in params.items():
+            with warnings.catch_warnings():  # a memory-mapped checkpoint is read-only; it is copied below, not written
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                tensor = torch.from_numpy(np.asarray(value))
+            # one copy, straight to the model's dtype and device; torch transposes in parallel
+            state[name] = (tensor.T if name in linear_weights else tensor).to(
+                device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
 
     @classmethod
     def from_file(cls, path, **options) -> "Transformer":

@@ -166,8 +166,9 @@ _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16":
 
 
 def _read_tensors(files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as float32. float16 and bfloat16 widen exactly; float64 is
-    rounded (the spec's weights are float32), and the import says so."""
+    """Every tensor of the checkpoint as float32: float32 ones as read-only views of the memory-mapped
+    file, float16 and bfloat16 widened exactly, float64 rounded (the spec's weights are float32),
+    which the import says."""
     tensors: dict[str, np.ndarray] = {}
     rounded = []
     for path in files:
@@ -185,6 +186,8 @@ def _read_tensors(files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
             raw = np.frombuffer(data[start + begin:start + end], dtype=np.dtype(_FLOAT_TYPES[kind]).newbyteorder("<"))
             if kind == "BF16":  # bfloat16 is the top half of a float32
                 value = (raw.astype(np.uint32) << 16).view(np.float32)
+            elif kind == "F32":  # read where it lies: a view of the memory-mapped file, never copied
+                value = raw
             else:
                 value = raw.astype(np.float32)
                 if kind == "F64" and not np.array_equal(value.astype(np.float64), raw):
@@ -612,7 +615,9 @@ def _apply(rules: list[Rule], tensors: Mapping[str, np.ndarray], copies: Mapping
     present_copies = [key for key in copies if key in tensors]
     if present_copies:
         notes.append(f"checked {len(present_copies)} tied copy(ies) equal to their original: {', '.join(present_copies)}")
-    return {rule.target: np.ascontiguousarray(rule.take(tensors[rule.source]), dtype=np.float32) for rule in rules}
+    # a transposed or sliced tensor stays a view of the checkpoint's bytes (NumPy, torch and JAX take
+    # any strides): a 0.5B model imports without copying its 2 GB
+    return {rule.target: np.asarray(rule.take(tensors[rule.source]), dtype=np.float32) for rule in rules}
 
 
 def _check_marian_positions(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:

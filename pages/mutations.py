@@ -138,13 +138,11 @@ def _head_bias_dropped(cfg, params, h):
     return model.linear(h, weight)  # head.bias never added
 
 
-def _generation_ignores_eos(cfg, params, src_ids=None, *, eos_id=None, **options):
-    return _original("greedy_generate")(cfg, params, src_ids, eos_id=None, **options)  # eos_id dropped
+def _generation_ignores_eos(cfg, p, src_ids=None, *, eos_id=None, **options):
+    return _original("greedy_decoding")(cfg, p, src_ids, eos_id=None, **options)  # eos_id dropped
 
 
-def _loop_never_advances(cfg, params, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None,
-                         max_new_tokens, dtype=np.float64):
-    p = model.cast_params(cfg, params, dtype)
+def _loop_never_advances(cfg, p, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None, max_new_tokens):
     batch = len(src_ids if cfg.has_encoder else prompt_ids)
     first, first_keep, cache = model.generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
@@ -156,9 +154,7 @@ def _loop_never_advances(cfg, params, src_ids=None, *, prompt_ids=None, bos_id=N
     return tokens
 
 
-def _loop_feeds_back_its_input(cfg, params, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None,
-                               max_new_tokens, dtype=np.float64):
-    p = model.cast_params(cfg, params, dtype)
+def _loop_feeds_back_its_input(cfg, p, src_ids=None, *, prompt_ids=None, bos_id=None, eos_id=None, max_new_tokens):
     batch = len(src_ids if cfg.has_encoder else prompt_ids)
     step_ids, step_keep, cache = model.generation_start(cfg, p, batch, src_ids, prompt_ids, bos_id)
     tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
@@ -360,12 +356,12 @@ MUTATIONS: list[Mutation] = [
              "norm", "encoder.layers.0"),
     Mutation("head_bias_dropped", "the output projection without its bias (a config with head_bias)",
              "output_logits", _head_bias_dropped, "logits", "head", config={"head_bias": True}),
-    Mutation("ignores_eos", "greedy generation ignores eos_id: finished rows go on", "greedy_generate",
+    Mutation("ignores_eos", "greedy generation ignores eos_id: finished rows go on", "greedy_decoding",
              _generation_ignores_eos, "generate", None, unlocalized=LOOP),
     Mutation("loop_never_advances", "a generation loop that never advances: every step reruns the first",
-             "greedy_generate", _loop_never_advances, "generate", None, unlocalized=LOOP),
+             "greedy_decoding", _loop_never_advances, "generate", None, unlocalized=LOOP),
     Mutation("loop_feeds_back_input", "a generation loop that feeds back its previous input, not the new token",
-             "greedy_generate", _loop_feeds_back_its_input, "generate", None, unlocalized=LOOP),
+             "greedy_decoding", _loop_feeds_back_its_input, "generate", None, unlocalized=LOOP),
 ]
 
 MUTATIONS += [

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from rosetta.arguments import comma_list, writable_folder
+from rosetta.arguments import UsageError, comma_list, writable_folder
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -16,6 +16,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = writable_folder(Path(args.out), "--out")
+    if args.checkpoint_shapes:
+        return _bench_checkpoints(args, out)
     devices = tuple(comma_list(args.devices) or ("cpu",))
     results = run_bench(args.preset, names=tuple(comma_list(args.contenders) or ()) or None, devices=devices,
                         matrix_backends=tuple(comma_list(args.matrix_backends) or ()) if args.matrix_backends != "none"
@@ -23,6 +25,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     written = write(results, out)
     print((out / "bench.md").read_text())
     print(f"bench written: {', '.join(map(str, written))} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _bench_checkpoints(args: argparse.Namespace, out: Path) -> int:
+    """Import, the one-cell check and the default check on random models of real checkpoints' shapes."""
+    import datetime
+    import json
+
+    from benchmarks.checkpoints import RUNS, SHAPES, as_dicts, bench_checkpoints, markdown
+    from conformance.machine import machine
+
+    shapes = comma_list(args.shapes) or ["smollm2-135m", "qwen2.5-0.5b"]
+    runs = comma_list(args.runs) or list(RUNS)
+    for given, known, what in ((shapes, SHAPES, "--shapes"), (runs, RUNS, "--runs")):
+        if unknown := [name for name in given if name not in known]:
+            raise UsageError(f"{what}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    results = bench_checkpoints(shapes, runs, Path(args.checkpoints).expanduser(), args.limit,
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+    date = datetime.date.today().isoformat()
+    (out / "bench.json").write_text(json.dumps({"date": date, "machine": machine(), "runs": as_dicts(results)},
+                                               indent=2) + "\n")
+    (out / "bench.md").write_text(page := markdown(results, machine(), date))
+    print(page)
     return 0
 
 
@@ -36,4 +61,14 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
                        "the GPU workloads (batch 64)")
     bench.add_argument("--matrix-backends", default="numpy-float32,torch,onnx",
                        help="backends whose conformance-matrix wall time is measured (or none)")
+    bench.add_argument("--checkpoint-shapes", action="store_true",
+                       help="instead: time `rosetta import`, the one-cell check and the default check, with their "
+                            "peak memory, on random models with the shapes of real checkpoints (benchmarks/checkpoints.py)")
+    bench.add_argument("--shapes", help="with --checkpoint-shapes: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b "
+                       "(default: the first two)")
+    bench.add_argument("--runs", help="with --checkpoint-shapes: import, one-cell, default (default: all)")
+    bench.add_argument("--limit", type=float, default=3600.0,
+                       help="with --checkpoint-shapes: seconds after which a run is stopped (default 3600)")
+    bench.add_argument("--checkpoints", default="~/.cache/transformer-rosetta/checkpoint-shapes",
+                       help="with --checkpoint-shapes: where the random checkpoints are made, once")
     bench.set_defaults(handler=cmd_bench)

@@ -91,8 +91,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     executor = _ray_cluster(args.address, args.accelerator) if args.executor == "ray" else None
     pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
     # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
-    show_progress = sys.stderr.isatty() and not args.quiet
-    with terminal.progress_bar(Console(stderr=True)) if show_progress else contextlib.nullcontext() as progress:
+    # and a line per finished column
+    if args.quiet:
+        showing = contextlib.nullcontext()
+    elif sys.stderr.isatty():
+        showing = terminal.progress_bar(Console(stderr=True))
+    else:
+        showing = contextlib.nullcontext(terminal.ColumnLines(sys.stderr))
+    with showing as progress:
         run = check_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf, backends=backends,
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
@@ -186,7 +192,8 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                                        "`rosetta merge` combines the slices' reports")
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")
-    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--quiet", action="store_true",
+                       help="no progress (at a terminal the bar, piped a line per finished column)")
     check.add_argument("--jobs", default="auto",
                        help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.add_argument("--executor", choices=("local", "ray"), default="local",

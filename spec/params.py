@@ -250,8 +250,12 @@ def params_digest(params: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def params_under(params: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+def params_under(params: Mapping[str, np.ndarray], prefix: str) -> Mapping[str, np.ndarray]:
     """The parameters below one module, names relative to it:
-    params_under(p, "encoder.layers.0.ffn") -> {"w1.weight": ..., "w1.bias": ..., ...}."""
+    params_under(p, "encoder.layers.0.ffn") -> {"w1.weight": ..., "w1.bias": ..., ...}.
+    A mapping that makes its tensors as they are read (impl_numpy.cast.CastOnRead) gives its own
+    view instead, so that taking a module's parameters reads none of them."""
+    if hasattr(params, "under"):
+        return params.under(prefix)
     start = prefix + "."
     return {name[len(start):]: value for name, value in params.items() if name.startswith(start)}

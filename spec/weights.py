@@ -133,11 +133,13 @@ def _config_from_header(path: str | os.PathLike, header: dict) -> ModelConfig:
 
 
 def load_weights(
-    path: str | os.PathLike, expected_config: ModelConfig | None = None
+    path: str | os.PathLike, expected_config: ModelConfig | None = None, *, mapped: bool = False
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read (config, params) from a weights file, refusing anything that does not match the spec.
 
     With ``expected_config``, a file whose stored config differs is refused, naming the fields.
+    ``mapped``: the tensors are read-only arrays memory-mapped from the file rather than copies:
+    processes that map one file share its pages, and a tensor's bytes are read when used.
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -149,7 +151,7 @@ def load_weights(
         differences = [f"{k}: file has {stored[k]!r}, expected {wanted[k]!r}" for k in stored if stored[k] != wanted[k]]
         raise WeightsError(f"{path}: the stored config does not match:\n  " + "\n  ".join(differences))
     try:
-        params = dict(load_file(str(path)))
+        params = _mapped_tensors(path, header) if mapped else dict(load_file(str(path)))
     except SafetensorError as error:
         raise WeightsError(f"{path}: safetensors could not read the file: {error}") from None
     check_params(cfg, params, where=f"tensors in {path}")
@@ -157,3 +159,30 @@ def load_weights(
     if stored_digest is not None and stored_digest != params_digest(params):
         raise WeightsError(f"{path}: tensor bytes do not match the SHA-256 stored at save time (file corrupted)")
     return cfg, params
+
+
+_STORED_TYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16}
+
+
+def _mapped_tensors(path: str | os.PathLike, header: dict) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file whose framing read_header has checked, as views of one
+    read-only memory map of it."""
+    with open(path, "rb") as stream:
+        (header_length,) = struct.unpack("<Q", stream.read(8))
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry.get("dtype") not in _STORED_TYPES:
+            raise WeightsError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; "
+                               f"a weights file holds {', '.join(_STORED_TYPES)}")
+        dtype = np.dtype(_STORED_TYPES[entry["dtype"]]).newbyteorder("<")
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry.get("shape", ()))
+        if end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise WeightsError(f"{path}: the safetensors header is corrupted ({name!r}: {end - begin} bytes for shape "
+                               f"{list(shape)})")
+        tensors[name] = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape)),
+                                      offset=8 + header_length + begin).reshape(shape)
+    return tensors

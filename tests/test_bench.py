@@ -296,3 +296,53 @@ def test_the_llama_small_targets_compare_onnxruntime_with_both_peers():
         "CPU generation (llama-small), batch 8, 64 tokens: onnxruntime >= 0.8x onnxruntime-genai": ("0.75x", False)}
     results.generate[2]["same_tokens"] = False  # a peer with other tokens is not timed against
     assert len(targets(results)) == 1
+
+
+# ---- rosetta bench --checkpoint-shapes (benchmarks/checkpoints.py) -----------------------------
+
+def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
+    """Each shape's config, as transformers writes it, maps to the spec's config with the published
+    checkpoint's sizes; the one whose family is not importable yet is refused for its rope scaling."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.checkpoints import CLASSES, SHAPES
+    from importers.huggingface import _CONFIGS
+    from spec import ConfigError, count_params
+
+    published = {"smollm2-135m": (134_515_008, 30, 576), "qwen2.5-0.5b": (494_032_768, 24, 896)}
+    for shape, (family, fields) in SHAPES.items():
+        fields = dict(fields)
+        theta, scaling = fields.pop("rope_theta"), fields.pop("rope_scaling", None) or {"rope_type": "default"}
+        hf = getattr(transformers, CLASSES[family][0])(**fields, rope_parameters={**scaling, "rope_theta": theta})
+        hf = {**hf.to_dict(), "model_type": family}
+        if shape not in published:
+            with pytest.raises(ConfigError, match="rope"):
+                _CONFIGS[family](hf, [])
+            continue
+        cfg = _CONFIGS[family](hf, [])
+        assert (count_params(cfg), cfg.n_decoder_layers, cfg.d_model) == published[shape]
+        assert cfg.rope_theta == theta and cfg.tie_head
+
+
+def test_measure_sees_a_child_process_memory_and_stops_at_the_limit():
+    import sys
+
+    from benchmarks.checkpoints import measure
+
+    grows = [sys.executable, "-c", "import numpy, time; a = numpy.ones(2**26); time.sleep(1.0); print('done')"]
+    result = measure("test", "allocates", grows, limit=60, every=0.05)
+    assert result.exit_code == 0 and result.tail == ["done"] and result.peak_pss_gb >= 0.45  # 512 MiB of ones
+    sleeps = measure("test", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], limit=1.0)
+    assert sleeps.exit_code is None and sleeps.seconds < 10
+
+
+def test_the_checkpoint_page_puts_each_run_beside_its_target():
+    from benchmarks.checkpoints import Measured, markdown
+
+    page = markdown([Measured("qwen2.5-0.5b", "one-cell", ["x"], 25.0, 8.2, 0),
+                     Measured("smollm2-135m", "default", ["x"], 900.0, 3.0, None, ["last words"]),
+                     Measured("smollm2-135m", "import", ["x"], 5.0, 1.0, 0)],
+                    {"processor": "x86_64", "python": "3.11"}, "2026-11-26")
+    assert "| qwen2.5-0.5b | one-cell | 25.0 | 8.20 | 0 | ≤ 20 s | 1.25 | - |" in page
+    assert "| smollm2-135m | default | 900.0 | 3.00 | stopped at the limit | ≤ 600 s, ≤ 6 GB | 1.50 (at least) | 0.50 |" in page
+    assert "| smollm2-135m | import | 5.0 | 1.00 | 0 | - | - | - |" in page
+    assert "last words" in page

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 torch = pytest.importorskip("torch")
 
 import impl_numpy as golden  # noqa: E402
+from benchmarks.checkpoints import random_checkpoint as build_checkpoint  # noqa: E402
 from conformance.backends.transformers_backend import TransformersRunner  # noqa: E402
 from conformance.harness import PASS, SKIP  # noqa: E402
 from conformance.tolerance import compare, tolerance  # noqa: E402
@@ -56,24 +57,6 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Q
 
 def _build(kind: str, directory, seed: int = 0):
     return build_checkpoint(kind.split("-")[0], FAMILY_CONFIGS[kind](), directory, seed)
-
-
-def build_checkpoint(family: str, config, directory, seed: int = 0):
-    """A randomly initialised model of the family saved to directory, every parameter perturbed."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[family])(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight
-            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-            if tensor.ndim >= 2:  # matrices and the embedding at 1/sqrt(their smaller side)
-                tensor.copy_(noise * min(tensor.shape) ** -0.5)
-            elif "norm" in name:  # RMSNorm scales (q_norm and k_norm included) away from 1
-                tensor.copy_(1.0 + 0.2 * noise)
-            else:  # biases away from 0
-                tensor.copy_(0.2 * noise)
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

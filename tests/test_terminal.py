@@ -1,16 +1,19 @@
 """What a person at a terminal sees from `rosetta check` (conformance.terminal, rich): the
 matrix colored by verdict, failures in a panel with their reasons shown literally, a progress
-bar that counts failures. Piped output stays plain text (tests/test_conformance.py)."""
+bar that counts failures and shows the time left. Piped output stays plain text (tests/test_conformance.py),
+its progress a line per finished column."""
 
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
 from conformance import terminal
+from conformance.cases import case_names
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
 from spec import get_preset, conformance_params
 
@@ -56,3 +59,38 @@ def test_the_progress_bar_counts_failures(results):
     last_frame = screen.getvalue()  # the bar's final frame is drawn before it is erased
     assert f"{len(results)}/{len(results)}" in last_frame and "1 failed" in last_frame
     assert results[-1].test_id in last_frame
+
+
+def test_piped_progress_is_a_line_per_finished_column(capsys):
+    """Output to a file or pipe gets one line as each column finishes: its cells and failures, the
+    run's cells done, the time so far and an estimate of the time left; never one per cell."""
+    from rosetta.main import main
+
+    code = main(["check", "--preset", "llama-tiny", "--backends", "torch,numpy-float32", "--dtypes", "float32,float16",
+                 "-k", "mha-*", "--jobs", "1"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 0
+    columns = [line for line in lines if line.startswith("column ")]
+    assert len(columns) == 3, lines  # numpy-float32 has no float16 column: skipped, never started
+    cells = len([name for name in case_names(get_preset("llama-tiny")) if name[0] == "mha"])
+    for number, line in enumerate(columns, start=1):
+        assert f"column {number}/3 done:" in line and f", {cells} cells, 0 failed;" in line
+        assert f"{number * cells}/{3 * cells} cells of the run" in line
+        assert re.search(r"\d+:\d\d elapsed, about \d+:\d\d left$", line), line
+    assert columns[-1].endswith("about 0:00 left")
+
+
+def test_column_lines_count_failures_per_column(results):
+    stream = io.StringIO()
+    lines = terminal.ColumnLines(stream)
+    column = (results[0].backend, results[0].dtype, results[0].device)
+    lines.planned({column: len(results), ("torch", "float64", "cpu"): 0})
+    for done, result in enumerate(results, start=1):
+        lines(replace(result, status=ERROR) if done in (2, 3) else result, done, len(results))
+        assert stream.getvalue().count("\n") == (done == len(results))  # nothing until the column ends
+    assert stream.getvalue().startswith(f"column 1/1 done: numpy-float32/float32/cpu, {len(results)} cells, 2 failed;")
+
+
+def test_clock():
+    assert [terminal.clock(s) for s in (0, 59.6, 61, 3599, 3600, 7325)] == \
+        ["0:00", "1:00", "1:01", "59:59", "1:00:00", "2:02:05"]

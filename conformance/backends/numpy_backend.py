@@ -5,6 +5,7 @@ day one (it measures what float32 arithmetic alone does to every sublayer)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import impl_numpy as golden
 from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient, record_steps
 from impl_numpy import backward
+from impl_numpy.cast import CastOnRead
 from impl_numpy import training as golden_training
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
@@ -23,11 +25,21 @@ from spec.masks import normalize_mask, real_tokens
 class NumpyRunner:
     """Runs catalogue sublayers with impl_numpy at one dtype."""
 
-    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float64"):
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float64",
+                 budget: int | None = None):
         self.cfg = cfg
         self.params = params
         self.dtype = np.dtype(dtype)
-        self.p = golden.cast_params(cfg, params, self.dtype)
+        self.budget = budget
+
+    @functools.cached_property
+    def p(self) -> Mapping[str, np.ndarray]:
+        """The parameters at the run's dtype, cast when first used: at a real checkpoint's size the
+        float64 cast takes seconds and twice the float32 weights' memory, and a run may need none.
+        With a budget (bytes), cast as read and at most that much held (impl_numpy.cast)."""
+        if self.budget is not None:
+            return CastOnRead(self.cfg, self.params, self.dtype, self.budget)
+        return golden.cast_params(self.cfg, self.params, self.dtype)
 
     @classmethod
     def at(cls, cfg: ModelConfig, p: Mapping[str, np.ndarray]) -> NumpyRunner:
@@ -101,9 +113,9 @@ class NumpyRunner:
         if sublayer == "decode":
             return self._decode(inputs)
         if sublayer == "generate":
-            return golden.greedy_generate(
-                cfg, self.params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
-                eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], dtype=self.dtype)
+            return golden.greedy_decoding(
+                cfg, p, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
+                eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
         if sublayer == "loss":
             logits = golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"],
                                          dropout_masks=inputs.get("dropout_masks"))
@@ -233,8 +245,8 @@ def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: 
     if is_gradient(sublayer):
         return GradientReference(runner, sublayer, inputs)
     if sublayer == "generate":
-        return golden.greedy_generate(
-            cfg, params, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
+        return golden.greedy_decoding(
+            cfg, runner.p, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
             eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], return_step_logits=True)
     if sublayer == "decode":
         logits = runner.run("forward", {"src_ids": inputs["src_ids"], "tgt_ids": inputs["tgt_ids"]})

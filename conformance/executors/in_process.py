@@ -7,17 +7,24 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from conformance.backends.numpy_backend import NumpyRunner
 from conformance.cells import golden_runner_for, reference_for, run_cell
 from conformance.executors import OnResult, WorkItem
 from spec import ModelConfig
 
 
 class InProcess:
-    """Runs cells here, loading each column's runner once and the golden's output once per case."""
+    """Runs cells here, loading each column's runner once and the golden's output once per case,
+    on the caller's golden runner where it has one (its float64 parameters, cast once)."""
+
+    def __init__(self, golden: NumpyRunner | None = None):
+        self.golden = golden
 
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
             on_result: OnResult) -> None:
-        golden, references, runners = golden_runner_for(cfg, params), {}, {}
+        golden = self.golden if self.golden is not None and self.golden.params is params \
+            else golden_runner_for(cfg, params)
+        references, runners = {}, {}
         for item in work:
             name, dtype, device = item.column
             reference = reference_for(cfg, params, item.case, golden, references)

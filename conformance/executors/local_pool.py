@@ -6,8 +6,8 @@ hundreds of small XLA programs, which one process does on one core; workers run 
 columns at once. Results are put back in the order the sequential run gives them.
 
 A worker is a fresh interpreter (`python -m conformance.executors.local_pool`) fed messages on its stdin
-and answering on its stdout (length-prefixed JSON, the parameters as safetensors bytes: no
-pickle anywhere in this project): not a fork (JAX and torch hold threads a fork would copy half
+and answering on its stdout (length-prefixed JSON; the parameters in one weights file that every
+worker memory-maps, so they share its pages; no pickle anywhere in this project): not a fork (JAX and torch hold threads a fork would copy half
 of), and not multiprocessing's spawn, which re-imports the caller's main module. So a worker
 sees only what a fresh import registers: a backend registered by a dotted path runs in a worker,
 one registered with a callable at run time (conformance.byo) runs in the calling process. A
@@ -33,7 +33,9 @@ from conformance.adapter import get_backend, importable_by_name, register_backen
 from conformance.cases import build_case
 from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
+from conformance.executors.shared_references import SharedReferences, shared_reference
 from spec import ModelConfig
+from spec.weights import load_weights, save_weights
 
 _LENGTH = struct.Struct(">Q")
 
@@ -97,9 +99,9 @@ class _Worker:
         _send(self.process.stdin, message)
 
     def send_setup(self, setup: tuple) -> None:
-        cfg_json, params, backends, threads = setup
-        _send(self.process.stdin, {"config": cfg_json, "backends": backends, "threads": threads})
-        _write(self.process.stdin, params)
+        cfg_json, weights, references, backends, threads = setup
+        _send(self.process.stdin, {"config": cfg_json, "weights": weights, "references": references,
+                                   "backends": backends, "threads": threads})
 
     def _listen(self, inbox: queue.Queue) -> None:
         try:
@@ -180,10 +182,14 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
         by_column.setdefault(column, []).append((index, case_name))
     groups = column_groups(sorted(by_column, key=cost_rank))
     jobs = max(1, min(jobs, len(groups)))
-    from safetensors.numpy import save
-
-    setup = (cfg.to_json(), save({name: np.ascontiguousarray(value) for name, value in params.items()}),
-             registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
+    # the weights go to the workers as one file each maps: its pages are shared, not copied per worker
+    folder = tempfile.TemporaryDirectory(prefix="rosetta-weights-")
+    weights = os.path.join(folder.name, "weights.safetensors")
+    save_weights(weights, cfg, params)
+    # and each case's golden output is computed by the first worker that needs it, for all of them
+    references = os.path.join(folder.name, "references")
+    os.mkdir(references)
+    setup = (cfg.to_json(), weights, references, registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
     if pool is None:
         pool = WorkerPool(jobs)
     pool.keep(jobs)
@@ -237,6 +243,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                         give_work(replacement)
     finally:
         pool.close()
+        folder.cleanup()
 
 
 def _serve() -> None:
@@ -245,8 +252,6 @@ def _serve() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not break the message stream
     requests = sys.stdin.buffer
 
-    from safetensors.numpy import load
-
     if sys.argv[1:2] == ["--preload"]:
         for name in sys.argv[2].split(","):
             try:
@@ -254,21 +259,25 @@ def _serve() -> None:
             except Exception:  # noqa: BLE001
                 pass
     setup = _receive(requests)
-    params = load(_read(requests))
     for name, path in setup["backends"].items():  # as registered in the calling process, at run time too
         register_backend(name, path)
-    cfg = ModelConfig.from_json(setup["config"])
+    cfg, params = load_weights(setup["weights"], ModelConfig.from_json(setup["config"]), mapped=True)
     # built when a column first asks for it: a worker builds only the cases of its own columns
     # (the training cases' inputs take a golden backward pass to make)
     cases: dict = {}
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
+    shared = SharedReferences(setup["references"])
     while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task
         for index, case_name in items:
             if case_name not in cases:
-                cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1))  # mask cases have no '-'
+                cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1),  # mask cases have no '-'
+                                              lambda: golden.p)
             case = cases[case_name]
-            reference = reference_for(cfg, params, case, golden, references)
+            if case_name not in references:
+                references[case_name] = shared_reference(shared, case_name,
+                                                         lambda: reference_for(cfg, params, case, golden, {}))
+            reference = references[case_name]
             result = run_cell(cfg, params, case, name, dtype, device, reference, runners)
             _send(answers, ["cell", [index, _result_message(result)]])
         _send(answers, ["column done", None])

@@ -1,0 +1,199 @@
+"""`rosetta bench --checkpoint-shapes`: what a check costs on models the size of real checkpoints.
+
+Random transformers models with the shapes of SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B (every
+parameter drawn, so every one matters) are saved as Hugging Face directories, and each command
+people run on such a checkpoint is timed as a separate process, with its peak memory: `rosetta
+import`, the one-cell check and the default check. Memory is the peak over the run of the
+proportional set size (PSS, /proc/PID/smaps_rollup) summed over the command's process tree: a
+weights file mapped by several workers counts once, as it takes memory once. Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# name -> (transformers model type, config fields): the published checkpoints' shapes
+SHAPES: dict[str, tuple[str, dict]] = {
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                   rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                                   bos_token_id=151643, eos_token_id=151643, pad_token_id=151643)),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                   rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                   bos_token_id=128000, eos_token_id=128001)),
+}
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+# the commands timed on each shape: name -> rosetta arguments after the program ({dir}, {weights} filled in)
+RUNS: dict[str, list[str]] = {
+    "import": ["import", "{dir}", "--out", "{weights}"],
+    "one-cell": ["check", "--hf", "{dir}", "-k", "forward-none", "--backends", "torch", "--dtypes", "float32"],
+    "default": ["check", "--hf", "{dir}"],
+}
+
+
+def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: int = 0) -> Path:
+    """A randomly initialised transformers model of the family saved to directory, every parameter
+    drawn: matrices at 1/sqrt(their smaller side), norm scales about 1 (not 1), biases about 0 (not 0)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[family][1])(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            if tensor.ndim >= 2:
+                tensor.copy_(noise * min(tensor.shape) ** -0.5)
+            elif "norm" in name:
+                tensor.copy_(1.0 + 0.2 * noise)
+            else:
+                tensor.copy_(0.2 * noise)
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
+def shaped_checkpoint(shape: str, directory: str | os.PathLike) -> Path:
+    """The random checkpoint of a SHAPES entry (made once: an existing directory is kept)."""
+    import transformers
+
+    family, fields = SHAPES[shape]
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    fields = dict(fields)
+    theta = fields.pop("rope_theta")
+    scaling = fields.pop("rope_scaling", None) or {"rope_type": "default"}
+    config = getattr(transformers, CLASSES[family][0])(**fields, rope_parameters={**scaling, "rope_theta": theta})
+    return random_checkpoint(family, config, directory)
+
+
+@dataclass
+class Measured:
+    """One command's run: wall time, peak memory of its process tree, exit code, last words."""
+
+    shape: str
+    run: str
+    command: list[str]
+    seconds: float
+    peak_pss_gb: float
+    exit_code: int | None  # None: stopped at the time limit
+    tail: list[str] = field(default_factory=list)
+
+
+def tree_pss(pid: int) -> int:
+    """Bytes of proportional set size of a process and all its descendants (0 for those gone)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for line in Path(f"/proc/{current}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def measure(shape: str, run: str, argv: Sequence[str], limit: float, every: float = 0.25) -> Measured:
+    """Run argv, sampling its process tree's PSS every `every` seconds; stop it after `limit`."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(list(argv), stdout=output, stderr=subprocess.STDOUT)
+        peak, done = 0, threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, tree_pss(process.pid))
+                done.wait(every)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            code: int | None = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            code = None
+        done.set()
+        sampler.join()
+        output.seek(0)
+        tail = output.read().decode(errors="replace").splitlines()[-12:]
+    return Measured(shape, run, list(argv), round(time.perf_counter() - start, 1), round(peak / 2**30, 2), code, tail)
+
+
+def bench_checkpoints(shapes: Sequence[str], runs: Sequence[str], root: str | os.PathLike, limit: float,
+                      log: Callable[[str], None] = print) -> list[Measured]:
+    """Each run on each shape, one after another (nothing else should run meanwhile)."""
+    results = []
+    for shape in shapes:
+        directory = shaped_checkpoint(shape, Path(root) / shape)
+        weights = Path(root) / f"{shape}.safetensors"
+        for run in runs:
+            argv = [sys.executable, "-m", "rosetta"] + [part.format(dir=directory, weights=weights) for part in RUNS[run]]
+            result = measure(shape, run, argv, limit)
+            ended = "stopped at the limit" if result.exit_code is None else f"exit {result.exit_code}"
+            log(f"{shape} {run}: {result.seconds:.1f} s, peak {result.peak_pss_gb:.2f} GB, {ended}")
+            results.append(result)
+    return results
+
+
+def as_dicts(results: Sequence[Measured]) -> list[dict]:
+    return [asdict(result) for result in results]
+
+
+# issue 38's targets on 2 cores and 24 GB: (shape, run) -> (seconds, GB or None)
+TARGETS: dict[tuple[str, str], tuple[float, float | None]] = {
+    ("qwen2.5-0.5b", "one-cell"): (20.0, None),
+    ("smollm2-135m", "default"): (600.0, 6.0),
+    ("qwen2.5-0.5b", "default"): (1200.0, 12.0),
+    ("llama-3.2-1b", "default"): (1800.0, None),
+}
+
+
+def markdown(results: Sequence[Measured], machine: dict, date: str) -> str:
+    """The bench's table, each run beside its target where it has one (time and memory as ratios)."""
+    lines = [f"# What a check costs at the size of real checkpoints ({date})", "",
+             f"Machine: {machine.get('processor', '?')}, {os.cpu_count()} cores, Python {machine.get('python', '?')}. "
+             "Random transformers models with the shapes of the published checkpoints; each command a process of "
+             "its own, memory the peak PSS of its process tree.", "",
+             "| shape | run | seconds | peak GB | exit | target | time / target | memory / target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        target = TARGETS.get((result.shape, result.run))
+        ended = "stopped at the limit" if result.exit_code is None else str(result.exit_code)
+        if target:
+            seconds, gigabytes = target
+            aim = f"≤ {seconds:.0f} s" + (f", ≤ {gigabytes:.0f} GB" if gigabytes else "")
+            time_ratio = f"{result.seconds / seconds:.2f}" + (" (at least)" if result.exit_code is None else "")
+            memory_ratio = f"{result.peak_pss_gb / gigabytes:.2f}" if gigabytes else "-"
+        else:
+            aim, time_ratio, memory_ratio = "-", "-", "-"
+        lines.append(f"| {result.shape} | {result.run} | {result.seconds:.1f} | {result.peak_pss_gb:.2f} | {ended} | "
+                     f"{aim} | {time_ratio} | {memory_ratio} |")
+    lines += ["", "Commands (rosetta …):", ""]
+    lines += [f"- {run}: `rosetta {' '.join(arguments)}`" for run, arguments in RUNS.items()]
+    failed = [result for result in results if result.exit_code not in (0,)]
+    for result in failed:
+        lines += ["", f"Last lines of {result.shape} {result.run}:", "", "```", *result.tail, "```"]
+    return "\n".join(lines) + "\n"

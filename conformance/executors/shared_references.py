@@ -1,0 +1,105 @@
+"""The golden's output for each case, computed once for all the worker processes of a run.
+
+Every column compares with the same reference, and at a real checkpoint's size one whole-model
+reference costs more than the cells that use it (Qwen2.5-0.5B's forward-long: ~1.5 TFLOP in
+float64). The first worker that needs a case's reference takes its lock file and computes it;
+the others wait for the file and memory-map it. A worker that dies holding a lock leaves it to
+the next one that asks. Only array references are shared (a forward's output, a generate case's
+tokens and step logits); a gradient or training case's reference, an object holding a runner, is
+computed by each worker that needs it, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+POLL_SECONDS = 0.05
+EMPTY_LOCK_SECONDS = 10.0  # a lock still without its holder's pid after this was left by a dead process
+
+
+class SharedReferences:
+    """References of one run in `folder`, shared by the processes given that folder."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+
+    def get(self, case_name: str, compute: Callable[[], object]) -> object:
+        """The case's reference: from the folder, else computed here (and stored, for arrays), else
+        waited for while another process computes it."""
+        while True:
+            if (stored := self._read(case_name)) is not None:
+                return stored
+            lock = self.folder / f"{case_name}.lock"
+            try:
+                descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if not _alive(lock):  # its holder died: the next one to ask computes it
+                    lock.unlink(missing_ok=True)
+                time.sleep(POLL_SECONDS)
+                continue
+            os.write(descriptor, str(os.getpid()).encode())
+            os.close(descriptor)
+            try:
+                reference = compute()
+                self._write(case_name, reference)
+            finally:
+                lock.unlink(missing_ok=True)
+            return reference
+
+    def _write(self, case_name: str, reference: object) -> None:
+        arrays = reference if isinstance(reference, tuple) else (reference,)
+        if not all(isinstance(array, np.ndarray) for array in arrays):
+            (self.folder / f"{case_name}.local").touch()  # each process computes its own
+            return
+        part = self.folder / f".{case_name}.{os.getpid()}.tmp"
+        part.mkdir()
+        for i, array in enumerate(arrays):
+            np.save(part / f"{i}.npy", array)
+        (part / ("tuple" if isinstance(reference, tuple) else "array")).touch()
+        os.rename(part, self.folder / case_name)  # whole or absent, to a reader
+
+    def _read(self, case_name: str) -> object | None:
+        if (self.folder / f"{case_name}.local").exists():
+            raise _ComputeHere
+        stored = self.folder / case_name
+        if not stored.is_dir():
+            return None
+        arrays = tuple(np.lib.format.open_memmap(path, mode="r")  # .npy headers only: never a pickle
+                       for path in sorted(stored.glob("*.npy"), key=lambda path: int(path.stem)))
+        return arrays if (stored / "tuple").exists() else arrays[0]
+
+
+class _ComputeHere(Exception):
+    """A reference another process found unshareable: this one computes its own."""
+
+
+def shared_reference(references: SharedReferences | None, case_name: str, compute: Callable[[], object]) -> object:
+    """The case's reference through `references` where a run shares them, else computed here."""
+    if references is None:
+        return compute()
+    try:
+        return references.get(case_name, compute)
+    except _ComputeHere:
+        return compute()
+
+
+def _alive(lock: Path) -> bool:
+    """Whether the process whose pid the lock holds still runs (a lock being written counts as alive)."""
+    try:
+        text = lock.read_text()
+    except FileNotFoundError:
+        return True  # gone already: the caller looks again
+    if not text:  # its holder may have died between making it and writing its pid
+        return time.time() - lock.stat().st_mtime < EMPTY_LOCK_SECONDS if lock.exists() else True
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True

@@ -1,0 +1,69 @@
+"""The golden's output computed once per case for every worker of a run
+(conformance.executors.shared_references): one computes while the others wait, arrays and
+tuples of arrays come back equal and memory-mapped, a lock left by a dead process is taken over,
+and a reference that is not arrays is computed by each process that needs it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from conformance.executors.shared_references import EMPTY_LOCK_SECONDS, SharedReferences, shared_reference
+
+
+def test_one_computes_while_the_others_wait(tmp_path):
+    shared, calls, results = SharedReferences(tmp_path), [], []
+    start = threading.Barrier(4)
+
+    def compute():
+        calls.append(1)
+        time.sleep(0.3)  # long enough for the others to find the lock
+        return np.arange(12.0).reshape(3, 4)
+
+    def worker():
+        start.wait()
+        results.append(shared.get("forward-long", compute))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(results) == 4
+    assert all(np.array_equal(result, np.arange(12.0).reshape(3, 4)) for result in results)
+    assert sum(isinstance(result, np.memmap) for result in results) == 3  # the waiters map the stored file
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_tuples_come_back_as_tuples(tmp_path):
+    tokens, logits = np.array([[5, 2, 0]]), np.linspace(0, 1, 30).reshape(1, 3, 10)
+    SharedReferences(tmp_path).get("generate-none", lambda: (tokens, logits))
+    stored = SharedReferences(tmp_path).get("generate-none", lambda: 1 / 0)
+    assert isinstance(stored, tuple) and len(stored) == 2
+    assert np.array_equal(stored[0], tokens) and stored[0].dtype == tokens.dtype and np.array_equal(stored[1], logits)
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
+    (tmp_path / "decode-far.lock").write_text("999999999")  # no such process
+    assert SharedReferences(tmp_path).get("decode-far", lambda: np.ones(2)).sum() == 2
+    empty = tmp_path / "forward-none.lock"
+    empty.touch()  # made, its pid never written: stale once old enough
+    old = time.time() - EMPTY_LOCK_SECONDS - 1
+    os.utime(empty, (old, old))
+    assert SharedReferences(tmp_path).get("forward-none", lambda: np.zeros(3)).shape == (3,)
+
+
+def test_a_reference_that_is_not_arrays_is_computed_by_each_process(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"gradients": np.ones(2)}
+
+    first = shared_reference(SharedReferences(tmp_path), "grad-mha-none", compute)
+    second = shared_reference(SharedReferences(tmp_path), "grad-mha-none", compute)
+    assert len(calls) == 2 and np.array_equal(first["gradients"], second["gradients"])
+    assert shared_reference(None, "grad-mha-none", compute) is not None and len(calls) == 3

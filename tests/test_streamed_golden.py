@@ -1,0 +1,84 @@
+"""The golden streamed from its float32 weights (impl_numpy.cast.CastOnRead): the same functions on a
+mapping that casts each tensor as it is read and holds at most a budget of them, so a model whose
+float64 copy does not fit runs layer by layer. It must give the whole-model golden's bits on
+every case, hold no more than its budget (plus the one tensor being read), and really stream:
+with a layer's budget, a whole-model case reads some tensors more than once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends.numpy_backend import GradientReference, NumpyRunner, golden_output
+from conformance.cases import build_case, case_names
+from conformance.memory import GOLDEN_SHARE, golden_budget
+from impl_numpy.cast import CastOnRead, layer_bytes
+from spec import conformance_params, get_preset, params_under
+
+PRESETS = ["tiny", "learned-pos", "char-lm", "llama-tiny", "qwen3-tiny", "stablelm-tiny"]
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, GradientReference):
+        a, b = a.gradients, b.gradients
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for name in a:
+            _same(a[name], b[name], f"{where}: {name}")
+    elif isinstance(a, tuple):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b), where
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_streamed_golden_equals_the_whole_golden_bit_for_bit(preset):
+    cfg = get_preset(preset)
+    params = conformance_params(cfg, seed=0)
+    whole = NumpyRunner(cfg, params, "float64")
+    budget = layer_bytes(cfg, params)
+    streamed = NumpyRunner(cfg, params, "float64", budget=budget)
+    largest = max(value.size for value in params.values()) * 8
+    names = case_names(cfg, backward=True)
+    gradient_cases = [name for name in names if name[0].startswith("grad-")][::4]  # a spread of them
+    for sublayer, mask_case in [name for name in names if not name[0].startswith(("grad-", "train_"))] + gradient_cases:
+        case = build_case(cfg, params, sublayer, mask_case)
+        _same(golden_output(cfg, params, sublayer, case.inputs, whole),
+              golden_output(cfg, params, sublayer, case.inputs, streamed), f"{preset} {case.name}")
+    assert isinstance(streamed.p, CastOnRead) and isinstance(whole.p, dict)
+    assert streamed.p.most_held <= budget + largest
+    assert streamed.p.casts > 2 * len(params)  # it streamed: the whole-model cases read the layers again
+
+
+def test_a_budget_of_none_casts_each_tensor_once_and_keeps_it():
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    p = CastOnRead(cfg, params)
+    for _ in range(3):
+        for name in params:
+            assert p[name].dtype == np.float64 and np.array_equal(p[name], params[name])
+    assert p.casts == len(params) and p.most_held == sum(value.size * 8 for value in params.values())
+
+
+def test_the_views_under_a_module_read_nothing_until_used():
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    p = CastOnRead(cfg, params, budget=0)
+    layer = params_under(p, "decoder.layers.1")
+    ffn = params_under(layer, "ffn")
+    assert p.casts == 0
+    assert sorted(ffn) == sorted(name[len("decoder.layers.1.ffn."):] for name in params
+                                 if name.startswith("decoder.layers.1.ffn."))
+    assert "w1.weight" in ffn and "w9.weight" not in ffn and len(ffn) == len(list(ffn))
+    assert np.array_equal(ffn["w1.weight"], params["decoder.layers.1.ffn.w1.weight"]) and p.casts == 1
+    assert p.held_bytes == params["decoder.layers.1.ffn.w1.weight"].size * 8  # a budget of 0 keeps the last one read
+
+
+def test_the_golden_streams_only_where_its_whole_cast_would_not_fit():
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    whole = sum(value.size for value in params.values()) * 8
+    assert golden_budget(cfg, params, available=int(whole / GOLDEN_SHARE) + 1) is None
+    streamed = golden_budget(cfg, params, available=int(whole / GOLDEN_SHARE) - 8)
+    assert streamed is not None and layer_bytes(cfg, params) <= streamed < whole
