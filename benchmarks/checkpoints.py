@@ -114,10 +114,14 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def measure(shape: str, run: str, argv: Sequence[str], limit: float, every: float = 0.25) -> Measured:
-    """Run argv, sampling its process tree's PSS every `every` seconds; stop it after `limit`."""
+def measure(shape: str, run: str, argv: Sequence[str], limit: float, every: float = 1.0,
+            log: str | os.PathLike | None = None) -> Measured:
+    """Run argv, sampling its process tree's PSS every `every` seconds (reading smaps_rollup of large
+    processes costs CPU: every 0.25 s, the sampler took 30% of a core beside a SmolLM2-sized check);
+    stop it after `limit`. Its
+    output (stdout and stderr) goes to the file `log` where one is given."""
     start = time.perf_counter()
-    with tempfile.TemporaryFile() as output:
+    with (open(log, "w+b") if log else tempfile.TemporaryFile()) as output:
         process = subprocess.Popen(list(argv), stdout=output, stderr=subprocess.STDOUT)
         peak, done = 0, threading.Event()
 
@@ -143,15 +147,16 @@ def measure(shape: str, run: str, argv: Sequence[str], limit: float, every: floa
 
 
 def bench_checkpoints(shapes: Sequence[str], runs: Sequence[str], root: str | os.PathLike, limit: float,
-                      log: Callable[[str], None] = print) -> list[Measured]:
-    """Each run on each shape, one after another (nothing else should run meanwhile)."""
+                      log: Callable[[str], None] = print, logs: str | os.PathLike | None = None) -> list[Measured]:
+    """Each run on each shape, one after another (nothing else should run meanwhile); each run's
+    output into logs/<shape>-<run>.log where a folder is given."""
     results = []
     for shape in shapes:
         directory = shaped_checkpoint(shape, Path(root) / shape)
         weights = Path(root) / f"{shape}.safetensors"
         for run in runs:
             argv = [sys.executable, "-m", "rosetta"] + [part.format(dir=directory, weights=weights) for part in RUNS[run]]
-            result = measure(shape, run, argv, limit)
+            result = measure(shape, run, argv, limit, log=Path(logs) / f"{shape}-{run}.log" if logs else None)
             ended = "stopped at the limit" if result.exit_code is None else f"exit {result.exit_code}"
             log(f"{shape} {run}: {result.seconds:.1f} s, peak {result.peak_pss_gb:.2f} GB, {ended}")
             results.append(result)

@@ -56,6 +56,7 @@ import numpy as np
 
 import impl_numpy as golden
 from impl_numpy import backward as golden_backward
+from conformance.text import LONG_TEXT, NEW_TOKENS, Prompts
 from conformance.tolerance import rotary_angle, tolerance
 from spec import ModelConfig
 from spec.dropout import draw_dropout_masks
@@ -119,6 +120,11 @@ MASK_CASES.update({size: f"{purpose} (norm: the FFN's norm; mha: the q/k head no
 MASK_CASES.update({f"{size}_{role}": f"{_SIZE_PURPOSE[size]} ({whose} norm)"
                    for role, whose in NORM_ROLES.items() for size in _SIZES})
 _ROTARY_CASES = ("far", "long")  # only rotary configs run them
+MASK_CASES.update({
+    "text": "real text: the --prompt prompts through the checkpoint's own tokenizer, padded at the end (forward, "
+            "decode) or at the start (generate)",
+    "text_long": f"real text of at least {LONG_TEXT} tokens: a prompt that long, or the prompts repeated until it is"})
+TEXT_CASES = ("text", "text_long")  # only a check given prompts runs them (conformance.text)
 _SCALED = tuple(name for name in MASK_CASES if name.split("_")[0] in _SIZES)
 
 
@@ -191,11 +197,11 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              lambda c: (3 if c.has_encoder else 2) * c.n_decoder_layers + 2),
     Sublayer("logits", "output projection (tied or not)", ("none",), lambda c: 1),
     Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
-    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long"), _layers_depth),
+    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long", *TEXT_CASES), _layers_depth),
     Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
-             ("incremental", "pad_right", "pad_left", "pad_start", "far"), _layers_depth),
+             ("incremental", "pad_right", "pad_left", "pad_start", "far", "text"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
-             ("none", "pad_right", "pad_left", "pad_start"), _layers_depth),
+             ("none", "pad_right", "pad_left", "pad_start", "text"), _layers_depth),
     Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits",
              (*_MODEL_CASES, "dropout"), lambda c: _layers_depth(c) + 1),
 ]}
@@ -678,12 +684,13 @@ def decode_steps(inputs: dict[str, Any], cache: Any, decode_step: Callable[[Any,
     return steps
 
 
-def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
-    """The mask cases of a sublayer that make sense for this config."""
+def applicable_cases(cfg: ModelConfig, sublayer: str, text: bool = False) -> tuple[str, ...]:
+    """The mask cases of a sublayer that make sense for this config; the text cases too where the
+    check has prompts (`text`: decoder-only models)."""
     spec_ = SUBLAYERS[sublayer]
     if spec_.needs_encoder and not cfg.has_encoder:
         return ()
-    cases = spec_.mask_cases
+    cases = tuple(c for c in spec_.mask_cases if c not in TEXT_CASES or text and not cfg.has_encoder)
     if cfg.positional == "rope":
         if forward_of(sublayer) == "positional":
             return ()
@@ -703,24 +710,50 @@ def applicable_cases(cfg: ModelConfig, sublayer: str) -> tuple[str, ...]:
     return cases
 
 
-def case_names(cfg: ModelConfig, backward: bool = False) -> list[tuple[str, str]]:
+def case_names(cfg: ModelConfig, backward: bool = False, text: bool = False) -> list[tuple[str, str]]:
     """(sublayer, mask case) of every case of the config's catalogue, in order; the gradient
-    and training cases too when `backward`."""
-    return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer)
+    and training cases too when `backward`, the text cases when `text` (a check given prompts)."""
+    return [(sublayer, mask_case) for sublayer in SUBLAYERS for mask_case in applicable_cases(cfg, sublayer, text)
             if backward or not is_backward(sublayer)]
 
 
 def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
-               golden_params: GoldenParams | None = None) -> Case:
+               golden_params: GoldenParams | None = None, prompts: Prompts | None = None) -> Case:
     """One case, its inputs built (the generate cases read the golden's tokens on `params`, the
-    train_steps cases its first gradient's norm). golden_params gives the parameters cast to
-    float64 where the caller holds them already (a golden runner's); else they are cast here,
-    if the case needs them."""
+    train_steps cases its first gradient's norm, the text cases the prompts' ids). golden_params
+    gives the parameters cast to float64 where the caller holds them already (a golden runner's);
+    else they are cast here, if the case needs them."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
-    build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
-    inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer, mask_case,
-                              rng)
+    if mask_case in TEXT_CASES:
+        if prompts is None:
+            raise ValueError(f"the case {sublayer}-{mask_case} runs real text: give the prompts (conformance.text)")
+        inputs, reduction = _text_inputs(cfg, prompts, sublayer, mask_case)
+    else:
+        build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
+        inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
+                                  mask_case, rng)
     return Case(sublayer, mask_case, inputs, reduction, rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs)))
+
+
+def _text_inputs(cfg: ModelConfig, prompts: Prompts, sublayer: str, mask_case: str) -> tuple[dict[str, Any], int]:
+    """A text case: the prompts' ids padded with pad_id at the end (forward, decode: the steps run
+    the last four positions, the shorter rows' padding among them) or at the start (generate,
+    as a decoder-only model's batch is), or the one long prompt."""
+    rows = [prompts.long] if mask_case == "text_long" else list(prompts.ids)
+    length = max(len(row) for row in rows)
+    padded = np.full((len(rows), length), cfg.pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        if sublayer == "generate":
+            padded[i, length - len(row):] = row
+        else:
+            padded[i, :len(row)] = row
+    reduction = max(cfg.d_model, cfg.d_ff, length + (NEW_TOKENS if sublayer == "generate" else 0))
+    if sublayer == "forward":
+        return {"src_ids": None, "tgt_ids": padded}, reduction
+    if sublayer == "decode":
+        return {"src_ids": None, "tgt_ids": padded, "prefix": max(1, length - 4)}, reduction
+    return {"src_ids": None, "prompt_ids": padded, "bos_id": None, "eos_id": prompts.eos_id,
+            "max_new_tokens": NEW_TOKENS}, reduction
 
 
 def largest_rotated_position(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> int:

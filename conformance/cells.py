@@ -13,7 +13,7 @@ import numpy as np
 
 from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
-from conformance.cases import SUBLAYERS, Case, forward_of, is_gradient, is_training
+from conformance.cases import SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
 from conformance.memory import golden_budget
 from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
 from conformance.training_cells import TrainingReference, compare_training
@@ -51,6 +51,9 @@ class CellResult:
     graph: str = ""  # the ONNX graph that served the cell, where the runner names it (Runner.graph_served)
     skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER or REFUSED
     left_out: str = ""  # the rows a runner could not compute the spec's way, and why (adapter.Partial)
+    # a text generate case's tokens, the backend's and the golden's, rows of ids (the report decodes them)
+    tokens: tuple[tuple[int, ...], ...] | None = None
+    golden_tokens: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def test_id(self) -> str:
@@ -66,6 +69,9 @@ class CellResult:
         record = asdict(self)
         record["passed"] = self.status == PASS
         record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        for key in ("tokens", "golden_tokens"):  # a text generate case's alone
+            if record[key] is None:
+                del record[key]
         for key in ("max_abs_err", "rel_err", "tol"):
             if record[key] is not None and not math.isfinite(record[key]):
                 record[key] = str(record[key])  # JSON has no inf
@@ -93,11 +99,16 @@ def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, ref
 
 def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference,
               runners: dict) -> CellResult:
+    """Run one cell on the column's runner from `runners` (loaded there when it is not: the one
+    runner a process holds) and judge it against the golden's `reference`."""
     base = dict(backend=name, device=device, dtype=dtype, sublayer=case.sublayer, mask_case=case.mask_case)
     start = time.perf_counter()
     try:
         key = (name, dtype, device)
         if key not in runners:
+            # every executor runs a column's cells together: the columns before it are done, and
+            # their runners go before this one loads (at a real checkpoint's size each holds GBs)
+            runners.clear()
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         output = _output(runners[key], case)
@@ -119,6 +130,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         base["left_out"] = output.describe()
         output, compared = output.output, output.compared
     relative = case.tolerance(cfg, dtype)
+    if case.sublayer == "generate" and case.mask_case in TEXT_CASES:
+        base["tokens"], base["golden_tokens"] = _rows(output), _rows(reference[0])
     if case.sublayer == "generate":
         result = compare_generation(output, *reference, relative, case.inputs["eos_id"], compared)
     elif is_gradient(case.sublayer):
@@ -137,6 +150,10 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
                       reason=result.reason, seconds=seconds)
+
+
+def _rows(tokens) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(token) for token in row) for row in np.asarray(tokens))
 
 
 def _output(runner, case: Case):

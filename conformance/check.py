@@ -24,10 +24,11 @@ from conformance.executors.local_pool import WorkerPool, auto_jobs
 from conformance.harness import plan_matrix, run_matrix
 from conformance.localize import localize_failures
 from conformance.models import load_model, register_model_directory
-from conformance.report import (empty_columns, format_problems, format_table, matrix_passed, summary_counts,
-                                write_report)
+from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
+                                summary_counts, write_report)
 from conformance.shards import shard_plan
-from spec import ModelConfig
+from conformance.text import decode_rows, prompts_for
+from spec import InputError, ModelConfig
 
 
 @dataclass
@@ -41,6 +42,7 @@ class CheckRun:
     seconds: float
     localizations: dict = field(default_factory=dict)
     placements: dict | None = None  # the executor's, where it spreads columns over nodes
+    text: list[dict] = field(default_factory=list)  # the text generate case's continuations (report.generated_text)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -64,7 +66,7 @@ class CheckRun:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
-                            placements=self.placements)
+                            placements=self.placements, text=self.text)
 
 
 def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | None = None,
@@ -73,30 +75,36 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 shard: tuple[int, int] | None = None, pattern: str | None = None, fail_fast: bool = False,
                 backward: bool = False, localize_every_column: bool = False, jobs: int | None = None,
                 executor: Executor | None = None, pool: WorkerPool | None = None,
-                progress: Callable[[CellResult, int, int], None] | None = None) -> CheckRun:
+                progress: Callable[[CellResult, int, int], None] | None = None,
+                prompts: Sequence[str] | None = None) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
     onnxruntime-genai columns join the backends), else the preset's conformance weights of seed.
     shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
     `executor` (e.g. executors.ray_cluster.RayCluster, whose devices count as present), else in
     `jobs` local worker processes (None: one per core on the CPU), taken from `pool` where the
-    caller started them ahead; both are closed here."""
+    caller started them ahead; both are closed here. prompts: texts that the hf directory's own
+    tokenizer turns into the text cases (conformance.text; decoder-only checkpoints)."""
     start = time.perf_counter()
     try:
         if hf:
             register_model_directory(hf)
         cfg, params, source = load_model(preset=preset, seed=seed, weights=weights, hf=hf)
+        if prompts and not hf:
+            raise InputError("the text cases tokenize with the checkpoint's own tokenizer: give --hf DIR")
+        text = prompts_for(cfg, hf, list(prompts)) if prompts else None
         plan = plan_matrix(cfg, backends, dtypes, devices, cluster_devices=executor.devices() if executor else None)
         if shard:
             plan = shard_plan(plan, *shard)
             source = {**source, "shard": f"{shard[0]}/{shard[1]}"}
         results = run_matrix(cfg, params, plan, pattern=pattern, fail_fast=fail_fast, progress=progress,
                              jobs=auto_jobs(plan.columns) if jobs is None else jobs, pool=pool, backward=backward,
-                             executor=executor)
+                             executor=executor, prompts=text)
     finally:
         if pool is not None:
             pool.close()
         if executor is not None:
             executor.close()
     seconds = time.perf_counter() - start
+    continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),
-                    getattr(executor, "placements", None))
+                    getattr(executor, "placements", None), continuations)

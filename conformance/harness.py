@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from conformance.cells import (  # noqa: F401 - the cell's names, where callers 
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
+from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
 
@@ -77,7 +79,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
                pattern: str | None = None, fail_fast: bool = False,
                progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1,
                pool: WorkerPool | None = None, backward: bool = False,
-               executor: Executor | None = None) -> list[CellResult]:
+               executor: Executor | None = None, prompts: Prompts | None = None) -> list[CellResult]:
     """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
     The gradient cases (grad-*, SPEC.md §13) run only with backward=True: JAX's autodiff, run
     eagerly per case, would triple a warm matrix (docs/backward.md has the figures).
@@ -86,19 +88,20 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     caller started them ahead (closed here, used or not). The results come back in the
     sequential order whatever ran them. `progress` is called with each finished cell, the cells
     finished and the cells to run; one with a `planned` method is first given the number of
-    cells each column will run."""
+    cells each column will run. With `prompts` (conformance.text) the text cases run too."""
     executor = executor or (LocalPool(jobs, pool) if jobs > 1 else InProcess())
     try:
-        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor)
+        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts)
     finally:
         executor.close()
         if pool is not None:
             pool.close()
 
 
-def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor: Executor) -> list[CellResult]:
+def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor: Executor,
+                prompts: Prompts | None) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
-    names = case_names(cfg, backward)
+    names = case_names(cfg, backward, text=prompts is not None)
     results: list[CellResult] = []
     for (name, dtype, device), reason in plan.skipped_columns.items():
         kind = unavailable_kind(reason)
@@ -124,7 +127,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                                           reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
                 continue
             if (sublayer, mask_case) not in built:
-                built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p)
+                built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
             work.append(WorkItem(len(work), built[sublayer, mask_case], column))
     finished: dict[int, CellResult] = {}
     stopped = False
@@ -145,8 +148,33 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     here = [item for item in work if not importable_by_name(item.column[0])]
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
-    if here:
+    if here and elsewhere:
+        # both at once: the executor's workers need not wait for this process's columns (a real
+        # checkpoint's transformers and onnxruntime-genai columns take minutes)
+        _alongside(lambda: InProcess(golden).run(cfg, params, here, record),
+                   lambda: executor.run(cfg, params, elsewhere, record))
+    elif here:
         InProcess(golden).run(cfg, params, here, record)
-    if elsewhere and not stopped:
+    elif elsewhere:
         executor.run(cfg, params, elsewhere, record)
     return results + [finished[index] for index in sorted(finished)]
+
+
+def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:
+    """Run background in a thread while foreground runs here; an exception from either is raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            background()
+        except BaseException as error:  # noqa: BLE001 - raised again in the calling thread
+            raised.append(error)
+
+    thread = threading.Thread(target=run, name="in-process columns", daemon=True)
+    thread.start()
+    try:
+        foreground()
+    finally:
+        thread.join()
+    if raised:
+        raise raised[0]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conformance.adapter import get_backend
@@ -257,13 +258,48 @@ def format_placements(placements: dict[str, dict | None]) -> str:
     return "\n".join(lines)
 
 
+def generated_text(results: list[CellResult], prompts: Sequence[str],
+                   decode: Callable[[Sequence[Sequence[int]]], list[str]]) -> list[dict]:
+    """Each prompt of the text generate case with the golden's continuation and each backend's,
+    decoded (`decode`: the checkpoint's tokenizer), and where a backend's first differs."""
+    cells = [r for r in results if r.tokens is not None and r.golden_tokens is not None]
+    if not cells:
+        return []
+    golden = decode(cells[0].golden_tokens)
+    entries = []
+    for row, prompt in enumerate(prompts):
+        backends = {}
+        for cell in cells:
+            theirs, ours = cell.tokens[row], cell.golden_tokens[row]
+            differs = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+            backends["/".join((cell.backend, cell.dtype, cell.device))] = {
+                "text": decode([theirs])[0], "first_difference": differs}
+        entries.append({"prompt": prompt, "golden": golden[row], "backends": backends})
+    return entries
+
+
+def format_generated_text(entries: list[dict]) -> str:
+    """generated_text as lines: the prompt, the golden's continuation, each backend's (or 'same')."""
+    lines = []
+    for number, entry in enumerate(entries, start=1):
+        width = max(len("golden"), *(len(column) for column in entry["backends"]))
+        lines += [f"prompt {number}: {entry['prompt']!r}", f"  {'golden':<{width}}  {entry['golden']!r}"]
+        for column, found in entry["backends"].items():
+            shown = "same" if found["first_difference"] is None else \
+                f"{found['text']!r} (differs from token {found['first_difference'] + 1})"
+            lines.append(f"  {column:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
-                 merged: dict | None = None, placements: dict | None = None) -> list[Path]:
+                 merged: dict | None = None, placements: dict | None = None,
+                 text: list[dict] | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
-    column ran, from an executor that spreads them over nodes (the Ray executor's)."""
+    column ran, from an executor that spreads them over nodes (the Ray executor's); text: the
+    text generate case's continuations, decoded (generated_text)."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     empty = empty_columns(results)
@@ -287,6 +323,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "graphs": graphs_served(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         **({"placements": placements} if placements else {}),
+        **({"generated_text": text} if text else {}),
         "cells": [r.to_dict() for r in results],
         **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
@@ -314,6 +351,8 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         written.append(directory / "heatmap.png")
     if placements:
         markdown += ["", "## Where each column ran", "", "```", format_placements(placements), "```"]
+    if text:
+        markdown += ["", "## Generated text (generate-text)", "", "```", format_generated_text(text), "```"]
     for column, found in (localizations or {}).items():
         first = found.first_failure
         markdown += ["", f"## Localization {column}", "",

@@ -65,7 +65,9 @@ def cell_from_dict(record: Mapping) -> CellResult:
                       number(record["tol"]),
                       None if record["worst_index"] is None else tuple(record["worst_index"]),
                       record.get("reason", ""), float(record.get("seconds", 0.0)), record.get("path", ""),
-                      record.get("graph", ""), record.get("skip", ""), record.get("left_out", ""))
+                      record.get("graph", ""), record.get("skip", ""), record.get("left_out", ""),
+                      *(None if record.get(key) is None else tuple(tuple(row) for row in record[key])
+                        for key in ("tokens", "golden_tokens")))
 
 
 def _same_verdict(a: CellResult, b: CellResult) -> bool:

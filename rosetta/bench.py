@@ -42,7 +42,7 @@ def _bench_checkpoints(args: argparse.Namespace, out: Path) -> int:
         if unknown := [name for name in given if name not in known]:
             raise UsageError(f"{what}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     results = bench_checkpoints(shapes, runs, Path(args.checkpoints).expanduser(), args.limit,
-                                log=lambda line: print(line, file=sys.stderr, flush=True))
+                                log=lambda line: print(line, file=sys.stderr, flush=True), logs=out)
     date = datetime.date.today().isoformat()
     (out / "bench.json").write_text(json.dumps({"date": date, "machine": machine(), "runs": as_dicts(results)},
                                                indent=2) + "\n")

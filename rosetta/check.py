@@ -20,9 +20,10 @@ from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
 from conformance.machine import NVIDIA_DRIVER
 from conformance.report import (attention_paths, empty_columns, format_attention_paths, format_empty_columns,
-                                format_graphs_served, format_placements, format_problems, format_table,
-                                graphs_served, summary_counts)
+                                format_generated_text, format_graphs_served, format_placements, format_problems,
+                                format_table, graphs_served, summary_counts)
 from conformance.shards import MergeError, merge_into_report, parse_shard
+from conformance.text import LONG_TEXT, load_tokenizer, read_prompts_file
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
 
@@ -88,6 +89,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--address and --accelerator name a Ray cluster: give them with --executor ray")
     if args.executor == "ray" and jobs is not None:
         raise UsageError("--jobs counts the local executor's worker processes; on Ray each column group is an actor")
+    prompts = list(args.prompt or []) + (read_prompts_file(args.prompts) if args.prompts else [])
+    if prompts:
+        if not args.hf:
+            raise UsageError("--prompt and --prompts tokenize with the checkpoint's own tokenizer: give --hf DIR")
+        load_tokenizer(args.hf)  # refused here, before the model is read, where DIR has none
     executor = _ray_cluster(args.address, args.accelerator) if args.executor == "ray" else None
     pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
     # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
@@ -102,7 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         run = check_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf, backends=backends,
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
-                          jobs=jobs, executor=executor, pool=pool, progress=progress)
+                          jobs=jobs, executor=executor, pool=pool, progress=progress, prompts=prompts or None)
     results, source, seconds = run.results, run.source, run.seconds
     counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
@@ -134,6 +140,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(graphs)
     if run.placements:
         print(format_placements(run.placements))
+    if run.text:
+        print(f"\ngenerated text (generate-text):\n{format_generated_text(run.text)}")
     for column, localization in run.localizations.items():
         first = localization.first_failure
         verdict = f"first failing stage: {first.name} ({first.sublayer})" if first else "no stage fails on its own"
@@ -192,6 +200,11 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                                        "`rosetta merge` combines the slices' reports")
     check.add_argument("--localize", action="store_true",
                        help="show the stage-by-stage error table of every column (failing columns always get it)")
+    check.add_argument("--prompt", action="append", metavar="TEXT",
+                       help="with --hf: real text, tokenized by DIR's tokenizer.json, for the text cases "
+                            "(forward-text, decode-text, generate-text and forward-text_long, a prompt of at least "
+                            f"{LONG_TEXT} tokens); repeat it for a batch")
+    check.add_argument("--prompts", metavar="FILE", help="with --hf: prompts from a file, one per line")
     check.add_argument("--quiet", action="store_true",
                        help="no progress (at a terminal the bar, piped a line per finished column)")
     check.add_argument("--jobs", default="auto",

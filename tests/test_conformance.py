@@ -11,8 +11,8 @@ import pytest
 from conformance.adapter import NotSupported, Partial, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
 import impl_numpy as golden
-from conformance.cases import (MASK_CASES, SUBLAYERS, applicable_cases, attention_queries, build_case, case_names,
-                               catalogue, choose_generation_rows)
+from conformance.cases import (MASK_CASES, SUBLAYERS, TEXT_CASES, applicable_cases, attention_queries, build_case,
+                               case_names, catalogue, choose_generation_rows)
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from pages.mutations import MUTATIONS, MutantBackend
 from conformance.report import empty_columns, format_problems
@@ -52,7 +52,8 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     cases = catalogue(TINY, PARAMS, backward=True)
     rotary_only = {"far", "long"}
     norms_tiny_lacks = {"small_final", "large_final", "small_embed", "large_embed"}  # tiny has neither norm
-    assert {c.mask_case for c in cases} == set(MASK_CASES) - rotary_only - norms_tiny_lacks
+    text_only = set(TEXT_CASES)  # a check given prompts runs them (tests/test_text_cases.py)
+    assert {c.mask_case for c in cases} == set(MASK_CASES) - rotary_only - norms_tiny_lacks - text_only
     llama = get_preset("llama-tiny")
     assert rotary_only <= {c.mask_case for c in catalogue(llama, conformance_params(llama))}
     embed_norm = VARIANTS["tiny.learned_swish_shared_embednorm"].replace(final_norm=True)

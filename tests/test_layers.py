@@ -22,6 +22,7 @@ FLOORS = {"spec": 0, "impl_numpy": 1, "impl_torch": 1, "impl_jax": 1, "importers
 CONFORMANCE_FLOORS = {
     "tolerance": 0, "adapter": 0, "machine": 0, "memory": 0,  # the policy, the protocol, where a run ran and
     #                                                           what it takes
+    "text": 0,  # real text's token ids, the text cases' input
     "cases": 1,  # the catalogue
     "backends": 2, "byo": 2, "export_check": 2,  # what runs a case
     "training_cells": 3, "observability": 3, "models": 3,  # what reads the golden or a backend's outputs

@@ -113,3 +113,20 @@ def test_torch_modules_are_built_without_random_initialisation(monkeypatch):
         for p in model.parameters():
             p.add_(1.0)
     assert all(np.array_equal(before[name], PARAMS[name]) for name in PARAMS)
+
+
+def test_a_process_holds_one_columns_runner_at_a_time():
+    """A real checkpoint's runner holds GBs (a transformers model per dtype): the runner of the
+    column before is let go when the next column's loads, and kept while its own cells run."""
+    from conformance.cases import build_case as build
+    from conformance.cells import golden_runner_for, reference_for, run_cell
+
+    case = build(CFG, PARAMS, "ffn", "none")
+    golden, references, runners = golden_runner_for(CFG, PARAMS), {}, {}
+    reference = reference_for(CFG, PARAMS, case, golden, references)
+    assert run_cell(CFG, PARAMS, case, "torch", "float32", "cpu", reference, runners).status == PASS
+    first = runners[("torch", "float32", "cpu")]
+    assert run_cell(CFG, PARAMS, case, "torch", "float32", "cpu", reference, runners).status == PASS
+    assert runners[("torch", "float32", "cpu")] is first  # the same column: loaded once
+    assert run_cell(CFG, PARAMS, case, "numpy-float32", "float32", "cpu", reference, runners).status == PASS
+    assert list(runners) == [("numpy-float32", "float32", "cpu")]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from conformance.adapter import get_backend, importable_by_name, register_backend, registered_paths
-from conformance.cases import build_case
+from conformance.cases import TEXT_CASES, Case, build_case
 from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
 from conformance.executors.shared_references import SharedReferences, shared_reference
@@ -68,8 +68,25 @@ def _result_message(result) -> dict:
     return dataclasses.asdict(result)  # floats, strings and a tuple of ints: JSON keeps them (NaN too)
 
 
+def _case_message(case: Case) -> dict:
+    """A case whose inputs are token ids, None and numbers (a text case), as JSON."""
+    inputs = {key: {"ids": value.tolist()} if isinstance(value, np.ndarray) else value
+              for key, value in case.inputs.items()}
+    return {"sublayer": case.sublayer, "mask_case": case.mask_case, "inputs": inputs,
+            "reduction_length": case.reduction_length, "angle": case.angle}
+
+
+def _case_from(message: dict) -> Case:
+    inputs = {key: np.asarray(value["ids"], dtype=np.int64) if isinstance(value, dict) else value
+              for key, value in message["inputs"].items()}
+    return Case(message["sublayer"], message["mask_case"], inputs, message["reduction_length"], message["angle"])
+
+
 def _result_from(message: dict) -> CellResult:
     worst = message.pop("worst_index")
+    for key in ("tokens", "golden_tokens"):  # rows of ids: tuples, as the cell made them
+        if message.get(key) is not None:
+            message[key] = tuple(tuple(row) for row in message[key])
     return CellResult(**message, worst_index=None if worst is None else tuple(worst))
 
 
@@ -99,8 +116,8 @@ class _Worker:
         _send(self.process.stdin, message)
 
     def send_setup(self, setup: tuple) -> None:
-        cfg_json, weights, references, backends, threads = setup
-        _send(self.process.stdin, {"config": cfg_json, "weights": weights, "references": references,
+        cfg_json, weights, references, cases, backends, threads = setup
+        _send(self.process.stdin, {"config": cfg_json, "weights": weights, "references": references, "cases": cases,
                                    "backends": backends, "threads": threads})
 
     def _listen(self, inbox: queue.Queue) -> None:
@@ -163,8 +180,10 @@ class LocalPool:
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
             on_result: OnResult) -> None:
         pool, self.pool = self.pool, None
+        # a text case is made from prompts a worker does not have: it goes to the workers whole
+        whole = {item.case.name: item.case for item in work if item.case.mask_case in TEXT_CASES}
         run_in_workers(cfg, params, [(item.index, item.case.name, item.column) for item in work], self.jobs,
-                       on_result, pool)
+                       on_result, pool, whole)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -172,9 +191,11 @@ class LocalPool:
 
 
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
-                   jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None) -> None:
+                   jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None,
+                   whole_cases: Mapping[str, Case] | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
-    time each, from `pool` where one was started ahead (it is closed here either way).
+    time each, from `pool` where one was started ahead (it is closed here either way). A worker
+    builds each case from its name, but for `whole_cases`, which it is sent.
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run."""
     by_column: dict[Column, list[tuple[int, str]]] = {}
@@ -189,7 +210,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     # and each case's golden output is computed by the first worker that needs it, for all of them
     references = os.path.join(folder.name, "references")
     os.mkdir(references)
-    setup = (cfg.to_json(), weights, references, registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
+    cases = {name: _case_message(case) for name, case in (whole_cases or {}).items()}
+    setup = (cfg.to_json(), weights, references, cases, registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
     if pool is None:
         pool = WorkerPool(jobs)
     pool.keep(jobs)
@@ -264,7 +286,7 @@ def _serve() -> None:
     cfg, params = load_weights(setup["weights"], ModelConfig.from_json(setup["config"]), mapped=True)
     # built when a column first asks for it: a worker builds only the cases of its own columns
     # (the training cases' inputs take a golden backward pass to make)
-    cases: dict = {}
+    cases: dict = {name: _case_from(message) for name, message in setup["cases"].items()}
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     shared = SharedReferences(setup["references"])
     while (task := _receive(requests)) is not None:

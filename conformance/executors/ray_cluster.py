@@ -172,6 +172,19 @@ class ColumnGroup:
         return run_cell(self.cfg, self.params, case, name, dtype, device, reference, self.runners)
 
 
+def _results_in_hand(refs: list) -> list[CellResult | None]:
+    """Each ref's cell where it is already there and is one, else None (not done, or the actor's death)."""
+    ray = _ray()
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+    results = []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref) if ref in ready else None)
+        except ray.exceptions.RayError:
+            results.append(None)
+    return results
+
+
 def _fingerprint_here() -> tuple[str, str, dict]:
     import ray
 
@@ -297,6 +310,8 @@ class RayCluster:
         while owner:
             # every cell done by now, in one call (a call per cell would scan every pending cell each time)
             ready, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0.05)
+            # in the order the actors ran them: a cell finished before its actor died is a result
+            ready.sort(key=lambda ref: owner[ref].pending[ref].index if ref in owner else -1)
             for ref in ready:
                 if ref in owner and self._take(ref, owner, on_result):
                     return
@@ -325,7 +340,15 @@ class RayCluster:
         errors that quote Ray's detail; a new actor takes the group's columns not started."""
         for ref in group.pending:
             owner.pop(ref, None)
+        finished = dict(zip(group.pending, _results_in_hand(list(group.pending))))
+        for ref, result in list(finished.items()):  # answered before the actor died (its answer arrived late)
+            if result is not None:
+                item = group.pending.pop(ref)
+                if on_result(item.index, result):
+                    return True
         left, group.pending = list(group.pending.values()), {}  # in the order the actor ran them
+        if not left:
+            return False
         crashed = left[0].column
         detail = " ".join(str(died).split())[:600]
         for item in [item for item in left if item.column == crashed]:

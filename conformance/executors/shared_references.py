@@ -49,7 +49,8 @@ class SharedReferences:
                 self._write(case_name, reference)
             finally:
                 lock.unlink(missing_ok=True)
-            return reference
+            stored = self._read_stored(case_name)  # mapped, so this process does not hold it in memory
+            return reference if stored is None else stored
 
     def _write(self, case_name: str, reference: object) -> None:
         arrays = reference if isinstance(reference, tuple) else (reference,)
@@ -66,6 +67,9 @@ class SharedReferences:
     def _read(self, case_name: str) -> object | None:
         if (self.folder / f"{case_name}.local").exists():
             raise _ComputeHere
+        return self._read_stored(case_name)
+
+    def _read_stored(self, case_name: str) -> object | None:
         stored = self.folder / case_name
         if not stored.is_dir():
             return None
