@@ -43,7 +43,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
 RUNS: dict[str, list[str]] = {
     "import": ["import", "{dir}", "--out", "{weights}"],
     "one-cell": ["check", "--hf", "{dir}", "-k", "forward-none", "--backends", "torch", "--dtypes", "float32"],
-    "default": ["check", "--hf", "{dir}"],
+    "default": ["check", "--hf", "{dir}"],  # a model this size: the plan of the default budget (10 min)
+    "full": ["check", "--hf", "{dir}", "--full"],  # every cell
 }
 
 

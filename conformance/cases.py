@@ -391,13 +391,18 @@ def _offset(mask_case: str) -> int:
     return FAR_POSITION if mask_case == "far" else 0
 
 
-def _layer(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
+def layer_of(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     """The layer a layer-level case runs: its mask cases take the stack's layers in turn, so every
     layer's attention is checked on its own inputs (a deep layer's parameters reach the whole
-    model's output only faintly)."""
+    model's output only faintly). A stack deeper than the cases are many has them spread from
+    its first layer to its last (a real checkpoint's 24 or 30 layers)."""
     stack = cfg.n_encoder_layers if sublayer == "encoder_layer" or (sublayer == "mha" and cfg.has_encoder) \
         else cfg.n_decoder_layers
-    return applicable_cases(cfg, sublayer).index(mask_case) % stack
+    cases = applicable_cases(cfg, sublayer)
+    index = cases.index(mask_case)
+    if stack <= len(cases) or len(cases) == 1:
+        return index % stack
+    return round(index * (stack - 1) / (len(cases) - 1))
 
 
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
@@ -450,8 +455,8 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         x = _normal(rng, BATCH, q_len, d) * np.float32(activation_size(mask_case))
         self_attention = sublayer == "mha" and q_len == k_len
         context = x if self_attention else _normal(rng, BATCH, k_len, d)
-        module = (f"{stack}.layers.{_layer(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
-                  else f"decoder.layers.{_layer(cfg, sublayer, mask_case)}.cross_attn")
+        module = (f"{stack}.layers.{layer_of(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
+                  else f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.cross_attn")
         offset = _offset(mask_case)
         inputs = {"module": module, "x": x, "context": context,
                   "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}
@@ -467,7 +472,7 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
-        return {"index": _layer(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
+        return {"index": layer_of(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
                 "mask": _explicit_mask(rng, mask_case, BATCH, heads, length, length)}, max(d, d_ff, length)
     if sublayer == "decoder_layer":
         t_len, s_len = (1, 1) if mask_case == "single_token" else (TGT_LEN, SRC_LEN)
@@ -481,7 +486,7 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         cross = None
         if cfg.has_encoder and mask_case in ("cross_pad", "all_pad"):
             cross = key_mask(_keep(BATCH, s_len, "pad_right" if mask_case == "cross_pad" else "all_pad"))
-        return {"index": _layer(cfg, sublayer, mask_case), "y": _normal(rng, BATCH, t_len, d), "memory": memory,
+        return {"index": layer_of(cfg, sublayer, mask_case), "y": _normal(rng, BATCH, t_len, d), "memory": memory,
                 "self_mask": self_mask,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)

@@ -14,6 +14,7 @@ import numpy as np
 from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
+from conformance.field_metrics import field_metrics
 from conformance.memory import golden_budget
 from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
 from conformance.training_cells import TrainingReference, compare_training
@@ -24,6 +25,7 @@ PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
 ABSENT = "absent"  # declared up front: the framework is not installed, the device not present, or the
 #                    backend does not run this dtype on this device (the plan's skipped columns)
 NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
+PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.budget)
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
 
 
@@ -49,11 +51,13 @@ class CellResult:
     seconds: float = 0.0
     path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
     graph: str = ""  # the ONNX graph that served the cell, where the runner names it (Runner.graph_served)
-    skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER or REFUSED
+    skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER, PLANNED_OUT or REFUSED
     left_out: str = ""  # the rows a runner could not compute the spec's way, and why (adapter.Partial)
     # a text generate case's tokens, the backend's and the golden's, rows of ids (the report decodes them)
     tokens: tuple[tuple[int, ...], ...] | None = None
     golden_tokens: tuple[tuple[int, ...], ...] | None = None
+    # a whole-model cell's metrics of the field (conformance.field_metrics): KL, top-1, top-5, ...
+    field: dict | None = None
 
     @property
     def test_id(self) -> str:
@@ -69,9 +73,12 @@ class CellResult:
         record = asdict(self)
         record["passed"] = self.status == PASS
         record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
-        for key in ("tokens", "golden_tokens"):  # a text generate case's alone
+        for key in ("tokens", "golden_tokens", "field"):  # a text generate case's alone; a whole-model cell's
             if record[key] is None:
                 del record[key]
+        if "field" in record:
+            record["field"] = {key: str(value) if isinstance(value, float) and not math.isfinite(value) else value
+                               for key, value in record["field"].items()}
         for key in ("max_abs_err", "rel_err", "tol"):
             if record[key] is not None and not math.isfinite(record[key]):
                 record[key] = str(record[key])  # JSON has no inf
@@ -147,9 +154,19 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
                                   tolerance(dtype, 1, 1))
     else:
         result = compare(output, reference, relative, case.floor, compared)
+    base["field"] = _field_metrics(case, output, reference, compared, dtype)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
                       reason=result.reason, seconds=seconds)
+
+
+def _field_metrics(case: Case, output, reference, compared, dtype: str) -> dict | None:
+    """The field's metrics of a whole-model cell (conformance.field_metrics); None where the
+    output is not what they read (the comparison has said why)."""
+    try:
+        return field_metrics(case.sublayer, output, reference, compared, dtype)
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def _rows(tokens) -> tuple[tuple[int, ...], ...]:

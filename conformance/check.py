@@ -11,6 +11,8 @@ and the failing whole-model columns localized stage by stage.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,16 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
+from conformance.budget import DEFAULT_BUDGET, BudgetPlan, fit_budget, format_seconds, larger_than_presets
+from conformance.cases import case_names
+from conformance.adapter import get_backend
 from conformance.cells import ERROR, FAIL, PASS, CellResult
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
-from conformance.harness import plan_matrix, run_matrix
+from conformance.harness import Plan, plan_matrix, run_matrix, runnable_cells
 from conformance.localize import localize_failures
-from conformance.models import load_model, register_model_directory
+from conformance.models import checkpoint_dtype, load_model, register_model_directory
 from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
 from conformance.shards import shard_plan
-from conformance.text import decode_rows, prompts_for
+from conformance.text import Prompts, decode_rows, prompts_for
 from spec import InputError, ModelConfig
 
 
@@ -43,6 +48,7 @@ class CheckRun:
     localizations: dict = field(default_factory=dict)
     placements: dict | None = None  # the executor's, where it spreads columns over nodes
     text: list[dict] = field(default_factory=list)  # the text generate case's continuations (report.generated_text)
+    plan: BudgetPlan | None = None  # where a budget chose the cells
 
     @property
     def counts(self) -> dict[str, int]:
@@ -66,7 +72,15 @@ class CheckRun:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
-                            placements=self.placements, text=self.text)
+                            placements=self.placements, text=self.text, plan=self.plan_figures)
+
+    @property
+    def plan_figures(self) -> dict | None:
+        """A budgeted plan's figures with the time the check took beside its estimate."""
+        if self.plan is None:
+            return None
+        return {**self.plan.to_dict(), "took_s": round(self.seconds, 1),
+                "took_over_estimate": round(self.seconds / max(self.plan.estimate.seconds, 1e-9), 2)}
 
 
 def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | None = None,
@@ -76,14 +90,19 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 backward: bool = False, localize_every_column: bool = False, jobs: int | None = None,
                 executor: Executor | None = None, pool: WorkerPool | None = None,
                 progress: Callable[[CellResult, int, int], None] | None = None,
-                prompts: Sequence[str] | None = None) -> CheckRun:
+                prompts: Sequence[str] | None = None, budget: float | None = None, size_aware: bool = False,
+                on_plan: Callable[[BudgetPlan], None] | None = None) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
     onnxruntime-genai columns join the backends), else the preset's conformance weights of seed.
     shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
     `executor` (e.g. executors.ray_cluster.RayCluster, whose devices count as present), else in
     `jobs` local worker processes (None: one per core on the CPU), taken from `pool` where the
     caller started them ahead; both are closed here. prompts: texts that the hf directory's own
-    tokenizer turns into the text cases (conformance.text; decoder-only checkpoints)."""
+    tokenizer turns into the text cases (conformance.text; decoder-only checkpoints). budget:
+    seconds the cells are chosen to fit, by value (conformance.budget; BudgetTooSmall where not
+    one whole-model cell fits), the plan handed to on_plan before anything runs; size_aware:
+    without a budget, DEFAULT_BUDGET where the model is larger than the presets (`rosetta
+    check`'s default; --full runs everything)."""
     start = time.perf_counter()
     try:
         if hf:
@@ -96,9 +115,16 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
         if shard:
             plan = shard_plan(plan, *shard)
             source = {**source, "shard": f"{shard[0]}/{shard[1]}"}
+        jobs = auto_jobs(plan.columns) if jobs is None else jobs
+        budgeted = None
+        if budget is None and size_aware and larger_than_presets(cfg):
+            budget = DEFAULT_BUDGET
+        if budget is not None:
+            plan, budgeted = _fit(cfg, params, plan, source, budget, backward, pattern, text, jobs)
+            if on_plan:
+                on_plan(budgeted)
         results = run_matrix(cfg, params, plan, pattern=pattern, fail_fast=fail_fast, progress=progress,
-                             jobs=auto_jobs(plan.columns) if jobs is None else jobs, pool=pool, backward=backward,
-                             executor=executor, prompts=text)
+                             jobs=jobs, pool=pool, backward=backward, executor=executor, prompts=text)
     finally:
         if pool is not None:
             pool.close()
@@ -107,4 +133,27 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
     seconds = time.perf_counter() - start
     continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),
-                    getattr(executor, "placements", None), continuations)
+                    getattr(executor, "placements", None), continuations, budgeted)
+
+
+def _cold(cfg: ModelConfig, params, plan: Plan) -> set:
+    """The columns whose load would export first: a backend that can say (load_is_cached) says not cached."""
+    cold = set()
+    for column in plan.columns:
+        backend, _ = get_backend(column[0])
+        cached = getattr(backend, "load_is_cached", None)
+        if cached is not None and not cached(cfg, params, column[1]):
+            cold.add(column)
+    return cold
+
+
+def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, backward: bool, pattern: str | None,
+         text: Prompts | None, jobs: int) -> tuple[Plan, BudgetPlan]:
+    """The plan with the cells a budget holds chosen (conformance.budget), and the choice."""
+    cells = runnable_cells(plan, case_names(cfg, backward, text=text is not None), pattern)
+    # the cells run in parallel on the workers, but no faster than the cores let them
+    workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns)))
+    lengths = [len(row) for row in text.ids] if text else []
+    budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, _cold(cfg, params, plan))
+    left_out = f"left out by the plan's budget of {format_seconds(budget)} (--full runs every cell)"
+    return dataclasses.replace(plan, chosen=frozenset(budgeted.chosen), left_out=left_out), budgeted

@@ -15,11 +15,13 @@ import numpy as np
 from conformance.adapter import backend_names, get_backend, importable_by_name
 from conformance.cases import Case, build_case, case_names
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
-    ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, SKIP, CellResult, cell_id, golden_runner_for, reference_for, run_cell,
-    unavailable_kind)
+    ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, CellResult, cell_id, golden_runner_for,
+    reference_for, run_cell, unavailable_kind)
+from conformance.cost import positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
+from conformance.memory import COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
@@ -42,6 +44,10 @@ class Plan:
     cfg: ModelConfig
     columns: list[tuple[str, str, str]]  # (backend, dtype, device) that can run
     skipped_columns: dict[tuple[str, str, str], str]  # (backend, dtype, device) -> reason
+    # where a budget chose the cells (conformance.budget): (sublayer, mask case, column) of those
+    # that run; the others are skip cells that give `left_out` as their reason
+    chosen: frozenset[tuple[str, str, tuple[str, str, str]]] | None = None
+    left_out: str = ""
 
 
 def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
@@ -73,6 +79,20 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
                 else:
                     columns.append(key)
     return Plan(cfg, columns, skipped)
+
+
+def runnable_cells(plan: Plan, names: Sequence[tuple[str, str]], pattern: str | None = None
+                   ) -> list[tuple[str, str, tuple[str, str, str]]]:
+    """(sublayer, mask case, column) of every cell the plan's columns would run, in the sequential
+    order: those `pattern` matches and whose backend has the sublayer."""
+    cells = []
+    for column in plan.columns:
+        name, dtype, device = column
+        backend, _ = get_backend(name)
+        why_not = getattr(backend, "supports_sublayer", lambda sublayer: None)
+        cells += [(sublayer, mask_case, column) for sublayer, mask_case in names
+                  if matches(cell_id(sublayer, mask_case, dtype, name, device), pattern) and why_not(sublayer) is None]
+    return cells
 
 
 def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | None = None, *,
@@ -113,18 +133,28 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
+    memory = _memory_ledger(cfg, names, prompts) if hasattr(executor, "memory") else None
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
         # is not made for a column whose every cell would be skipped
         backend, _ = get_backend(name)
         why_not = getattr(backend, "supports_sublayer", lambda sublayer: None)
+        too_large = memory.why_not(column) if memory else None
         for sublayer, mask_case in names:
             if not matches(cell_id(sublayer, mask_case, dtype, name, device), pattern):
                 continue
             if (why := why_not(sublayer)) is not None:
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
                                           reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
+                continue
+            if plan.chosen is not None and (sublayer, mask_case, column) not in plan.chosen:
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=plan.left_out,
+                                          skip=PLANNED_OUT))
+                continue
+            if too_large:  # never started, rather than killed by the kernel for want of memory
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=too_large,
+                                          skip=ABSENT))
                 continue
             if (sublayer, mask_case) not in built:
                 built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
@@ -148,16 +178,28 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     here = [item for item in work if not importable_by_name(item.column[0])]
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
+    if memory is not None:
+        executor.memory = memory
     if here and elsewhere:
         # both at once: the executor's workers need not wait for this process's columns (a real
         # checkpoint's transformers and onnxruntime-genai columns take minutes)
-        _alongside(lambda: InProcess(golden).run(cfg, params, here, record),
+        _alongside(lambda: InProcess(golden, memory).run(cfg, params, here, record),
                    lambda: executor.run(cfg, params, elsewhere, record))
     elif here:
-        InProcess(golden).run(cfg, params, here, record)
+        InProcess(golden, memory).run(cfg, params, here, record)
     elif elsewhere:
         executor.run(cfg, params, elsewhere, record)
     return results + [finished[index] for index in sorted(finished)]
+
+
+def _memory_ledger(cfg: ModelConfig, names: Sequence[tuple[str, str]], prompts: Prompts | None) -> MemoryLedger:
+    """The ledger by which the columns run on this machine share its memory (conformance.memory):
+    COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the run's
+    longest case."""
+    lengths = [len(row) for row in prompts.ids] if prompts else []
+    longest = max((positions(cfg, sublayer, mask_case, lengths) for sublayer, mask_case in names), default=1)
+    return MemoryLedger(int(COLUMNS_SHARE * available_memory()),
+                        lambda column: column_footprint(cfg, column, longest))
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

@@ -4,11 +4,13 @@ model directory's own model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from spec import ModelConfig, conformance_params, get_preset, load_weights
+from spec.weights import read_header
 
 
 def load_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | None = None,
@@ -27,6 +29,31 @@ def load_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | Non
         return imported.config, imported.params, {"hf": str(hf), "family": imported.family}
     cfg = get_preset(preset)
     return cfg, conformance_params(cfg, seed), {"preset": preset, "seed": seed}
+
+
+_STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def checkpoint_dtype(source: dict) -> str:
+    """The dtype a checkpoint was published in, which a budgeted plan checks first
+    (conformance.budget): a Hugging Face directory's config.json says it (dtype, or torch_dtype
+    in older files), else its first floating tensor's; a preset's or a weights file's is float32
+    (the spec's weights are float32)."""
+    if "hf" not in source:
+        return "float32"
+    directory = Path(source["hf"])
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    named = config.get("dtype") or config.get("torch_dtype")
+    if named in _STORED.values():
+        return named
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, entry in read_header(path).items():
+            if name != "__metadata__" and entry.get("dtype") in _STORED:
+                return _STORED[entry["dtype"]]
+    return "float32"
 
 
 def register_model_directory(directory: str | Path) -> None:

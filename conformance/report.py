@@ -43,6 +43,7 @@ from pathlib import Path
 
 from conformance.adapter import get_backend
 from conformance.cells import ERROR, FAIL, PASS, REFUSED, SKIP, CellResult
+from conformance.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
@@ -291,15 +292,23 @@ def format_generated_text(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def field_metrics_table(results: list[CellResult]) -> str:
+    """The whole-model cells that ran, our verdict beside the field's metrics and criteria
+    (conformance.field_metrics); '' where no cell has them."""
+    cells = [{"id": r.test_id, "status": r.status, "field": r.field} for r in results if r.field]
+    return format_field_metrics(cells) if cells else ""
+
+
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
                  merged: dict | None = None, placements: dict | None = None,
-                 text: list[dict] | None = None) -> list[Path]:
+                 text: list[dict] | None = None, plan: dict | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
     column ran, from an executor that spreads them over nodes (the Ray executor's); text: the
-    text generate case's continuations, decoded (generated_text)."""
+    text generate case's continuations, decoded (generated_text); plan: a budgeted plan's
+    figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     empty = empty_columns(results)
@@ -324,6 +333,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
         **({"placements": placements} if placements else {}),
         **({"generated_text": text} if text else {}),
+        **({"plan": plan} if plan else {}),
         "cells": [r.to_dict() for r in results],
         **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
@@ -353,6 +363,11 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         markdown += ["", "## Where each column ran", "", "```", format_placements(placements), "```"]
     if text:
         markdown += ["", "## Generated text (generate-text)", "", "```", format_generated_text(text), "```"]
+    if field := field_metrics_table(results):
+        markdown += ["", "## The field's metrics (whole-model cells)", "",
+                     f"Per-token KL(golden ‖ backend), top-1 agreement and top-{TOP_K} containment, and whether each "
+                     f"cell would pass MaxText's logit check (every token's KL ≤ {KL_LIMIT:g}, float32 cells) and "
+                     f"vLLM's top-{TOP_K} containment. Our verdict is the tolerance policy's.", "", "```", field, "```"]
     for column, found in (localizations or {}).items():
         first = found.first_failure
         markdown += ["", f"## Localization {column}", "",

@@ -67,7 +67,14 @@ def cell_from_dict(record: Mapping) -> CellResult:
                       record.get("reason", ""), float(record.get("seconds", 0.0)), record.get("path", ""),
                       record.get("graph", ""), record.get("skip", ""), record.get("left_out", ""),
                       *(None if record.get(key) is None else tuple(tuple(row) for row in record[key])
-                        for key in ("tokens", "golden_tokens")))
+                        for key in ("tokens", "golden_tokens")), _field(record.get("field")))
+
+
+def _field(metrics: dict | None) -> dict | None:
+    """A cell's field metrics as the cell made them (JSON writes an infinite KL as a string)."""
+    if metrics is None:
+        return None
+    return {key: float(value) if value in ("inf", "nan") else value for key, value in metrics.items()}
 
 
 def _same_verdict(a: CellResult, b: CellResult) -> bool:

@@ -55,6 +55,13 @@ def cache_key(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: 
     return digest.hexdigest()[:32]
 
 
+def is_exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: str = "torch",
+                dtype: str = "float32", opset: int = 23) -> bool:
+    """Whether the cache holds this model's export whole (exported() would not export it again)."""
+    root = cache_root()
+    return root is not None and _complete(root / cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset))
+
+
 def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: str = "torch",
              dtype: str = "float32", opset: int = 23) -> Path:
     """The directory of this model's export (written on first use). framework: 'torch' | 'jax'."""
@@ -90,8 +97,9 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
 
 
 def _complete(directory: Path) -> bool:
-    """Whether a cache entry holds its manifest and every graph the manifest names."""
+    """Whether a cache entry holds its manifest and every graph and weights file the manifest names."""
     if not (directory / "manifest.json").is_file():
         return False
     manifest = json.loads((directory / "manifest.json").read_text())
-    return all((directory / name).is_file() for name in manifest["graphs"].values())
+    files = [*manifest["graphs"].values(), *manifest.get("external_data", {}).values()]
+    return all((directory / name).is_file() for name in files)

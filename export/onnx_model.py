@@ -21,6 +21,9 @@ FALLBACK_OPSET = 20  # attention decomposed into MatMul / Softmax / Where
 OPSETS = (DEFAULT_OPSET, FALLBACK_OPSET)
 DTYPES = ("float32", "float16")
 METADATA_PREFIX = "rosetta."
+# protobuf cannot write a message over 2 GiB: a graph whose weights take more than this keeps them
+# in one file beside it (ONNX's external data, `<graph>.onnx.data`), which onnxruntime reads
+EXTERNAL_DATA_ABOVE = 1_800_000_000
 
 
 class ExportError(SpecError):
@@ -80,8 +83,19 @@ def finish(model: onnx.ModelProto, cfg: ModelConfig, params: Mapping[str, np.nda
         model.metadata_props.add(key=METADATA_PREFIX + key, value=value)
     model.producer_name = "transformer-rosetta"
     check_signature(model, signature)
-    onnx.checker.check_model(model, full_check=True)
+    if weight_bytes(model) <= EXTERNAL_DATA_ABOVE:
+        onnx.checker.check_model(model, full_check=True)  # a larger one is checked from its files by save()
     return model
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of a graph's initializers (its weights), as stored."""
+    return sum(len(tensor.raw_data) or tensor.ByteSize() for tensor in model.graph.initializer)
+
+
+def external_data_file(graph: str | Path) -> str:
+    """The file beside a graph that holds its weights where they are too large for the graph's own."""
+    return Path(graph).name + ".data"
 
 
 def check_signature(model: onnx.ModelProto, signature: GraphSignature) -> None:
@@ -101,11 +115,20 @@ def metadata(model: onnx.ModelProto) -> dict[str, str]:
 
 
 def save(model: onnx.ModelProto, path: Path) -> Path:
-    """Write a graph atomically (a temporary file renamed into place)."""
+    """Write a graph atomically (a temporary file renamed into place); one whose weights take more
+    than EXTERNAL_DATA_ABOVE with them in external_data_file(path), and checked from there (the
+    checker cannot take so large a graph in memory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(path.suffix + ".tmp")
-    onnx.save_model(model, temporary)
+    if weight_bytes(model) > EXTERNAL_DATA_ABOVE:
+        data = path.parent / external_data_file(path)
+        data.unlink(missing_ok=True)  # save_model appends to an existing file
+        onnx.save_model(model, temporary, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+        onnx.checker.check_model(str(temporary), full_check=True)
+    else:
+        onnx.save_model(model, temporary)
     temporary.replace(path)
     return path
 
@@ -121,6 +144,9 @@ def write_manifest(directory: Path, cfg: ModelConfig, params: Mapping[str, np.nd
         "opset": opset,
         "exporter": exporter,
         "graphs": dict(graphs),
+        # the weights of a graph too large to hold them (save), by graph file
+        "external_data": {name: external_data_file(name) for name in graphs.values()
+                          if (Path(directory) / external_data_file(name)).is_file()},
     }
     if max_positions is not None:
         manifest["max_positions"] = max_positions  # the graphs take sequences up to this length

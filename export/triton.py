@@ -95,6 +95,8 @@ def write_repository(export_dir: str | Path, repository: str | Path, *, prefix: 
         directory = repository / name
         (directory / "1").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(export_dir / file, directory / "1" / "model.onnx")
+        if data := manifest.get("external_data", {}).get(file):  # the weights file keeps its name: the graph names it
+            shutil.copyfile(export_dir / data, directory / "1" / data)
         # an input without a batch axis (decoder_step's position) cannot be stacked across requests
         batchable = all(value.type.tensor_type.shape.dim for value in model.graph.input)
         (directory / "config.pbtxt").write_text(model_config(

@@ -15,13 +15,14 @@ from rich.console import Console
 from conformance import terminal
 from conformance.adapter import backend_names, importable_by_name
 from conformance.check import check_model
+from conformance.budget import DEFAULT_BUDGET, BudgetPlan, format_seconds, parse_budget
 from conformance.cells import ERROR, FAIL, PASS, SKIP
 from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
 from conformance.machine import NVIDIA_DRIVER
-from conformance.report import (attention_paths, empty_columns, format_attention_paths, format_empty_columns,
-                                format_generated_text, format_graphs_served, format_placements, format_problems,
-                                format_table, graphs_served, summary_counts)
+from conformance.report import (attention_paths, empty_columns, field_metrics_table, format_attention_paths,
+                                format_empty_columns, format_generated_text, format_graphs_served, format_placements,
+                                format_problems, format_table, graphs_served, summary_counts)
 from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.text import LONG_TEXT, load_tokenizer, read_prompts_file
 from conformance.tolerance import DTYPES
@@ -51,6 +52,11 @@ def _ray_cluster(address: str | None, accelerator: str | None):
         return RayCluster(address, accelerator)
     except (RayUnavailable, ClusterMismatch) as error:
         raise UsageError(str(error)) from None
+
+
+def _print_plan(plan: BudgetPlan) -> None:
+    """A budgeted plan, before the run: what it runs and leaves out, and the estimates."""
+    print(plan.describe(), flush=True)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -89,6 +95,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--address and --accelerator name a Ray cluster: give them with --executor ray")
     if args.executor == "ray" and jobs is not None:
         raise UsageError("--jobs counts the local executor's worker processes; on Ray each column group is an actor")
+    if args.budget and args.full:
+        raise UsageError("--budget chooses the cells that fit a time, --full runs every cell: give one")
+    try:
+        budget = parse_budget(args.budget) if args.budget else None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     prompts = list(args.prompt or []) + (read_prompts_file(args.prompts) if args.prompts else [])
     if prompts:
         if not args.hf:
@@ -108,7 +120,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         run = check_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf, backends=backends,
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
-                          jobs=jobs, executor=executor, pool=pool, progress=progress, prompts=prompts or None)
+                          jobs=jobs, executor=executor, pool=pool, progress=progress, prompts=prompts or None,
+                          budget=budget, size_aware=not args.full, on_plan=_print_plan)
     results, source, seconds = run.results, run.source, run.seconds
     counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
@@ -140,6 +153,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(graphs)
     if run.placements:
         print(format_placements(run.placements))
+    if run.plan:
+        figures = run.plan_figures
+        print(f"\nplan: estimated {format_seconds(run.plan.estimate.seconds)}, took {format_seconds(run.seconds)} "
+              f"({figures['took_over_estimate']}x the estimate); {len(run.plan.left_out)} cells left out by the budget "
+              "(--full runs them)")
+    if "hf" in source and (field := field_metrics_table(results)):
+        print(f"\nthe field's metrics (whole-model cells; our verdict is the tolerance policy's):\n{field}")
     if run.text:
         print(f"\ngenerated text (generate-text):\n{format_generated_text(run.text)}")
     for column, localization in run.localizations.items():
@@ -205,6 +225,12 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "(forward-text, decode-text, generate-text and forward-text_long, a prompt of at least "
                             f"{LONG_TEXT} tokens); repeat it for a batch")
     check.add_argument("--prompts", metavar="FILE", help="with --hf: prompts from a file, one per line")
+    check.add_argument("--budget", metavar="TIME",
+                       help="choose the cells that fit TIME (90s, 10m, 1.5h) by value: the whole model at the "
+                            "checkpoint's dtype and float32 first, then the sublayers on the first, a middle and the "
+                            "last layer, then the other dtypes and cases (the plan is printed first). Default: "
+                            f"{DEFAULT_BUDGET / 60:.0f}m for a model larger than the presets, else every cell")
+    check.add_argument("--full", action="store_true", help="run every cell whatever the model's size")
     check.add_argument("--quiet", action="store_true",
                        help="no progress (at a terminal the bar, piped a line per finished column)")
     check.add_argument("--jobs", default="auto",

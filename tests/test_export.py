@@ -544,3 +544,34 @@ def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
              if len(v.type.tensor_type.shape.dim) == 4}
     attention = [(heads.get(node.input[0]), heads.get(node.input[1])) for node in graph.node if node.op_type == "Attention"]
     assert attention == [(cfg.n_heads, cfg.kv_heads)] * cfg.n_decoder_layers
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_graph_too_large_for_protobuf_keeps_its_weights_beside_it(tmp_path, monkeypatch, framework):
+    """Issue 38: above protobuf's 2 GB a graph's weights go to `<graph>.onnx.data` (external data);
+    the threshold lowered here so that llama-tiny's graphs cross it. The cache stores both files,
+    onnxruntime serves the pair against the golden, and a Triton repository copies both."""
+    import export.onnx_model as onnx_model
+    from export.triton import write_repository
+
+    monkeypatch.setattr(onnx_model, "EXTERNAL_DATA_ABOVE", 1000)
+    monkeypatch.setenv("ROSETTA_ONNX_CACHE", str(tmp_path / "cache"))
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    directory = exported(cfg, params, framework=framework, dtype="float32")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["external_data"] == {name: name + ".data" for name in manifest["graphs"].values()}
+    forward = onnx.load(str(directory / "forward.onnx"), load_external_data=False)
+    assert (directory / "forward.onnx.data").stat().st_size > (directory / "forward.onnx").stat().st_size
+    assert any(tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in forward.graph.initializer)
+    ids = np.array([[5, 9, 3, 7], [2, 8, 4, 1]], dtype=np.int64)
+    logits = OnnxTransformer(directory).forward(None, ids)
+    expected = golden.forward(cfg, params, None, ids)
+    assert compare(logits.astype(np.float64), expected, tolerance("float32", cfg.d_ff, _depth(cfg))).passed
+    (directory / "forward.onnx.data").rename(tmp_path / "moved")  # an entry without its weights is not whole
+    assert exported(cfg, params, framework=framework, dtype="float32") == directory
+    assert (directory / "forward.onnx.data").is_file()  # made again
+    if framework == "torch":
+        written = write_repository(directory, tmp_path / "triton")
+        forward_model = next(path for path in written if path.name.endswith("_forward"))
+        assert (forward_model / "1" / "forward.onnx.data").is_file()

@@ -20,10 +20,11 @@ FLOORS = {"spec": 0, "impl_numpy": 1, "impl_torch": 1, "impl_jax": 1, "importers
           "pages": 4, "benchmarks": 4, "rosetta": 5}
 # conformance/'s own floors, by module (a package's floor is its submodules' too)
 CONFORMANCE_FLOORS = {
-    "tolerance": 0, "adapter": 0, "machine": 0, "memory": 0,  # the policy, the protocol, where a run ran and
-    #                                                           what it takes
+    "tolerance": 0, "adapter": 0, "machine": 0,  # the policy, the protocol, where a run ran
     "text": 0,  # real text's token ids, the text cases' input
+    "field_metrics": 0,  # the field's metrics of a model's output
     "cases": 1,  # the catalogue
+    "memory": 2, "cost": 2, "budget": 2,  # what the catalogue's cells take, in memory and time, and what fits
     "backends": 2, "byo": 2, "export_check": 2,  # what runs a case
     "training_cells": 3, "observability": 3, "models": 3,  # what reads the golden or a backend's outputs
     "cells": 4,  # one cell run and judged

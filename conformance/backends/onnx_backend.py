@@ -15,7 +15,7 @@ import numpy as np
 
 from conformance.adapter import NotSupported
 from conformance.cases import decode_steps, is_backward
-from export.cache import exported
+from export.cache import exported, is_exported
 from export.graphs import DECODER_STEP, ENCODER, FORWARD
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
@@ -93,6 +93,11 @@ class OnnxBackend:
         if sublayer in ("decode", "generate") and self.framework == "jax":
             return "the JAX export has no decoder graphs (forward and encoder only)"
         return None
+
+    def load_is_cached(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str) -> bool:
+        """Whether load() finds its export made (conformance.cost: an export of a real checkpoint
+        takes minutes, a cached one seconds)."""
+        return is_exported(cfg, params, framework=self.framework, dtype=dtype, opset=DEFAULT_OPSET)
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> OnnxRunner:
         directory = exported(cfg, params, framework=self.framework, dtype=dtype, opset=DEFAULT_OPSET)

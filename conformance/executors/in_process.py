@@ -10,6 +10,7 @@ import numpy as np
 from conformance.backends.numpy_backend import NumpyRunner
 from conformance.cells import golden_runner_for, reference_for, run_cell
 from conformance.executors import OnResult, WorkItem
+from conformance.memory import MemoryLedger
 from spec import ModelConfig
 
 
@@ -17,19 +18,31 @@ class InProcess:
     """Runs cells here, loading each column's runner once and the golden's output once per case,
     on the caller's golden runner where it has one (its float64 parameters, cast once)."""
 
-    def __init__(self, golden: NumpyRunner | None = None):
+    def __init__(self, golden: NumpyRunner | None = None, memory: MemoryLedger | None = None):
         self.golden = golden
+        self.memory = memory  # where set (the harness's), a column starts when its memory is free
+
+    def _start(self, column, current) -> None:
+        if self.memory is not None and column != current:
+            self.memory.take(self, column)
 
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
             on_result: OnResult) -> None:
         golden = self.golden if self.golden is not None and self.golden.params is params \
             else golden_runner_for(cfg, params)
         references, runners = {}, {}
-        for item in work:
-            name, dtype, device = item.column
-            reference = reference_for(cfg, params, item.case, golden, references)
-            if on_result(item.index, run_cell(cfg, params, item.case, name, dtype, device, reference, runners)):
-                return
+        column = None
+        try:
+            for item in work:
+                self._start(item.column, column)
+                column = item.column
+                name, dtype, device = column
+                reference = reference_for(cfg, params, item.case, golden, references)
+                if on_result(item.index, run_cell(cfg, params, item.case, name, dtype, device, reference, runners)):
+                    return
+        finally:
+            if self.memory is not None:
+                self.memory.release(self)
 
     def close(self) -> None:
         pass

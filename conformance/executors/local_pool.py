@@ -34,6 +34,7 @@ from conformance.cases import TEXT_CASES, Case, build_case
 from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
 from conformance.executors.shared_references import SharedReferences, shared_reference
+from conformance.memory import MemoryLedger
 from spec import ModelConfig
 from spec.weights import load_weights, save_weights
 
@@ -176,6 +177,7 @@ class LocalPool:
 
     def __init__(self, jobs: int, pool: WorkerPool | None = None):
         self.jobs, self.pool = jobs, pool
+        self.memory: MemoryLedger | None = None  # where set (the harness's), a column starts when its memory is free
 
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
             on_result: OnResult) -> None:
@@ -183,7 +185,7 @@ class LocalPool:
         # a text case is made from prompts a worker does not have: it goes to the workers whole
         whole = {item.case.name: item.case for item in work if item.case.mask_case in TEXT_CASES}
         run_in_workers(cfg, params, [(item.index, item.case.name, item.column) for item in work], self.jobs,
-                       on_result, pool, whole)
+                       on_result, pool, whole, self.memory)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -192,12 +194,13 @@ class LocalPool:
 
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
                    jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None,
-                   whole_cases: Mapping[str, Case] | None = None) -> None:
+                   whole_cases: Mapping[str, Case] | None = None, memory: MemoryLedger | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
     time each, from `pool` where one was started ahead (it is closed here either way). A worker
     builds each case from its name, but for `whole_cases`, which it is sent.
     on_result(index, result) is called in this process as each cell finishes; it returns True to
-    stop the run."""
+    stop the run. With `memory`, a worker starts a column only when its footprint fits beside the
+    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish."""
     by_column: dict[Column, list[tuple[int, str]]] = {}
     for index, case_name, column in work:
         by_column.setdefault(column, []).append((index, case_name))
@@ -220,12 +223,30 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     inbox, workers = pool.inbox, list(pool.workers)
     unfinished = {index for index, _, _ in work}
 
+    waiting: list[_Worker] = []  # workers whose next column does not fit in memory beside the running ones
+
     def give_work(worker: _Worker) -> None:
-        """The next column of the worker's group, else the first column of the next group."""
+        """The next column of the worker's group, else the first column of the first group that fits
+        in memory now; a worker none fits for waits."""
+        if memory is not None:
+            memory.release(worker)
         if not worker.group and groups:
-            worker.group = groups.pop(0)
+            fitting = next((i for i, group in enumerate(groups) if memory is None
+                            or memory.try_take(worker, group[0])), None)
+            if fitting is None:
+                waiting.append(worker)
+                return
+            worker.group = groups.pop(fitting)
+        elif worker.group and memory is not None and not memory.try_take(worker, worker.group[0]):
+            waiting.append(worker)
+            return
         worker.column = worker.group.pop(0) if worker.group else None
         worker.send(None if worker.column is None else [worker.column, by_column[worker.column]])
+
+    def wake_waiting() -> None:
+        for worker in list(waiting):
+            waiting.remove(worker)
+            give_work(worker)
 
     try:
         for worker in workers:  # every process is started before any setup is sent: they import at once
@@ -233,7 +254,11 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
             give_work(worker)
         running = len(workers)
         while running:
-            worker, (kind, payload) = inbox.get()
+            try:  # a waiting worker may be let in by memory freed elsewhere (the in-process columns)
+                worker, (kind, payload) = inbox.get(timeout=1.0 if waiting else None)
+            except queue.Empty:
+                wake_waiting()
+                continue
             if worker not in workers:  # a worker of the pool closed unused says it exited: not ours
                 continue
             if kind == "cell":
@@ -242,9 +267,14 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                 if on_result(index, result):
                     return
             elif kind == "column done":
+                worker.column = None
                 give_work(worker)
+                wake_waiting()
             elif kind == "exited":
                 running -= 1
+                if memory is not None:
+                    memory.release(worker)
+                    wake_waiting()
                 if worker.column is not None:  # died inside a column: its unfinished cells are errors
                     name, dtype, device = worker.column
                     words = worker.last_words()
