@@ -21,7 +21,7 @@ from conformance.cost import positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
-from conformance.memory import COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint
+from conformance.memory import COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, golden_footprint
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
@@ -133,7 +133,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
-    memory = _memory_ledger(cfg, names, prompts) if hasattr(executor, "memory") else None
+    memory = _memory_ledger(cfg, params, names, prompts) if hasattr(executor, "memory") else None
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
@@ -179,6 +179,8 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
     if memory is not None:
+        # what is left now that the cases are built (the golden's choice of the generate rows is held here)
+        memory.limit = int(COLUMNS_SHARE * available_memory())
         executor.memory = memory
     if here and elsewhere:
         # both at once: the executor's workers need not wait for this process's columns (a real
@@ -192,14 +194,16 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     return results + [finished[index] for index in sorted(finished)]
 
 
-def _memory_ledger(cfg: ModelConfig, names: Sequence[tuple[str, str]], prompts: Prompts | None) -> MemoryLedger:
+def _memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], names: Sequence[tuple[str, str]],
+                   prompts: Prompts | None) -> MemoryLedger:
     """The ledger by which the columns run on this machine share its memory (conformance.memory):
     COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the run's
-    longest case."""
+    longest case, with the golden's (the process that runs a column may compute a reference)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
     longest = max((positions(cfg, sublayer, mask_case, lengths) for sublayer, mask_case in names), default=1)
-    return MemoryLedger(int(COLUMNS_SHARE * available_memory()),
-                        lambda column: column_footprint(cfg, column, longest))
+    available = available_memory()
+    golden = golden_footprint(cfg, params, longest, available)
+    return MemoryLedger(int(COLUMNS_SHARE * available), lambda column: column_footprint(cfg, column, longest) + golden)
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

@@ -88,6 +88,16 @@ def column_footprint(cfg, column: tuple[str, str, str], longest_positions: int) 
     return int(copies * count_params(cfg) * width + figures.activation_copies * activations)
 
 
+def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest_positions: int,
+                     available: int | None = None) -> int:
+    """Bytes the golden takes in a process that computes a reference (a worker may, and keeps its
+    cast): its float64 weights, whole or streamed (golden_budget), and its longest case's logits."""
+    weights = golden_budget(cfg, params, available)
+    if weights is None:
+        weights = sum(value.size for value in params.values()) * 8
+    return int(weights + BATCH * longest_positions * cfg.tgt_vocab_size * 8)
+
+
 class MemoryLedger:
     """The memory the columns running on this machine hold, against `limit` bytes: a column starts
     only where its footprint fits beside the others' (else its worker waits for one to finish), and

@@ -87,3 +87,19 @@ def test_a_column_that_cannot_fit_at_all_is_skipped_with_its_figure(monkeypatch)
     assert torch_cells and all(r.status == SKIP and r.skip == ABSENT for r in torch_cells)
     assert "needs about 50.0 GB" in torch_cells[0].reason and "17.0 GB" in torch_cells[0].reason
     assert all(r.status == PASS for r in results if r.backend == "numpy-float32")
+
+
+def test_a_worker_that_ran_a_large_column_is_replaced_by_a_new_process(monkeypatch):
+    """A process keeps most of what a large column took: the ledger's figures hold only for a new one."""
+    from conformance.executors import local_pool
+
+    added = []
+    add = local_pool.WorkerPool.add
+    monkeypatch.setattr(local_pool.WorkerPool, "add", lambda self: added.append(1) or add(self))
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: 5 * GB)
+    monkeypatch.setattr(harness, "golden_footprint", lambda cfg, params, longest, available: 0)
+    monkeypatch.setattr(harness, "available_memory", lambda: 20 * GB)  # 5 GB is over RETIRE_SHARE of 17 GB
+    plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
+    results = run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=1, executor=local_pool.LocalPool(1))
+    assert [r.status for r in results] == [PASS, PASS]
+    assert len(added) == 1  # the one worker replaced after its first column; none after the last

@@ -171,6 +171,9 @@ class WorkerPool:
             worker.close()
 
 
+RETIRE_SHARE = 0.1  # a worker whose column's footprint was this share of the memory limit is replaced after it
+
+
 class LocalPool:
     """The Executor of worker processes on this machine: up to `jobs` of them, a column group at
     a time each, taken from `pool` where one was started ahead (closed after the run either way)."""
@@ -200,7 +203,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     builds each case from its name, but for `whole_cases`, which it is sent.
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run. With `memory`, a worker starts a column only when its footprint fits beside the
-    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish."""
+    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish. A worker whose
+    column took at least RETIRE_SHARE of the limit is replaced by a new process after it."""
     by_column: dict[Column, list[tuple[int, str]]] = {}
     for index, case_name, column in work:
         by_column.setdefault(column, []).append((index, case_name))
@@ -267,8 +271,22 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                 if on_result(index, result):
                     return
             elif kind == "column done":
-                worker.column = None
-                give_work(worker)
+                finished, worker.column = worker.column, None
+                if memory is not None and memory.footprint(finished) >= RETIRE_SHARE * memory.limit:
+                    # a process keeps most of what a large column took (allocators seldom give it back):
+                    # a new process takes the worker's next column, where the ledger's figures hold again
+                    memory.release(worker)
+                    if worker.group:
+                        groups.insert(0, worker.group)
+                        worker.group = []
+                    worker.send(None)
+                    if groups:
+                        workers.append(replacement := pool.add())
+                        replacement.send_setup(setup)
+                        running += 1
+                        give_work(replacement)
+                else:
+                    give_work(worker)
                 wake_waiting()
             elif kind == "exited":
                 running -= 1
