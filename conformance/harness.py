@@ -133,7 +133,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
-    memory = _memory_ledger(cfg, params, names, prompts) if hasattr(executor, "memory") else None
+    memory = _memory_ledger(cfg, params, plan, names, pattern, prompts) if hasattr(executor, "memory") else None
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
@@ -194,16 +194,20 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     return results + [finished[index] for index in sorted(finished)]
 
 
-def _memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], names: Sequence[tuple[str, str]],
-                   prompts: Prompts | None) -> MemoryLedger:
+def _memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
+                   pattern: str | None, prompts: Prompts | None) -> MemoryLedger:
     """The ledger by which the columns run on this machine share its memory (conformance.memory):
-    COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the run's
-    longest case, with the golden's (the process that runs a column may compute a reference)."""
+    COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the longest
+    case it runs, with the golden's (the process that runs a column may compute a reference)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
-    longest = max((positions(cfg, sublayer, mask_case, lengths) for sublayer, mask_case in names), default=1)
+    longest: dict[tuple[str, str, str], int] = {}
+    for sublayer, mask_case, column in runnable_cells(plan, names, pattern):
+        if plan.chosen is None or (sublayer, mask_case, column) in plan.chosen:
+            longest[column] = max(longest.get(column, 1), positions(cfg, sublayer, mask_case, lengths))
     available = available_memory()
-    golden = golden_footprint(cfg, params, longest, available)
-    return MemoryLedger(int(COLUMNS_SHARE * available), lambda column: column_footprint(cfg, column, longest) + golden)
+    golden = golden_footprint(cfg, params, max(longest.values(), default=1), available)
+    return MemoryLedger(int(COLUMNS_SHARE * available),
+                        lambda column: column_footprint(cfg, column, longest.get(column, 1)) + golden)
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

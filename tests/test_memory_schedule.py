@@ -103,3 +103,15 @@ def test_a_worker_that_ran_a_large_column_is_replaced_by_a_new_process(monkeypat
     results = run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=1, executor=local_pool.LocalPool(1))
     assert [r.status for r in results] == [PASS, PASS]
     assert len(added) == 1  # the one worker replaced after its first column; none after the last
+
+
+def test_a_columns_footprint_counts_the_longest_case_it_runs(monkeypatch):
+    """-k forward-none on a rotary model: the 6 positions of that case, not decode-far's 1003."""
+    seen = []
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: seen.append(longest) or GB)
+    plan = plan_matrix(CFG, ["torch"], ["float32"], ["cpu"])
+    assert [r.status for r in run_matrix(CFG, PARAMS, plan, pattern="forward-none")] == [PASS]
+    assert set(seen) == {6}
+    seen.clear()
+    run_matrix(CFG, PARAMS, plan, pattern="decode-far")
+    assert set(seen) == {min(1003, CFG.max_len)}
