@@ -159,14 +159,14 @@ def fit_budget(cfg: ModelConfig, cells: Sequence[Cell], budget: float, checkpoin
     step) while the estimate on `workers` processes stays within `budget` seconds (the columns in
     `cold` export first). A cell that does not fit is left out and the next is tried.
     BudgetTooSmall where not one whole-model cell fits."""
-    order = sorted(range(len(cells)), key=lambda i: (value_tier(cfg, cells[i][0], cells[i][1], cells[i][2][1],
-                                                                checkpoint_dtype), i))
+    values = [value_tier(cfg, sublayer, mask_case, column[1], checkpoint_dtype) for sublayer, mask_case, column in cells]
+    order = sorted(range(len(cells)), key=lambda i: (values[i], i))
     running, everything = _Running(cfg, workers, text_lengths, cold), _Running(cfg, workers, text_lengths, cold)
     chosen, left_out, tiers, tiers_left_out = [], [], Counter(), Counter()
     cheapest_whole = None
     for index in order:
         cell = cells[index]
-        step = value_tier(cfg, cell[0], cell[1], cell[2][1], checkpoint_dtype)[0]
+        step = values[index][0]
         everything.add(cell, everything.cost(cell))
         grown = running.cost(cell)
         if grown.seconds <= budget:

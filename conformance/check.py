@@ -24,12 +24,11 @@ from conformance.adapter import get_backend
 from conformance.budget import DEFAULT_BUDGET, BudgetPlan, fit_budget, format_seconds, larger_than_presets
 from conformance.cases import case_names
 from conformance.cells import ERROR, FAIL, PASS, CellResult
-from conformance.cost import positions
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
-from conformance.harness import Plan, plan_matrix, run_matrix, runnable_cells
+from conformance.harness import Plan, memory_ledger, plan_matrix, run_matrix, runnable_cells
 from conformance.localize import localize_failures
-from conformance.memory import COLUMNS_SHARE, available_memory, column_footprint, golden_footprint
+from conformance.memory import MemoryLedger
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
 from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
@@ -149,25 +148,24 @@ def _cold(cfg: ModelConfig, params, plan: Plan) -> set:
     return cold
 
 
-def _columns_in_memory(cfg: ModelConfig, params, plan: Plan, lengths: list[int]) -> int:
+def _columns_in_memory(ledger: MemoryLedger, plan: Plan) -> int:
     """How many of the plan's columns the memory holds at once, by their median footprint."""
     if not plan.columns:
         return 1
-    longest = max(positions(cfg, sublayer, mask_case, lengths) for sublayer, mask_case in case_names(cfg))
-    available = available_memory()
-    golden = golden_footprint(cfg, params, longest, available)
-    footprints = sorted(column_footprint(cfg, column, longest) + golden for column in plan.columns)
-    return max(1, int(COLUMNS_SHARE * available // footprints[len(footprints) // 2]))
+    footprints = sorted(ledger.footprint(column) for column in plan.columns)
+    return max(1, ledger.limit // footprints[len(footprints) // 2])
 
 
 def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, backward: bool, pattern: str | None,
          text: Prompts | None, jobs: int) -> tuple[Plan, BudgetPlan]:
     """The plan with the cells a budget holds chosen (conformance.budget), and the choice."""
-    cells = runnable_cells(plan, case_names(cfg, backward, text=text is not None), pattern)
+    names = case_names(cfg, backward, text=text is not None)
+    cells = runnable_cells(plan, names, pattern)
     # the cells run in parallel on the workers, but no faster than the cores let them, and no more
     # columns at once than the memory holds (conformance.memory: at a 0.5B model's size, one)
+    in_memory = _columns_in_memory(memory_ledger(cfg, params, plan, names, pattern, text), plan)
+    workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
     lengths = [len(row) for row in text.ids] if text else []
-    workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), _columns_in_memory(cfg, params, plan, lengths)))
     budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, _cold(cfg, params, plan))
     left_out = f"left out by the plan's budget of {format_seconds(budget)} (--full runs every cell)"
     return dataclasses.replace(plan, chosen=frozenset(budgeted.chosen), left_out=left_out), budgeted

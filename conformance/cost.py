@@ -27,6 +27,7 @@ import numpy as np
 
 from conformance.cases import (BATCH, FAR_POSITION, GENERATION_CANDIDATES, LONG_PROMPT, MAX_NEW_TOKENS, SRC_LEN,
                                TGT_LEN, TEXT_CASES, TRAINING_STEPS, forward_of, is_gradient, is_training)
+from conformance.memory import BYTES
 from conformance.text import LONG_TEXT, NEW_TOKENS
 from spec import ModelConfig
 from spec.params import count_params
@@ -210,7 +211,6 @@ BACKENDS: dict[str, Backend] = {
 }
 START_SECONDS = 20.0  # a check's own start: the model read, the workers' weights file written
 GOLDEN = Backend(efficiency=0.34, seconds_per_call=1.5e-3)
-_BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
 
 
 def backend_figures(name: str) -> Backend:
@@ -232,7 +232,7 @@ def load_seconds(cfg: ModelConfig, column: Column, cold: bool = False) -> float:
     where it is `cold` (not cached: jax2onnx takes minutes over a real checkpoint)."""
     name, dtype, _ = column
     figures = backend_figures(name)
-    gigabytes = count_params(cfg) * _BYTES.get(dtype, 4) / 1e9
+    gigabytes = count_params(cfg) * BYTES.get(dtype, 4) / 1e9
     export = figures.export_seconds_per_billion * count_params(cfg) / 1e9 if cold else 0.0
     return figures.load_seconds + figures.load_seconds_per_gigabyte * gigabytes + export
 

@@ -133,7 +133,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
-    memory = _memory_ledger(cfg, params, plan, names, pattern, prompts) if hasattr(executor, "memory") else None
+    memory = memory_ledger(cfg, params, plan, names, pattern, prompts) if hasattr(executor, "memory") else None
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
@@ -194,8 +194,8 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     return results + [finished[index] for index in sorted(finished)]
 
 
-def _memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
-                   pattern: str | None, prompts: Prompts | None) -> MemoryLedger:
+def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
+                  pattern: str | None, prompts: Prompts | None) -> MemoryLedger:
     """The ledger by which the columns run on this machine share its memory (conformance.memory):
     COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the longest
     case it runs, with the golden's (the process that runs a column may compute a reference)."""

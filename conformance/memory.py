@@ -44,7 +44,7 @@ def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None =
 # ---- the columns' memory ------------------------------------------------------------------------
 
 COLUMNS_SHARE = 0.85  # the most of the memory available at the start that the columns may hold together
-_BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}
+BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}  # a value's bytes, by the matrix's dtype
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def column_footprint(cfg, column: tuple[str, str, str], longest_positions: int) 
     widest hidden states)."""
     name, dtype, _ = column
     figures = FOOTPRINTS.get(name, Footprint(2.0))
-    width = _BYTES.get(dtype, 4)
+    width = BYTES.get(dtype, 4)
     copies = figures.half_copies if width == 2 and figures.half_copies is not None else figures.copies
     activations = BATCH * longest_positions * (cfg.tgt_vocab_size + 4 * max(cfg.d_model, cfg.d_ff)) * max(width, 4)
     return int(copies * count_params(cfg) * width + figures.activation_copies * activations)
