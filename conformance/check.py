@@ -92,7 +92,7 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 executor: Executor | None = None, pool: WorkerPool | None = None,
                 progress: Callable[[CellResult, int, int], None] | None = None,
                 prompts: Sequence[str] | None = None, budget: float | None = None, size_aware: bool = False,
-                on_plan: Callable[[BudgetPlan], None] | None = None) -> CheckRun:
+                on_plan: Callable[[BudgetPlan], None] | None = None, memory: int | None = None) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
     onnxruntime-genai columns join the backends), else the preset's conformance weights of seed.
     shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
@@ -103,7 +103,8 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
     seconds the cells are chosen to fit, by value (conformance.budget; BudgetTooSmall where not
     one whole-model cell fits), the plan handed to on_plan before anything runs; size_aware:
     without a budget, DEFAULT_BUDGET where the model is larger than the presets (`rosetta
-    check`'s default; --full runs everything)."""
+    check`'s default; --full runs everything). memory: bytes the whole check may hold, its
+    processes together (`--memory`; else COLUMNS_SHARE of the memory available goes to the columns)."""
     start = time.perf_counter()
     try:
         if hf:
@@ -121,11 +122,12 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
         if budget is None and size_aware and larger_than_presets(cfg):
             budget = DEFAULT_BUDGET
         if budget is not None:
-            plan, budgeted = _fit(cfg, params, plan, source, budget, backward, pattern, text, jobs)
+            plan, budgeted = _fit(cfg, params, plan, source, budget, backward, pattern, text, jobs, memory)
             if on_plan:
                 on_plan(budgeted)
         results = run_matrix(cfg, params, plan, pattern=pattern, fail_fast=fail_fast, progress=progress,
-                             jobs=jobs, pool=pool, backward=backward, executor=executor, prompts=text)
+                             jobs=jobs, pool=pool, backward=backward, executor=executor, prompts=text,
+                             memory_total=memory)
     finally:
         if pool is not None:
             pool.close()
@@ -157,13 +159,15 @@ def _columns_in_memory(ledger: MemoryLedger, plan: Plan) -> int:
 
 
 def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, backward: bool, pattern: str | None,
-         text: Prompts | None, jobs: int) -> tuple[Plan, BudgetPlan]:
+         text: Prompts | None, jobs: int, memory: int | None = None) -> tuple[Plan, BudgetPlan]:
     """The plan with the cells a budget holds chosen (conformance.budget), and the choice."""
     names = case_names(cfg, backward, text=text is not None)
     cells = runnable_cells(plan, names, pattern)
     # the cells run in parallel on the workers, but no faster than the cores let them, and no more
     # columns at once than the memory holds (conformance.memory: at a 0.5B model's size, one)
-    in_memory = _columns_in_memory(memory_ledger(cfg, params, plan, names, pattern, text), plan)
+    ledger = memory_ledger(cfg, params, plan, names, pattern, text, references_here=jobs > 1, memory_total=memory,
+                           workers=jobs if jobs > 1 else 0)
+    in_memory = _columns_in_memory(ledger, plan)
     workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
     lengths = [len(row) for row in text.ids] if text else []
     budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, _cold(cfg, params, plan))

@@ -5,7 +5,9 @@ by conformance.cells, whose names are also importable from here."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from conformance.adapter import backend_names, get_backend, importable_by_name
-from conformance.cases import Case, build_case, case_names
+from conformance.cases import Case, build_case, case_names, is_backward
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
     ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, CellResult, cell_id, golden_runner_for,
     reference_for, run_cell, unavailable_kind)
@@ -21,7 +23,9 @@ from conformance.cost import positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
-from conformance.memory import COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, golden_footprint
+from conformance.executors.shared_references import SharedReferences
+from conformance.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
+                               golden_footprint, reference_bytes)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
@@ -99,7 +103,8 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
                pattern: str | None = None, fail_fast: bool = False,
                progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1,
                pool: WorkerPool | None = None, backward: bool = False,
-               executor: Executor | None = None, prompts: Prompts | None = None) -> list[CellResult]:
+               executor: Executor | None = None, prompts: Prompts | None = None,
+               memory_total: int | None = None) -> list[CellResult]:
     """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
     The gradient cases (grad-*, SPEC.md §13) run only with backward=True: JAX's autodiff, run
     eagerly per case, would triple a warm matrix (docs/backward.md has the figures).
@@ -108,10 +113,12 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     caller started them ahead (closed here, used or not). The results come back in the
     sequential order whatever ran them. `progress` is called with each finished cell, the cells
     finished and the cells to run; one with a `planned` method is first given the number of
-    cells each column will run. With `prompts` (conformance.text) the text cases run too."""
+    cells each column will run. With `prompts` (conformance.text) the text cases run too.
+    memory_total: the bytes the whole check may hold (`rosetta check --memory`); the columns are
+    scheduled within what is left of it (conformance.memory.columns_limit)."""
     executor = executor or (LocalPool(jobs, pool) if jobs > 1 else InProcess())
     try:
-        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts)
+        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts, memory_total)
     finally:
         executor.close()
         if pool is not None:
@@ -119,7 +126,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
 
 
 def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor: Executor,
-                prompts: Prompts | None) -> list[CellResult]:
+                prompts: Prompts | None, memory_total: int | None) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
     names = case_names(cfg, backward, text=prompts is not None)
     results: list[CellResult] = []
@@ -133,7 +140,9 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
-    memory = memory_ledger(cfg, params, plan, names, pattern, prompts) if hasattr(executor, "memory") else None
+    memory = memory_ledger(cfg, params, plan, names, pattern, prompts, references_here=hasattr(executor, "reference"),
+                           memory_total=memory_total, workers=getattr(executor, "jobs", 0)) \
+        if hasattr(executor, "memory") else None
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
@@ -178,36 +187,67 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     here = [item for item in work if not importable_by_name(item.column[0])]
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
-    if memory is not None:
-        # what is left now that the cases are built (the golden's choice of the generate rows is held here)
-        memory.limit = int(COLUMNS_SHARE * available_memory())
-        executor.memory = memory
-    if here and elsewhere:
-        # both at once: the executor's workers need not wait for this process's columns (a real
-        # checkpoint's transformers and onnxruntime-genai columns take minutes)
-        _alongside(lambda: InProcess(golden, memory).run(cfg, params, here, record),
-                   lambda: executor.run(cfg, params, elsewhere, record))
-    elif here:
-        InProcess(golden, memory).run(cfg, params, here, record)
-    elif elsewhere:
-        executor.run(cfg, params, elsewhere, record)
+    with contextlib.ExitStack() as stack:
+        shared = None
+        if elsewhere and hasattr(executor, "reference"):
+            # this process holds the golden: it computes the references for the workers (and its own
+            # columns), so that no worker casts the golden's float64 weights
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rosetta-references-"))
+            shared = SharedReferences(folder)
+            executor.reference = lambda case: reference_for(cfg, params, case, golden, {})
+            executor.references = folder
+        if memory is not None:
+            # what is left now that the cases are built (the golden's choice of the generate rows is held
+            # here) and the golden cast, less what its references take while they are computed
+            if shared is not None:
+                golden.p  # noqa: B018 - cast now, so the memory measured next is what is left beside it
+            memory.limit = max(0, columns_limit(memory_total, getattr(executor, "jobs", 0)) - memory.golden_activations)
+            executor.memory = memory
+        if here and elsewhere:
+            # both at once: the executor's workers need not wait for this process's columns (a real
+            # checkpoint's transformers and onnxruntime-genai columns take minutes)
+            _alongside(lambda: InProcess(golden, memory, shared).run(cfg, params, here, record),
+                       lambda: executor.run(cfg, params, elsewhere, record))
+        elif here:
+            InProcess(golden, memory).run(cfg, params, here, record)
+        elif elsewhere:
+            executor.run(cfg, params, elsewhere, record)
     return results + [finished[index] for index in sorted(finished)]
 
 
 def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
-                  pattern: str | None, prompts: Prompts | None) -> MemoryLedger:
+                  pattern: str | None, prompts: Prompts | None, references_here: bool = False,
+                  memory_total: int | None = None, workers: int = 0) -> MemoryLedger:
     """The ledger by which the columns run on this machine share its memory (conformance.memory):
     COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the longest
-    case it runs, with the golden's (the process that runs a column may compute a reference)."""
+    case it runs, with the golden's where the process that runs it computes references: a worker
+    does for the gradient and training cases, and for every case unless `references_here` (the
+    local executor's harness computes them: the worker reads them mapped, and this process holds
+    the golden and its activations, which the ledger's golden_activations says). memory_total: the
+    bytes the whole check may hold (conformance.memory.columns_limit; MemoryTooSmall where they do
+    not hold this process, the golden it will cast and its workers)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
     longest: dict[tuple[str, str, str], int] = {}
+    backward: set[tuple[str, str, str]] = set()
     for sublayer, mask_case, column in runnable_cells(plan, names, pattern):
         if plan.chosen is None or (sublayer, mask_case, column) in plan.chosen:
             longest[column] = max(longest.get(column, 1), positions(cfg, sublayer, mask_case, lengths))
+            if is_backward(sublayer):
+                backward.add(column)
     available = available_memory()
-    golden = golden_footprint(cfg, params, max(longest.values(), default=1), available)
-    return MemoryLedger(int(COLUMNS_SHARE * available),
-                        lambda column: column_footprint(cfg, column, longest.get(column, 1)) + golden)
+    longest_case = max(longest.values(), default=1)
+    golden = golden_footprint(cfg, params, longest_case, available)
+    reference = reference_bytes(cfg, longest_case)
+
+    def footprint(column) -> int:
+        own = golden if column in backward or not references_here else reference
+        return column_footprint(cfg, column, longest.get(column, 1)) + own
+
+    golden_weights = golden - reference  # cast here later, if not already
+    ledger = MemoryLedger(columns_limit(memory_total, workers, golden_weights) if memory_total else
+                          int(COLUMNS_SHARE * available), footprint)
+    ledger.golden_activations = 2 * reference if references_here else 0
+    return ledger
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

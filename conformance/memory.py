@@ -3,6 +3,8 @@ streams its float64 weights (impl_numpy.cast.CastOnRead) when its whole cast wou
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import threading
 from collections.abc import Mapping
@@ -30,6 +32,36 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def resident_memory() -> int:
+    """Bytes of this process's memory resident now (its mapped files' pages included), else 0."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _trim():
+    """glibc's malloc_trim where this process runs on glibc, else None."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _trim()
+
+
+def give_back_freed() -> None:
+    """Return the pages the heap holds free to the kernel (glibc's malloc_trim; nothing elsewhere).
+    An allocator keeps what a large case freed, and the next column's memory lands beside it:
+    measured on SmolLM2-135M's shape, a JAX column's process kept 1.3 GB of its 2.7 GB after one
+    cached decoding, and gave it back here (benchmarks/footprints.py)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None = None) -> int | None:
     """The bytes of float64 weights the golden may hold: None (all of them, cast once) where they
     take at most GOLDEN_SHARE of the available memory; else STREAMED_LAYERS of its largest layers,
@@ -42,6 +74,43 @@ def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None =
 
 
 # ---- the columns' memory ------------------------------------------------------------------------
+
+WORKER_BYTES = 400_000_000  # a worker process with torch, JAX, onnxruntime and transformers imported (measured 0.39 GB)
+_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from '6G', '6 GB', '512M', '1.5g' (decimal units, as the reports print GB); ValueError
+    naming the text where it is not one."""
+    cleaned = text.strip().lower().replace(" ", "").removesuffix("b")
+    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned[-1:] in _UNITS and cleaned[-1:] else (cleaned, "")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"--memory {text!r}: give a size such as 6G, 6GB or 512M") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"--memory {text!r}: the size must be positive")
+    return int(value)
+
+
+def columns_limit(total: int | None, workers: int, held_here: int = 0) -> int:
+    """The bytes the columns may hold together: COLUMNS_SHARE of the memory available now, and
+    where the check is given `total` bytes in all, no more than what is left of it beside this
+    process (as resident now, plus `held_here` bytes it will take) and its workers' frameworks."""
+    share = int(COLUMNS_SHARE * available_memory())
+    if total is None:
+        return share
+    left = total - resident_memory() - held_here - workers * WORKER_BYTES
+    if left <= 0:
+        raise MemoryTooSmall(
+            f"--memory {total / 1e9:.1f} GB leaves nothing for the columns: this process holds "
+            f"{(resident_memory() + held_here) / 1e9:.1f} GB (the weights, the golden's float64 copy, the cases) "
+            f"and its {workers} worker process(es) about {workers * WORKER_BYTES / 1e9:.1f} GB before any column loads")
+    return min(share, left)
+
+
+class MemoryTooSmall(ValueError):
+    """A --memory that does not hold the check's own process and workers."""
 
 COLUMNS_SHARE = 0.85  # the most of the memory available at the start that the columns may hold together
 BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}  # a value's bytes, by the matrix's dtype
@@ -59,20 +128,22 @@ class Footprint:
     activation_copies: float = 3.0
 
 
-# Measured on SmolLM2-135M's shape (2 cores, 2026-11-26): the peak resident memory of a fresh
-# process loading the column and running forward-none, decode-incremental and forward-long (its
-# mapped weights' pages included), over the weights at the column's dtype. JAX holds about four
-# copies after its first cached decoding (nnx's jitted state, kept beside the model's own).
+# Measured on SmolLM2-135M's shape (2 cores, 2026-11-26; benchmarks/footprints.py, its page in
+# reports/bench/footprints/): the peak resident memory of a fresh process loading the column and
+# running forward-none, decode-incremental and forward-long, freed pages given back after each
+# case as a worker does (its mapped weights' pages included), less the activations counted below,
+# over the weights at the column's dtype; about a tenth added. onnx-jax's figures are the earlier
+# measurement's, with a cold jax2onnx export (a cached one measured 1.5 copies).
 FOOTPRINTS: dict[str, Footprint] = {
     "numpy-float32": Footprint(1.0),
-    "torch": Footprint(1.2, 1.4),
-    "torch-math": Footprint(1.2, 1.4),
-    "jax": Footprint(4.7, 7.5),
-    "jax-math": Footprint(4.7, 7.5),
-    "onnx": Footprint(4.3, 6.0),
+    "torch": Footprint(1.2, 0.7),
+    "torch-math": Footprint(1.2, 0.7),
+    "jax": Footprint(2.4, 2.4),
+    "jax-math": Footprint(2.4, 2.4),
+    "onnx": Footprint(4.1, 5.7),
     "onnx-jax": Footprint(3.7, 6.5),
-    "transformers": Footprint(1.6, 3.5),
-    "onnxruntime-genai": Footprint(1.4, activation_copies=6.0),
+    "transformers": Footprint(1.7, 1.1),
+    "onnxruntime-genai": Footprint(1.3, activation_copies=6.0),
 }
 
 
@@ -88,6 +159,11 @@ def column_footprint(cfg, column: tuple[str, str, str], longest_positions: int) 
     return int(copies * count_params(cfg) * width + figures.activation_copies * activations)
 
 
+def reference_bytes(cfg, longest_positions: int) -> int:
+    """Bytes of the longest case's reference: its float64 logits (a worker reads them mapped)."""
+    return BATCH * longest_positions * cfg.tgt_vocab_size * 8
+
+
 def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest_positions: int,
                      available: int | None = None) -> int:
     """Bytes the golden takes in a process that computes a reference (a worker may, and keeps its
@@ -95,7 +171,7 @@ def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest_positions: i
     weights = golden_budget(cfg, params, available)
     if weights is None:
         weights = sum(value.size for value in params.values()) * 8
-    return int(weights + BATCH * longest_positions * cfg.tgt_vocab_size * 8)
+    return int(weights + reference_bytes(cfg, longest_positions))
 
 
 class MemoryLedger:
@@ -107,6 +183,8 @@ class MemoryLedger:
     def __init__(self, limit: int, footprint):
         self.limit, self.footprint = limit, footprint  # footprint(column) -> bytes
         self.held: dict[object, int] = {}
+        self.kept: dict[object, int] = {}  # what an owner's process measured it still holds after its last column
+        self.golden_activations = 0  # what the golden's references take while the harness computes them
         self.changed = threading.Condition()
 
     def why_not(self, column) -> str | None:
@@ -119,11 +197,14 @@ class MemoryLedger:
 
     def try_take(self, owner, column) -> bool:
         """Hold the column's footprint for `owner` if it fits beside the others now (an owner holds
-        one column at a time: its previous one is released). A column alone always fits."""
+        one column at a time: its previous one is released), or what the owner's process still
+        keeps from its last one where that is more. A column alone always fits."""
         with self.changed:
-            self.held.pop(owner, None)
-            need = self.footprint(column)
+            previous = self.held.pop(owner, None)
+            need = max(self.footprint(column), self.kept.get(owner, 0))
             if self.held and sum(self.held.values()) + need > self.limit:
+                if previous is not None:  # what its process keeps is held while it waits
+                    self.held[owner] = previous
                 return False
             self.held[owner] = need
             return True
@@ -134,7 +215,13 @@ class MemoryLedger:
             while not self.try_take(owner, column):
                 self.changed.wait(timeout=1.0)
 
-    def release(self, owner) -> None:
+    def release(self, owner, kept: int = 0) -> None:
+        """The owner's column is done; its process still holds `kept` bytes of it (measured, freed
+        pages given back: give_back_freed), counted while the owner takes no other column."""
         with self.changed:
             self.held.pop(owner, None)
+            if kept > 0:  # held until the process ends or takes its next column
+                self.held[owner] = self.kept[owner] = kept
+            else:
+                self.kept.pop(owner, None)
             self.changed.notify_all()

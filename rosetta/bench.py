@@ -68,7 +68,8 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--shapes", help="with --checkpoint-shapes: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b "
                        "(default: the first two)")
     bench.add_argument("--runs", help="with --checkpoint-shapes: import, one-cell, default (the plan of the default "
-                       "budget), full (every cell) (default: all but full)")
+                       "budget), full (every cell), default-at-memory-target (the default with --memory at the shape's "
+                       "memory target) (default: all but full)")
     bench.add_argument("--limit", type=float, default=3600.0,
                        help="with --checkpoint-shapes: seconds after which a run is stopped (default 3600)")
     bench.add_argument("--checkpoints", default="~/.cache/transformer-rosetta/checkpoint-shapes",

@@ -16,6 +16,8 @@ from conformance import terminal
 from conformance.adapter import backend_names, importable_by_name
 from conformance.check import check_model
 from conformance.budget import DEFAULT_BUDGET, BudgetPlan, format_seconds, parse_budget
+from conformance.cost import matmul_speed
+from conformance.memory import parse_memory
 from conformance.cells import ERROR, FAIL, PASS, SKIP
 from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
@@ -99,6 +101,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError("--budget chooses the cells that fit a time, --full runs every cell: give one")
     try:
         budget = parse_budget(args.budget) if args.budget else None
+        memory = parse_memory(args.memory) if args.memory else None
     except ValueError as error:
         raise UsageError(str(error)) from None
     prompts = list(args.prompt or []) + (read_prompts_file(args.prompts) if args.prompts else [])
@@ -107,6 +110,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise UsageError("--prompt and --prompts tokenize with the checkpoint's own tokenizer: give --hf DIR")
         load_tokenizer(args.hf)  # refused here, before the model is read, where DIR has none
     executor = _ray_cluster(args.address, args.accelerator) if args.executor == "ray" else None
+    if args.budget or ((args.hf or args.weights) and not args.full):
+        # this machine's speed, for a plan that fits a budget, measured before the workers start
+        # importing their frameworks beside it (a plan made on shared cores chose a third of the cells)
+        matmul_speed("float64"), matmul_speed("float32")
     pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
     # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
     # and a line per finished column
@@ -121,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
                           jobs=jobs, executor=executor, pool=pool, progress=progress, prompts=prompts or None,
-                          budget=budget, size_aware=not args.full, on_plan=_print_plan)
+                          budget=budget, size_aware=not args.full, on_plan=_print_plan, memory=memory)
     results, source, seconds = run.results, run.source, run.seconds
     counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
@@ -231,6 +238,10 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "last layer, then the other dtypes and cases (the plan is printed first). Default: "
                             f"{DEFAULT_BUDGET / 60:.0f}m for a model larger than the presets, else every cell")
     check.add_argument("--full", action="store_true", help="run every cell whatever the model's size")
+    check.add_argument("--memory", metavar="SIZE",
+                       help="the most memory the check may take, its processes together (6G, 512M): columns that "
+                            "do not fit beside each other run one after another, one that cannot fit at all is "
+                            "skipped with its figures (default: the columns take up to 85%% of the memory available)")
     check.add_argument("--quiet", action="store_true",
                        help="no progress (at a terminal the bar, piped a line per finished column)")
     check.add_argument("--jobs", default="auto",

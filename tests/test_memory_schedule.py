@@ -53,14 +53,23 @@ def test_a_footprint_grows_with_the_dtype_the_backend_and_the_longest_case():
     assert set(FOOTPRINTS) >= {"torch", "jax", "onnx", "transformers", "onnxruntime-genai", "numpy-float32"}
 
 
+def _available(monkeypatch, size: int) -> None:
+    """The machine's available memory, as the harness and conformance.memory.columns_limit read it."""
+    from conformance import memory
+
+    monkeypatch.setattr(harness, "available_memory", lambda: size)
+    monkeypatch.setattr(memory, "available_memory", lambda: size)
+
+
 class _Counting(MemoryLedger):
-    """A ledger that records the most owners holding memory at once."""
+    """A ledger that records the most columns running at once (an owner holding a whole footprint:
+    a worker between columns holds only what its process kept)."""
 
     most = 0
 
     def try_take(self, owner, column) -> bool:
         taken = super().try_take(owner, column)
-        _Counting.most = max(_Counting.most, len(self.held))
+        _Counting.most = max(_Counting.most, sum(1 for held in self.held.values() if held >= GB))
         return taken
 
 
@@ -69,7 +78,7 @@ def test_columns_that_do_not_fit_together_run_one_after_another(monkeypatch, lim
     _Counting.most = 0
     monkeypatch.setattr(harness, "MemoryLedger", _Counting)
     monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: GB)
-    monkeypatch.setattr(harness, "available_memory", lambda: int(limit_in_columns * GB / harness.COLUMNS_SHARE))
+    _available(monkeypatch, int(limit_in_columns * GB / harness.COLUMNS_SHARE))
     plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32", "float64"], ["cpu"])
     results = run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=2)
     ran = [r for r in results if r.status != SKIP]  # numpy-float32 has no float64
@@ -80,7 +89,7 @@ def test_columns_that_do_not_fit_together_run_one_after_another(monkeypatch, lim
 def test_a_column_that_cannot_fit_at_all_is_skipped_with_its_figure(monkeypatch):
     monkeypatch.setattr(harness, "column_footprint",
                         lambda cfg, column, longest: 50 * GB if column[0] == "torch" else GB)
-    monkeypatch.setattr(harness, "available_memory", lambda: 20 * GB)
+    _available(monkeypatch, 20 * GB)
     plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
     results = run_matrix(CFG, PARAMS, plan, pattern="forward-")
     torch_cells = [r for r in results if r.backend == "torch"]
@@ -89,20 +98,63 @@ def test_a_column_that_cannot_fit_at_all_is_skipped_with_its_figure(monkeypatch)
     assert all(r.status == PASS for r in results if r.backend == "numpy-float32")
 
 
-def test_a_worker_that_ran_a_large_column_is_replaced_by_a_new_process(monkeypatch):
-    """A process keeps most of what a large column took: the ledger's figures hold only for a new one."""
+def test_freed_pages_are_given_back_to_the_kernel():
+    """What a cell freed on the heap stays resident until the allocator is told to trim it (glibc)."""
+    import numpy as np
+
+    from conformance.memory import _MALLOC_TRIM, give_back_freed, resident_memory
+
+    if _MALLOC_TRIM is None:
+        pytest.skip("this C library has no malloc_trim (not glibc): nothing to give back by hand")
+    before = resident_memory()
+    blocks = [np.ones(8192) for _ in range(2000)]  # 64 KiB each: below the mmap threshold, on the heap
+    above = np.ones(8192)  # so the heap's top is not free and a plain free() trims nothing
+    grown = resident_memory() - before
+    del blocks
+    assert resident_memory() - before > 0.8 * grown
+    give_back_freed()
+    assert resident_memory() - before < 0.2 * grown
+    del above
+
+
+def test_what_a_process_keeps_after_its_column_is_held_until_its_next_one():
+    ledger = MemoryLedger(10 * GB, lambda column: {"small": 2 * GB, "large": 6 * GB}[column])
+    ledger.try_take("worker 1", "large")
+    ledger.release("worker 1", kept=5 * GB)  # its process still holds 5 GB
+    assert not ledger.try_take("worker 2", "large")  # 5 + 6 > 10
+    assert ledger.try_take("worker 2", "small")
+    assert ledger.try_take("worker 1", "small")  # 2 + max(2, 5) fits: the worker's own 5 GB counted once
+    assert ledger.held == {"worker 1": 5 * GB, "worker 2": 2 * GB}
+    ledger.release("worker 2")
+    assert not ledger.try_take("worker 2", "large")  # 5 + 6 > 10 still
+    ledger.release("worker 1")  # its process ended
+    assert ledger.try_take("worker 2", "large")
+
+
+def test_a_worker_is_replaced_only_where_it_keeps_more_than_its_next_column_takes():
+    from conformance.executors.local_pool import RETIRE_SHARE, should_retire
+
+    limit = 20 * GB
+    assert not should_retire(4 * GB, 4 * GB, limit)  # the golden's weights, which the next column needs too
+    assert not should_retire(5 * GB, 4 * GB, limit)  # 1 GB more than it needs: under RETIRE_SHARE
+    assert should_retire(int(4 * GB + RETIRE_SHARE * limit), 4 * GB, limit)
+    assert not should_retire(0, 1 * GB, limit)
+
+
+def test_a_worker_that_keeps_a_large_column_is_replaced_by_a_new_process(monkeypatch):
+    """What a process keeps after a column would sit beside the next: a new process takes it."""
     from conformance.executors import local_pool
 
-    added = []
+    added, kept = [], []
     add = local_pool.WorkerPool.add
     monkeypatch.setattr(local_pool.WorkerPool, "add", lambda self: added.append(1) or add(self))
-    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: 5 * GB)
-    monkeypatch.setattr(harness, "golden_footprint", lambda cfg, params, longest, available: 0)
-    monkeypatch.setattr(harness, "available_memory", lambda: 20 * GB)  # 5 GB is over RETIRE_SHARE of 17 GB
+    monkeypatch.setattr(local_pool, "should_retire", lambda held, upcoming, limit: kept.append(held) or True)
+    _available(monkeypatch, 20 * GB)
     plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
     results = run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=1, executor=local_pool.LocalPool(1))
     assert [r.status for r in results] == [PASS, PASS]
     assert len(added) == 1  # the one worker replaced after its first column; none after the last
+    assert len(kept) == 1 and kept[0] >= 0  # asked with what the worker measured it kept
 
 
 def test_a_columns_footprint_counts_the_longest_case_it_runs(monkeypatch):
@@ -115,3 +167,66 @@ def test_a_columns_footprint_counts_the_longest_case_it_runs(monkeypatch):
     seen.clear()
     run_matrix(CFG, PARAMS, plan, pattern="decode-far")
     assert set(seen) == {min(1003, CFG.max_len)}
+
+
+def test_a_generate_case_goes_to_the_workers_whole(monkeypatch):
+    """Its rows were chosen by the golden's greedy tokens: a worker (a replaced one too) must not
+    decode them again, which at a real checkpoint's size costs minutes."""
+    from conformance.executors import local_pool
+
+    sent = {}
+    monkeypatch.setattr(local_pool, "run_in_workers",
+                        lambda cfg, params, work, jobs, on_result, pool, whole, *rest: sent.update(whole))
+    plan = plan_matrix(CFG, ["torch"], ["float32"], ["cpu"])
+    run_matrix(CFG, PARAMS, plan, pattern="*-none-*", jobs=2)  # forward-none and the other -none cases too
+    assert set(sent) == {"generate-none"}
+    message = local_pool._case_message(sent["generate-none"])
+    again = local_pool._case_from(message)
+    assert all((again.inputs[key] == value).all() if hasattr(value, "shape") else again.inputs[key] == value
+               for key, value in sent["generate-none"].inputs.items())
+
+
+@pytest.mark.parametrize("text, size", [("6G", 6 * GB), ("6 GB", 6 * GB), ("512M", 512 * 10 ** 6), ("1.5g", 1.5 * GB),
+                                        ("2000000000", 2 * GB)])
+def test_a_memory_size_is_read_in_decimal_units(text, size):
+    from conformance.memory import parse_memory
+
+    assert parse_memory(text) == size
+
+
+@pytest.mark.parametrize("text", ["six", "-1G", "0", "G", "6Q"])
+def test_a_memory_size_that_is_not_one_is_refused_naming_it(text):
+    from conformance.memory import parse_memory
+
+    with pytest.raises(ValueError, match=f"--memory {text!r}"):
+        parse_memory(text)
+
+
+def test_a_memory_total_schedules_the_columns_within_what_is_left_of_it(monkeypatch):
+    """--memory: the columns get the total less this process and its workers' frameworks."""
+    from conformance import memory
+
+    _Counting.most = 0
+    monkeypatch.setattr(harness, "MemoryLedger", _Counting)
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: GB)
+    monkeypatch.setattr(harness, "golden_footprint", lambda cfg, params, longest, available: 0)
+    monkeypatch.setattr(harness, "reference_bytes", lambda cfg, longest: 0)
+    monkeypatch.setattr(memory, "available_memory", lambda: 100 * GB)
+    monkeypatch.setattr(memory, "resident_memory", lambda: GB)
+    plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32", "float64"], ["cpu"])
+    total = GB + 2 * memory.WORKER_BYTES + int(1.5 * GB)  # 1.5 GB for the columns: one at a time
+    results = run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=2, memory_total=total)
+    assert [r.status for r in results if r.status != SKIP] == [PASS] * 3
+    assert _Counting.most == 1
+    with pytest.raises(memory.MemoryTooSmall, match=r"--memory 1.5 GB leaves nothing for the columns: this process "
+                                                   r"holds 1.0 GB .* its 2 worker process\(es\) about 0.8 GB"):
+        run_matrix(CFG, PARAMS, plan, pattern="forward-none", jobs=2, memory_total=int(1.5 * GB))
+
+
+def test_rosetta_check_refuses_a_memory_that_holds_nothing_but_itself(capsys):
+    from rosetta.main import main
+
+    assert main(["check", "--preset", "llama-tiny", "--backends", "torch", "--memory", "10M", "--quiet"]) == 2
+    assert "--memory 0.0 GB leaves nothing for the columns" in capsys.readouterr().err
+    assert main(["check", "--preset", "llama-tiny", "--memory", "lots"]) == 2
+    assert "--memory 'lots': give a size such as 6G" in capsys.readouterr().err

@@ -67,3 +67,53 @@ def test_a_reference_that_is_not_arrays_is_computed_by_each_process(tmp_path):
     second = shared_reference(SharedReferences(tmp_path), "grad-mha-none", compute)
     assert len(calls) == 2 and np.array_equal(first["gradients"], second["gradients"])
     assert shared_reference(None, "grad-mha-none", compute) is not None and len(calls) == 3
+
+
+def test_a_producer_computes_every_reference_before_anyone_asks_and_lets_go_of_what_fails(tmp_path):
+    """The harness computes the references for its workers (Producer): a reader waits for the
+    file instead of computing, and a reference the producer could not compute is the reader's."""
+    from conformance.executors.shared_references import Producer
+
+    shared, computed, go = SharedReferences(tmp_path), [], threading.Event()
+
+    def compute(name):
+        go.wait(5)
+        computed.append(name)
+        if name == "forward-far":
+            raise ValueError("no such case here")
+        return np.full(3, float(len(name)))
+
+    producer = Producer(shared, ["forward-none", "decode-far", "forward-none", "forward-far"], compute)
+    assert sorted(path.name for path in tmp_path.glob("*.lock")) == [
+        "decode-far.lock", "forward-far.lock", "forward-none.lock"]  # every case held before anyone asks
+    go.set()
+
+    def never():
+        raise AssertionError("a reader computed a reference the producer holds")
+
+    np.testing.assert_array_equal(shared.get("decode-far", never), np.full(3, 10.0))
+    np.testing.assert_array_equal(shared.get("forward-none", never), np.full(3, 12.0))
+    assert shared.get("forward-far", lambda: np.zeros(2)).shape == (2,)  # let go: the reader's own
+    producer.close()
+    assert computed == ["forward-none", "decode-far", "forward-far"]
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_the_harness_computes_every_shareable_reference_for_its_workers(monkeypatch):
+    """No worker casts the golden's float64 weights: every reference the workers read was computed
+    once in the calling process (had a worker computed one, it would have held its lock first)."""
+    from conformance import harness
+    from conformance.harness import PASS, plan_matrix, run_matrix
+    from spec import conformance_params, get_preset
+
+    cfg = get_preset("llama-tiny")
+    computed = []
+    original = harness.reference_for
+    monkeypatch.setattr(harness, "reference_for",
+                        lambda cfg, params, case, golden, kept: computed.append(case.name) or original(
+                            cfg, params, case, golden, kept))
+    plan = plan_matrix(cfg, ["numpy-float32", "torch"], ["float32"], ["cpu"])
+    results = run_matrix(cfg, conformance_params(cfg), plan, pattern="forward-", jobs=2)
+    ran = {f"{r.sublayer}-{r.mask_case}" for r in results if r.status == PASS}
+    assert ran and len(results) == 2 * len(ran)
+    assert sorted(computed) == sorted(ran)  # each case once, here

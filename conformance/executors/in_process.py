@@ -10,17 +10,21 @@ import numpy as np
 from conformance.backends.numpy_backend import NumpyRunner
 from conformance.cells import golden_runner_for, reference_for, run_cell
 from conformance.executors import OnResult, WorkItem
-from conformance.memory import MemoryLedger
+from conformance.executors.shared_references import SharedReferences, shared_reference
+from conformance.memory import MemoryLedger, give_back_freed
 from spec import ModelConfig
 
 
 class InProcess:
     """Runs cells here, loading each column's runner once and the golden's output once per case,
-    on the caller's golden runner where it has one (its float64 parameters, cast once)."""
+    on the caller's golden runner where it has one (its float64 parameters, cast once), through
+    `shared` where the run's worker processes compute references too (each computed once)."""
 
-    def __init__(self, golden: NumpyRunner | None = None, memory: MemoryLedger | None = None):
+    def __init__(self, golden: NumpyRunner | None = None, memory: MemoryLedger | None = None,
+                 shared: SharedReferences | None = None):
         self.golden = golden
         self.memory = memory  # where set (the harness's), a column starts when its memory is free
+        self.shared = shared
 
     def _start(self, column, current) -> None:
         if self.memory is not None and column != current:
@@ -37,8 +41,13 @@ class InProcess:
                 self._start(item.column, column)
                 column = item.column
                 name, dtype, device = column
-                reference = reference_for(cfg, params, item.case, golden, references)
-                if on_result(item.index, run_cell(cfg, params, item.case, name, dtype, device, reference, runners)):
+                # shared: stored in the run's folder and read back mapped, so this process need not keep it
+                kept = references if self.shared is None else {}
+                reference = shared_reference(self.shared, item.case.name,
+                                             lambda: reference_for(cfg, params, item.case, golden, kept))
+                result = run_cell(cfg, params, item.case, name, dtype, device, reference, runners)
+                give_back_freed()  # what the cell freed, rather than kept under the next column's memory
+                if on_result(item.index, result):
                     return
         finally:
             if self.memory is not None:

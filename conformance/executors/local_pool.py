@@ -17,6 +17,7 @@ worker that dies turns the cells it had not finished into errors that quote its 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import queue
@@ -30,11 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from conformance.adapter import get_backend, importable_by_name, register_backend, registered_paths
-from conformance.cases import TEXT_CASES, Case, build_case
+from conformance.cases import TEXT_CASES, Case, build_case, is_backward
 from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
-from conformance.executors.shared_references import SharedReferences, shared_reference
-from conformance.memory import MemoryLedger
+from conformance.executors.shared_references import Producer, SharedReferences, shared_reference
+from conformance.memory import MemoryLedger, give_back_freed, resident_memory
 from spec import ModelConfig
 from spec.weights import load_weights, save_weights
 
@@ -105,6 +106,7 @@ class _Worker:
 
     def __init__(self, number: int, threads: int, inbox: queue.Queue, preload: Sequence[str] = ()):
         self.number, self.column, self.group = number, None, []
+        self.baseline = self.kept = 0  # bytes resident once set up; what a finished column left beyond that
         self.stderr = tempfile.TemporaryFile()
         # torch sizes its thread pool at import: the cores are shared among the workers
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -171,7 +173,17 @@ class WorkerPool:
             worker.close()
 
 
-RETIRE_SHARE = 0.1  # a worker whose column's footprint was this share of the memory limit is replaced after it
+RETIRE_SHARE = 0.1  # a worker whose process keeps this share of the memory limit beyond its next column's needs is replaced
+
+
+def should_retire(kept: int, upcoming: int, limit: int) -> bool:
+    """Whether a worker whose process still holds `kept` bytes more than when it was set up (its
+    freed pages given back: the golden's float64 weights, XLA's compiled programs, an allocator's
+    fragments) is replaced by a new process rather than given a column whose footprint is
+    `upcoming` bytes: where what it keeps is more than that column would take by RETIRE_SHARE of
+    the limit. The ledger counts the larger of the two for the worker, so keeping it is safe; a
+    new process (its frameworks imported again, the golden cast again) only frees the rest."""
+    return kept - upcoming >= RETIRE_SHARE * limit
 
 
 class LocalPool:
@@ -181,14 +193,22 @@ class LocalPool:
     def __init__(self, jobs: int, pool: WorkerPool | None = None):
         self.jobs, self.pool = jobs, pool
         self.memory: MemoryLedger | None = None  # where set (the harness's), a column starts when its memory is free
+        # where set (the harness's golden), the shareable references are computed here for the workers,
+        # into `references` where set (a folder the harness's in-process columns read too)
+        self.reference: Callable[[Case], object] | None = None
+        self.references: str | None = None
 
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
             on_result: OnResult) -> None:
         pool, self.pool = self.pool, None
-        # a text case is made from prompts a worker does not have: it goes to the workers whole
-        whole = {item.case.name: item.case for item in work if item.case.mask_case in TEXT_CASES}
+        # a text case is made from prompts a worker does not have, and a generate case's rows were
+        # chosen by the golden's greedy tokens (minutes at a real checkpoint's size): they go whole
+        whole = {item.case.name: item.case for item in work
+                 if item.case.mask_case in TEXT_CASES or item.case.sublayer == "generate"}
+        cases = {item.case.name: item.case for item in work}
+        produce = None if self.reference is None else (lambda name: self.reference(cases[name]))
         run_in_workers(cfg, params, [(item.index, item.case.name, item.column) for item in work], self.jobs,
-                       on_result, pool, whole, self.memory)
+                       on_result, pool, whole, self.memory, produce, self.references)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -197,14 +217,20 @@ class LocalPool:
 
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
                    jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None,
-                   whole_cases: Mapping[str, Case] | None = None, memory: MemoryLedger | None = None) -> None:
+                   whole_cases: Mapping[str, Case] | None = None, memory: MemoryLedger | None = None,
+                   produce: Callable[[str], object] | None = None, references: str | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
     time each, from `pool` where one was started ahead (it is closed here either way). A worker
     builds each case from its name, but for `whole_cases`, which it is sent.
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run. With `memory`, a worker starts a column only when its footprint fits beside the
-    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish. A worker whose
-    column took at least RETIRE_SHARE of the limit is replaced by a new process after it."""
+    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish. A worker
+    gives its freed pages back after each cell and says what it still holds after each column: the
+    ledger counts that, and a worker that keeps RETIRE_SHARE of the limit is replaced (should_retire).
+    With `produce` (case name -> the golden's reference), this process computes the references of
+    the shareable cases (not the gradient and training ones) for the workers, in the order they run
+    them (executors.shared_references.Producer), into `references` where given (a folder another
+    process or thread reads too), else into a folder of the run's own."""
     by_column: dict[Column, list[tuple[int, str]]] = {}
     for index, case_name, column in work:
         by_column.setdefault(column, []).append((index, case_name))
@@ -214,9 +240,11 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     folder = tempfile.TemporaryDirectory(prefix="rosetta-weights-")
     weights = os.path.join(folder.name, "weights.safetensors")
     save_weights(weights, cfg, params)
-    # and each case's golden output is computed by the first worker that needs it, for all of them
-    references = os.path.join(folder.name, "references")
-    os.mkdir(references)
+    # and each case's golden output is computed once for all of them: here (produce), or by the
+    # first worker that needs it
+    if references is None:
+        references = os.path.join(folder.name, "references")
+        os.mkdir(references)
     cases = {name: _case_message(case) for name, case in (whole_cases or {}).items()}
     setup = (cfg.to_json(), weights, references, cases, registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
     if pool is None:
@@ -233,7 +261,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
         """The next column of the worker's group, else the first column of the first group that fits
         in memory now; a worker none fits for waits."""
         if memory is not None:
-            memory.release(worker)
+            memory.release(worker, worker.kept)
         if not worker.group and groups:
             fitting = next((i for i, group in enumerate(groups) if memory is None
                             or memory.try_take(worker, group[0])), None)
@@ -252,7 +280,12 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
             waiting.remove(worker)
             give_work(worker)
 
+    producer = None
     try:
+        if produce is not None:  # in the order the columns ask for them; the gradient and training cases' stay theirs
+            ordered = [case_name for _, case_name, _ in sorted(work, key=lambda item: cost_rank(item[2]))]
+            producer = Producer(SharedReferences(references),
+                                [name for name in ordered if not is_backward(name.split("-")[0])], produce)
         for worker in workers:  # every process is started before any setup is sent: they import at once
             worker.send_setup(setup)
             give_work(worker)
@@ -270,11 +303,15 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                 unfinished.discard(index)
                 if on_result(index, result):
                     return
+            elif kind == "ready":
+                worker.baseline = payload
             elif kind == "column done":
-                finished, worker.column = worker.column, None
-                if memory is not None and memory.footprint(finished) >= RETIRE_SHARE * memory.limit:
-                    # a process keeps most of what a large column took (allocators seldom give it back):
-                    # a new process takes the worker's next column, where the ledger's figures hold again
+                worker.column, worker.kept = None, max(0, payload - worker.baseline)
+                upcoming = worker.group[0] if worker.group else groups[0][0] if groups else None
+                if memory is not None and upcoming is not None \
+                        and should_retire(worker.kept, memory.footprint(upcoming), memory.limit):
+                    # what a process keeps (XLA's compiled programs, an allocator's fragments) would sit
+                    # beside its next column: a new process takes it, where the ledger's figures hold again
                     memory.release(worker)
                     if worker.group:
                         groups.insert(0, worker.group)
@@ -312,6 +349,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                         running += 1
                         give_work(replacement)
     finally:
+        if producer is not None:
+            producer.close()
         pool.close()
         folder.cleanup()
 
@@ -337,6 +376,7 @@ def _serve() -> None:
     cases: dict = {name: _case_from(message) for name, message in setup["cases"].items()}
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     shared = SharedReferences(setup["references"])
+    _send(answers, ["ready", resident_memory()])
     while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task
         for index, case_name in items:
@@ -349,8 +389,12 @@ def _serve() -> None:
                                                          lambda: reference_for(cfg, params, case, golden, {}))
             reference = references[case_name]
             result = run_cell(cfg, params, case, name, dtype, device, reference, runners)
+            give_back_freed()  # what the cell freed, so the memory measured after the column is what it keeps
             _send(answers, ["cell", [index, _result_message(result)]])
-        _send(answers, ["column done", None])
+        runners.clear()  # its weights' copies go now, not when the next column loads
+        gc.collect()
+        give_back_freed()
+        _send(answers, ["column done", resident_memory()])
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ float64). The first worker that needs a case's reference takes its lock file and
 the others wait for the file and memory-map it. A worker that dies holding a lock leaves it to
 the next one that asks. Only array references are shared (a forward's output, a generate case's
 tokens and step logits); a gradient or training case's reference, an object holding a runner, is
-computed by each worker that needs it, as before.
+computed by each worker that needs it, as before. Where the calling process holds the golden
+already (the local executor's harness: it built the generate cases with it), a Producer there
+computes every shareable reference, in the order the workers will ask, so that no worker casts
+the golden's float64 weights (1 GB at SmolLM2-135M's size, 4 GB at Qwen2.5-0.5B's).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +56,23 @@ class SharedReferences:
             stored = self._read_stored(case_name)  # mapped, so this process does not hold it in memory
             return reference if stored is None else stored
 
+    def hold(self, case_name: str) -> bool:
+        """Take the case's lock for this process, which will put its reference; False where another has it."""
+        try:
+            descriptor = os.open(self.folder / f"{case_name}.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(descriptor, str(os.getpid()).encode())
+        os.close(descriptor)
+        return True
+
+    def put(self, case_name: str, reference: object) -> None:
+        """Store a reference this process holds the lock of (an unshareable one: each process computes its own)."""
+        self._write(case_name, reference)
+
+    def let_go(self, case_name: str) -> None:
+        (self.folder / f"{case_name}.lock").unlink(missing_ok=True)
+
     def _write(self, case_name: str, reference: object) -> None:
         arrays = reference if isinstance(reference, tuple) else (reference,)
         if not all(isinstance(array, np.ndarray) for array in arrays):
@@ -76,6 +97,40 @@ class SharedReferences:
         arrays = tuple(np.lib.format.open_memmap(path, mode="r")  # .npy headers only: never a pickle
                        for path in sorted(stored.glob("*.npy"), key=lambda path: int(path.stem)))
         return arrays if (stored / "tuple").exists() else arrays[0]
+
+
+class Producer:
+    """References computed in one process for the others, in the order they will be asked for:
+    every case is held (its lock taken) before any worker asks, so a worker waits for the file
+    rather than casting the golden's float64 weights itself. A case whose reference cannot be
+    computed here is let go: the first worker that needs it computes it (and reports its error)."""
+
+    def __init__(self, references: SharedReferences, case_names, compute: Callable[[str], object]):
+        self.references, self.compute = references, compute
+        self.held = [name for name in dict.fromkeys(case_names) if references.hold(name)]
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="golden references", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for name in list(self.held):
+            if self.stopped.is_set():
+                break
+            try:
+                self.references.put(name, self.compute(name))
+            except Exception:  # noqa: BLE001 - a worker computing it meets the error itself and reports it
+                pass
+            finally:
+                self.references.let_go(name)
+                self.held.remove(name)
+
+    def close(self) -> None:
+        """Stop after the reference being computed, and let go of the rest."""
+        self.stopped.set()
+        self.thread.join()
+        for name in self.held:
+            self.references.let_go(name)
+        self.held = []
 
 
 class _ComputeHere(Exception):
