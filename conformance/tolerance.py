@@ -51,12 +51,15 @@ def rotary_angle(cfg: ModelConfig, largest_position: int) -> float:
     unit roundoff u, that angle is off by about u·p·ω_i radians, and so is the pair's share of a
     score q·k, which sums every pair of the head. Pair 0 turns by p itself (ω_0 = 1), an integer
     every table holds exactly, so only cos and sin's own rounding (u_storage's) is left there;
-    the pairs past r do not turn. 0 without RoPE."""
+    the pairs past r do not turn. Rescaled frequencies (SPEC §5.12) are the ones that turn, and
+    pair 0 counts where rescaling moved its ω_0 from 1. 0 without RoPE."""
+    from impl_numpy.model import rope_frequencies  # the golden's frequencies are the spec's definition
+
     if cfg.positional != "rope" or largest_position <= 0:
         return 0.0
-    r = cfg.rotary_dim
-    frequencies = cfg.rope_theta ** (-np.arange(2, r, 2) / r)  # ω_1 … ω_{r/2−1}
-    return float(largest_position * frequencies.sum() / (cfg.d_head / 2))
+    frequencies = rope_frequencies(cfg)  # ω_0 … ω_{r/2−1}
+    rounded = frequencies[1:] if frequencies[0] == 1 else frequencies
+    return float(largest_position * rounded.sum() / (cfg.d_head / 2))
 
 
 @dataclass(frozen=True)

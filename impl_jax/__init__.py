@@ -27,6 +27,8 @@ from impl_jax.model import (
     on_device,
     residual,
     rms_norm,
+    rope_attention_factor,
+    rope_frequencies,
     rope_tables,
     rotary,
     rotate_half,

@@ -37,6 +37,8 @@ from impl_numpy.model import (
     relu,
     residual,
     rms_norm,
+    rope_attention_factor,
+    rope_frequencies,
     rope_tables,
     rotary,
     rotate_half,

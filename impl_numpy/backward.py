@@ -276,7 +276,7 @@ def rotary_vjp(cfg: ModelConfig, positions: np.ndarray | None, d_y: np.ndarray) 
     if positions is None:
         return d_y
     r = cfg.rotary_dim
-    cos, sin = rope_tables(positions, r, float(cfg.rope_theta))
+    cos, sin = rope_tables(cfg, positions)
     return np.concatenate([d_y[..., :r] * cos - rotate_half(d_y[..., :r] * sin), d_y[..., r:]], axis=-1)
 
 

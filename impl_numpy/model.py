@@ -139,13 +139,73 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
-def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of angle(pos, i) = pos · θ^(−2i/r), i = 0..r/2−1, each angle repeated for both
-    halves (rotate_half's layout), in float64. positions [T] -> 2 × [T, r]"""
-    inverse_frequency = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # [r/2]
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inverse_frequency[None, :]  # [T, r/2]
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12). -> [r/2]"""
+    r, theta, scaling = cfg.rotary_dim, float(cfg.rope_theta), cfg.rope_scaling
+    omega = theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)  # [r/2]
+    if scaling is None:
+        return omega
+    if scaling.kind == "linear":
+        return omega / scaling.factor  # positions divided by the factor
+    if scaling.kind == "llama3":
+        return llama3_frequencies(omega, scaling)
+    return yarn_frequencies(omega, r, theta, scaling)
+
+
+def llama3_frequencies(omega: np.ndarray, scaling) -> np.ndarray:
+    """Wavelengths λ = 2π/ω longer than L/low_freq_factor are divided by the factor, shorter than
+    L/high_freq_factor kept, and between them blended: (1−s)·ω/factor + s·ω with
+    s = (L/λ − low_freq_factor) / (high_freq_factor − low_freq_factor), L = original_max_len."""
+    length, low, high = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / omega
+    smooth = (length / wavelength - low) / (high - low)
+    blended = (1 - smooth) * omega / scaling.factor + smooth * omega
+    return np.where(wavelength > length / low, omega / scaling.factor,
+                    np.where(wavelength < length / high, omega, blended))
+
+
+def yarn_frequencies(omega: np.ndarray, r: int, theta: float, scaling) -> np.ndarray:
+    """YaRN: pair j is interpolated (ω/factor) by ramp(j) and kept by 1 − ramp(j), the ramp rising
+    from 0 to 1 between the dimensions that turn beta_fast and beta_slow times over the original
+    context: dim(n) = r · ln(L / (2π·n)) / (2 ln θ)."""
+    def dimension(rotations: float) -> float:
+        return r * math.log(scaling.original_max_len / (2 * math.pi * rotations)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low if high != low else 0.001), 0, 1)
+    return omega / scaling.factor * ramp + omega * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (so a²  on the scores): YaRN's attention_factor, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); 1 for the other rules."""
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def rope_tables(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies; a = rope_attention_factor),
+    each angle repeated for both halves (rotate_half's layout), in float64. positions [T] -> 2 × [T, r]"""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * rope_frequencies(cfg)[None, :]  # [T, r/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [T, r]
-    return np.cos(angles), np.sin(angles)
+    factor = rope_attention_factor(cfg)
+    if factor == 1:
+        return np.cos(angles), np.sin(angles)
+    return factor * np.cos(angles), factor * np.sin(angles)
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:
@@ -158,7 +218,7 @@ def rotary(cfg: ModelConfig, x: np.ndarray, positions: np.ndarray) -> np.ndarray
     """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
     the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
     r = cfg.rotary_dim
-    cos, sin = (table.astype(x.dtype) for table in rope_tables(positions, r, float(cfg.rope_theta)))
+    cos, sin = (table.astype(x.dtype) for table in rope_tables(cfg, positions))
     rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
     return np.concatenate([rotated, x[..., r:]], axis=-1)
 

@@ -22,6 +22,8 @@ from impl_torch.model import (
     merge_heads,
     residual,
     rms_norm,
+    rope_attention_factor,
+    rope_frequencies,
     rope_tables,
     rotary,
     rotate_half,

@@ -102,15 +102,74 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch, length, n_heads * d_head)
 
 
-def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of angle(pos, i) = pos · θ^(−2i/r), i = 0..r/2−1, each angle repeated for both
-    halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=dtype, device=positions.device) / rotary_dim
-    inverse_frequency = theta ** (-exponents)  # [r/2]
-    angles = positions.to(dtype)[:, None] * inverse_frequency[None, :]  # [T, r/2]
+def rope_frequencies(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12), in `dtype`. -> [r/2]"""
+    r, theta, scaling = cfg.rotary_dim, float(cfg.rope_theta), cfg.rope_scaling
+    omega = theta ** (-(torch.arange(0, r, 2, dtype=dtype, device=device) / r))  # [r/2]
+    if scaling is None:
+        return omega
+    if scaling.kind == "linear":
+        return omega / scaling.factor  # positions divided by the factor
+    if scaling.kind == "llama3":
+        return llama3_frequencies(omega, scaling)
+    return yarn_frequencies(omega, r, theta, scaling)
+
+
+def llama3_frequencies(omega: torch.Tensor, scaling) -> torch.Tensor:
+    """Wavelengths λ = 2π/ω longer than L/low_freq_factor are divided by the factor, shorter than
+    L/high_freq_factor kept, and between them blended: (1−s)·ω/factor + s·ω with
+    s = (L/λ − low_freq_factor) / (high_freq_factor − low_freq_factor), L = original_max_len."""
+    length, low, high = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / omega
+    smooth = (length / wavelength - low) / (high - low)
+    blended = (1 - smooth) * omega / scaling.factor + smooth * omega
+    return torch.where(wavelength > length / low, omega / scaling.factor,
+                       torch.where(wavelength < length / high, omega, blended))
+
+
+def yarn_frequencies(omega: torch.Tensor, r: int, theta: float, scaling) -> torch.Tensor:
+    """YaRN: pair j is interpolated (ω/factor) by ramp(j) and kept by 1 − ramp(j), the ramp rising
+    from 0 to 1 between the dimensions that turn beta_fast and beta_slow times over the original
+    context: dim(n) = r · ln(L / (2π·n)) / (2 ln θ)."""
+    def dimension(rotations: float) -> float:
+        return r * math.log(scaling.original_max_len / (2 * math.pi * rotations)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    pairs = torch.arange(r // 2, dtype=omega.dtype, device=omega.device)
+    ramp = ((pairs - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return omega / scaling.factor * ramp + omega * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (so a² on the scores): YaRN's attention_factor, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); 1 for the other rules."""
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies; a = rope_attention_factor),
+    each angle repeated for both halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
+    angles = positions.to(dtype)[:, None] * rope_frequencies(cfg, dtype, positions.device)[None, :]  # [T, r/2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, r]
-    return torch.cos(angles), torch.sin(angles)
+    factor = rope_attention_factor(cfg)
+    if factor == 1:  # no multiply in the graph an export traces
+        return torch.cos(angles), torch.sin(angles)
+    return factor * torch.cos(angles), factor * torch.sin(angles)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +186,7 @@ def rotary(cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor) -> torch.
     # taken in float32 (float64 for a float64 model, like the golden) and only then cast to x's
     # dtype, as Hugging Face's Llama does: the multiply is in x's dtype.
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = (table.to(x.dtype) for table in rope_tables(positions, r, float(cfg.rope_theta), wide))
+    cos, sin = (table.to(x.dtype) for table in rope_tables(cfg, positions, wide))
     rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
     return torch.cat([rotated, x[..., r:]], dim=-1)
 

@@ -19,8 +19,9 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   Llama's key names in all three: pre-RMSNorm with a final norm, rotary positions in the
   rotate_half layout (nothing stored), grouped-query attention, the gated FFN (gate_proj is the
   activated W1, up_proj W3, down_proj W2). Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
-  and a head_dim apart from d / heads. The rotary frequencies are computed, not stored; rescaled
-  variants (llama3, yarn, longrope, linear, dynamic) and sliding-window attention are refused.
+  and a head_dim apart from d / heads. The rotary frequencies are computed, not stored; the
+  linear, llama3 and yarn rescalings are read (SPEC §5.12), dynamic and longrope refused, and so
+  is sliding-window attention.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from spec import ModelConfig, check_params, params_digest, save_weights
+from spec import ModelConfig, RopeScaling, check_params, params_digest, save_weights
 from spec.errors import ConfigError, WeightsError
 from spec.weights import read_header
 
@@ -313,7 +314,7 @@ def _bart_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
 
 # ---- the modern decoder: Llama, Qwen2, Qwen3 ------------------------------------------------------
 
-# Rotary variants that rescale the frequencies or the positions: none is the spec's plain RoPE.
+# Rotary variants that rescale the frequencies or the positions, and whether the spec has them (§5.12)
 _ROPE_SCALINGS = {
     "linear": "positions divided by a factor (position interpolation)",
     "dynamic": "NTK scaling, a base that grows with the sequence length",
@@ -323,11 +324,12 @@ _ROPE_SCALINGS = {
 }
 
 
-def _rope_theta(hf: Mapping[str, Any], family: str) -> float:
-    """θ of the plain rotary embedding (SPEC §5.11). transformers 5 writes it into rope_parameters
-    ({"rope_type": "default", "rope_theta": ...}); older files have a top-level rope_theta and put
-    any rescaling into rope_scaling, which transformers still reads first. Rescaled variants are
-    refused whichever field names them, and so is a partial rotary, which these classes ignore."""
+def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, RopeScaling | None]:
+    """θ and the rescaling of the rotary embedding (SPEC §5.11, §5.12). transformers 5 writes both
+    into rope_parameters ({"rope_type": ..., "rope_theta": ..., and the type's keys}); older files
+    have a top-level rope_theta and put any rescaling into rope_scaling, which transformers still
+    reads first. A variant the spec lacks is refused whichever field names it, and so is a partial
+    rotary, which these classes ignore."""
     name, parameters = next(((name, hf[name]) for name in ("rope_scaling", "rope_parameters") if hf.get(name)),
                             ("rope_parameters", {}))
     if not isinstance(parameters, dict):
@@ -337,19 +339,50 @@ def _rope_theta(hf: Mapping[str, Any], family: str) -> float:
             raise ConfigError(f"{name} = {json.dumps(parameters)}: rotary settings per layer type; the spec has one "
                               "rotary embedding for every layer")
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind != "default":
-        field = "rope_type" if "rope_type" in parameters else "type"
-        what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
-        raise ConfigError(f"{name}.{field} = {json.dumps(kind)} ({what}): the spec's rotary embedding is the plain "
-                          "one (rope_type \"default\", SPEC §5.11)")
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if fraction is not None and fraction != 1:
         raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: {FAMILIES[family]} rotates every "
                           "dimension of a head whatever this says, so the file and transformers disagree on the "
                           "function; the spec's rope_fraction is for a family whose class honours it")
     theta = parameters.get("rope_theta", hf.get("rope_theta"))
-    return float(10000.0 if theta is None else theta)  # transformers' default_theta
+    theta = float(10000.0 if theta is None else theta)  # transformers' default_theta
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    field = f"{name}.{'rope_type' if 'rope_type' in parameters else 'type'}"
+    if kind not in ("linear", "llama3", "yarn"):
+        what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
+        raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are linear, llama3 "
+                          "and yarn (SPEC §5.12)")
+    return theta, _rope_scaling(hf, name, kind, parameters)
+
+
+def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mapping[str, Any]) -> RopeScaling:
+    """A rescaling's keys as transformers reads them: original_max_position_embeddings from the
+    config's top level where it has one (Phi-3), else from the entry, else max_position_embeddings;
+    YaRN's factor, where absent, the ratio of the two; beta_fast and beta_slow 32 and 1 where absent
+    or 0; truncate true unless false."""
+    def required(key: str) -> Any:
+        if parameters.get(key) is None:
+            raise ConfigError(f"{name} has rope_type {json.dumps(kind)} but no {key}: transformers requires it")
+        return parameters[key]
+
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(required("factor")))
+    original = hf.get("original_max_position_embeddings") or parameters.get("original_max_position_embeddings") \
+        or hf.get("max_position_embeddings")
+    if kind == "llama3":
+        return RopeScaling(kind="llama3", factor=float(required("factor")), original_max_len=original,
+                           low_freq_factor=float(required("low_freq_factor")),
+                           high_freq_factor=float(required("high_freq_factor")))
+    factor = parameters.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", original) / original
+    optional = {key: float(parameters[key]) for key in ("mscale", "mscale_all_dim", "attention_factor")
+                if parameters.get(key) is not None}
+    return RopeScaling(kind="yarn", factor=float(factor), original_max_len=original,
+                       beta_fast=float(parameters.get("beta_fast") or 32), beta_slow=float(parameters.get("beta_slow") or 1),
+                       truncate=parameters.get("truncate", True) is not False, **optional)
 
 
 def _refuse_foreign_fields(hf: Mapping[str, Any], family: str) -> None:
@@ -392,13 +425,14 @@ def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, hea
     if hf.get("attention_dropout"):
         notes.append(f"attention_dropout = {hf['attention_dropout']} drops attention probabilities, which is not the "
                      "spec's dropout (SPEC §5.10); the import has dropout 0, and evaluation is unaffected")
+    theta, scaling = _rotary(hf, family)
     return ModelConfig(
         arch="decoder-only", d_model=d_model, n_heads=n_heads, n_kv_heads=None if kv_heads == n_heads else kv_heads,
         head_dim=None if head_dim * n_heads == d_model else head_dim, d_ff=_require(hf, "intermediate_size", family),
         n_decoder_layers=_require(hf, "num_hidden_layers", family), tgt_vocab_size=vocab,
         max_len=_require(hf, "max_position_embeddings", family), pad_id=_pad_id(hf, vocab, notes),
         norm_position="pre", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), final_norm=True,
-        positional="rope", rope_theta=_rope_theta(hf, family), embed_scale=False,
+        positional="rope", rope_theta=theta, rope_scaling=scaling, embed_scale=False,
         activation=_activation({"hidden_act": "silu", **hf}, "hidden_act"),  # silu: the classes' default
         gated_ffn=True, head_bias=False, tie_head=bool(hf.get("tie_word_embeddings", False)), **biases_and_norms,
     )
@@ -635,14 +669,17 @@ def _check_marian_positions(cfg: ModelConfig, tensors: Mapping[str, np.ndarray])
 
 
 def _check_rotary_frequencies(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
-    """Stored inverse frequencies must be θ^(−2i/r), i = 0 … r/2 − 1, rounded to float32."""
-    r = cfg.rotary_dim
-    ours = cfg.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    """Stored inverse frequencies must be θ^(−2i/r), i = 0 … r/2 − 1, rescaled as the config says
+    (SPEC §5.12), rounded to float32."""
+    from impl_numpy.model import rope_frequencies  # the golden's frequencies are the spec's definition
+
+    r, ours = cfg.rotary_dim, rope_frequencies(cfg)
+    scaled = "" if cfg.rope_scaling is None else f", rescaled by {cfg.rope_scaling.kind}"
     for key, stored in tensors.items():
         if re.fullmatch(_INVERSE_FREQUENCIES, key) and (
                 stored.shape != ours.shape or np.max(np.abs(stored / ours - 1)) > 2.0 ** -20):
             raise WeightsError(f"{key} is not the spec's rotary inverse frequencies for rope_theta = {cfg.rope_theta} "
-                               f"and {r} rotated dimensions (theta^(-2i/{r}), {r // 2} values)")
+                               f"and {r} rotated dimensions (theta^(-2i/{r}), {r // 2} values{scaled})")
 
 
 # ---- the entry points ------------------------------------------------------------------------------

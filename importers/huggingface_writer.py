@@ -53,7 +53,7 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.d_head,
         "max_position_embeddings": cfg.max_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
         # both forms of θ: transformers 5 reads rope_parameters, older readers the top-level field
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+        "rope_parameters": _rope_parameters(cfg), "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_head, "pad_token_id": cfg.pad_id, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "dtype": "float32", "attention_dropout": 0.0,
     }
@@ -62,6 +62,23 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     else:
         config |= {"use_sliding_window": False}
     return config
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """rope_parameters as transformers 5 reads them: θ, and the rescaling's keys (SPEC §5.12)."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    parameters = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor}
+    if scaling.kind == "llama3":
+        parameters |= {"original_max_position_embeddings": scaling.original_max_len,
+                       "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
+    elif scaling.kind == "yarn":
+        parameters |= {"original_max_position_embeddings": scaling.original_max_len, "beta_fast": scaling.beta_fast,
+                       "beta_slow": scaling.beta_slow, "truncate": scaling.truncate}
+        parameters |= {key: getattr(scaling, key) for key in ("mscale", "mscale_all_dim", "attention_factor")
+                       if getattr(scaling, key) is not None}
+    return parameters
 
 
 def _inverse(how: str, value: np.ndarray) -> np.ndarray:
@@ -89,8 +106,8 @@ def to_huggingface(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory
     (directory / "config.json").write_text(json.dumps(_config_json(cfg, family, bos_id, eos_id), indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     back = import_huggingface(directory)
-    fields = [f"{name} = {value!r} (read back: {getattr(back.config, name)!r})"
-              for name, value in cfg.to_dict().items() if getattr(back.config, name) != value]
+    fields = [f"{name} = {getattr(cfg, name)!r} (read back: {getattr(back.config, name)!r})"
+              for name in cfg.to_dict() if getattr(back.config, name) != getattr(cfg, name)]
     if fields:
         raise ConfigError(f"{directory} as a {family} directory cannot hold " + ", ".join(fields))
     if params_digest(back.params) != params_digest(params):

@@ -125,6 +125,7 @@ def _modern_numbers() -> dict[str, dict]:
 
     import impl_numpy as golden
     import impl_torch
+    from spec import get_preset
 
     flax_rms = {name: p.default for name, p in inspect.signature(nnx.RMSNorm.__init__).parameters.items()}
     norms = {"torch eps": torch.nn.RMSNorm(8).eps, "flax epsilon": flax_rms["epsilon"]}
@@ -137,7 +138,8 @@ def _modern_numbers() -> dict[str, dict]:
     norms["worst"] = float((ours - fused).abs().max())
 
     positions, r, theta = np.arange(4096), 64, 10000.0
-    exact_cos, _ = golden.rope_tables(positions, r, theta)
+    head = get_preset("llama-small").replace(rope_theta=theta)  # heads of 64, all of it rotating
+    exact_cos, _ = golden.rope_tables(head, positions)
     errors = {}
     for name, dtype in (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)):
         inverse = (np.float32(theta) ** (-np.arange(0, r, 2, dtype=np.float32) / np.float32(r))).astype(dtype)

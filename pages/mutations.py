@@ -13,6 +13,7 @@ mistake should break.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -240,18 +241,35 @@ HEAD_NORM_EPS = ("at the forward case's activations of size 1, where ε moves a 
 def _rope_interleaved(cfg, x, positions):
     # GPT-J's and Meta's original layout: dimension 2i turns with 2i + 1, not with i + r/2
     r = cfg.rotary_dim
-    cos, sin = (table[:, :r // 2].repeat(2, axis=-1).astype(x.dtype)
-                for table in model.rope_tables(positions, r, float(cfg.rope_theta)))
+    cos, sin = (table[:, :r // 2].repeat(2, axis=-1).astype(x.dtype) for table in model.rope_tables(cfg, positions))
     pairs = x[..., :r].reshape(*x.shape[:-1], r // 2, 2)
     turned = np.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(*x.shape[:-1], r)
     return np.concatenate([x[..., :r] * cos + turned * sin, x[..., r:]], axis=-1)
 
 
-def _rope_tables_in_half_precision(positions, rotary_dim, theta):
-    inverse_frequency = (theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)).astype(np.float16)
+def _rope_tables_in_half_precision(cfg, positions):
+    inverse_frequency = model.rope_frequencies(cfg).astype(np.float16)
     angles = np.asarray(positions).astype(np.float16)[:, None] * inverse_frequency[None, :]  # rounded to 2⁻¹¹
     angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
     return np.cos(angles), np.sin(angles)
+
+
+def _rope_scaling_ignored(cfg):
+    return _original("rope_frequencies")(cfg.replace(rope_scaling=None))  # rope_theta read, rope_scaling not
+
+
+def _llama3_bands_swapped(omega, scaling):
+    swapped = dataclasses.replace(scaling, low_freq_factor=scaling.high_freq_factor,
+                                  high_freq_factor=scaling.low_freq_factor)
+    return _original("llama3_frequencies")(omega, swapped)  # each band's factor read from the other's key
+
+
+def _yarn_frequencies_inverted_twice(omega, r, theta, scaling):
+    return 1 / _original("yarn_frequencies")(omega, r, theta, scaling)  # an inverse frequency inverted again
+
+
+def _yarn_temperature_ignored(cfg):
+    return 1.0  # YaRN's mscale dropped: cos and sin not multiplied by 0.1 ln(factor) + 1
 
 
 def _rms_eps_outside_the_root(x, scale, bias, eps):
@@ -408,6 +426,17 @@ MUTATIONS += [
              _head_norm_eps_outside_the_root, "mha", None, preset="qwen3-tiny", unlocalized=HEAD_NORM_EPS),
     Mutation("head_norm_eps_written_in", "Qwen3's q/k head norms with Qwen3's ε 1e-6 written in", "head_norm",
              _head_norm_with_qwen3s_eps, "mha", None, preset="qwen3-tiny", unlocalized=HEAD_NORM_EPS),
+    # the rescaled rotary frequencies' bugs of record (SPEC §5.12)
+    Mutation("rope_scaling_ignored", "rope_scaling ignored: Llama 3's plain θ frequencies (a logit checker's "
+             "reference did this)", "rope_frequencies", _rope_scaling_ignored, "mha", "decoder.layers.0",
+             preset="llama3-tiny"),
+    Mutation("llama3_bands_swapped", "llama3 rescaling with low_freq_factor and high_freq_factor swapped",
+             "llama3_frequencies", _llama3_bands_swapped, "mha", "decoder.layers.0", preset="llama3-tiny"),
+    Mutation("yarn_inverted_twice", "YaRN's inverse frequencies inverted once more (a model builder's bug)",
+             "yarn_frequencies", _yarn_frequencies_inverted_twice, "mha", "decoder.layers.0", preset="qwen2-yarn-tiny"),
+    Mutation("yarn_mscale_ignored", "YaRN's attention factor (mscale) ignored: 1 where it is 1.139 (two serving "
+             "engines shipped this)", "rope_attention_factor", _yarn_temperature_ignored, "mha", "decoder.layers.0",
+             preset="qwen2-yarn-tiny"),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.

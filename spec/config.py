@@ -14,6 +14,7 @@ NORM_POSITIONS = ("post", "pre")
 NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # SPEC §5.12
 
 _CHOICES = {
     "arch": ARCHS,
@@ -22,6 +23,38 @@ _CHOICES = {
     "positional": POSITIONALS,
     "activation": ACTIVATIONS,
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How the rotary frequencies are rescaled for a context longer than the one a model was
+    trained at (SPEC §5.12). `kind` names the rule; the other fields are its parameters, with
+    the defaults Hugging Face's configs take when a key is absent."""
+
+    kind: str  # one of ROPE_SCALINGS
+    factor: float  # how much longer the context is
+    original_max_len: int | None = None  # llama3, yarn: the context the frequencies were trained at
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    beta_fast: float = 32.0  # yarn: rotations over original_max_len below which a dimension is interpolated...
+    beta_slow: float = 1.0  # ... and above which it is kept, a ramp between
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    mscale: float | None = None  # yarn: the temperature's scale, with mscale_all_dim (DeepSeek's)
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: cos and sin multiplied by this; None: from factor and mscale
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "RopeScaling":
+        if not isinstance(data, dict):
+            raise ConfigError(f"rope_scaling must be a JSON object or null, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown rope_scaling field(s): {', '.join(unknown)}")
+        missing = sorted(name for name in ("kind", "factor") if name not in data)
+        if missing:
+            raise ConfigError(f"missing rope_scaling field(s): {', '.join(missing)}")
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +93,7 @@ class ModelConfig:
     # the modern decoder (SPEC §5.11): rotary positions, grouped-query attention, gated FFN
     rope_theta: float = 10000.0  # base of the rotary frequencies (positional="rope")
     rope_fraction: float = 1.0  # the share of each head's dimensions that rotates (partial rotary)
+    rope_scaling: RopeScaling | None = None  # rescaled frequencies for a longer context (SPEC §5.12)
     n_kv_heads: int | None = None  # key/value heads; None: n_heads (multi-head), 1: multi-query
     head_dim: int | None = None  # d_k; None: d_model / n_heads
     gated_ffn: bool = False  # FFN(x) = (act(x W1) ⊙ x W3) W2: SwiGLU with swish, GeGLU with gelu-tanh
@@ -91,7 +125,10 @@ class ModelConfig:
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.rope_scaling is None:  # absent, so that a config without it reads as it did before it existed
+            del data["rope_scaling"]
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON: keys sorted, no whitespace, so equal configs give equal strings."""
@@ -111,6 +148,8 @@ class ModelConfig:
         )
         if missing:
             raise ConfigError(f"missing config field(s): {', '.join(missing)}")
+        if data.get("rope_scaling") is not None:
+            data = {**data, "rope_scaling": RopeScaling.from_dict(data["rope_scaling"])}
         return cls(**data)
 
     @classmethod
@@ -183,8 +222,11 @@ def _validate(cfg: ModelConfig) -> None:
         if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
             raise ConfigError(f"rope_fraction {cfg.rope_fraction} of head_dim {cfg.d_head} rotates "
                               f"{cfg.rotary_dim} dimensions; it must be an even number, at least 2 (pairs rotate)")
-    elif (cfg.rope_theta, cfg.rope_fraction) != (10000.0, 1.0):
-        raise ConfigError(f"rope_theta and rope_fraction apply to positional='rope' only, got positional={cfg.positional!r}")
+        if cfg.rope_scaling is not None:
+            _validate_rope_scaling(cfg.rope_scaling)
+    elif (cfg.rope_theta, cfg.rope_fraction, cfg.rope_scaling) != (10000.0, 1.0, None):
+        raise ConfigError("rope_theta, rope_fraction and rope_scaling apply to positional='rope' only, got "
+                          f"positional={cfg.positional!r}")
     if cfg.qk_norm and cfg.norm != "rmsnorm":
         raise ConfigError(f"qk_norm normalises each head's q and k with RMSNorm (Qwen3) and needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")
@@ -226,3 +268,37 @@ def _validate(cfg: ModelConfig) -> None:
     for name, size in vocabularies:
         if not 0 <= cfg.pad_id < size:
             raise ConfigError(f"pad_id ({cfg.pad_id}) must lie inside the vocabulary: 0 <= pad_id < {name} ({size})")
+
+
+def _validate_rope_scaling(scaling: RopeScaling) -> None:
+    """Each rule's parameters, as SPEC §5.12 needs them."""
+    if not isinstance(scaling, RopeScaling):
+        raise ConfigError(f"rope_scaling must be a RopeScaling or null, got {scaling!r}")
+    if scaling.kind not in ROPE_SCALINGS:
+        raise ConfigError(f"rope_scaling.kind must be one of {', '.join(ROPE_SCALINGS)}; got {scaling.kind!r}")
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim", "attention_factor"):
+        value = getattr(scaling, name)
+        if value is None and name in ("mscale", "mscale_all_dim", "attention_factor"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"rope_scaling.{name} must be a finite number, got {value!r}")
+    if not isinstance(scaling.truncate, bool):
+        raise ConfigError(f"rope_scaling.truncate must be true or false, got {scaling.truncate!r}")
+    if not scaling.factor > 0:
+        raise ConfigError(f"rope_scaling.factor must be positive, got {scaling.factor}")
+    if scaling.kind == "linear":
+        return
+    length = scaling.original_max_len
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ConfigError(f"rope_scaling.original_max_len must be a positive integer for {scaling.kind}, got {length!r}")
+    if scaling.kind == "llama3" and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(f"rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor (the smoothing between "
+                          f"them divides by their difference), got {scaling.low_freq_factor} and "
+                          f"{scaling.high_freq_factor}")
+    if scaling.kind == "yarn":
+        if not 0 < scaling.beta_slow < scaling.beta_fast:
+            raise ConfigError(f"rope_scaling: yarn needs 0 < beta_slow < beta_fast, got {scaling.beta_slow} and "
+                              f"{scaling.beta_fast}")
+        if scaling.attention_factor is not None and not scaling.attention_factor > 0:
+            raise ConfigError(f"rope_scaling.attention_factor must be positive, got {scaling.attention_factor}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec.config import ModelConfig
+from spec.config import ModelConfig, RopeScaling
 from spec.errors import ConfigError
 
 _PRESETS: dict[str, tuple[str, ModelConfig]] = {
@@ -123,6 +123,35 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             max_len=2048, norm_position="pre", norm="layernorm", norm_eps=1e-5, final_norm=True,
             positional="rope", rope_fraction=0.25, embed_scale=False, activation="swish", gated_ffn=True,
             qkv_bias=True, bias=False,
+        ),
+    ),
+    "llama3-tiny": (
+        "A Llama 3.1/3.2-family decoder at odd sizes, with Llama 3's rescaled rotary frequencies "
+        "(rope_type llama3: factor 32, low_freq_factor 1, high_freq_factor 4, as Llama 3.2; the "
+        "original context 1280 rather than 8192, so that the tiny head's six frequencies fall in all "
+        "three bands: two kept, one blended half and half, three divided by the factor): d 48, 4 heads of 12, 2 "
+        "key/value heads, d_ff 88, 2 layers, vocabulary 109, theta 500000, eps 1e-5, tied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=48, n_heads=4, n_kv_heads=2, d_ff=88, n_decoder_layers=2,
+            tgt_vocab_size=109, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_theta=500000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True,
+            rope_scaling=RopeScaling(kind="llama3", factor=32.0, original_max_len=1280, low_freq_factor=1.0,
+                                     high_freq_factor=4.0),
+        ),
+    ),
+    "qwen2-yarn-tiny": (
+        "A Qwen2.5-family decoder at odd sizes with YaRN (rope_type yarn, factor 4, as Qwen2.5's "
+        "long-context configs; the original context 4096, so that of the head's five frequency pairs "
+        "two are kept, one is half interpolated and two are interpolated; the temperature "
+        "0.1 ln 4 + 1 on cos and sin): as qwen2-tiny with 2 key/value heads, d 40, 4 heads of 10, "
+        "d_ff 72, 2 layers, vocabulary 113, theta 1000000, max_len 16384.",
+        ModelConfig(
+            arch="decoder-only", d_model=40, n_heads=4, n_kv_heads=2, d_ff=72, n_decoder_layers=2,
+            tgt_vocab_size=113, max_len=16384, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=True, bias=False, tie_head=True,
+            rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_len=4096),
         ),
     ),
     "llama-small": (

@@ -302,24 +302,21 @@ def test_the_llama_small_targets_compare_onnxruntime_with_both_peers():
 
 def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
     """Each shape's config, as transformers writes it, maps to the spec's config with the published
-    checkpoint's sizes; the one whose family is not importable yet is refused for its rope scaling."""
+    checkpoint's sizes (Llama-3.2-1B's with its llama3 rope scaling, SPEC §5.12)."""
     transformers = pytest.importorskip("transformers")
     from benchmarks.checkpoints import CLASSES, SHAPES
     from importers.huggingface import _CONFIGS
-    from spec import ConfigError, count_params
+    from spec import RopeScaling, count_params
 
-    published = {"smollm2-135m": (134_515_008, 30, 576), "qwen2.5-0.5b": (494_032_768, 24, 896)}
+    published = {"smollm2-135m": (134_515_008, 30, 576, None), "qwen2.5-0.5b": (494_032_768, 24, 896, None),
+                 "llama-3.2-1b": (1_235_814_400, 16, 2048, RopeScaling(kind="llama3", factor=32.0, original_max_len=8192))}
     for shape, (family, fields) in SHAPES.items():
         fields = dict(fields)
         theta, scaling = fields.pop("rope_theta"), fields.pop("rope_scaling", None) or {"rope_type": "default"}
         hf = getattr(transformers, CLASSES[family][0])(**fields, rope_parameters={**scaling, "rope_theta": theta})
         hf = {**hf.to_dict(), "model_type": family}
-        if shape not in published:
-            with pytest.raises(ConfigError, match="rope"):
-                _CONFIGS[family](hf, [])
-            continue
         cfg = _CONFIGS[family](hf, [])
-        assert (count_params(cfg), cfg.n_decoder_layers, cfg.d_model) == published[shape]
+        assert (count_params(cfg), cfg.n_decoder_layers, cfg.d_model, cfg.rope_scaling) == published[shape]
         assert cfg.rope_theta == theta and cfg.tie_head
 
 

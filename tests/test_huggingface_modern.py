@@ -238,18 +238,8 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
         import_huggingface(_rewrite(checkpoints["llama"], tmp_path / "bad", with_frequencies(10000.0)))
 
 
-_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 @pytest.mark.parametrize("kind, changes, message", [
-    ("llama", {"rope_parameters": _LLAMA3},
-     r'rope_parameters.rope_type = "llama3" \(Llama 3.1\'s rescaling .*\): the spec\'s rotary embedding is the plain'),
-    ("llama", {"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     r'rope_scaling.type = "linear" \(positions divided by a factor'),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r'rope_scaling.rope_type = "dynamic"'),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     r'rope_scaling.rope_type = "yarn" \(YaRN'),
     ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
                                    "long_factor": [2.0] * 6}}, r'rope_parameters.rope_type = "longrope"'),
     ("qwen2", {"layer_types": None, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
@@ -297,7 +287,7 @@ def test_the_whole_matrix_on_imported_weights(checkpoints):
 
 # ---- canonical weights back to a Hugging Face directory --------------------------------------------------
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny"])
 def test_canonical_weights_written_as_a_directory_import_back_and_run_in_transformers(tmp_path, preset):
     """The importer's mapping run backwards (importers.huggingface_writer): the import of the
     written directory is the same config and tensors, and transformers' own model of it computes

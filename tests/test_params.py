@@ -23,6 +23,10 @@ EXPECTED_COUNTS = {
     "qwen3-tiny": 2 * 89 * 36 + 2 * (36 * 48 + 2 * 36 * 24 + 48 * 36 + 2 * 12 + 3 * 36 * 60 + 2 * 36) + 36,
     # LayerNorms with biases (two a layer and the final one), q/k/v biases, no o or FFN biases
     "stablelm-tiny": 2 * 103 * 48 + 2 * (4 * 48 * 48 + 3 * 48 + 3 * 48 * 80 + 2 * 2 * 48) + 2 * 48,
+    # llama-tiny's layer at 4 heads of 12 over 2 (k and v 48 x 24), a tied 109-row table
+    "llama3-tiny": 109 * 48 + 2 * (48 * 48 + 2 * 48 * 24 + 48 * 48 + 3 * 48 * 88 + 2 * 48) + 48,  # 44,640
+    # qwen2-tiny's layer over 2 key/value heads of 10 (with their biases), a tied 113-row table
+    "qwen2-yarn-tiny": 113 * 40 + 2 * (40 * 40 + 40 + 2 * (40 * 20 + 20) + 40 * 40 + 3 * 40 * 72 + 2 * 40) + 40,
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }

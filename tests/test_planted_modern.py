@@ -10,6 +10,8 @@ RoPE within 10× of its near twin's, and statistics taken in bfloat16 are, measu
 bfloat16's own rounding (SPEC §5.6 says why no cell can fail them).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def _interleaved_rotary(cfg, x, positions):
     """GPT-J's and Meta's original layout: dimension 2i turns with 2i + 1, not with i + r/2."""
     r = cfg.rotary_dim
     cos, sin = (table[..., : r // 2].to(x.dtype) for table in torch_model.rope_tables(
-        positions, r, float(cfg.rope_theta), torch.float64 if x.dtype == torch.float64 else torch.float32))
+        cfg, positions, torch.float64 if x.dtype == torch.float64 else torch.float32))
     even, odd = x[..., 0:r:2], x[..., 1:r:2]
     turned = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
     return torch.cat([turned, x[..., r:]], dim=-1)
@@ -53,6 +55,27 @@ def _rms_statistics_in_the_activation_dtype(x, scale, bias, eps):
     return (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)) * scale  # no float32 for half x
 
 
+_frequencies, _llama3, _yarn = torch_model.rope_frequencies, torch_model.llama3_frequencies, torch_model.yarn_frequencies
+
+
+def _rope_scaling_ignored(cfg, dtype, device):
+    return _frequencies(cfg.replace(rope_scaling=None), dtype, device)  # rope_theta read, rope_scaling not
+
+
+def _llama3_bands_swapped(omega, scaling):
+    swapped = dataclasses.replace(scaling, low_freq_factor=scaling.high_freq_factor,
+                                  high_freq_factor=scaling.low_freq_factor)
+    return _llama3(omega, swapped)  # low_freq_factor read where high_freq_factor is meant, and back
+
+
+def _yarn_frequencies_inverted_twice(omega, r, theta, scaling):
+    return 1 / _yarn(omega, r, theta, scaling)  # inverse frequencies inverted once more: θ^(+2i/r)
+
+
+def _yarn_temperature_ignored(cfg):
+    return 1.0  # mscale dropped: cos and sin not multiplied by 0.1 ln(factor) + 1
+
+
 PLANTS = {
     "interleaved_rope": (torch_model, "rotary", _interleaved_rotary),
     "theta_written_in": (torch_model, "rotary", _theta_written_in),
@@ -60,6 +83,10 @@ PLANTS = {
     "head_norm_eps_outside_the_root": (torch_model.HeadNorm, "forward", _head_norm_eps_outside_the_root),
     "head_norm_with_qwen3s_eps": (torch_model.HeadNorm, "forward", _head_norm_with_qwen3s_eps),
     "rms_statistics_in_the_activation_dtype": (torch_model, "rms_norm", _rms_statistics_in_the_activation_dtype),
+    "rope_scaling_ignored": (torch_model, "rope_frequencies", _rope_scaling_ignored),
+    "llama3_bands_swapped": (torch_model, "llama3_frequencies", _llama3_bands_swapped),
+    "yarn_frequencies_inverted_twice": (torch_model, "yarn_frequencies", _yarn_frequencies_inverted_twice),
+    "yarn_temperature_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
 }
 # (mistake, the preset whose number it gets wrong, dtype, the first cell of the column that must fail)
 CAUGHT = [
@@ -76,6 +103,20 @@ CAUGHT = [
     ("head_norm_with_qwen3s_eps", "qwen3-tiny", "float16", "mha-small"),
     ("head_norm_with_qwen3s_eps", "qwen3-tiny", "bfloat16", "mha-small"),
     ("rms_statistics_in_the_activation_dtype", "llama-tiny", "float16", "norm-large"),
+    # the rescaled frequencies (SPEC §5.12): at bfloat16 the llama3 mistakes show only where the
+    # interpolated long wavelengths have turned far enough, past 500 positions
+    ("rope_scaling_ignored", "llama3-tiny", "float32", "mha-none"),
+    ("rope_scaling_ignored", "llama3-tiny", "float16", "mha-none"),
+    ("rope_scaling_ignored", "llama3-tiny", "bfloat16", "forward-long"),
+    ("llama3_bands_swapped", "llama3-tiny", "float32", "mha-none"),
+    ("llama3_bands_swapped", "llama3-tiny", "float16", "mha-none"),
+    ("llama3_bands_swapped", "llama3-tiny", "bfloat16", "forward-long"),
+    ("yarn_frequencies_inverted_twice", "qwen2-yarn-tiny", "float32", "mha-none"),
+    ("yarn_frequencies_inverted_twice", "qwen2-yarn-tiny", "float16", "mha-none"),
+    ("yarn_frequencies_inverted_twice", "qwen2-yarn-tiny", "bfloat16", "mha-none"),
+    ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float32", "mha-none"),
+    ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float16", "mha-none"),
+    ("yarn_temperature_ignored", "qwen2-yarn-tiny", "bfloat16", "mha-none"),
 ]
 
 

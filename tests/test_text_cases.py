@@ -97,8 +97,8 @@ def test_positions_wrapped_at_256_pass_the_short_text_and_fail_the_long(checkpoi
     and pass; the long text reaches past it and fails."""
     original = impl_torch.model.rope_tables
 
-    def wrapped(positions, rotary_dim, theta, dtype):
-        return original(positions % 256, rotary_dim, theta, dtype)
+    def wrapped(cfg, positions, dtype):
+        return original(cfg, positions % 256, dtype)
 
     monkeypatch.setattr(impl_torch.model, "rope_tables", wrapped)
     imported = import_huggingface(checkpoint)

@@ -33,6 +33,8 @@ softmax sees every key again); SDPA gives the spec's zeros. See docs/huggingface
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,9 +78,10 @@ class TransformersRunner:
             if kind.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
             elif kind.endswith("RotaryEmbedding"):
-                if module.rope_type != "default" or module.attention_scaling != 1.0:
-                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's is the plain one")
-                module.forward = types.MethodType(_rotary_float64, module)
+                if module.rope_type not in ("default", "linear", "llama3", "yarn"):
+                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are linear, llama3 "
+                                       "and yarn (SPEC §5.12)")
+                module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
 
     def _rebuild_sinusoids(self, dtype) -> None:
         """Marian's table by its own formula, evaluated in float64 and rounded to the run's dtype."""
@@ -182,16 +185,24 @@ def _rms_norm_float64(module, hidden):
     return module.weight * (hidden * (variance + module.variance_epsilon).rsqrt())
 
 
-def _rotary_float64(module, x, position_ids):
-    """transformers' default rotary embedding, cos and sin of position · θ^(−2i/r) repeated for both
-    halves, with the frequencies and angles in float64 rather than float32 (a float64 run)."""
+def _rotary_float64(module, x, position_ids, cfg):
+    """transformers' rotary embedding, a·cos and a·sin of position · ω_i repeated for both halves,
+    with the frequencies and angles in float64 rather than float32 (a float64 run). transformers
+    computes its frequencies in float32 whatever the dtype (for the rescaled kinds too), so at
+    float64 they are the spec's (impl_numpy's, SPEC §5.12); tests/test_rope_scaling.py checks
+    transformers' own float32 frequencies and attention factor against them."""
     import torch
 
-    theta, width = module.config.rope_parameters["rope_theta"], 2 * module.inv_freq.shape[-1]
-    inverse_frequency = 1.0 / theta ** (torch.arange(0, width, 2, dtype=torch.float64, device=x.device) / width)
+    from impl_numpy.model import rope_attention_factor, rope_frequencies
+
+    if 2 * module.inv_freq.shape[-1] != cfg.rotary_dim:
+        raise NotSupported(f"transformers rotates {2 * module.inv_freq.shape[-1]} dimensions of each head, the "
+                           f"config {cfg.rotary_dim}")
+    inverse_frequency = torch.from_numpy(rope_frequencies(cfg)).to(x.device)
     angles = position_ids[..., None].to(torch.float64) * inverse_frequency
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    factor = rope_attention_factor(cfg)
+    return (factor * angles.cos()).to(x.dtype), (factor * angles.sin()).to(x.dtype)
 
 
 class TransformersBackend:
