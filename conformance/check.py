@@ -28,7 +28,7 @@ from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
 from conformance.harness import Plan, memory_ledger, plan_matrix, run_matrix, runnable_cells
 from conformance.localize import localize_failures
-from conformance.memory import MemoryLedger
+from conformance.memory import MemoryLedger, references_here
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
 from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
@@ -165,9 +165,12 @@ def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, back
     cells = runnable_cells(plan, names, pattern)
     # the cells run in parallel on the workers, but no faster than the cores let them, and no more
     # columns at once than the memory holds (conformance.memory: at a 0.5B model's size, one)
-    ledger = memory_ledger(cfg, params, plan, names, pattern, text, references_here=jobs > 1, memory_total=memory,
-                           workers=jobs if jobs > 1 else 0)
+    workers = jobs if jobs > 1 else 0
+    ledger = memory_ledger(cfg, params, plan, names, pattern, text, references_here=references_here(params, workers, memory),
+                           memory_total=memory, workers=workers)
     in_memory = _columns_in_memory(ledger, plan)
+    # a column the memory cannot hold at all is skipped by the run: the budget goes to the others
+    cells = [cell for cell in cells if ledger.why_not(cell[2]) is None]
     workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
     lengths = [len(row) for row in text.ids] if text else []
     budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, _cold(cfg, params, plan))

@@ -25,7 +25,7 @@ from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
 from conformance.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
-                               golden_footprint, reference_bytes)
+                               golden_footprint, reference_bytes, references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
@@ -140,7 +140,9 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     built: dict[tuple[str, str], Case] = {}
     golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
     work: list[WorkItem] = []
-    memory = memory_ledger(cfg, params, plan, names, pattern, prompts, references_here=hasattr(executor, "reference"),
+    # the workers' references computed here where their float64 goldens would crowd the memory
+    producing = hasattr(executor, "reference") and references_here(params, executor.jobs, memory_total)
+    memory = memory_ledger(cfg, params, plan, names, pattern, prompts, references_here=producing,
                            memory_total=memory_total, workers=getattr(executor, "jobs", 0)) \
         if hasattr(executor, "memory") else None
     for column in plan.columns:
@@ -189,7 +191,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
         here, elsewhere = work, []
     with contextlib.ExitStack() as stack:
         shared = None
-        if elsewhere and hasattr(executor, "reference"):
+        if elsewhere and producing:
             # this process holds the golden: it computes the references for the workers (and its own
             # columns), so that no worker casts the golden's float64 weights
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rosetta-references-"))

@@ -109,6 +109,19 @@ def columns_limit(total: int | None, workers: int, held_here: int = 0) -> int:
     return min(share, left)
 
 
+def references_here(params: Mapping[str, np.ndarray], workers: int, total: int | None = None) -> bool:
+    """Whether the harness computes the references its workers read (executors.shared_references.
+    Producer) rather than each worker that first needs one: where the workers' float64 copies of
+    the golden would take more than GOLDEN_SHARE of the memory (the available, or `total`). The
+    harness's one golden then serves them all, at a cost in time: its process computes every
+    reference while running its own columns, and a worker waits for each (SmolLM2-135M's default
+    check took 727 s so, 498 s with the workers computing, at 12.1 and 17.6 GB)."""
+    if workers < 1:
+        return False
+    memory = available_memory() if total is None else min(total, available_memory())
+    return workers * sum(value.size for value in params.values()) * 8 > GOLDEN_SHARE * memory
+
+
 class MemoryTooSmall(ValueError):
     """A --memory that does not hold the check's own process and workers."""
 

@@ -230,3 +230,29 @@ def test_rosetta_check_refuses_a_memory_that_holds_nothing_but_itself(capsys):
     assert "--memory 0.0 GB leaves nothing for the columns" in capsys.readouterr().err
     assert main(["check", "--preset", "llama-tiny", "--memory", "lots"]) == 2
     assert "--memory 'lots': give a size such as 6G" in capsys.readouterr().err
+
+
+def test_the_harness_computes_the_references_where_the_workers_goldens_would_crowd_the_memory(monkeypatch):
+    """Two workers' float64 goldens over a quarter of the memory: one golden, here, serves them."""
+    import numpy as np
+
+    from conformance import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 24 * GB)
+    # arrays of a checkpoint's sizes without their memory: SmolLM2-135M's and Qwen2.5-0.5B's
+    small, large = {"w": np.broadcast_to(np.float32(0), (135_000_000,))}, {"w": np.broadcast_to(np.float32(0), (494_000_000,))}
+    assert not memory.references_here(small, 2)  # 2.2 GB of goldens beside 24: each worker its own
+    assert memory.references_here(large, 2)  # 7.9 GB: the harness's
+    assert memory.references_here(small, 2, total=6 * GB)  # --memory 6G: 2.2 GB is over a quarter
+    assert not memory.references_here(large, 0)  # no workers
+
+
+def test_a_budget_spends_nothing_on_a_column_the_memory_cannot_hold(monkeypatch):
+    from conformance.check import _fit
+
+    monkeypatch.setattr(harness, "column_footprint",
+                        lambda cfg, column, longest: 50 * GB if column[0] == "torch" else GB)
+    _available(monkeypatch, 20 * GB)
+    plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
+    _, budgeted = _fit(CFG, PARAMS, plan, {"preset": "llama-tiny"}, 3600.0, False, None, None, 2)
+    assert budgeted.chosen and {column[0] for _, _, column in budgeted.chosen} == {"numpy-float32"}
