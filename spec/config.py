@@ -25,6 +25,19 @@ _CHOICES = {
 }
 
 
+def _check_fields(cls, data: Any, name: str, expected: str) -> None:
+    """ConfigError naming what a JSON object lacks or has too many of for the dataclass `cls`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} must be {expected}, got {type(data).__name__}")
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if unknown:
+        raise ConfigError(f"unknown {name} field(s): {', '.join(unknown)}")
+    missing = sorted(f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING)
+    if missing:
+        raise ConfigError(f"missing {name} field(s): {', '.join(missing)}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """How the rotary frequencies are rescaled for a context longer than the one a model was
@@ -45,15 +58,7 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, data: Any) -> "RopeScaling":
-        if not isinstance(data, dict):
-            raise ConfigError(f"rope_scaling must be a JSON object or null, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown rope_scaling field(s): {', '.join(unknown)}")
-        missing = sorted(name for name in ("kind", "factor") if name not in data)
-        if missing:
-            raise ConfigError(f"missing rope_scaling field(s): {', '.join(missing)}")
+        _check_fields(cls, data, "rope_scaling", "a JSON object or null")
         return cls(**data)
 
 
@@ -136,18 +141,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> "ModelConfig":
-        if not isinstance(data, dict):
-            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.name not in data and f.default is dataclasses.MISSING
-        )
-        if missing:
-            raise ConfigError(f"missing config field(s): {', '.join(missing)}")
+        _check_fields(cls, data, "config", "a JSON object")
         if data.get("rope_scaling") is not None:
             data = {**data, "rope_scaling": RopeScaling.from_dict(data["rope_scaling"])}
         return cls(**data)
