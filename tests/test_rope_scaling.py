@@ -120,11 +120,17 @@ def _float32_power(theta: float) -> float:
 
 
 def _condition(cfg) -> np.ndarray:
-    """How much each rescaled frequency moves, relatively, for a relative move of its ω: 1, but in
-    llama3's blend, where s = (L/λ − low)/(high − low) turns ω's error into s's, amplified by
-    (L ω / 2π) / (high − low) and weighted by (1 − 1/factor) over the blend's value."""
+    """How much each rescaled frequency moves, relatively, for a relative rounding of its inputs:
+    1, but in llama3's blend, where s = (L/λ − low)/(high − low) turns ω's error into s's,
+    amplified by (L ω / 2π) / (high − low) and weighted by (1 − 1/factor) over the blend's value,
+    and on YaRN's ramp (found by hypothesis: factor 9, the ramp untruncated, θ 5e5)."""
     scaling, omega = cfg.rope_scaling, cfg.rope_theta ** (-np.arange(0, cfg.rotary_dim, 2) / cfg.rotary_dim)
     condition = np.ones_like(omega)
+    if scaling.kind == "yarn":
+        # ω' = ω·(1 − ramp·(1 − 1/factor)): the ramp's two roundings (a difference and a quotient, each
+        # u·ramp) move ω' by 2u·ramp·(1 − 1/factor) / (1 − ramp·(1 − 1/factor)) relative
+        kept = golden.rope_frequencies(cfg) / omega  # 1 − ramp·(1 − 1/factor)
+        return condition + 2 * (1 - kept) / kept
     if scaling.kind != "llama3":
         return condition
     low, high, factor, length = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor, scaling.original_max_len
@@ -254,3 +260,15 @@ def test_transformers_own_rescaled_rope_passes_every_whole_model_case_at_float32
     ran = [r for r in _matrix(directory, ["transformers"], ["float32"]) if r.status != SKIP]
     assert {r.mask_case for r in ran} >= {"none", "pad_left", "far", "long"}
     assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+
+
+def test_jax_float32_yarn_ramp_within_its_rounding():
+    """The case hypothesis found: a fractional ramp near 1 at factor 9 moves ω' by up to 16 u."""
+    jnp = pytest.importorskip("jax.numpy")
+    import impl_jax
+
+    cfg = LLAMA3.replace(head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(
+        kind="yarn", factor=9.0, original_max_len=111, beta_fast=2.0, beta_slow=1.0, truncate=False))
+    ours = golden.rope_frequencies(cfg)
+    in_jax = np.asarray(impl_jax.rope_frequencies(cfg, jnp.float32), dtype=np.float64)
+    assert np.all(np.abs(in_jax - ours) <= _float32_power(cfg.rope_theta) * _condition(cfg) * ours)
