@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.memory import BYTES, FOOTPRINTS, Footprint, column_footprint
+from conformance.memory import BYTES, activation_bytes, weight_copies
 
 CASES = (("forward", "none"), ("decode", "incremental"), ("forward", "long"))
 DEFAULT_COLUMNS = ("torch/float32", "torch/bfloat16", "jax/float32", "jax/bfloat16", "onnx/float32",
@@ -73,22 +73,12 @@ def measure(weights: str, column: str, hf: str | None) -> dict:
     found = json.loads(answer.stdout.strip().splitlines()[-1])
     cfg, _ = load_weights(weights, mapped=True)
     weights_bytes = count_params(cfg) * BYTES[dtype]
-    figures = FOOTPRINTS.get(name, Footprint(2.0))
-    activations = column_footprint(cfg, (name, dtype, "cpu"), found["longest"]) - _weights_share(cfg, name, dtype)
+    activations = activation_bytes(cfg, (name, dtype, "cpu"), found["longest"])
     taken = found["peak"] - found["before"]
-    return {"column": column, "cases": found["cases"], "peak_gb": round(taken / 1e9, 2), "kept_gb": round((found["after"] - found["before"]) / 1e9, 2),
+    return {"column": column, "cases": found["cases"], "peak_gb": round(taken / 1e9, 2),
+            "kept_gb": round((found["after"] - found["before"]) / 1e9, 2),
             "weights_gb": round(weights_bytes / 1e9, 2), "activations_gb": round(activations / 1e9, 2),
-            "copies": round((taken - activations) / weights_bytes, 2),
-            "table_copies": figures.half_copies if BYTES[dtype] == 2 and figures.half_copies is not None else figures.copies}
-
-
-def _weights_share(cfg, name: str, dtype: str) -> int:
-    """The part of column_footprint that is the weights' copies (the rest is activations)."""
-    from spec.params import count_params
-
-    figures = FOOTPRINTS.get(name, Footprint(2.0))
-    copies = figures.half_copies if BYTES[dtype] == 2 and figures.half_copies is not None else figures.copies
-    return int(copies * count_params(cfg) * BYTES[dtype])
+            "copies": round((taken - activations) / weights_bytes, 2), "table_copies": weight_copies(name, dtype)}
 
 
 def markdown(rows: list[dict], source: str) -> str:

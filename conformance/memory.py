@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,11 +63,16 @@ def give_back_freed() -> None:
         _MALLOC_TRIM(0)
 
 
+def float64_bytes(params: Mapping[str, np.ndarray]) -> int:
+    """Bytes of the parameters cast to float64: the golden's copy, whole."""
+    return sum(value.size for value in params.values()) * 8
+
+
 def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None = None) -> int | None:
     """The bytes of float64 weights the golden may hold: None (all of them, cast once) where they
     take at most GOLDEN_SHARE of the available memory; else STREAMED_LAYERS of its largest layers,
     so that a model whose float64 copy does not fit runs layer by layer."""
-    whole = sum(value.size for value in params.values()) * 8
+    whole = float64_bytes(params)
     available = available_memory() if available is None else available
     if whole <= GOLDEN_SHARE * available:
         return None
@@ -75,22 +81,22 @@ def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None =
 
 # ---- the columns' memory ------------------------------------------------------------------------
 
+COLUMNS_SHARE = 0.85  # the most of the memory available at the start that the columns may hold together
+BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}  # a value's bytes, by the matrix's dtype
 WORKER_BYTES = 400_000_000  # a worker process with torch, JAX, onnxruntime and transformers imported (measured 0.39 GB)
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
 
 
 def parse_memory(text: str) -> int:
-    """Bytes from '6G', '6 GB', '512M', '1.5g' (decimal units, as the reports print GB); ValueError
-    naming the text where it is not one."""
-    cleaned = text.strip().lower().replace(" ", "").removesuffix("b")
-    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned[-1:] in _UNITS and cleaned[-1:] else (cleaned, "")
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"--memory {text!r}: give a size such as 6G, 6GB or 512M") from None
-    if not value > 0 or value != value or value == float("inf"):
+    """Bytes from '6G', '6 GB', '512M', '1.5g' or a bare number of bytes (decimal units, as the
+    reports print GB); ValueError naming the text where it is not one."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)b?\s*", text.lower())
+    if not match:
+        raise ValueError(f"--memory {text!r}: give a size such as 6G, 6GB or 512M")
+    value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if value <= 0:
         raise ValueError(f"--memory {text!r}: the size must be positive")
-    return int(value)
+    return value
 
 
 def columns_limit(total: int | None, workers: int, held_here: int = 0) -> int:
@@ -119,14 +125,11 @@ def references_here(params: Mapping[str, np.ndarray], workers: int, total: int |
     if workers < 1:
         return False
     memory = available_memory() if total is None else min(total, available_memory())
-    return workers * sum(value.size for value in params.values()) * 8 > GOLDEN_SHARE * memory
+    return workers * float64_bytes(params) > GOLDEN_SHARE * memory
 
 
 class MemoryTooSmall(ValueError):
     """A --memory that does not hold the check's own process and workers."""
-
-COLUMNS_SHARE = 0.85  # the most of the memory available at the start that the columns may hold together
-BYTES = {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2}  # a value's bytes, by the matrix's dtype
 
 
 @dataclass(frozen=True)
@@ -160,16 +163,26 @@ FOOTPRINTS: dict[str, Footprint] = {
 }
 
 
+def weight_copies(name: str, dtype: str) -> float:
+    """The copies of its weights a backend's column holds at dtype (FOOTPRINTS)."""
+    figures = FOOTPRINTS.get(name, Footprint(2.0))
+    return figures.half_copies if BYTES.get(dtype, 4) == 2 and figures.half_copies is not None else figures.copies
+
+
+def activation_bytes(cfg, column: tuple[str, str, str], longest_positions: int) -> int:
+    """The activations a column is estimated to hold: its longest case's (BATCH rows of
+    `longest_positions`: the logits and the widest hidden states), activation_copies times."""
+    name, dtype, _ = column
+    activations = BATCH * longest_positions * (cfg.tgt_vocab_size + 4 * max(cfg.d_model, cfg.d_ff))
+    return int(FOOTPRINTS.get(name, Footprint(2.0)).activation_copies * activations * max(BYTES.get(dtype, 4), 4))
+
+
 def column_footprint(cfg, column: tuple[str, str, str], longest_positions: int) -> int:
     """Bytes a column is estimated to hold while it runs: its weights' copies at its dtype and
-    the activations of its longest case (BATCH rows of `longest_positions`: the logits and the
-    widest hidden states)."""
+    its longest case's activations."""
     name, dtype, _ = column
-    figures = FOOTPRINTS.get(name, Footprint(2.0))
-    width = BYTES.get(dtype, 4)
-    copies = figures.half_copies if width == 2 and figures.half_copies is not None else figures.copies
-    activations = BATCH * longest_positions * (cfg.tgt_vocab_size + 4 * max(cfg.d_model, cfg.d_ff)) * max(width, 4)
-    return int(copies * count_params(cfg) * width + figures.activation_copies * activations)
+    return int(weight_copies(name, dtype) * count_params(cfg) * BYTES.get(dtype, 4)) + \
+        activation_bytes(cfg, column, longest_positions)
 
 
 def reference_bytes(cfg, longest_positions: int) -> int:
@@ -183,7 +196,7 @@ def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest_positions: i
     cast): its float64 weights, whole or streamed (golden_budget), and its longest case's logits."""
     weights = golden_budget(cfg, params, available)
     if weights is None:
-        weights = sum(value.size for value in params.values()) * 8
+        weights = float64_bytes(params)
     return int(weights + reference_bytes(cfg, longest_positions))
 
 

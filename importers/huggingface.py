@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from spec import ModelConfig, RopeScaling, check_params, params_digest, save_weights
+from spec import ROPE_SCALINGS, ModelConfig, RopeScaling, check_params, params_digest, save_weights
 from spec.errors import ConfigError, WeightsError
 from spec.weights import read_header
 
@@ -314,7 +314,7 @@ def _bart_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
 
 # ---- the modern decoder: Llama, Qwen2, Qwen3 ------------------------------------------------------
 
-# Rotary variants that rescale the frequencies or the positions, and whether the spec has them (§5.12)
+# Rotary variants that rescale the frequencies or the positions, as a refusal names them (the spec's: §5.12)
 _ROPE_SCALINGS = {
     "linear": "positions divided by a factor (position interpolation)",
     "dynamic": "NTK scaling, a base that grows with the sequence length",
@@ -350,10 +350,10 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, RopeScaling | No
     if kind == "default":
         return theta, None
     field = f"{name}.{'rope_type' if 'rope_type' in parameters else 'type'}"
-    if kind not in ("linear", "llama3", "yarn"):
+    if kind not in ROPE_SCALINGS:
         what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
-        raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are linear, llama3 "
-                          "and yarn (SPEC §5.12)")
+        raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are "
+                          f"{', '.join(ROPE_SCALINGS[:-1])} and {ROPE_SCALINGS[-1]} (SPEC §5.12)")
     return theta, _rope_scaling(hf, name, kind, parameters)
 
 

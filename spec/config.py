@@ -270,10 +270,10 @@ def _validate_rope_scaling(scaling: RopeScaling) -> None:
         raise ConfigError(f"rope_scaling must be a RopeScaling or null, got {scaling!r}")
     if scaling.kind not in ROPE_SCALINGS:
         raise ConfigError(f"rope_scaling.kind must be one of {', '.join(ROPE_SCALINGS)}; got {scaling.kind!r}")
-    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
-                 "mscale_all_dim", "attention_factor"):
+    optional = ("mscale", "mscale_all_dim", "attention_factor")  # null: derived (SPEC §5.12)
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", *optional):
         value = getattr(scaling, name)
-        if value is None and name in ("mscale", "mscale_all_dim", "attention_factor"):
+        if value is None and name in optional:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"rope_scaling.{name} must be a finite number, got {value!r}")

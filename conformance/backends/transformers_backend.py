@@ -34,7 +34,6 @@ softmax sees every key again); SDPA gives the spec's zeros. See docs/huggingface
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported
-from spec import ModelConfig
+from spec import ROPE_SCALINGS, ModelConfig
 from spec.masks import real_tokens
 
 MODEL_CASES = ("forward", "encoder", "decode", "generate")
@@ -78,9 +77,9 @@ class TransformersRunner:
             if kind.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
             elif kind.endswith("RotaryEmbedding"):
-                if module.rope_type not in ("default", "linear", "llama3", "yarn"):
-                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are linear, llama3 "
-                                       "and yarn (SPEC §5.12)")
+                if module.rope_type not in ("default", *ROPE_SCALINGS):
+                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
+                                       f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
                 module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
 
     def _rebuild_sinusoids(self, dtype) -> None:

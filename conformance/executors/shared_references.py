@@ -38,21 +38,17 @@ class SharedReferences:
         while True:
             if (stored := self._read(case_name)) is not None:
                 return stored
-            lock = self.folder / f"{case_name}.lock"
-            try:
-                descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
+            if not self.hold(case_name):
+                lock = self.folder / f"{case_name}.lock"
                 if not _alive(lock):  # its holder died: the next one to ask computes it
                     lock.unlink(missing_ok=True)
                 time.sleep(POLL_SECONDS)
                 continue
-            os.write(descriptor, str(os.getpid()).encode())
-            os.close(descriptor)
             try:
                 reference = compute()
-                self._write(case_name, reference)
+                self.put(case_name, reference)
             finally:
-                lock.unlink(missing_ok=True)
+                self.let_go(case_name)
             stored = self._read_stored(case_name)  # mapped, so this process does not hold it in memory
             return reference if stored is None else stored
 
@@ -67,13 +63,8 @@ class SharedReferences:
         return True
 
     def put(self, case_name: str, reference: object) -> None:
-        """Store a reference this process holds the lock of (an unshareable one: each process computes its own)."""
-        self._write(case_name, reference)
-
-    def let_go(self, case_name: str) -> None:
-        (self.folder / f"{case_name}.lock").unlink(missing_ok=True)
-
-    def _write(self, case_name: str, reference: object) -> None:
+        """Store a reference whose lock this process holds: arrays whole or absent to a reader; anything
+        else marked for each process to compute its own."""
         arrays = reference if isinstance(reference, tuple) else (reference,)
         if not all(isinstance(array, np.ndarray) for array in arrays):
             (self.folder / f"{case_name}.local").touch()  # each process computes its own
@@ -84,6 +75,9 @@ class SharedReferences:
             np.save(part / f"{i}.npy", array)
         (part / ("tuple" if isinstance(reference, tuple) else "array")).touch()
         os.rename(part, self.folder / case_name)  # whole or absent, to a reader
+
+    def let_go(self, case_name: str) -> None:
+        (self.folder / f"{case_name}.lock").unlink(missing_ok=True)
 
     def _read(self, case_name: str) -> object | None:
         if (self.folder / f"{case_name}.local").exists():
