@@ -188,7 +188,9 @@ def _fraction(flops_per_second: float, limit: float | None) -> float | None:
 
 def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[str, ...] | None = None,
               devices: tuple[str, ...] = ("cpu",), matrix_backends: tuple[str, ...] = ("numpy-float32", "torch", "onnx"),
-              log: Callable[[str], None] = print) -> Results:
+              log: Callable[[str], None] = print, after_each: Callable[[Results], None] | None = None) -> Results:
+    """names: the contenders, run in that order (default every one of the devices'). after_each:
+    called with the results so far after each contender (a run stopped midway keeps them)."""
     cfg = get_preset(preset)
     plan = plan or plan_for(preset, devices)
     params = init_params(cfg, seed=0)
@@ -196,6 +198,8 @@ def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[st
     log("measuring the machine's limits ...")
     results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny", devices=devices), _versions())
     chosen = [c for c in contenders(devices) if names is None or c.name in names]
+    if names is not None:
+        chosen.sort(key=lambda contender: names.index(contender.name))
     src_vocab = cfg.src_vocab_size if cfg.has_encoder else cfg.tgt_vocab_size
     generate_src = _ids(rng, cfg, plan.generate_batch, plan.generate_source, src_vocab)
     want_tokens, step_logits = golden.greedy_generate(
@@ -214,6 +218,10 @@ def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[st
         _forward(results, contender, cfg, plan, rng, limit)
         _generate(results, contender, cfg, plan, generate_src, want_tokens, step_logits)
         _decode(results, contender, cfg, plan, rng, limit)
+        if after_each is not None:
+            _ratios(results)
+            results.targets = targets(results)
+            after_each(results)
     _ratios(results)
     if matrix_backends:
         _matrix(results, matrix_backends, log)

@@ -17,6 +17,9 @@ Inputs are validated by the spec's rules (spec.inputs) before any graph runs.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib.util
 import json
 import os
 import tempfile
@@ -55,11 +58,48 @@ class ProviderFallbackError(RuntimeError):
     """A CUDA session that would run all or part of its graph on the CPU provider."""
 
 
+def nvidia_library_paths(site_folders: list[str], relative_paths: list[tuple[str, ...]]) -> list[str]:
+    """The CUDA and cuDNN libraries onnxruntime's CUDA provider links by name (relative_paths,
+    e.g. ('nvidia', 'cu13', 'lib', 'libcublas.so.13'), in loading order), found in whichever
+    site folder holds them: NVIDIA's pip wheels (torch's among them) need not sit beside
+    onnxruntime, and nothing puts them on the loader's path."""
+    found = []
+    for relative in relative_paths:
+        for site in site_folders:
+            path = os.path.join(site, *relative)
+            if os.path.isfile(path):
+                found.append(path)
+                break
+    return found
+
+
+@functools.cache
+def load_cuda_libraries() -> tuple[str, ...]:
+    """Load, once and globally, the CUDA and cuDNN libraries of NVIDIA's pip wheels, so that the
+    CUDA provider finds them by name (onnxruntime's own preload_dlls looks only beside its own
+    package). Returns the paths loaded; one that fails to load is left to the provider's own
+    error."""
+    spec = importlib.util.find_spec("nvidia")
+    relative_paths = getattr(ort, "_get_nvidia_dll_paths", None)  # onnxruntime's list for the CUDA it was built for
+    if spec is None or not spec.submodule_search_locations or relative_paths is None:
+        return ()
+    sites = [os.path.dirname(os.path.normpath(folder)) for folder in spec.submodule_search_locations]
+    loaded = []
+    for path in nvidia_library_paths(sites, list(relative_paths(False, True, True))):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            loaded.append(path)
+        except OSError:
+            pass
+    return tuple(loaded)
+
+
 def cuda_available() -> bool:
     """Whether onnxruntime's CUDA provider is built in *and* can load here (it needs a GPU and
     the CUDA libraries; listing it in get_available_providers() promises neither)."""
     if CUDA not in ort.get_available_providers() or not Path("/proc/driver/nvidia/version").exists():
         return False  # no NVIDIA driver: trying would only print onnxruntime's load errors
+    load_cuda_libraries()
     probe = onnx.helper.make_model(
         onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
                                [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
@@ -170,11 +210,23 @@ def _buffer(array: np.ndarray, device: str) -> ort.OrtValue:
     return value
 
 
+def cuda_provider_options(tf32: bool = False) -> dict[str, str]:
+    """The CUDA provider's options. Unless told, onnxruntime's CUDA provider rounds the inputs of
+    float32 MatMul, Gemm and attention products to TF32's 10-bit mantissa (use_tf32 is on by
+    default): on an H200 that put our float32 exports 2.5e-3 to 5.3e-3 from the golden, 25 to 59
+    times float32's tolerance and exactly as far as torch's and JAX's TF32 columns
+    (reports/gpu/nvidia-h200/). float32 is float32 here; tf32=True is the provider's default,
+    checked as the TF32 column is."""
+    return {"device_id": "0", "use_tf32": "1" if tf32 else "0"}
+
+
 class OnnxTransformer:
-    """The exported graphs of one model, loaded into onnxruntime sessions."""
+    """The exported graphs of one model, loaded into onnxruntime sessions. tf32: on CUDA, let a
+    float32 export's matrix products round to TF32 (onnxruntime's default; off here)."""
 
     def __init__(self, directory: str | Path, *, device: str = "auto", on_fallback: str = "refuse",
-                 optimization: str = "all", deterministic: bool = False, threads: int | None = None):
+                 optimization: str = "all", deterministic: bool = False, threads: int | None = None,
+                 tf32: bool = False):
         if device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         if on_fallback not in FALLBACK_POLICIES:
@@ -196,7 +248,9 @@ class OnnxTransformer:
                 f"(available providers: {', '.join(ort.get_available_providers())}; no GPU or CUDA libraries)")
         self.device, self.on_fallback = device, on_fallback
         self.options = {"optimization": optimization, "deterministic": deterministic, "threads": threads}
-        self.providers = [(CUDA, {"device_id": 0}), CPU] if device == "cuda" else [CPU]
+        if tf32 and (device != "cuda" or self.dtype != "float32"):
+            raise ValueError(f"tf32 is a CUDA matmul mode of float32 graphs; this is a {self.dtype} export on {device}")
+        self.providers = [(CUDA, cuda_provider_options(tf32)), CPU] if device == "cuda" else [CPU]
         self._placements: dict[str, list[PlacedNode]] = {}  # a CUDA session's, seen at load
         self.graphs = served_graphs(self.manifest["graphs"], device)
         self.sessions = {role: self._session(role, file) for role, file in self.graphs.items()}

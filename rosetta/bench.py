@@ -21,7 +21,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     devices = tuple(comma_list(args.devices) or ("cpu",))
     results = run_bench(args.preset, names=tuple(comma_list(args.contenders) or ()) or None, devices=devices,
                         matrix_backends=tuple(comma_list(args.matrix_backends) or ()) if args.matrix_backends != "none"
-                        else (), log=lambda line: print(line, file=sys.stderr))
+                        else (), log=lambda line: print(line, file=sys.stderr),
+                        after_each=lambda so_far: write(so_far, out))  # a bench stopped midway keeps what it measured
     written = write(results, out)
     print((out / "bench.md").read_text())
     print(f"bench written: {', '.join(map(str, written))} in {time.perf_counter() - start:.1f} s")

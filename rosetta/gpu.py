@@ -2,7 +2,9 @@
 is present. It runs, each into one folder named after the device:
 
 - the conformance matrix of every GPU backend (torch, torch-math, jax, jax-math, onnx, onnx-jax)
-  on tiny and char-lm at every dtype each runs: check-<preset>/report.{json,md}, heatmap.png;
+  on tiny, char-lm and the modern presets at every dtype each runs, with the gradient and
+  training cells of the framework columns (--backward): check-<preset>/report.{json,md},
+  heatmap.png;
 - the probe of every framework's own primitives on every device present: probe.md;
 - the benchmark of the GPU contenders on paper-base: bench/bench.{json,md,png};
 - environment.json (device, driver, versions, the command, each step's exit code and time) and
@@ -30,7 +32,7 @@ from conformance.machine import NVIDIA_DRIVER, device_facts, framework_versions
 from rosetta.arguments import CommandLine, UsageError, comma_list, writable_folder
 
 MATRIX_BACKENDS = ("torch", "torch-math", "jax", "jax-math", "onnx", "onnx-jax")
-MATRIX_PRESETS = ("tiny", "char-lm")
+MATRIX_PRESETS = ("tiny", "char-lm", "llama-tiny", "qwen2-tiny", "qwen3-tiny")
 BENCH_PRESET = "paper-base"
 
 
@@ -41,10 +43,13 @@ class Step:
 
 
 def plan_steps(out: Path, device: str, *, presets=MATRIX_PRESETS, backends=MATRIX_BACKENDS,
-               bench_preset: str | None = BENCH_PRESET, bench_contenders: tuple[str, ...] = ()) -> list[Step]:
-    """The job's commands, in order: the matrix per preset, the probe, the benchmark."""
+               bench_preset: str | None = BENCH_PRESET, bench_contenders: tuple[str, ...] = (),
+               backward: bool = True, jobs: int | None = None) -> list[Step]:
+    """The job's commands, in order: the matrix per preset, the probe, the benchmark. jobs: the
+    check's worker processes (default its own: one on a GPU)."""
+    options = ("--backward",) * backward + (("--jobs", str(jobs)) if jobs else ())
     steps = [Step(f"check-{preset}", ("check", "--preset", preset, "--backends", ",".join(backends),
-                                      "--devices", device, "--report", str(out / f"check-{preset}"), "--quiet"))
+                                      "--devices", device, *options, "--report", str(out / f"check-{preset}"), "--quiet"))
              for preset in presets]
     steps.append(Step("probe", ("probe", "--markdown", str(out / "probe.md"))))
     if bench_preset:
@@ -132,7 +137,8 @@ def cmd_gpu(args: argparse.Namespace, run_command: CommandLine) -> int:
                        presets=tuple(comma_list(args.presets) or MATRIX_PRESETS),
                        backends=tuple(comma_list(args.backends) or MATRIX_BACKENDS),
                        bench_preset=None if args.bench_preset == "none" else args.bench_preset,
-                       bench_contenders=tuple(comma_list(args.bench_contenders) or ()))
+                       bench_contenders=tuple(comma_list(args.bench_contenders) or ()),
+                       backward=not args.forward_only, jobs=args.jobs)
 
 
 def add_gpu(commands: argparse._SubParsersAction, run_command: CommandLine) -> None:
@@ -142,7 +148,11 @@ def add_gpu(commands: argparse._SubParsersAction, run_command: CommandLine) -> N
                      help="parent folder; the report goes into a folder named after the device (default reports/gpu)")
     gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="cuda (default), or cpu for the same job on the CPU")
-    gpu.add_argument("--presets", default="tiny,char-lm", help="presets of the matrix (default tiny,char-lm)")
+    gpu.add_argument("--presets", default=",".join(MATRIX_PRESETS),
+                     help=f"presets of the matrix (default {','.join(MATRIX_PRESETS)})")
+    gpu.add_argument("--forward-only", action="store_true",
+                     help="leave out the gradient and training cells (rosetta check --backward, on by default)")
+    gpu.add_argument("--jobs", type=int, help="the checks' worker processes (default: rosetta check's, one on a GPU)")
     gpu.add_argument("--backends", default="torch,torch-math,jax,jax-math,onnx,onnx-jax",
                      help="backends of the matrix (default: every GPU backend)")
     gpu.add_argument("--bench-preset", default="paper-base", help="preset of the benchmark, or none")

@@ -27,7 +27,8 @@ from export.cache import exported
 from export.graphs import DECODER_STEP_IN_PLACE, ENCODER, FORWARD, roles, signature
 from export.onnx_model import ExportError, metadata
 from export.placement import MATRIX_AND_NORM_OPS, cpu_fallbacks, fallback_message
-from export.runner import CPU, OnnxTransformer, ProviderFallbackError, cuda_available
+from export.runner import (CPU, OnnxTransformer, ProviderFallbackError, cuda_available, cuda_provider_options,
+                           nvidia_library_paths)
 from export.torch_export import torch_roles
 from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, conformance_params, params_digest
 
@@ -349,6 +350,55 @@ def test_only_the_gpu_onnxruntime_is_installed():
     assert ort.__file__.startswith(str(importlib.metadata.distribution("onnxruntime-gpu").locate_file("")))
 
 
+def test_cuda_libraries_are_found_in_whichever_site_holds_them(tmp_path):
+    """onnxruntime's CUDA provider links cuBLAS, cuDNN... by name; NVIDIA's wheels may sit in
+    another site folder than onnxruntime (a machine's own torch with our onnxruntime-gpu beside
+    it): each library is taken from the first site that holds it, in onnxruntime's order."""
+    first, second = tmp_path / "ours", tmp_path / "theirs"
+    for site, name in [(second, "libcublasLt.so.13"), (first, "libcudart.so.13"), (second, "libcudart.so.13")]:
+        (site / "nvidia" / "cu13" / "lib").mkdir(parents=True, exist_ok=True)
+        (site / "nvidia" / "cu13" / "lib" / name).write_bytes(b"")
+    wanted = [("nvidia", "cu13", "lib", "libcublasLt.so.13"), ("nvidia", "cu13", "lib", "libcublas.so.13"),
+              ("nvidia", "cu13", "lib", "libcudart.so.13")]
+    assert nvidia_library_paths([str(first), str(second)], wanted) == [
+        str(second / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13"), str(first / "nvidia" / "cu13" / "lib" / "libcudart.so.13")]
+    assert nvidia_library_paths([], wanted) == []
+
+
+def test_float32_is_float32_on_cuda_unless_tf32_is_asked(tmp_path):
+    """onnxruntime's CUDA provider rounds float32 matrix products to TF32 unless use_tf32 is 0: on
+    an H200 our float32 exports sat 3e-3 from the golden with its default. The runner turns it off;
+    the TF32 column asks for it, on CUDA and for a float32 graph only."""
+    assert cuda_provider_options() == {"device_id": "0", "use_tf32": "0"}
+    assert cuda_provider_options(tf32=True) == {"device_id": "0", "use_tf32": "1"}
+    cfg = get_preset("tiny")
+    directory = exported(cfg, conformance_params(cfg, seed=0), framework="torch")
+    with pytest.raises(ValueError, match="tf32 is a CUDA matmul mode of float32 graphs; this is a float32 export on cpu"):
+        OnnxTransformer(directory, device="cpu", tf32=True)
+    from conformance.backends.onnx_backend import OnnxBackend
+
+    assert OnnxBackend().supports("tf32", "cpu") == "TF32 is a CUDA matmul mode"
+    assert OnnxBackend().supports("tf32", "cuda") is None and OnnxBackend().supports("float64", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")
+def test_cuda_tf32_is_onnxruntimes_default_and_within_tf32s_tolerance(preset):
+    """What the H200 showed (reports/gpu/nvidia-h200/): with use_tf32 on, the float32 export is as
+    far from the golden as TF32 makes it, past float32's tolerance; with it off, within."""
+    _, cfg, params = preset
+    directory = exported(cfg, params, framework="torch", dtype="float32")
+    rng = np.random.default_rng(1)
+    src = _ids(rng, cfg, 3, 9, cfg.src_vocab_size, "pad_right") if cfg.has_encoder else None
+    tgt = _ids(rng, cfg, 3, 12, cfg.tgt_vocab_size, "pad_right")
+    want = golden.forward(cfg, params, src, tgt)
+    rounded = OnnxTransformer(directory, device="cuda", tf32=True).forward(src, tgt).astype(np.float64)
+    exact = OnnxTransformer(directory, device="cuda").forward(src, tgt).astype(np.float64)
+    assert compare(exact, want, tolerance("float32", _reduction(cfg, 9, 12), _depth(cfg))).passed
+    assert compare(rounded, want, tolerance("tf32", _reduction(cfg, 9, 12), _depth(cfg))).passed
+    assert not compare(rounded, want, tolerance("float32", _reduction(cfg, 9, 12), _depth(cfg))).passed
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device for onnxruntime on this machine")
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -524,11 +574,13 @@ def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
 
 # ---- the modern decoder: RoPE, grouped-query attention, q/k norms --------------------------------
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny"])
 def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
     """Both exports at float32 against the golden on every whole-model case, `far` (decode steps
     after 1000 cached positions) and `long` (a 520-token forward) included; the torch export keeps
-    each attention one `Attention` op reading the H_kv key/value heads, not a repeat of them."""
+    each attention one `Attention` op reading the H_kv key/value heads, not a repeat of them. The
+    rescaled rotary presets (SPEC §5.12) carry their frequencies, and YaRN its attention factor,
+    into both graphs."""
     from conformance.harness import PASS, plan_matrix, run_matrix
 
     cfg = get_preset(name)

@@ -14,8 +14,10 @@ from rosetta.main import main
 
 def test_the_default_plan(tmp_path):
     steps = plan_steps(tmp_path, "cuda")
-    assert [s.name for s in steps] == ["check-tiny", "check-char-lm", "probe", "bench"]
+    assert [s.name for s in steps] == ["check-tiny", "check-char-lm", "check-llama-tiny", "check-qwen2-tiny",
+                                       "check-qwen3-tiny", "probe", "bench"]
     check = steps[0].argv
+    assert "--backward" in check and "--jobs" not in check  # the gradient and training cells too; the check's own jobs
     assert check[check.index("--backends") + 1] == "torch,torch-math,jax,jax-math,onnx,onnx-jax"
     assert check[check.index("--devices") + 1] == "cuda" and "--dtypes" not in check  # every dtype each runs
     bench = steps[-1].argv
@@ -25,7 +27,9 @@ def test_the_default_plan(tmp_path):
     assert {"onnxruntime-cuda-float32", "onnxruntime-cuda-float16", "jax-cuda-float16",
             "torch.compile-reduce-overhead-cuda-float16", "torch.compile-cuda-float16"} <= set(contenders)
     assert all("-cuda-" in c for c in contenders)
-    assert [s.name for s in plan_steps(tmp_path, "cuda", presets=("tiny",), bench_preset=None)] == ["check-tiny", "probe"]
+    steps = plan_steps(tmp_path, "cuda", presets=("tiny",), bench_preset=None, backward=False, jobs=8)
+    assert [s.name for s in steps] == ["check-tiny", "probe"]
+    assert "--backward" not in steps[0].argv and steps[0].argv[steps[0].argv.index("--jobs") + 1] == "8"
 
 
 @pytest.mark.parametrize("text, version", [
@@ -53,7 +57,7 @@ def test_refused_without_a_gpu(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_job_end_to_end_on_the_cpu(tmp_path, capsys):
-    argv = ["gpu", "--device", "cpu", "--out", str(tmp_path), "--presets", "tiny", "--backends", "torch",
+    argv = ["gpu", "--device", "cpu", "--out", str(tmp_path), "--presets", "tiny", "--backends", "torch", "--forward-only",
             "--bench-preset", "tiny", "--bench-contenders", "torch,onnxruntime-cpu-float32"]
     assert main(argv) == 0
     printed = capsys.readouterr().out

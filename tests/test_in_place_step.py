@@ -32,8 +32,9 @@ from export.torch_export import DecoderStepGraph, torch_roles
 from impl_torch.model import Transformer
 from spec import conformance_params, get_preset
 
-# cross-attention beside it; GQA and RoPE; learned positions; heads of 12 padded to 16
-PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny"]
+# cross-attention beside it; GQA and RoPE; learned positions; heads of 12 padded to 16; rescaled
+# rotary frequencies, and YaRN's attention factor on the cos and sin the step reads
+PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny"]
 
 
 def _batch(cfg, seed=1):

@@ -42,10 +42,16 @@ SEEN_ON_H100 = [
     node("Reshape", [("int64", [1]), ("int64", [1])], [("int64", [1])], name="node_Reshape_88"),
     node("Shape", [("float16", [2, 4, 5, 16])], [("int64", [1])], name="node_Shape_15"),
 ]
+# decoder_step's, on an H200 (tiny, float32 and float16)
+SEEN_ON_H200 = [
+    node("Concat", [("int64", [1])] * 4, [("int64", [4])], name="node_Concat_210"),
+    node("Concat", [("int64", [1]), ("int64", [1])], [("int64", [2])], name="node_Concat_40"),
+    node("Squeeze", [("int64", [1])], [("int64", [])], name="node_sym_size_int_41"),
+]
 
 
-def test_shape_arithmetic_seen_on_an_h100_is_allowed():
-    assert cpu_fallbacks(SEEN_ON_H100) == []
+def test_shape_arithmetic_seen_on_a_gpu_is_allowed():
+    assert cpu_fallbacks(SEEN_ON_H100) == [] and cpu_fallbacks(SEEN_ON_H200) == []
 
 
 @pytest.mark.parametrize("case, placed, reason", [
@@ -123,9 +129,10 @@ def test_profile_events_parse_into_nodes():
     assert cpu_fallbacks(nodes) == []
 
 
-# CPU nodes per graph that the H100 left on the host for tiny at float32 (issue 13); decoder_step
-# came later and has not met a GPU
-H100_CPU_NODES_TINY = {"forward": 9, "encoder": 4}
+# CPU nodes per graph that CUDA sessions left on the host for tiny at float32: forward and encoder
+# on an H100 (issue 13), decoder_step on an H200 (2026-11-26, onnxruntime-gpu 1.31.1: 7 of its 119
+# nodes, the same at float16; llama-tiny and qwen3-tiny 7, char-lm 6)
+GPU_CPU_NODES_TINY = {"forward": 9, "encoder": 4, "decoder_step": 7}
 SHAPE_ARITHMETIC = {"Shape", "Concat", "Squeeze", "Unsqueeze", "Add", "Reshape", "Range"}
 
 
@@ -151,5 +158,5 @@ def test_real_profiles_sort_compute_from_shape_arithmetic(preset, dtype):
         allowed = [n for n in nodes if n.name not in refused]
         assert {n.op_type for n in allowed} <= SHAPE_ARITHMETIC, role
         assert all(t.element == "int64" and len(t.shape) <= 1 for n in allowed for t in n.outputs), role
-        if preset == "tiny" and role in H100_CPU_NODES_TINY:
-            assert len(allowed) >= H100_CPU_NODES_TINY[role], role
+        if preset == "tiny" and role in GPU_CPU_NODES_TINY:
+            assert len(allowed) >= GPU_CPU_NODES_TINY[role], role

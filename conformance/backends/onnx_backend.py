@@ -79,6 +79,8 @@ class OnnxBackend:
         return "cpu"
 
     def supports(self, dtype: str, device: str) -> str | None:
+        if dtype == "tf32":  # the float32 export with onnxruntime's CUDA default (export.runner.cuda_provider_options)
+            return None if device == "cuda" else "TF32 is a CUDA matmul mode"
         if dtype not in DTYPES:
             return f"ONNX exports are {' and '.join(DTYPES)} (dtype {dtype} is not exported)"
         return None
@@ -97,11 +99,16 @@ class OnnxBackend:
     def load_is_cached(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str) -> bool:
         """Whether load() finds its export made (conformance.cost: an export of a real checkpoint
         takes minutes, a cached one seconds)."""
-        return is_exported(cfg, params, framework=self.framework, dtype=dtype, opset=DEFAULT_OPSET)
+        return is_exported(cfg, params, framework=self.framework, dtype=_exported_dtype(dtype), opset=DEFAULT_OPSET)
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> OnnxRunner:
-        directory = exported(cfg, params, framework=self.framework, dtype=dtype, opset=DEFAULT_OPSET)
-        return OnnxRunner(OnnxTransformer(directory, device=device), self.name)
+        directory = exported(cfg, params, framework=self.framework, dtype=_exported_dtype(dtype), opset=DEFAULT_OPSET)
+        return OnnxRunner(OnnxTransformer(directory, device=device, tf32=dtype == "tf32"), self.name)
+
+
+def _exported_dtype(dtype: str) -> str:
+    """The TF32 column serves the float32 export."""
+    return "float32" if dtype == "tf32" else dtype
 
 
 class OnnxJaxBackend(OnnxBackend):
