@@ -25,7 +25,7 @@ from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, SKIP, CellResult
 from conformance.tolerance import compare, rotary_angle, tolerance
 from spec import ModelConfig, params_under
-from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
+from spec.masks import decoder_self_mask, key_mask, real_tokens
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
                           0 if src_ids is None else src_ids.shape[1])
 
     memory = None if memory_reference is None else _f32(memory_reference)
-    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
+    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)
     cross = None if memory is None else key_mask(real_tokens(cfg, src_ids, "src"))
     plan = [("tgt embedding", "embedding", None, {"ids": tgt_ids, "side": "tgt", "offset": 0})]
     for i in range(cfg.n_decoder_layers):
@@ -197,7 +197,7 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             encoder_inputs.append(("encoder.norm", "norm", {"module": "encoder.norm", "x": _f32(x)}, "x"))
             x = golden.norm(cfg, params_under(p, "encoder.norm"), x)
         memory, cross = _f32(x), key_mask(real_tokens(cfg, src_ids, "src"))
-    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))
+    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)
     decoder_inputs = [("tgt embedding", "embedding", {"ids": tgt_ids, "side": "tgt", "offset": 0}, None)]
     y = golden.embed(cfg, p, tgt_ids, "tgt")
     for i in range(cfg.n_decoder_layers):

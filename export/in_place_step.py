@@ -12,8 +12,11 @@ costs what its positions cost (export.runner binds them so).
 The spec's masks are kept: the keep-vector becomes GroupQueryAttention's additive attention_bias
 (0 for a real key, the dtype's lowest for a pad, at every position up to the step's last), its
 causal mask is the spec's, and a query with no real key up to its position gets zeros (SPEC §6)
-where GroupQueryAttention would average. Its CPU kernel takes a step of several tokens after
-position 0 for one row only; export.runner feeds such a chunk a token at a time.
+where GroupQueryAttention would average. A sliding window (SPEC §6) is written into the same bias
+rather than into GroupQueryAttention's local_window_size: whether a window counts the query's own
+key is exactly the off-by-one that bridges have got wrong, and the bias states the spec's. Its CPU
+kernel takes a step of several tokens after position 0 for one row only; export.runner feeds such
+a chunk a token at a time.
 
 The attention is a torch custom op (``rosetta::cached_attention``) so that torch.onnx can translate
 it into the one node; run eagerly, it computes the same function with impl_torch's attention (the
@@ -65,12 +68,12 @@ def register_group_query_attention_schema() -> None:
 
 @torch.library.custom_op("rosetta::cached_attention", mutates_args=())
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor,
-                     past_values: torch.Tensor, keep: torch.Tensor,
-                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     past_values: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
+                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The new queries' attention over the cache with the new keys and values written at start …
     start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, p] with p ≥ d_k (the
-    padded head size: zeros past d_k), keep [B, C] (the new positions' included) -> (heads
-    [B, n, H·d_k], present keys, present values)."""
+    padded head size: zeros past d_k), keep [B, C] (the new positions' included), window: the
+    config's sliding window -> (heads [B, n, H·d_k], present keys, present values)."""
     heads_kv = past_keys.shape[1]
     head_size = k.shape[2] // heads_kv
     n, first = q.shape[1], int(start)
@@ -78,7 +81,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key
     keys[:, :, first:first + n, :head_size] = split_heads(k, heads_kv)
     values[:, :, first:first + n, :head_size] = split_heads(v, heads_kv)
     positions = first + torch.arange(n, device=q.device)
-    causal = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]  # [n, C]
+    slots = torch.arange(keys.shape[2], device=q.device)[None, :]
+    causal = slots <= positions[:, None]  # [n, C]
+    if window is not None:
+        causal = causal & (slots > positions[:, None] - window)
     mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, n, C]
     heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys[..., :head_size],
                                          values[..., :head_size], mask)
@@ -86,14 +92,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key
 
 
 @cached_attention.register_fake
-def _(q, k, v, past_keys, past_values, keep, start):
+def _(q, k, v, past_keys, past_values, keep, start, window=None):
     return torch.empty_like(q), torch.empty_like(past_keys), torch.empty_like(past_values)
 
 
 def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: int):
     """cached_attention as ONNX: one GroupQueryAttention over the first start+n positions, with the
-    keep-vector as its additive bias and zeros for a query without a real key; heads of head_size
-    padded with zeros to `padded` (the cache's head size) around it."""
+    keep-vector (and the sliding window, where there is one) as its additive bias and zeros for a
+    query without a real key; heads of head_size padded with zeros to `padded` (the cache's head
+    size) around it."""
     register_group_query_attention_schema()
     microsoft = onnxscript.values.Opset(MICROSOFT, 1)
     extra = padded - head_size
@@ -109,7 +116,7 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
                         op.Constant(value_ints=[3]))
         return op.Reshape(kept, op.Constant(value_ints=[0, 0, n_heads * head_size]))
 
-    def translation(q, k, v, past_keys, past_values, keep, start):
+    def translation(q, k, v, past_keys, past_values, keep, start, window=None):
         n = op.Shape(q, start=1, end=2)  # [1]
         total = op.Add(op.Reshape(start, op.Constant(value_ints=[1])), n)  # [1]: the length after the step
         batch = op.Shape(q, start=0, end=1)
@@ -119,7 +126,15 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
         seen = op.Slice(keep, op.Constant(value_ints=[0]), total, op.Constant(value_ints=[1]))  # [B, T]
         zero = op.CastLike(op.Constant(value_float=0.0), q)
         lowest = op.CastLike(op.Constant(value_float=float(torch.finfo(torch.float32).min)), q)
-        bias = op.Unsqueeze(op.Where(seen, zero, lowest), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
+        visible = op.Unsqueeze(seen, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
+        if window is not None:  # key j is seen from query position p iff p - window < j
+            slots = op.Range(op.Constant(value_int=0), op.Squeeze(total, op.Constant(value_ints=[0])),
+                             op.Constant(value_int=1))  # [T]
+            queries = op.Add(start, op.Range(op.Constant(value_int=0), op.Squeeze(n, op.Constant(value_ints=[0])),
+                                             op.Constant(value_int=1)))  # [n]
+            first = op.Sub(op.Unsqueeze(queries, op.Constant(value_ints=[1])), op.Constant(value_int=window))
+            visible = op.And(visible, op.Greater(slots, first))  # [B, 1, n, T]
+        bias = op.Where(visible, zero, lowest)
         bias = op.Expand(bias, op.Concat(batch, op.Constant(value_ints=[1]), n, total, axis=0))  # [B, 1, n, T]
         if extra:  # zeros past head_size in q and k add nothing to a score; the scale is head_size's
             q, k, v = pad_heads(q, n_heads), pad_heads(k, kv_heads), pad_heads(v, kv_heads)
@@ -128,10 +143,15 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
             num_heads=n_heads, kv_num_heads=kv_heads, scale=head_size ** -0.5)
         if extra:
             heads = unpad_heads(heads)
-        # a query whose positions up to its own hold no real token has no key: zeros (SPEC §6)
+        # a query whose positions up to its own (within its window) hold no real token has no key: zeros (SPEC §6)
         real_so_far = op.CumSum(op.Cast(seen, to=INT64), op.Constant(value_int=1))  # [B, T]
         at_queries = op.Slice(real_so_far, op.Reshape(start, op.Constant(value_ints=[1])), total,
                               op.Constant(value_ints=[1]))  # [B, n]
+        if window is not None:  # less the real tokens up to p - window, before the window
+            zeros = op.Expand(op.Constant(value_ints=[0]), op.Concat(batch, op.Constant(value_ints=[window]), axis=0))
+            shifted = op.Concat(zeros, real_so_far, axis=1)  # [B, window + T]: at p, the count up to p - window
+            at_queries = op.Sub(at_queries, op.Slice(shifted, op.Reshape(start, op.Constant(value_ints=[1])), total,
+                                                     op.Constant(value_ints=[1])))
         has_key = op.Unsqueeze(op.Greater(at_queries, op.Constant(value_int=0)), op.Constant(value_ints=[2]))
         return op.Where(has_key, heads, zero), present_keys, present_values
 
@@ -168,7 +188,7 @@ class InPlaceDecoderStepGraph(nn.Module):
                 q = attention.head_norm("q", split_heads(attention.q(h), cfg.n_heads))
                 q = q if rope_positions is None else rotary(cfg, q, rope_positions)
                 heads, keys, values = cached_attention(merge_heads(q), merge_heads(k), merge_heads(v),
-                                                       past[2 * i], past[2 * i + 1], keep, start)
+                                                       past[2 * i], past[2 * i + 1], keep, start, cfg.sliding_window)
                 present.extend((keys, values))
                 return attention.o(heads)
 

@@ -519,6 +519,16 @@ def _key_mask(keep: jax.Array) -> jax.Array:
     return keep[:, None, None, :]
 
 
+def _causal_mask(q_len: int, k_len: int, window: int | None = None) -> jax.Array:
+    """Query i (position k_len - q_len + i) sees keys j <= that position, and within a sliding
+    window of W only j > that position - W: [1, 1, Q, K]"""
+    offset = k_len - q_len
+    keep = jnp.tril(jnp.ones((q_len, k_len), dtype=bool), k=offset)
+    if window is not None:
+        keep = jnp.triu(keep, k=offset - window + 1)
+    return keep[None, None]
+
+
 def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = "mask"):
     """Check a user keep-mask with the spec's rule and view it as [B|1, H|1, Q|1, K]."""
     if mask is None:
@@ -653,7 +663,7 @@ class Transformer(nnx.Module):
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+        causal = _causal_mask(length, length, self.cfg.sliding_window)
         self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
@@ -809,7 +819,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     zero = jnp.zeros((), jnp.int32)  # lax slice indices must share one integer type (x64 mode makes 0 int64)
     keep = lax.dynamic_update_slice(cache.tgt_keep, new_keep, (zero, start))  # [B, C]
     query_positions = cache.length + jnp.arange(n_new)
-    causal = jnp.arange(capacity)[None, :] <= query_positions[:, None]  # [n, C]
+    keys = jnp.arange(capacity)[None, :]
+    causal = keys <= query_positions[:, None]  # [n, C]
+    if cfg.sliding_window is not None:
+        causal = causal & (keys > query_positions[:, None] - cfg.sliding_window)
     self_mask = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)

@@ -54,7 +54,7 @@ from impl_numpy.model import (
 from spec import ModelConfig, params_under
 from spec.dropout import masks_under
 from spec.inputs import check_targets
-from spec.masks import causal_mask, combine_masks, key_mask
+from spec.masks import decoder_self_mask, key_mask
 
 Grads = dict[str, np.ndarray]  # parameter name (relative to a module) -> ∂L/∂parameter
 
@@ -474,7 +474,7 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
                 dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[Grads, np.ndarray | None]:
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))), back; the memory's gradient is the sum
     over every layer's cross-attention. -> the decoder's grads, d_memory"""
-    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
+    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)  # [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)
     embed_mask = (dropout_masks or {}).get("decoder.embed")
     inputs = [embed(cfg, params, tgt_ids, "tgt", dropout_mask=embed_mask)]

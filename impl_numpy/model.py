@@ -22,7 +22,7 @@ import numpy as np
 from spec import ModelConfig, check_params, params_under
 from spec.dropout import check_dropout_masks, masks_under
 from spec.inputs import check_decode_step, check_generation, check_keep, check_model_inputs, check_source
-from spec.masks import causal_mask, combine_masks, key_mask, real_tokens
+from spec.masks import decoder_self_mask, key_mask, real_tokens
 
 Params = Mapping[str, np.ndarray]
 
@@ -386,7 +386,7 @@ def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))). tgt_ids [B, T] -> [B, T, d];
     dropout_masks by site (spec.dropout.dropout_sites)."""
     y = embed(cfg, params, tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
-    self_mask = combine_masks(causal_mask(tgt_ids.shape[1]), key_mask(tgt_keep))  # [B, 1, T, T]
+    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)  # [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_decoder_layers):
         y = decoder_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, memory, self_mask, cross_mask,
@@ -518,7 +518,7 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     tgt_ids = np.asarray(tgt_ids)
     keep = np.concatenate([cache.tgt_keep, token_keep(cfg, tgt_ids, tgt_keep, "tgt", cache.length)], axis=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
-    self_mask = combine_masks(causal_mask(n_new, n_all), key_mask(keep))  # [B, 1, n, P + n]
+    self_mask = decoder_self_mask(keep, n_new, cfg.sliding_window)  # [B, 1, n, P + n]
     cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)
     y = embed(cfg, p, tgt_ids, "tgt", offset=cache.length)
     positions, _ = attention_positions(cfg, n_new, n_all)  # RoPE's: the new ones

@@ -458,10 +458,14 @@ def _key_mask(keep: torch.Tensor) -> torch.Tensor:
     return keep[:, None, None, :]
 
 
-def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (position k_len - q_len + i) sees keys j <= that position: [1, 1, Q, K]"""
+def _causal_mask(q_len: int, k_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Query i (position k_len - q_len + i) sees keys j <= that position, and within a sliding
+    window of W only j > that position - W: [1, 1, Q, K]"""
     offset = k_len - q_len
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)[None, None]
+    keep = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+    if window is not None:
+        keep = keep.triu(diagonal=offset - window + 1)
+    return keep[None, None]
 
 
 def view_mask(mask, batch: int, heads: int, q_len: int, k_len: int, name: str = "mask") -> torch.Tensor | None:
@@ -596,7 +600,8 @@ class Transformer(nn.Module):
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
-        self_mask = _causal_mask(length, length, y.device) & _key_mask(tgt_keep)  # [B, 1, T, T]
+        causal = _causal_mask(length, length, y.device, self.cfg.sliding_window)
+        self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
             y = layer(y, memory, self_mask, cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}"))
@@ -746,7 +751,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     # (four per layer and step), scatter_ as one ScatterElements on that axis
     cache.tgt_keep.scatter_(1, positions[None, :].expand(batch, n_new), new_keep)
     at_positions = positions[None, None, :, None].expand(batch, cfg.kv_heads, n_new, cfg.d_head)  # [B, H_kv, n, d_k]
-    causal = torch.arange(cache.capacity, device=start.device)[None, :] <= positions[:, None]  # [n, C]
+    keys = torch.arange(cache.capacity, device=start.device)[None, :]
+    causal = keys <= positions[:, None]  # [n, C]
+    if cfg.sliding_window is not None:
+        causal = causal & (keys > positions[:, None] - cfg.sliding_window)
     # the stale entries past the new positions are hidden by the causal mask, whatever they hold
     self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)

@@ -15,13 +15,14 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   rows are never read (BART numbers positions from 2) and a norm after the embeddings
   (``embed_norm`` in the spec).
 - ``llama`` (LlamaForCausalLM; SmolLM2 and Llama 3.2 have this layout), ``qwen2``
-  (Qwen2ForCausalLM) and ``qwen3`` (Qwen3ForCausalLM): the modern decoder of SPEC §5.11, with
-  Llama's key names in all three: pre-RMSNorm with a final norm, rotary positions in the
-  rotate_half layout (nothing stored), grouped-query attention, the gated FFN (gate_proj is the
-  activated W1, up_proj W3, down_proj W2). Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
+  (Qwen2ForCausalLM), ``qwen3`` (Qwen3ForCausalLM) and ``mistral`` (MistralForCausalLM): the
+  modern decoder of SPEC §5.11, with Llama's key names in all four: pre-RMSNorm with a final
+  norm, rotary positions in the rotate_half layout (nothing stored), grouped-query attention,
+  the gated FFN (gate_proj is the activated W1, up_proj W3, down_proj W2). Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
   and a head_dim apart from d / heads. The rotary frequencies are computed, not stored; the
-  linear, llama3 and yarn rescalings are read (SPEC §5.12), dynamic and longrope refused, and so
-  is sliding-window attention.
+  linear, llama3 and yarn rescalings are read (SPEC §5.12), dynamic and longrope refused. Mistral
+  attends to a sliding window of keys in every layer (SPEC §6); Qwen2's and Qwen3's windows in some
+  layers only are refused.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -51,6 +52,7 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -59,8 +61,6 @@ _OUT_OF_SPEC = {
            "which it does not divide by sqrt(d_k); the spec's positions are absolute or rotary (T5's RMSNorm alone "
            "would be in it)"),
     "mt5": ("relative_attention_num_buckets", "mT5 is T5: a learned relative position bias, unscaled scores"),
-    "mistral": ("sliding_window", "MistralForCausalLM is Llama's layout with a sliding window of keys (when "
-                "sliding_window is set); the importer has no mistral family yet"),
     "gpt_neox": ("use_parallel_residual", "GPT-NeoX (Pythia) adds attention and FFN to one residual in parallel "
                  "when use_parallel_residual is true (its default), which the spec's sequential layers are not, "
                  "and rotates rotary_pct of each head; the importer has no gpt_neox family yet"),
@@ -461,6 +461,22 @@ def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False)
 
 
+_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has no such key (null: none)
+
+
+def _mistral_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Llama's layout without biases, attending to the last sliding_window keys in every layer
+    (SPEC §6); the key absent means the class's 4096, null means no window."""
+    window = hf.get("sliding_window", _MISTRAL_WINDOW)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"sliding_window = {json.dumps(window)}: a window is a positive number of keys, or null")
+    if "sliding_window" not in hf:
+        notes.append(f"sliding_window is absent: MistralForCausalLM's default of {_MISTRAL_WINDOW} keys applies")
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "mistral")
+    return _rotary_decoder(hf, "mistral", notes, head_dim=_head_dim(hf, "mistral"), kv_heads=kv_heads,
+                           qkv_bias=False, bias=False, sliding_window=window)
+
+
 def _qwen3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     _refuse_sliding_window(hf, "qwen3")
     _refuse_if(hf, "attention_bias", bool, "Qwen3 then has biases on q, k, v and o_proj but none in its MLP; the "
@@ -552,14 +568,14 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3")
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
 def llama_mapping(cfg: ModelConfig) -> list[Rule]:
-    """LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM -> canonical (the Qwen classes kept
-    Llama's names). q/k/v/o biases where the config has them (Qwen2: q, k and v), Qwen3's per-head
-    q_norm and k_norm [d_k]. q and k are taken as stored: transformers' checkpoints are already in
+    """LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM -> canonical
+    (the Qwen and Mistral classes kept Llama's names). q/k/v/o biases where the config has them
+    (Qwen2: q, k and v), Qwen3's per-head q_norm and k_norm [d_k]. q and k are taken as stored: transformers' checkpoints are already in
     the rotate_half layout the spec rotates (its converter permuted Meta's interleaved originals),
     so no permutation happens here. k and v are [H_kv·d_k, d]: grouped-query attention."""
     d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
@@ -702,7 +718,7 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 
 
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
-            "qwen2": _qwen2_config, "qwen3": _qwen3_config}
+            "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -775,6 +791,7 @@ def mapping_markdown(family: str) -> str:
     examples["llama"] = (llama_mapping, rotary)
     examples["qwen2"] = (llama_mapping, rotary.replace(qkv_bias=True, tie_head=True))
     examples["qwen3"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True))
+    examples["mistral"] = (llama_mapping, rotary.replace(sliding_window=2))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

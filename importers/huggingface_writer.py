@@ -1,5 +1,5 @@
-"""Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3): the
-importer's mapping run backwards, so that tools which read only Hugging Face directories
+"""Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
+Mistral): the importer's mapping run backwards, so that tools which read only Hugging Face directories
 (onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can run the
 very weights the suite checks.
 
@@ -29,11 +29,17 @@ _MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The family whose class computes this config: Qwen3 (q/k norms), Qwen2 (q/k/v biases only),
-    else Llama (biases on all or none); a ConfigError naming a field none of them has."""
+    """The family whose class computes this config: Mistral (a sliding window, no biases), Qwen3
+    (q/k norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError
+    naming a field none of them has."""
     for field, value in _MODERN_DECODER.items():
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2 and Qwen3 have {field} = {value!r}")
+    if cfg.sliding_window is not None:
+        if cfg.qk_norm or cfg.qkv_bias or cfg.bias:
+            raise ConfigError("sliding_window with q/k norms or biases: Mistral, the family with a window in every "
+                              "layer, has neither")
+        return "mistral"
     if cfg.qk_norm:
         if cfg.qkv_bias or cfg.bias:
             raise ConfigError("qk_norm with biases: Qwen3, the family with q/k norms, has no biases")
@@ -59,6 +65,8 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     }
     if family == "llama":
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    elif family == "mistral":
+        config |= {"sliding_window": cfg.sliding_window}
     else:
         config |= {"use_sliding_window": False}
     return config

@@ -84,10 +84,16 @@ def _heads_without_transpose(x, n_heads):
     return x.reshape(batch, n_heads, length, width // n_heads)  # reshape straight to [B, H, T, d_k]
 
 
-def _causal_off_by_one(q_len, k_len=None, offset=None):
-    k_len = q_len if k_len is None else k_len
-    offset = k_len - q_len if offset is None else offset
-    return (np.arange(k_len)[None, :] < offset + np.arange(q_len)[:, None])[None, None]  # < instead of <=
+def _causal_off_by_one(tgt_keep, q_len=None, window=None):
+    k_len = np.shape(tgt_keep)[1]
+    q_len = q_len or k_len
+    causal = np.arange(k_len)[None, :] < k_len - q_len + np.arange(q_len)[:, None]  # < instead of <=
+    return causal[None, None] & np.asarray(tgt_keep, dtype=bool)[:, None, None, :]
+
+
+def _window_off_by_one(tgt_keep, q_len=None, window=None):
+    # i - W <= j rather than i - W < j: W + 1 keys (one library's kernels disagreed exactly so)
+    return _original("decoder_self_mask")(tgt_keep, q_len, None if window is None else window + 1)
 
 
 def _fill_minus_1e9(x, mask=None):
@@ -353,8 +359,11 @@ MUTATIONS: list[Mutation] = [
              "residual", _residual_from_normed, "ffn_block", "encoder.layers.0"),
     Mutation("heads_reshape", "heads split by a reshape to [B, H, T, d_k] without the transpose", "split_heads",
              _heads_without_transpose, "mha", "encoder.layers.0"),
-    Mutation("causal_off_by_one", "causal mask that hides the current position (< instead of <=)", "causal_mask",
-             _causal_off_by_one, "decoder", None, unlocalized=MASKS),
+    Mutation("causal_off_by_one", "causal mask that hides the current position (< instead of <=)",
+             "decoder_self_mask", _causal_off_by_one, "decoder", None, unlocalized=MASKS),
+    Mutation("window_off_by_one", "a sliding window of W keys that lets the query see W + 1 (i − W ≤ j; the "
+             "kernels of one library disagreed exactly so)", "decoder_self_mask", _window_off_by_one, "decoder",
+             None, unlocalized=MASKS, preset="mistral-tiny"),
     Mutation("fill_minus_1e9", "masked scores filled with -1e9: rows with no key average V instead of giving 0 "
              "(and in float16 the fill overflows to -inf: NaN)",
              "softmax", _fill_minus_1e9, "attention", "encoder.layers.0", localize_on="all_pad"),

@@ -103,6 +103,7 @@ class ModelConfig:
     head_dim: int | None = None  # d_k; None: d_model / n_heads
     gated_ffn: bool = False  # FFN(x) = (act(x W1) ⊙ x W3) W2: SwiGLU with swish, GeGLU with gelu-tanh
     qk_norm: bool = False  # an RMSNorm of each head's q and k before the rotation (Qwen3)
+    sliding_window: int | None = None  # W: decoder self-attention sees the last W positions only (SPEC §6; Mistral)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -131,8 +132,9 @@ class ModelConfig:
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if self.rope_scaling is None:  # absent, so that a config without it reads as it did before it existed
-            del data["rope_scaling"]
+        for name in ("rope_scaling", "sliding_window"):
+            if data[name] is None:  # absent, so that a config without it reads as it did before it existed
+                del data[name]
         return data
 
     def to_json(self) -> str:
@@ -169,7 +171,7 @@ _BOOL_FIELDS = (
     "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
     "gated_ffn", "qk_norm",
 )
-_OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim")
+_OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim", "sliding_window")
 
 
 def _validate(cfg: ModelConfig) -> None:
@@ -221,6 +223,9 @@ def _validate(cfg: ModelConfig) -> None:
     elif (cfg.rope_theta, cfg.rope_fraction, cfg.rope_scaling) != (10000.0, 1.0, None):
         raise ConfigError("rope_theta, rope_fraction and rope_scaling apply to positional='rope' only, got "
                           f"positional={cfg.positional!r}")
+    if cfg.sliding_window is not None and cfg.has_encoder:
+        raise ConfigError("sliding_window restricts a decoder-only model's self-attention (Mistral, Phi-3); "
+                          "an encoder-decoder has none here: use arch='decoder-only'")
     if cfg.qk_norm and cfg.norm != "rmsnorm":
         raise ConfigError(f"qk_norm normalises each head's q and k with RMSNorm (Qwen3) and needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")

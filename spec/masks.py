@@ -38,8 +38,10 @@ def key_mask(keep: np.ndarray) -> np.ndarray:
     return keep[:, None, None, :]
 
 
-def causal_mask(q_len: int, k_len: int | None = None, offset: int | None = None) -> np.ndarray:
-    """Query i (at absolute position offset + i) may attend key j iff j <= offset + i: [1, 1, Q, K].
+def causal_mask(q_len: int, k_len: int | None = None, offset: int | None = None,
+                window: int | None = None) -> np.ndarray:
+    """Query i (at absolute position offset + i) may attend key j iff j <= offset + i, and, with a
+    sliding window of W keys, offset + i - W < j: [1, 1, Q, K].
 
     By default the queries are the last q_len of k_len positions (offset = k_len - q_len), which
     is the incremental-decoding case; q_len == k_len gives the usual lower triangle."""
@@ -47,7 +49,10 @@ def causal_mask(q_len: int, k_len: int | None = None, offset: int | None = None)
     offset = k_len - q_len if offset is None else offset
     query_positions = offset + np.arange(q_len)[:, None]
     key_positions = np.arange(k_len)[None, :]
-    return (key_positions <= query_positions)[None, None]
+    keep = key_positions <= query_positions
+    if window is not None:
+        keep &= key_positions > query_positions - window  # the last W positions, the query's own included
+    return keep[None, None]
 
 
 def combine_masks(*masks: np.ndarray | None) -> np.ndarray | None:
@@ -75,11 +80,12 @@ def encoder_self_mask(src_keep: np.ndarray) -> np.ndarray:
     return key_mask(src_keep)
 
 
-def decoder_self_mask(tgt_keep: np.ndarray, q_len: int | None = None) -> np.ndarray:
-    """Decoder self-attention: causal AND real target tokens. tgt_keep [B, K] covers every key
-    (cached ones too); the queries are the last q_len positions. [B, 1, Q, K]"""
-    k_len = tgt_keep.shape[1]
-    return combine_masks(causal_mask(q_len or k_len, k_len), key_mask(tgt_keep))
+def decoder_self_mask(tgt_keep: np.ndarray, q_len: int | None = None, window: int | None = None) -> np.ndarray:
+    """Decoder self-attention: causal (within the last `window` positions, where the config has a
+    sliding window) AND real target tokens. tgt_keep [B, K] covers every key (cached ones too); the
+    queries are the last q_len positions. [B, 1, Q, K]"""
+    k_len = np.shape(tgt_keep)[1]
+    return combine_masks(causal_mask(q_len or k_len, k_len, window=window), key_mask(tgt_keep))
 
 
 def cross_mask(src_keep: np.ndarray) -> np.ndarray:

@@ -154,6 +154,18 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_len=4096),
         ),
     ),
+    "mistral-tiny": (
+        "A Mistral-family decoder at odd sizes with a sliding window of 4 keys (Mistral 7B v0.1's is "
+        "4096; 4 is shorter than every case, so each one has queries that see fewer keys than "
+        "plain causal attention would give them): d 56, 4 heads of 14, 2 key/value heads, d_ff 96, "
+        "2 layers, vocabulary 107, theta 1000000, eps 1e-5, no biases, untied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=56, n_heads=4, n_kv_heads=2, d_ff=96, n_decoder_layers=2,
+            tgt_vocab_size=107, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=False, sliding_window=4,
+        ),
+    ),
     "llama-small": (
         "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
         "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "

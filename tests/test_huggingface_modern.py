@@ -51,8 +51,15 @@ FAMILY_CONFIGS = {
         vocab_size=89, hidden_size=36, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, max_position_embeddings=2048, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1),
+    # a sliding window of 5 keys, shorter than every case; 4 query heads of 14 over 2 key/value heads
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=107, hidden_size=56, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2),
 }
-CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "mistral": "MistralForCausalLM"}
 
 
 def _build(kind: str, directory, seed: int = 0):
@@ -256,8 +263,8 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
     ("qwen2", {"hidden_act": "gelu_fast"}, r"hidden_act = 'gelu_fast' is not in the spec"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, r"only LlamaForCausalLM has the output head"),
     ("qwen2", {"num_key_value_heads": None}, r"config.json of this qwen2 model has no num_key_value_heads"),
-    ("llama", {"model_type": "mistral", "sliding_window": 4096},
-     r'model_type = "mistral" cannot be imported: sliding_window = 4096: MistralForCausalLM'),
+    ("mistral", {"sliding_window": 0}, r"sliding_window = 0: a window is a positive number of keys, or null"),
+    ("mistral", {"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping = 30.0: scores squashed"),
 ])
 def test_configs_the_spec_cannot_express_are_refused_by_field(tmp_path, checkpoints, kind, changes, message):
     with pytest.raises(ConfigError, match=message):

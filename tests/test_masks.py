@@ -1,7 +1,11 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from spec import InputError, causal_mask, combine_masks, decoder_self_mask, normalize_mask, padding_mask
+import impl_numpy as golden
+from spec import (ConfigError, InputError, causal_mask, combine_masks, conformance_params, decoder_self_mask,
+                  get_preset, normalize_mask, padding_mask)
 from spec.inputs import check_activations, mask_shape_4d
 
 
@@ -17,6 +21,57 @@ def test_causal_mask_lower_triangle_and_offset():
     assert step.shape == (1, 1, 1, 4) and step.all()
     chunk = causal_mask(2, 5)[0, 0]
     assert chunk.tolist() == [[True, True, True, True, False], [True] * 5]
+
+
+def test_a_sliding_window_of_w_keys_includes_the_querys_own():
+    """SPEC §6: i − W < j ≤ i. W = 2 over 4 positions: each query sees itself and the one before."""
+    rows = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert causal_mask(4, window=2)[0, 0].astype(int).tolist() == rows
+    assert causal_mask(1, 6, window=3)[0, 0, 0].tolist() == [False, False, False, True, True, True]
+
+
+@given(q_len=st.integers(1, 9), cached=st.integers(0, 9), window=st.integers(1, 12))
+def test_the_window_is_the_last_w_positions_up_to_each_query(q_len, cached, window):
+    k_len = q_len + cached
+    mask = causal_mask(q_len, k_len, window=window)[0, 0]
+    for i in range(q_len):
+        position = cached + i
+        assert [j for j in range(k_len) if mask[i, j]] == list(range(max(0, position - window + 1), position + 1))
+    if window >= k_len:  # a window as long as the sequence hides nothing causal attention shows
+        assert (mask == causal_mask(q_len, k_len)[0, 0]).all()
+
+
+def test_the_decoder_mask_keeps_the_window_and_the_padding():
+    keep = np.array([[False, True, True, True, True]])
+    assert decoder_self_mask(keep, window=2)[0, 0].astype(int).tolist() == [
+        [0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+
+
+def test_a_window_is_a_decoder_only_models_and_positive():
+    cfg = get_preset("mistral-tiny")
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer or null, got 0"):
+        cfg.replace(sliding_window=0)
+    with pytest.raises(ConfigError, match="sliding_window restricts a decoder-only model's self-attention"):
+        get_preset("tiny").replace(sliding_window=4)
+
+
+def test_the_golden_decodes_a_windowed_model_as_its_forward():
+    """Steps of one, then a chunk, after the window has moved past the first keys: the cache holds
+    every position and each step's mask hides the keys before its window (SPEC §6, §7)."""
+    cfg = get_preset("mistral-tiny")
+    params = conformance_params(cfg)
+    ids = np.random.default_rng(3).integers(1, cfg.tgt_vocab_size, (2, 11))
+    ids[1, :2] = cfg.pad_id
+    keep = ids != cfg.pad_id
+    want = golden.forward(cfg, params, None, ids, tgt_keep=keep)
+    p = golden.cast_params(cfg, params)
+    cache, got = golden.start_cache(cfg, p, 2), []
+    for begin, end in ((0, 3), (3, 4), (4, 5), (5, 11)):
+        logits, cache = golden.decode_step(cfg, p, cache, ids[:, begin:end], keep[:, begin:end])
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, rtol=0, atol=1e-12)
+    plain = golden.forward(cfg.replace(sliding_window=None), params, None, ids, tgt_keep=keep)
+    assert np.abs(plain[:, 4:] - want[:, 4:]).max() > 0.1 and np.abs(plain[:, :4] - want[:, :4]).max() < 1e-12
 
 
 def test_combine_is_and_and_none_is_no_restriction():

@@ -12,7 +12,7 @@ from impl_numpy import backward
 from spec import conformance_params, get_preset, params_under
 from spec.masks import causal_mask, combine_masks, key_mask
 
-FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny"]
+FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny"]
 
 
 def rng(seed=0):

@@ -27,6 +27,8 @@ EXPECTED_COUNTS = {
     "llama3-tiny": 109 * 48 + 2 * (48 * 48 + 2 * 48 * 24 + 48 * 48 + 3 * 48 * 88 + 2 * 48) + 48,  # 44,640
     # qwen2-tiny's layer over 2 key/value heads of 10 (with their biases), a tied 113-row table
     "qwen2-yarn-tiny": 113 * 40 + 2 * (40 * 40 + 40 + 2 * (40 * 20 + 20) + 40 * 40 + 3 * 40 * 72 + 2 * 40) + 40,
+    # llama-tiny's layout at 4 heads of 14 over 2 (k and v 56 x 28), an untied 107-row table and head
+    "mistral-tiny": 2 * 107 * 56 + 2 * (56 * 56 + 2 * 56 * 28 + 56 * 56 + 3 * 56 * 96 + 2 * 56) + 56,  # 63,336
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }

@@ -56,6 +56,11 @@ def _rms_statistics_in_the_activation_dtype(x, scale, bias, eps):
 
 
 _frequencies, _llama3, _yarn = torch_model.rope_frequencies, torch_model.llama3_frequencies, torch_model.yarn_frequencies
+_causal = torch_model._causal_mask
+
+
+def _window_off_by_one(q_len, k_len, device, window=None):
+    return _causal(q_len, k_len, device, None if window is None else window + 1)  # i − W <= j: W + 1 keys
 
 
 def _rope_scaling_ignored(cfg, dtype, device):
@@ -87,6 +92,7 @@ PLANTS = {
     "llama3_bands_swapped": (torch_model, "llama3_frequencies", _llama3_bands_swapped),
     "yarn_frequencies_inverted_twice": (torch_model, "yarn_frequencies", _yarn_frequencies_inverted_twice),
     "yarn_temperature_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
+    "window_off_by_one": (torch_model, "_causal_mask", _window_off_by_one),
 }
 # (mistake, the preset whose number it gets wrong, dtype, the first cell of the column that must fail)
 CAUGHT = [
@@ -117,6 +123,11 @@ CAUGHT = [
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float32", "mha-none"),
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float16", "mha-none"),
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "bfloat16", "mha-none"),
+    # the sliding window (SPEC §6): the whole-stack cells, where the model builds its own mask (the
+    # decode steps build theirs apart and pass: a path that is right does not hide one that is not)
+    ("window_off_by_one", "mistral-tiny", "float32", "decoder-none"),
+    ("window_off_by_one", "mistral-tiny", "float16", "decoder-none"),
+    ("window_off_by_one", "mistral-tiny", "bfloat16", "decoder-none"),
 ]
 
 
