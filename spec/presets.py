@@ -156,8 +156,8 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
     ),
     "mistral-tiny": (
         "A Mistral-family decoder at odd sizes with a sliding window of 4 keys (Mistral 7B v0.1's is "
-        "4096; 4 is shorter than every case, so each one has queries that see fewer keys than "
-        "plain causal attention would give them): d 56, 4 heads of 14, 2 key/value heads, d_ff 96, "
+        "4096; 4 is shorter than every case's sequence but single_token's, so those cases have queries "
+        "that see fewer keys than plain causal attention would give them): d 56, 4 heads of 14, 2 key/value heads, d_ff 96, "
         "2 layers, vocabulary 107, theta 1000000, eps 1e-5, no biases, untied head.",
         ModelConfig(
             arch="decoder-only", d_model=56, n_heads=4, n_kv_heads=2, d_ff=96, n_decoder_layers=2,

@@ -51,7 +51,7 @@ FAMILY_CONFIGS = {
         vocab_size=89, hidden_size=36, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, max_position_embeddings=2048, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1),
-    # a sliding window of 5 keys, shorter than every case; 4 query heads of 14 over 2 key/value heads
+    # a sliding window of 5 keys, shorter than the cases' sequences; 4 query heads of 14 over 2 key/value heads
     "mistral": lambda: transformers.MistralConfig(
         vocab_size=107, hidden_size=56, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
