@@ -819,10 +819,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     zero = jnp.zeros((), jnp.int32)  # lax slice indices must share one integer type (x64 mode makes 0 int64)
     keep = lax.dynamic_update_slice(cache.tgt_keep, new_keep, (zero, start))  # [B, C]
     query_positions = cache.length + jnp.arange(n_new)
-    keys = jnp.arange(capacity)[None, :]
-    causal = keys <= query_positions[:, None]  # [n, C]
+    slots = jnp.arange(capacity)[None, :]
+    causal = slots <= query_positions[:, None]  # [n, C]
     if cfg.sliding_window is not None:
-        causal = causal & (keys > query_positions[:, None] - cfg.sliding_window)
+        causal = causal & (slots > query_positions[:, None] - cfg.sliding_window)
     self_mask = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)

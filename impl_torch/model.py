@@ -751,10 +751,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     # (four per layer and step), scatter_ as one ScatterElements on that axis
     cache.tgt_keep.scatter_(1, positions[None, :].expand(batch, n_new), new_keep)
     at_positions = positions[None, None, :, None].expand(batch, cfg.kv_heads, n_new, cfg.d_head)  # [B, H_kv, n, d_k]
-    keys = torch.arange(cache.capacity, device=start.device)[None, :]
-    causal = keys <= positions[:, None]  # [n, C]
+    slots = torch.arange(cache.capacity, device=start.device)[None, :]
+    causal = slots <= positions[:, None]  # [n, C]
     if cfg.sliding_window is not None:
-        causal = causal & (keys > positions[:, None] - cfg.sliding_window)
+        causal = causal & (slots > positions[:, None] - cfg.sliding_window)
     # the stale entries past the new positions are hidden by the causal mask, whatever they hold
     self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
