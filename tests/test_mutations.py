@@ -18,14 +18,18 @@ def test_at_least_twelve_distinct_mistakes():
     assert len(MUTATIONS) >= 12 and len({m.name for m in MUTATIONS}) == len(MUTATIONS)
 
 
-_VERDICTS: dict = {}
+@pytest.fixture(scope="module")
+def verdicts():
+    """Each mutation's verdict, made once: the parametrized test and both pages' tests read it (a
+    module fixture, so that make test keeps them in one worker rather than running the gallery
+    three times)."""
+    return {}
 
 
-def _verdict(mutation):
-    """Each mutation runs once per test session: three tests read its verdict."""
-    if mutation.name not in _VERDICTS:
-        _VERDICTS[mutation.name] = run_mutation(TINY, PARAMS, mutation)
-    return _VERDICTS[mutation.name]
+def _verdict(verdicts, mutation):
+    if mutation.name not in verdicts:
+        verdicts[mutation.name] = run_mutation(TINY, PARAMS, mutation)
+    return verdicts[mutation.name]
 
 
 def test_the_training_mistakes_are_in_the_gallery():
@@ -35,29 +39,29 @@ def test_the_training_mistakes_are_in_the_gallery():
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
-def test_mutation_is_caught_and_localized(mutation):
-    verdict = _verdict(mutation)
+def test_mutation_is_caught_and_localized(verdicts, mutation):
+    verdict = _verdict(verdicts, mutation)
     assert verdict.caught, f"{mutation.name} was not caught"
     assert verdict.first_sublayer == mutation.expected_sublayer
     assert verdict.first_stage == mutation.expected_stage
 
 
-def test_the_committed_gallery_matches_the_code():
+def test_the_committed_gallery_matches_the_code(verdicts):
     committed = Path(__file__).resolve().parents[1] / "docs" / "mutation-gallery.md"
     rows = [line.split("|") for line in committed.read_text().splitlines() if line.startswith("| `")]
-    table = gallery_table([_verdict(m) for m in MUTATIONS])
+    table = gallery_table([_verdict(verdicts, m) for m in MUTATIONS])
     fresh = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
     verdict_columns = lambda row: [row[1], row[2], row[4], row[6], row[7]]  # noqa: E731 - not the error figures
     assert [verdict_columns(r) for r in rows] == [verdict_columns(r) for r in fresh]
 
 
-def test_the_committed_mistakes_page_matches_the_code():
+def test_the_committed_mistakes_page_matches_the_code(verdicts):
     import re
 
     from pages.mutations import mistakes_page
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "mistakes.md").read_text()
-    fresh = mistakes_page([_verdict(m) for m in MUTATIONS], "tiny")
+    fresh = mistakes_page([_verdict(verdicts, m) for m in MUTATIONS], "tiny")
     masked = lambda text: re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)  # noqa: E731 - the error figures
     assert masked(committed) == masked(fresh), "regenerate with: rosetta mutations --mistakes docs/mistakes.md"
 
@@ -96,9 +100,14 @@ def test_check_localizes_a_failing_column(capsys, tmp_path):
     assert (tmp_path / "error-growth.png").exists() and "## Localization" in (tmp_path / "report.md").read_text()
 
 
-def test_cli_mutations(tmp_path, capsys):
+def test_cli_mutations(tmp_path, capsys, monkeypatch):
+    """The command is a thin layer over run_gallery, whose every mutation the tests above run: two
+    go through it here."""
+    import pages.mutations
+
+    monkeypatch.setattr(pages.mutations, "MUTATIONS", MUTATIONS[:2])
     assert main(["mutations", "--markdown", str(tmp_path / "gallery.md")]) == 0
-    assert f"{len(MUTATIONS)} of {len(MUTATIONS)} mutations caught and localized" in capsys.readouterr().out
+    assert "2 of 2 mutations caught and localized" in capsys.readouterr().out
     assert (tmp_path / "gallery.md").read_text().startswith("# Mutation gallery")
 
 
