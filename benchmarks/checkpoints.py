@@ -38,7 +38,8 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                    bos_token_id=128000, eos_token_id=128001)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 # the commands timed on each shape: name -> rosetta arguments after the program ({dir}, {weights} filled in)
 RUNS: dict[str, list[str]] = {
     "import": ["import", "{dir}", "--out", "{weights}"],

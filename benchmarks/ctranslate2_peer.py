@@ -46,6 +46,12 @@ def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
         return f"a decoder-only model is mapped to CTranslate2 only as Llama or Qwen2 ({error})"
     if family == "qwen3":
         return "Qwen3's per-head q/k norms are not mapped to CTranslate2 here"
+    if family == "phi3":  # convert_decoder rotates every dimension of a head
+        return f"a partial rotary (rope_fraction {cfg.rope_fraction}) is not mapped to CTranslate2 here"
+    if cfg.sliding_window is not None:
+        return f"a sliding window ({cfg.sliding_window} keys) is not mapped to CTranslate2 here"
+    if cfg.rope_scaling is not None:
+        return f"{cfg.rope_scaling.kind} rope scaling is not mapped to CTranslate2 here (its rotary is the plain one)"
     return None
 
 

@@ -23,6 +23,10 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   linear, llama3 and yarn rescalings are read (SPEC §5.12), dynamic and longrope refused. Mistral
   attends to a sliding window of keys in every layer (SPEC §6); Qwen2's and Qwen3's windows in some
   layers only are refused.
+- ``phi3`` (Phi3ForCausalLM): the same computation with q, k and v fused into one ``qkv_proj``
+  and the gate and up projections into one ``gate_up_proj`` (the mapping splits them by rows), a
+  partial rotary (``partial_rotary_factor``, the spec's rope_fraction) and, where set, a window in
+  every layer (Phi-3-mini's 2047). Its longrope rescaling (the 128k models) is refused.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -53,6 +57,7 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -102,13 +107,16 @@ class Rule:
     source: str
     source_shape: tuple[int, ...]
     target: str
-    how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0"
+    how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0" | "transpose rows a:b"
 
     def take(self, value: np.ndarray) -> np.ndarray:
         if self.how == "copy":
             return value
         if self.how == "transpose":  # nn.Linear stores [out, in]; the spec [in, out]
             return value.T
+        if self.how.startswith("transpose rows "):  # one block of a fused nn.Linear's outputs (Phi-3)
+            start, stop = (int(part) for part in self.how.split()[2].split(":"))
+            return value[start:stop].T
         if self.how.startswith(("columns ", "slice ")):
             start, stop = (int(part) for part in self.how.split()[1].split(":"))
             return value[:, start:stop] if self.how.startswith("columns ") else value[start:stop]
@@ -324,12 +332,14 @@ _ROPE_SCALINGS = {
 }
 
 
-def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, RopeScaling | None]:
-    """θ and the rescaling of the rotary embedding (SPEC §5.11, §5.12). transformers 5 writes both
-    into rope_parameters ({"rope_type": ..., "rope_theta": ..., and the type's keys}); older files
-    have a top-level rope_theta and put any rescaling into rope_scaling, which transformers still
-    reads first. A variant the spec lacks is refused whichever field names it, and so is a partial
-    rotary, which these classes ignore."""
+def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScaling | None]:
+    """θ, the rotated share of each head and the rescaling of the rotary embedding (SPEC §5.11,
+    §5.12). transformers 5 writes them into rope_parameters ({"rope_type": ..., "rope_theta": ...,
+    and the type's keys}); older files have a top-level rope_theta and put any rescaling into
+    rope_scaling, which transformers still reads first. A variant the spec lacks is refused
+    whichever field names it. Phi-3 rotates the leading partial_rotary_factor of each head (the
+    spec's rope_fraction); the other classes rotate every dimension whatever the file says, so a
+    partial rotary there is refused."""
     name, parameters = next(((name, hf[name]) for name in ("rope_scaling", "rope_parameters") if hf.get(name)),
                             ("rope_parameters", {}))
     if not isinstance(parameters, dict):
@@ -340,21 +350,30 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, RopeScaling | No
                               "rotary embedding for every layer")
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if fraction is not None and fraction != 1:
+    if family == "phi3":
+        fraction = 1.0 if fraction is None else fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: expected a number in (0, 1]")
+    elif fraction is not None and fraction != 1:
         raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: {FAMILIES[family]} rotates every "
                           "dimension of a head whatever this says, so the file and transformers disagree on the "
                           "function; the spec's rope_fraction is for a family whose class honours it")
     theta = parameters.get("rope_theta", hf.get("rope_theta"))
     theta = float(10000.0 if theta is None else theta)  # transformers' default_theta
+    fraction = float(1.0 if fraction is None else fraction)
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind == "default":
-        return theta, None
+        return theta, fraction, None
     field = f"{name}.{'rope_type' if 'rope_type' in parameters else 'type'}"
+    if family == "phi3":  # Phi3Config reads "su" and "yarn" as longrope, and refuses every other rescaling
+        what = _ROPE_SCALINGS["longrope"] if kind in ("su", "yarn", "longrope") else "a rescaling Phi3Config refuses"
+        raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): Phi-3's rotary embedding is the plain one or "
+                          "longrope, and longrope is not in the spec yet (SPEC §5.12)")
     if kind not in ROPE_SCALINGS:
         what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
         raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are "
                           f"{', '.join(ROPE_SCALINGS[:-1])} and {ROPE_SCALINGS[-1]} (SPEC §5.12)")
-    return theta, _rope_scaling(hf, name, kind, parameters)
+    return theta, fraction, _rope_scaling(hf, name, kind, parameters)
 
 
 def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mapping[str, Any]) -> RopeScaling:
@@ -425,14 +444,14 @@ def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, hea
     if hf.get("attention_dropout"):
         notes.append(f"attention_dropout = {hf['attention_dropout']} drops attention probabilities, which is not the "
                      "spec's dropout (SPEC §5.10); the import has dropout 0, and evaluation is unaffected")
-    theta, scaling = _rotary(hf, family)
+    theta, fraction, scaling = _rotary(hf, family)
     return ModelConfig(
         arch="decoder-only", d_model=d_model, n_heads=n_heads, n_kv_heads=None if kv_heads == n_heads else kv_heads,
         head_dim=None if head_dim * n_heads == d_model else head_dim, d_ff=_require(hf, "intermediate_size", family),
         n_decoder_layers=_require(hf, "num_hidden_layers", family), tgt_vocab_size=vocab,
         max_len=_require(hf, "max_position_embeddings", family), pad_id=_pad_id(hf, vocab, notes),
         norm_position="pre", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), final_norm=True,
-        positional="rope", rope_theta=theta, rope_scaling=scaling, embed_scale=False,
+        positional="rope", rope_theta=theta, rope_fraction=fraction, rope_scaling=scaling, embed_scale=False,
         activation=_activation({"hidden_act": "silu", **hf}, "hidden_act"),  # silu: the classes' default
         gated_ffn=True, head_bias=False, tie_head=bool(hf.get("tie_word_embeddings", False)), **biases_and_norms,
     )
@@ -467,14 +486,33 @@ _MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has n
 def _mistral_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     """Llama's layout without biases, attending to the last sliding_window keys in every layer
     (SPEC §6); the key absent means the class's 4096, null means no window."""
-    window = hf.get("sliding_window", _MISTRAL_WINDOW)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ConfigError(f"sliding_window = {json.dumps(window)}: a window is a positive number of keys, or null")
+    window = _sliding_window(hf, _MISTRAL_WINDOW)
     if "sliding_window" not in hf:
         notes.append(f"sliding_window is absent: MistralForCausalLM's default of {_MISTRAL_WINDOW} keys applies")
     kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "mistral")
     return _rotary_decoder(hf, "mistral", notes, head_dim=_head_dim(hf, "mistral"), kv_heads=kv_heads,
                            qkv_bias=False, bias=False, sliding_window=window)
+
+
+def _sliding_window(hf: Mapping[str, Any], default: int | None) -> int | None:
+    window = hf.get("sliding_window", default)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"sliding_window = {json.dumps(window)}: a window is a positive number of keys, or null")
+    return window
+
+
+def _phi3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Llama's computation without biases, with q, k, v fused into qkv_proj and gate and up into
+    gate_up_proj (the mapping splits them), the leading partial_rotary_factor of each head
+    rotated, and a window of sliding_window keys in every layer where the field is set (Phi-3-mini:
+    2047; the class's default is none)."""
+    for name in ("resid_pdrop", "embd_pdrop"):
+        if hf.get(name):
+            notes.append(f"{name} = {hf[name]} drops activations in training, which is not the spec's dropout "
+                         "(SPEC §5.10); the import has dropout 0, and evaluation is unaffected")
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "phi3")
+    return _rotary_decoder(hf, "phi3", notes, head_dim=_head_dim(hf, "phi3"), kv_heads=kv_heads, qkv_bias=False,
+                           bias=False, sliding_window=_sliding_window(hf, None))
 
 
 def _qwen3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
@@ -568,7 +606,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -600,6 +638,40 @@ def llama_mapping(cfg: ModelConfig) -> list[Rule]:
     if not cfg.tie_head:
         rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
     return rules
+
+
+def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
+    """Phi3ForCausalLM -> canonical: Llama's names but for two fused projections, split by rows
+    (nn.Linear's outputs) before the transpose. qkv_proj [H·d_k + 2·H_kv·d_k, d] holds q, then k,
+    then v; gate_up_proj [2·d_ff, d] holds the activated gate (W1), then up (W3): Phi3MLP chunks
+    it in two and activates the first half."""
+    d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
+    widths = {"q": cfg.n_heads * d_k, "k": cfg.kv_heads * d_k, "v": cfg.kv_heads * d_k}
+    fused = sum(widths.values())
+    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    for i in range(cfg.n_decoder_layers):
+        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
+        start = 0
+        for projection, width in widths.items():
+            rules.append(Rule(f"{hf}.self_attn.qkv_proj.weight", (fused, d), f"{ours}.self_attn.{projection}.weight",
+                              f"transpose rows {start}:{start + width}"))
+            start += width
+        _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, bias=False)
+        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        for block, canonical in enumerate(("w1", "w3")):
+            rules.append(Rule(f"{hf}.mlp.gate_up_proj.weight", (2 * d_ff, d), f"{ours}.ffn.{canonical}.weight",
+                              f"transpose rows {block * d_ff}:{(block + 1) * d_ff}"))
+        _linear(rules, f"{hf}.mlp.down_proj", f"{ours}.ffn.w2", d_ff, d, bias=False)
+    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    return rules
+
+
+def rotary_mapping(family: str, cfg: ModelConfig) -> list[Rule]:
+    """The mapping of a rotary family: Phi-3's fused one, else Llama's names."""
+    return phi3_mapping(cfg) if family == "phi3" else llama_mapping(cfg)
 
 
 def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
@@ -718,7 +790,7 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 
 
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
-            "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config}
+            "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -734,7 +806,7 @@ def import_huggingface(directory: str | os.PathLike) -> Imported:
         rules = gpt2_mapping(cfg, prefix)
     elif family in _ROTARY_FAMILIES:
         prefix = ""
-        rules = llama_mapping(cfg)
+        rules = rotary_mapping(family, cfg)
         _check_rotary_frequencies(cfg, tensors)
     else:
         prefix = ""
@@ -769,6 +841,15 @@ def require_import_of(directory: str | os.PathLike, cfg: ModelConfig, params: Ma
     return imported
 
 
+_FUSED_BLOCKS = {  # a fused tensor's row blocks as the mapping table writes them
+    "q": "0 … H·d_k − 1", "k": "H·d_k … (H + H_kv)·d_k − 1", "v": "(H + H_kv)·d_k … (H + 2·H_kv)·d_k − 1",
+    "w1": "0 … d_ff − 1 (the gate)", "w3": "d_ff … 2·d_ff − 1 (up)"}
+
+
+def _block_rows(rule: Rule) -> str:
+    return _FUSED_BLOCKS[rule.target.split(".")[-2]]
+
+
 def mapping_markdown(family: str) -> str:
     """The family's mapping as a Markdown table (layer 0 written as {i}), for docs/huggingface.md."""
     examples = {
@@ -792,12 +873,15 @@ def mapping_markdown(family: str) -> str:
     examples["qwen2"] = (llama_mapping, rotary.replace(qkv_bias=True, tie_head=True))
     examples["qwen3"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True))
     examples["mistral"] = (llama_mapping, rotary.replace(sliding_window=2))
+    examples["phi3"] = (phi3_mapping, rotary.replace(rope_fraction=0.5, sliding_window=2))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
     for rule in mapping(cfg):
         how = hows.get(rule.how, rule.how)
-        if rule.how.startswith(("columns", "slice")):
+        if rule.how.startswith("transpose rows"):
+            how = f"rows {_block_rows(rule)}, transposed"
+        elif rule.how.startswith(("columns", "slice")):
             block = int(rule.how.split()[1].split(":")[0]) // cfg.d_model
             how = f"{'columns' if rule.how.startswith('columns') else 'entries'} {block}·d … {block + 1}·d − 1"
         elif rule.how.startswith("rows"):

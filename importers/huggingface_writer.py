@@ -1,12 +1,13 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral): the importer's mapping run backwards, so that tools which read only Hugging Face directories
-(onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can run the
-very weights the suite checks.
+Mistral, Phi-3): the importer's mapping run backwards, so that tools which read only Hugging Face
+directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can
+run the very weights the suite checks.
 
-There is one mapping, the importer's (``llama_mapping``): each rule is inverted (a copy stays a
-copy, a transposed nn.Linear is transposed back), and the result is proven by importing it again,
-which must give back the same config and the same tensors. A config the three families cannot
-hold is refused naming the field. Reads and writes NumPy and safetensors only.
+There is one mapping per family, the importer's (``rotary_mapping``): each rule is inverted (a copy
+stays a copy, a transposed nn.Linear is transposed back, Phi-3's blocks are put back in their rows
+of the fused tensor), and the result is proven by importing it again, which must give back the same
+config and the same tensors. A config no family can hold is refused naming the field. Reads and
+writes NumPy and safetensors only.
 """
 
 from __future__ import annotations
@@ -18,23 +19,30 @@ from pathlib import Path
 
 import numpy as np
 
-from importers.huggingface import FAMILIES, import_huggingface, llama_mapping
+from importers.huggingface import FAMILIES, Rule, import_huggingface, rotary_mapping
 from spec import ModelConfig, check_params, params_digest
 from spec.errors import ConfigError, WeightsError
 
 _MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
     "arch": "decoder-only", "norm_position": "pre", "norm": "rmsnorm", "final_norm": True, "positional": "rope",
-    "rope_fraction": 1.0, "embed_scale": False, "activation": "swish", "gated_ffn": True, "head_bias": False,
+    "embed_scale": False, "activation": "swish", "gated_ffn": True, "head_bias": False,
 }
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The family whose class computes this config: Mistral (a sliding window, no biases), Qwen3
-    (q/k norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError
-    naming a field none of them has."""
+    """The family whose class computes this config: Phi-3 (a partial rotary, no biases, the plain
+    rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k norms), Qwen2 (q/k/v
+    biases only), else Llama (biases on all or none); a ConfigError naming a field none of them has."""
     for field, value in _MODERN_DECODER.items():
         if getattr(cfg, field) != value:
-            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2 and Qwen3 have {field} = {value!r}")
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2, Qwen3, Mistral and Phi-3 have "
+                              f"{field} = {value!r}")
+    if cfg.rope_fraction != 1:
+        if cfg.qk_norm or cfg.qkv_bias or cfg.bias or cfg.rope_scaling is not None:
+            raise ConfigError(f"rope_fraction = {cfg.rope_fraction} with q/k norms, biases or rope_scaling: Phi-3, "
+                              "the family that rotates part of each head, has none of them (its one rescaling, "
+                              "longrope, is not in the spec yet)")
+        return "phi3"
     if cfg.sliding_window is not None:
         if cfg.qk_norm or cfg.qkv_bias or cfg.bias:
             raise ConfigError("sliding_window with q/k norms or biases: Mistral, the family with a window in every "
@@ -65,7 +73,7 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     }
     if family == "llama":
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-    elif family == "mistral":
+    elif family in ("mistral", "phi3"):
         config |= {"sliding_window": cfg.sliding_window}
     else:
         config |= {"use_sliding_window": False}
@@ -76,7 +84,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     """rope_parameters as transformers 5 reads them: θ, and the rescaling's keys (SPEC §5.12)."""
     scaling = cfg.rope_scaling
     if scaling is None:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        fraction = {} if cfg.rope_fraction == 1 else {"partial_rotary_factor": cfg.rope_fraction}
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta, **fraction}
     parameters = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor}
     if scaling.kind == "llama3":
         parameters |= {"original_max_position_embeddings": scaling.original_max_len,
@@ -89,12 +98,22 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     return parameters
 
 
-def _inverse(how: str, value: np.ndarray) -> np.ndarray:
-    if how == "copy":
-        return value
-    if how == "transpose":  # the spec's [in, out] back to nn.Linear's [out, in]
-        return value.T
-    raise ValueError(f"the rotary families' mapping has no {how!r} rule to invert")
+def _source_tensors(rules: list[Rule], params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each rule inverted: a copy stays a copy, a transposed nn.Linear ([in, out]) goes back to
+    [out, in], a block of a fused nn.Linear back into its rows."""
+    tensors: dict[str, np.ndarray] = {}
+    for rule in rules:
+        value = np.asarray(params[rule.target], np.float32)
+        if rule.how == "copy":
+            tensors[rule.source] = value
+        elif rule.how == "transpose":
+            tensors[rule.source] = value.T
+        elif rule.how.startswith("transpose rows "):
+            start, stop = (int(part) for part in rule.how.split()[2].split(":"))
+            tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop] = value.T
+        else:
+            raise ValueError(f"the rotary families' mappings have no {rule.how!r} rule to invert")
+    return {key: np.ascontiguousarray(value) for key, value in tensors.items()}
 
 
 def to_huggingface(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | os.PathLike, *,
@@ -107,8 +126,7 @@ def to_huggingface(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory
     for name, token in (("bos_id", bos_id), ("eos_id", eos_id)):
         if not 0 <= token < cfg.tgt_vocab_size:
             raise ConfigError(f"{name} = {token}: outside the vocabulary (0 .. {cfg.tgt_vocab_size - 1})")
-    tensors = {rule.source: np.ascontiguousarray(_inverse(rule.how, np.asarray(params[rule.target], np.float32)))
-               for rule in llama_mapping(cfg)}
+    tensors = _source_tensors(rotary_mapping(family, cfg), params)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(_config_json(cfg, family, bos_id, eos_id), indent=2) + "\n")

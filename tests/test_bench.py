@@ -242,6 +242,13 @@ def test_ctranslate2_decoder_refusals_name_the_field():
         convert_decoder(get_preset("qwen3-tiny"), {}, "/nonexistent")
     with pytest.raises(Unsupported, match="norm = 'layernorm'"):
         convert_decoder(get_preset("char-lm"), {}, "/nonexistent")
+    # what convert_decoder does not write: its rotary is the plain one over every dimension, no window
+    with pytest.raises(Unsupported, match="a sliding window \\(4 keys\\)"):
+        convert_decoder(get_preset("mistral-tiny"), {}, "/nonexistent")
+    with pytest.raises(Unsupported, match="llama3 rope scaling"):
+        convert_decoder(get_preset("llama3-tiny"), {}, "/nonexistent")
+    with pytest.raises(Unsupported, match="a partial rotary \\(rope_fraction 0.5\\)"):
+        convert_decoder(get_preset("llama-tiny").replace(rope_fraction=0.5), {}, "/nonexistent")
 
 
 def test_flop_count_of_the_modern_decoder():

@@ -1,5 +1,5 @@
-"""Hugging Face's modern decoders (Llama, Qwen2, Qwen3) through the importer and the transformers
-column.
+"""Hugging Face's modern decoders (Llama, Qwen2, Qwen3, Mistral, Phi-3) through the importer and the
+transformers column.
 
 Models are built here from configs with random weights (nothing is downloaded), at odd sizes:
 vocabularies that are not powers of two, grouped-query attention with 2 groups (Llama, Qwen3),
@@ -57,9 +57,16 @@ FAMILY_CONFIGS = {
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, bos_token_id=1,
         eos_token_id=2),
+    # Phi-3's fused qkv_proj and gate_up_proj; half of each head rotates (6 of 12 dimensions); a window of 5;
+    # 5 query heads over 1 key/value head, so the fused blocks have three different widths
+    "phi3": lambda: transformers.Phi3Config(
+        vocab_size=103, hidden_size=60, intermediate_size=76, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM"}
+           "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _build(kind: str, directory, seed: int = 0):
@@ -129,17 +136,40 @@ def test_transformers_float64_llama_normalises_and_rotates_in_float32(checkpoint
     assert not as_loaded.passed and 1e-9 < as_loaded.max_abs_err < 1e-5
 
 
-def test_the_float64_check_can_fail(checkpoints):
-    """gate_proj and up_proj swapped (W1 and W3): the comparison that passed above fails, by far."""
-    imported = import_huggingface(checkpoints["llama"])
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_the_float64_check_can_fail(checkpoints, kind):
+    """gate_proj and up_proj swapped (W1 and W3; Phi-3: the two halves of gate_up_proj read the
+    wrong way round): the comparison that passed above fails, by far."""
+    imported = import_huggingface(checkpoints[kind])
     cfg, params = imported.config, dict(imported.params)
     a, b = "decoder.layers.1.ffn.w1.weight", "decoder.layers.1.ffn.w3.weight"
     params[a], params[b] = params[b], params[a]
     ids, keep = _padded_batch(cfg)
     wrong = golden.forward(cfg, params, None, ids, tgt_keep=keep)
-    result = compare(_transformers_logits(checkpoints["llama"], cfg, ids, keep), wrong,
+    result = compare(_transformers_logits(checkpoints[kind], cfg, ids, keep), wrong,
                      _float64_tolerance(cfg, ids.shape[1]))
     assert not result.passed and result.max_abs_err > 1e-3
+
+
+def test_phi3s_fused_projections_are_split_by_rows(checkpoints):
+    """q, k, v are qkv_proj's row blocks of H·d_k, H_kv·d_k, H_kv·d_k (60, 12, 12 here); the gate is
+    gate_up_proj's first d_ff rows, up the rest; each transposed to the spec's [in, out]."""
+    from safetensors.numpy import load_file
+
+    imported = import_huggingface(checkpoints["phi3"])
+    stored = load_file(str(checkpoints["phi3"] / "model.safetensors"))
+    qkv, gate_up = stored["model.layers.1.self_attn.qkv_proj.weight"], stored["model.layers.1.mlp.gate_up_proj.weight"]
+    assert qkv.shape == (84, 60) and gate_up.shape == (152, 60)
+    layer = {name.removeprefix("decoder.layers.1."): value for name, value in imported.params.items()
+             if name.startswith("decoder.layers.1.")}
+    np.testing.assert_array_equal(layer["self_attn.q.weight"], qkv[:60].T)
+    np.testing.assert_array_equal(layer["self_attn.k.weight"], qkv[60:72].T)
+    np.testing.assert_array_equal(layer["self_attn.v.weight"], qkv[72:].T)
+    np.testing.assert_array_equal(layer["ffn.w1.weight"], gate_up[:76].T)
+    np.testing.assert_array_equal(layer["ffn.w3.weight"], gate_up[76:].T)
+    cfg = imported.config
+    assert (cfg.rope_fraction, cfg.rotary_dim, cfg.sliding_window, cfg.n_kv_heads, cfg.qkv_bias, cfg.bias) == (
+        0.5, 6, 5, 1, False, False)
 
 
 def test_every_tensor_of_the_checkpoint_is_imported(checkpoints):
@@ -170,7 +200,10 @@ def test_the_imported_configs(checkpoints):
 
 
 def test_mapping_tables_for_the_new_families():
-    llama, qwen2, qwen3 = (mapping_markdown(family) for family in ("llama", "qwen2", "qwen3"))
+    llama, qwen2, qwen3, phi3 = (mapping_markdown(family) for family in ("llama", "qwen2", "qwen3", "phi3"))
+    assert ("| `model.layers.{i}.self_attn.qkv_proj.weight` | `decoder.layers.{i}.self_attn.k.weight` | "
+            "rows H·d_k … (H + H_kv)·d_k − 1, transposed |") in phi3
+    assert "| `model.layers.{i}.mlp.gate_up_proj.weight` | `decoder.layers.{i}.ffn.w1.weight` | rows 0 … d_ff − 1" in phi3
     assert "| `model.layers.{i}.mlp.gate_proj.weight` | `decoder.layers.{i}.ffn.w1.weight` | transposed" in llama
     assert "| `model.layers.{i}.mlp.up_proj.weight` | `decoder.layers.{i}.ffn.w3.weight` |" in llama
     assert "lm_head.weight" in llama and "lm_head.weight" not in qwen2  # Qwen2's example is tied
@@ -265,6 +298,18 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
     ("qwen2", {"num_key_value_heads": None}, r"config.json of this qwen2 model has no num_key_value_heads"),
     ("mistral", {"sliding_window": 0}, r"sliding_window = 0: a window is a positive number of keys, or null"),
     ("mistral", {"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping = 30.0: scores squashed"),
+    # Phi3Config reads "yarn" (and "su") as longrope: never YaRN
+    ("phi3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+     r'rope_parameters.rope_type = "yarn" \(per-dimension rescale factors .*\): Phi-3\'s rotary embedding is the '
+     r"plain one or longrope, and longrope is not in the spec yet"),
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}},
+     r'rope_scaling.type = "longrope"'),
+    ("phi3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+     r'rope_parameters.rope_type = "linear" \(a rescaling Phi3Config refuses\)'),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+     r"rope_fraction 0.75 of head_dim 12 rotates 9 dimensions; it must be an even number"),
+    ("phi3", {"sliding_window": -1}, r"sliding_window = -1: a window is a positive number of keys"),
+    ("phi3", {"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping = 30.0: .* Phi3ForCausalLM does not apply"),
 ])
 def test_configs_the_spec_cannot_express_are_refused_by_field(tmp_path, checkpoints, kind, changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -314,11 +359,30 @@ def test_canonical_weights_written_as_a_directory_import_back_and_run_in_transfo
     assert result.passed, result.reason
 
 
+def test_a_partial_rotary_with_a_window_is_written_as_phi3(tmp_path):
+    """The writer's Phi-3: q, k, v and gate, up put back into their fused tensors, read back to the
+    same config and tensors, and transformers' Phi3ForCausalLM computes the golden's logits."""
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, get_preset, params_digest
+
+    cfg = get_preset("llama-tiny").replace(rope_fraction=0.5, sliding_window=4)
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / "phi3")
+    assert json.loads((directory / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    imported = import_huggingface(directory)
+    assert imported.family == "phi3" and imported.config == cfg
+    assert params_digest(imported.params) == params_digest(params)
+    ids, keep = _padded_batch(cfg)
+    result = compare(_transformers_logits(directory, cfg, ids, keep),
+                     golden.forward(cfg, params, None, ids, tgt_keep=keep), _float64_tolerance(cfg, ids.shape[1]))
+    assert result.passed, result.reason
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"dropout": 0.1}, r"cannot hold dropout = 0.1"),
-    ({"norm": "layernorm"}, r"norm = 'layernorm': Llama, Qwen2 and Qwen3 have norm = 'rmsnorm'"),
+    ({"norm": "layernorm"}, r"norm = 'layernorm': Llama, Qwen2, Qwen3, Mistral and Phi-3 have norm = 'rmsnorm'"),
     ({"bias": True}, r"bias without qkv_bias"),
-    ({"rope_fraction": 0.5}, r"rope_fraction = 0.5"),
+    ({"rope_fraction": 0.5, "qkv_bias": True}, r"rope_fraction = 0.5 with q/k norms, biases or rope_scaling: Phi-3"),
 ])
 def test_a_config_no_family_holds_is_not_written(tmp_path, changes, message):
     from importers.huggingface_writer import to_huggingface
