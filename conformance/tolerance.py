@@ -57,7 +57,7 @@ def rotary_angle(cfg: ModelConfig, largest_position: int) -> float:
 
     if cfg.positional != "rope" or largest_position <= 0:
         return 0.0
-    frequencies = rope_frequencies(cfg)  # ω_0 … ω_{r/2−1}
+    frequencies = rope_frequencies(cfg, largest_position + 1)  # ω_0 … ω_{r/2−1} of a call that long
     rounded = frequencies[1:] if frequencies[0] == 1 else frequencies
     return float(largest_position * rounded.sum() / (cfg.d_head / 2))
 

@@ -115,8 +115,10 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
-def rope_frequencies(cfg: ModelConfig, dtype) -> jax.Array:
-    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12), in `dtype`. -> [r/2]"""
+def rope_frequencies(cfg: ModelConfig, dtype, length: jax.Array | None = None) -> jax.Array:
+    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12) for a call whose
+    length (1 + its largest position) is `length`; None: a call no longer than the original
+    context. In `dtype`. -> [r/2]"""
     r, theta, scaling = cfg.rotary_dim, float(cfg.rope_theta), cfg.rope_scaling
     omega = theta ** (-jnp.arange(0, r, 2, dtype=dtype) / r)  # [r/2]
     if scaling is None:
@@ -125,6 +127,8 @@ def rope_frequencies(cfg: ModelConfig, dtype) -> jax.Array:
         return omega / scaling.factor  # positions divided by the factor
     if scaling.kind == "llama3":
         return llama3_frequencies(omega, scaling)
+    if scaling.kind == "longrope":
+        return longrope_frequencies(omega, scaling, length)
     return yarn_frequencies(omega, r, theta, scaling)
 
 
@@ -156,15 +160,31 @@ def yarn_frequencies(omega: jax.Array, r: int, theta: float, scaling) -> jax.Arr
     return omega / scaling.factor * ramp + omega * (1 - ramp)
 
 
+def longrope_frequencies(omega: jax.Array, scaling, length: jax.Array | None) -> jax.Array:
+    """LongRoPE: ω_i / f_i, f the long factors for a call longer than L = original_max_len
+    (ℓ > L, strictly), else the short ones."""
+    short = jnp.asarray(scaling.short_factor, dtype=omega.dtype)
+    if length is None:
+        return omega / short
+    long = jnp.asarray(scaling.long_factor, dtype=omega.dtype)
+    # a select on the length, not a Python if: under jit the length is a tracer
+    return omega / jnp.where(length > scaling.original_max_len, long, short)
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """The factor on cos and sin (so a² on the scores): YaRN's attention_factor, else
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
-    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); 1 for the other rules."""
+    """The factor on cos and sin (so a² on the scores): the config's attention_factor where given;
+    YaRN's mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); LongRoPE's √(1 + ln s / ln L)
+    (1 for s ≤ 1); 1 for the other rules."""
     scaling = cfg.rope_scaling
-    if scaling is None or scaling.kind != "yarn":
+    if scaling is None or scaling.kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.kind == "longrope":
+        if scaling.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_len))
 
     def mscale(factor: float, m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -175,11 +195,13 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies; a = rope_attention_factor),
-    each angle repeated for both halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
+    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies for the call's length ℓ =
+    1 + its largest position; a = rope_attention_factor), each angle repeated for both halves
+    (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
     # on the device, not on the host as sinusoidal_table is: a decode step's positions are traced.
     # expand_dims, not [:, None]: jax2onnx cannot index along a symbolic length (an ONNX export)
-    angles = jnp.expand_dims(positions.astype(dtype), -1) * rope_frequencies(cfg, dtype)  # [T, r/2]
+    length = positions.max() + 1 if cfg.rotary_reads_length else None
+    angles = jnp.expand_dims(positions.astype(dtype), -1) * rope_frequencies(cfg, dtype, length)  # [T, r/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, r]
     factor = rope_attention_factor(cfg)
     if factor == 1:  # no multiply in the graph an export traces

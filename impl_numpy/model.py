@@ -139,8 +139,9 @@ def merge_heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * d_head)
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12). -> [r/2]"""
+def rope_frequencies(cfg: ModelConfig, length: int | None = None) -> np.ndarray:
+    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12) for a call whose
+    length (1 + its largest position) is `length`; None: a call no longer than the original context. -> [r/2]"""
     r, theta, scaling = cfg.rotary_dim, float(cfg.rope_theta), cfg.rope_scaling
     omega = theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)  # [r/2]
     if scaling is None:
@@ -149,6 +150,8 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
         return omega / scaling.factor  # positions divided by the factor
     if scaling.kind == "llama3":
         return llama3_frequencies(omega, scaling)
+    if scaling.kind == "longrope":
+        return longrope_frequencies(omega, scaling, length)
     return yarn_frequencies(omega, r, theta, scaling)
 
 
@@ -179,15 +182,27 @@ def yarn_frequencies(omega: np.ndarray, r: int, theta: float, scaling) -> np.nda
     return omega / scaling.factor * ramp + omega * (1 - ramp)
 
 
+def longrope_frequencies(omega: np.ndarray, scaling, length: int | None) -> np.ndarray:
+    """LongRoPE: ω_i / f_i, f the long factors for a call longer than L = original_max_len
+    (ℓ > L, strictly), else the short ones."""
+    long = length is not None and length > scaling.original_max_len
+    return omega / np.asarray(scaling.long_factor if long else scaling.short_factor, dtype=np.float64)
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """The factor on cos and sin (so a²  on the scores): YaRN's attention_factor, else
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
-    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); 1 for the other rules."""
+    """The factor on cos and sin (so a²  on the scores): the config's attention_factor where given;
+    YaRN's mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); LongRoPE's √(1 + ln s / ln L)
+    (1 for s ≤ 1); 1 for the other rules."""
     scaling = cfg.rope_scaling
-    if scaling is None or scaling.kind != "yarn":
+    if scaling is None or scaling.kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.kind == "longrope":
+        if scaling.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_len))
 
     def mscale(factor: float, m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -198,9 +213,12 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rope_tables(cfg: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies; a = rope_attention_factor),
-    each angle repeated for both halves (rotate_half's layout), in float64. positions [T] -> 2 × [T, r]"""
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * rope_frequencies(cfg)[None, :]  # [T, r/2]
+    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies for the call's length ℓ =
+    1 + its largest position; a = rope_attention_factor), each angle repeated for both halves
+    (rotate_half's layout), in float64. positions [T] -> 2 × [T, r]"""
+    positions = np.asarray(positions, dtype=np.float64)
+    length = int(positions.max()) + 1 if cfg.rotary_reads_length else None
+    angles = positions[:, None] * rope_frequencies(cfg, length)[None, :]  # [T, r/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [T, r]
     factor = rope_attention_factor(cfg)
     if factor == 1:

@@ -102,8 +102,11 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch, length, n_heads * d_head)
 
 
-def rope_frequencies(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12), in `dtype`. -> [r/2]"""
+def rope_frequencies(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     length: torch.Tensor | None = None) -> torch.Tensor:
+    """ω_i = θ^(−2i/r), i = 0..r/2−1, rescaled by cfg.rope_scaling (SPEC §5.12) for a call whose
+    length (1 + its largest position) is `length`; None: a call no longer than the original
+    context. In `dtype`. -> [r/2]"""
     r, theta, scaling = cfg.rotary_dim, float(cfg.rope_theta), cfg.rope_scaling
     omega = theta ** (-(torch.arange(0, r, 2, dtype=dtype, device=device) / r))  # [r/2]
     if scaling is None:
@@ -112,6 +115,8 @@ def rope_frequencies(cfg: ModelConfig, dtype: torch.dtype, device: torch.device)
         return omega / scaling.factor  # positions divided by the factor
     if scaling.kind == "llama3":
         return llama3_frequencies(omega, scaling)
+    if scaling.kind == "longrope":
+        return longrope_frequencies(omega, scaling, length)
     return yarn_frequencies(omega, r, theta, scaling)
 
 
@@ -143,15 +148,31 @@ def yarn_frequencies(omega: torch.Tensor, r: int, theta: float, scaling) -> torc
     return omega / scaling.factor * ramp + omega * (1 - ramp)
 
 
+def longrope_frequencies(omega: torch.Tensor, scaling, length: torch.Tensor | None) -> torch.Tensor:
+    """LongRoPE: ω_i / f_i, f the long factors for a call longer than L = original_max_len
+    (ℓ > L, strictly), else the short ones."""
+    short = torch.tensor(scaling.short_factor, dtype=omega.dtype, device=omega.device)
+    if length is None:
+        return omega / short
+    long = torch.tensor(scaling.long_factor, dtype=omega.dtype, device=omega.device)
+    # a select on the length tensor, not a Python if: the length is data in a compiled or exported step
+    return omega / torch.where(length > scaling.original_max_len, long, short)
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """The factor on cos and sin (so a² on the scores): YaRN's attention_factor, else
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
-    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); 1 for the other rules."""
+    """The factor on cos and sin (so a² on the scores): the config's attention_factor where given;
+    YaRN's mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor, 1), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1); LongRoPE's √(1 + ln s / ln L)
+    (1 for s ≤ 1); 1 for the other rules."""
     scaling = cfg.rope_scaling
-    if scaling is None or scaling.kind != "yarn":
+    if scaling is None or scaling.kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.kind == "longrope":
+        if scaling.factor <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_len))
 
     def mscale(factor: float, m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -162,9 +183,11 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies; a = rope_attention_factor),
-    each angle repeated for both halves (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
-    angles = positions.to(dtype)[:, None] * rope_frequencies(cfg, dtype, positions.device)[None, :]  # [T, r/2]
+    """a·cos and a·sin of angle(pos, i) = pos · ω_i (rope_frequencies for the call's length ℓ =
+    1 + its largest position; a = rope_attention_factor), each angle repeated for both halves
+    (rotate_half's layout), in `dtype`. positions [T] -> 2 × [T, r]"""
+    length = positions.max() + 1 if cfg.rotary_reads_length else None
+    angles = positions.to(dtype)[:, None] * rope_frequencies(cfg, dtype, positions.device, length)[None, :]  # [T, r/2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, r]
     factor = rope_attention_factor(cfg)
     if factor == 1:  # no multiply in the graph an export traces

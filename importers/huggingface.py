@@ -20,13 +20,14 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   norm, rotary positions in the rotate_half layout (nothing stored), grouped-query attention,
   the gated FFN (gate_proj is the activated W1, up_proj W3, down_proj W2). Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
   and a head_dim apart from d / heads. The rotary frequencies are computed, not stored; the
-  linear, llama3 and yarn rescalings are read (SPEC §5.12), dynamic and longrope refused. Mistral
+  linear, llama3, yarn and longrope rescalings are read (SPEC §5.12), dynamic refused. Mistral
   attends to a sliding window of keys in every layer (SPEC §6); Qwen2's and Qwen3's windows in some
   layers only are refused.
 - ``phi3`` (Phi3ForCausalLM): the same computation with q, k and v fused into one ``qkv_proj``
   and the gate and up projections into one ``gate_up_proj`` (the mapping splits them by rows), a
   partial rotary (``partial_rotary_factor``, the spec's rope_fraction) and, where set, a window in
-  every layer (Phi-3-mini's 2047). Its longrope rescaling (the 128k models) is refused.
+  every layer (Phi-3-mini's 2047); its longrope rescaling (the 128k models, Phi-3.5, Phi-4-mini)
+  with Phi3Config's default original context of 4096.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -366,9 +367,10 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
         return theta, fraction, None
     field = f"{name}.{'rope_type' if 'rope_type' in parameters else 'type'}"
     if family == "phi3":  # Phi3Config reads "su" and "yarn" as longrope, and refuses every other rescaling
-        what = _ROPE_SCALINGS["longrope"] if kind in ("su", "yarn", "longrope") else "a rescaling Phi3Config refuses"
-        raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): Phi-3's rotary embedding is the plain one or "
-                          "longrope, and longrope is not in the spec yet (SPEC §5.12)")
+        if kind not in ("su", "yarn", "longrope"):
+            raise ConfigError(f"{field} = {json.dumps(kind)} (a rescaling Phi3Config refuses): Phi-3's rotary "
+                              "embedding is the plain one or longrope")
+        kind = "longrope"
     if kind not in ROPE_SCALINGS:
         what = _ROPE_SCALINGS.get(kind, "a variant transformers defines")
         raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are "
@@ -379,8 +381,10 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
 def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mapping[str, Any]) -> RopeScaling:
     """A rescaling's keys as transformers reads them: original_max_position_embeddings from the
     config's top level where it has one (Phi-3), else from the entry, else max_position_embeddings;
-    YaRN's factor, where absent, the ratio of the two; beta_fast and beta_slow 32 and 1 where absent
-    or 0; truncate true unless false."""
+    YaRN's and LongRoPE's factor, where absent, the ratio of the two; beta_fast and beta_slow 32 and
+    1 where absent or 0; truncate true unless false. Phi3Config has a top-level
+    original_max_position_embeddings of 4096 where config.json has none; an entry that differs from
+    it is refused (transformers takes one or the other depending on where rope_theta is)."""
     def required(key: str) -> Any:
         if parameters.get(key) is None:
             raise ConfigError(f"{name} has rope_type {json.dumps(kind)} but no {key}: transformers requires it")
@@ -390,6 +394,15 @@ def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mappi
         return RopeScaling(kind="linear", factor=float(required("factor")))
     original = hf.get("original_max_position_embeddings") or parameters.get("original_max_position_embeddings") \
         or hf.get("max_position_embeddings")
+    if hf.get("model_type") == "phi3":
+        original = hf.get("original_max_position_embeddings") or _PHI3_ORIGINAL_MAX_LEN
+        entry = parameters.get("original_max_position_embeddings")
+        if entry is not None and entry != original:
+            top = hf.get("original_max_position_embeddings")
+            raise ConfigError(f"{name}.original_max_position_embeddings = {json.dumps(entry)} but the top-level field "
+                              f"is {json.dumps(top) if top else f'absent (Phi3Config: {_PHI3_ORIGINAL_MAX_LEN})'}: "
+                              "transformers 5 takes one or the other depending on where rope_theta is written; "
+                              "give the context once, at the top level, as Phi-3's files do")
     if kind == "llama3":
         return RopeScaling(kind="llama3", factor=float(required("factor")), original_max_len=original,
                            low_freq_factor=float(required("low_freq_factor")),
@@ -397,6 +410,15 @@ def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mappi
     factor = parameters.get("factor")
     if factor is None:
         factor = hf.get("max_position_embeddings", original) / original
+    if kind == "longrope":
+        factors = {key: required(key) for key in ("short_factor", "long_factor")}
+        for key, value in factors.items():
+            if not isinstance(value, list):
+                raise ConfigError(f"{name}.{key} = {json.dumps(value)}: expected a list of numbers, one per rotated pair")
+        attention = parameters.get("attention_factor")
+        return RopeScaling(kind="longrope", factor=float(factor), original_max_len=original,
+                           attention_factor=None if attention is None else float(attention),
+                           **{key: tuple(value) for key, value in factors.items()})
     optional = {key: float(parameters[key]) for key in ("mscale", "mscale_all_dim", "attention_factor")
                 if parameters.get(key) is not None}
     return RopeScaling(kind="yarn", factor=float(factor), original_max_len=original,
@@ -480,6 +502,7 @@ def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False)
 
 
+_PHI3_ORIGINAL_MAX_LEN = 4096  # Phi3Config's original_max_position_embeddings where config.json has none
 _MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json has no such key (null: none)
 
 

@@ -37,11 +37,13 @@ def family_of(cfg: ModelConfig) -> str:
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2, Qwen3, Mistral and Phi-3 have "
                               f"{field} = {value!r}")
-    if cfg.rope_fraction != 1:
-        if cfg.qk_norm or cfg.qkv_bias or cfg.bias or cfg.rope_scaling is not None:
-            raise ConfigError(f"rope_fraction = {cfg.rope_fraction} with q/k norms, biases or rope_scaling: Phi-3, "
-                              "the family that rotates part of each head, has none of them (its one rescaling, "
-                              "longrope, is not in the spec yet)")
+    longrope = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope"
+    if cfg.rope_fraction != 1 or longrope:
+        other_scaling = cfg.rope_scaling is not None and not longrope
+        if cfg.qk_norm or cfg.qkv_bias or cfg.bias or other_scaling:
+            raise ConfigError(f"rope_fraction = {cfg.rope_fraction}, rope_scaling {cfg.rope_scaling and cfg.rope_scaling.kind}"
+                              " with q/k norms, biases or a rescaling but longrope: Phi-3, the family that rotates "
+                              "part of each head or rescales by longrope, has none of them")
         return "phi3"
     if cfg.sliding_window is not None:
         if cfg.qk_norm or cfg.qkv_bias or cfg.bias:
@@ -75,6 +77,8 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     elif family in ("mistral", "phi3"):
         config |= {"sliding_window": cfg.sliding_window}
+    if family == "phi3" and cfg.rope_scaling is not None:  # transformers reads Phi-3's at the top level first
+        config |= {"original_max_position_embeddings": cfg.rope_scaling.original_max_len}
     else:
         config |= {"use_sliding_window": False}
     return config
@@ -83,10 +87,10 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
 def _rope_parameters(cfg: ModelConfig) -> dict:
     """rope_parameters as transformers 5 reads them: θ, and the rescaling's keys (SPEC §5.12)."""
     scaling = cfg.rope_scaling
+    fraction = {} if cfg.rope_fraction == 1 else {"partial_rotary_factor": cfg.rope_fraction}
     if scaling is None:
-        fraction = {} if cfg.rope_fraction == 1 else {"partial_rotary_factor": cfg.rope_fraction}
         return {"rope_type": "default", "rope_theta": cfg.rope_theta, **fraction}
-    parameters = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor}
+    parameters = {"rope_type": scaling.kind, "rope_theta": cfg.rope_theta, "factor": scaling.factor, **fraction}
     if scaling.kind == "llama3":
         parameters |= {"original_max_position_embeddings": scaling.original_max_len,
                        "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
@@ -95,6 +99,11 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
                        "beta_slow": scaling.beta_slow, "truncate": scaling.truncate}
         parameters |= {key: getattr(scaling, key) for key in ("mscale", "mscale_all_dim", "attention_factor")
                        if getattr(scaling, key) is not None}
+    elif scaling.kind == "longrope":
+        parameters |= {"original_max_position_embeddings": scaling.original_max_len,
+                       "short_factor": list(scaling.short_factor), "long_factor": list(scaling.long_factor)}
+        if scaling.attention_factor is not None:
+            parameters |= {"attention_factor": scaling.attention_factor}
     return parameters
 
 

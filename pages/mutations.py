@@ -260,8 +260,13 @@ def _rope_tables_in_half_precision(cfg, positions):
     return np.cos(angles), np.sin(angles)
 
 
-def _rope_scaling_ignored(cfg):
+def _rope_scaling_ignored(cfg, length=None):
     return _original("rope_frequencies")(cfg.replace(rope_scaling=None))  # rope_theta read, rope_scaling not
+
+
+def _longrope_switch_inclusive(omega, scaling, length):
+    shifted = None if length is None else length + 1  # the long factors from ℓ ≥ L on: one call early
+    return _original("longrope_frequencies")(omega, scaling, shifted)
 
 
 def _llama3_bands_swapped(omega, scaling):
@@ -446,6 +451,14 @@ MUTATIONS += [
     Mutation("yarn_mscale_ignored", "YaRN's attention factor (mscale) ignored: 1 where it is 1.139 (two serving "
              "engines shipped this)", "rope_attention_factor", _yarn_temperature_ignored, "mha", "decoder.layers.0",
              preset="qwen2-yarn-tiny"),
+    Mutation("longrope_switch_inclusive", "LongRoPE switching to the long factors at ℓ ≥ L instead of ℓ > L (a "
+             "call exactly as long as the original context takes the long ones)", "longrope_frequencies",
+             _longrope_switch_inclusive, "decode", None, preset="phi3-tiny",
+             unlocalized="the mistake shows only in a call of length exactly L, decode-far's first step; no "
+                         "forward case has that length"),
+    Mutation("longrope_attention_factor_ignored", "LongRoPE's attention factor √(1 + ln s / ln L) ignored: 1 "
+             "where it is 1.096", "rope_attention_factor", _yarn_temperature_ignored, "mha", "decoder.layers.0",
+             preset="phi3-tiny"),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.

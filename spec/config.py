@@ -14,7 +14,7 @@ NORM_POSITIONS = ("post", "pre")
 NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")  # SPEC §5.12
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # SPEC §5.12
 
 _CHOICES = {
     "arch": ARCHS,
@@ -54,12 +54,16 @@ class RopeScaling:
     truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
     mscale: float | None = None  # yarn: the temperature's scale, with mscale_all_dim (DeepSeek's)
     mscale_all_dim: float | None = None
-    attention_factor: float | None = None  # yarn: cos and sin multiplied by this; None: from factor and mscale
+    attention_factor: float | None = None  # yarn, longrope: cos and sin multiplied by this; None: derived
+    short_factor: tuple[float, ...] | None = None  # longrope: ω_i divided by these while a call's length ≤ L...
+    long_factor: tuple[float, ...] | None = None  # ... and by these past it (r/2 each)
 
     @classmethod
     def from_dict(cls, data: Any) -> "RopeScaling":
         _check_fields(cls, data, "rope_scaling", "a JSON object or null")
-        return cls(**data)
+        lists = {name: tuple(data[name]) for name in ("short_factor", "long_factor")
+                 if isinstance(data.get(name), list)}  # JSON arrays: the frozen config holds tuples
+        return cls(**{**data, **lists})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +130,13 @@ class ModelConfig:
         return int(self.d_head * self.rope_fraction) if self.positional == "rope" else 0
 
     @property
+    def rotary_reads_length(self) -> bool:
+        """Whether a call's rotary frequencies depend on its length, 1 + its largest position
+        (longrope, SPEC §5.12): then a cached decode is not the forward where a sequence crosses
+        the original context, and its reference is the golden's own cached decode."""
+        return self.rope_scaling is not None and self.rope_scaling.kind == "longrope"
+
+    @property
     def has_encoder(self) -> bool:
         return self.arch == "encoder-decoder"
 
@@ -135,6 +146,9 @@ class ModelConfig:
         for name in ("rope_scaling", "sliding_window"):
             if data[name] is None:  # absent, so that a config without it reads as it did before it existed
                 del data[name]
+        for name in ("short_factor", "long_factor"):  # longrope's, absent from the other rules likewise
+            if data.get("rope_scaling") and data["rope_scaling"][name] is None:
+                del data["rope_scaling"][name]
         return data
 
     def to_json(self) -> str:
@@ -220,6 +234,11 @@ def _validate(cfg: ModelConfig) -> None:
                               f"{cfg.rotary_dim} dimensions; it must be an even number, at least 2 (pairs rotate)")
         if cfg.rope_scaling is not None:
             _validate_rope_scaling(cfg.rope_scaling)
+            if cfg.rope_scaling.kind == "longrope":
+                for name in ("short_factor", "long_factor"):
+                    if len(getattr(cfg.rope_scaling, name)) != cfg.rotary_dim // 2:
+                        raise ConfigError(f"rope_scaling.{name} has {len(getattr(cfg.rope_scaling, name))} factors; "
+                                          f"longrope needs one per rotated pair: {cfg.rotary_dim // 2}")
     elif (cfg.rope_theta, cfg.rope_fraction, cfg.rope_scaling) != (10000.0, 1.0, None):
         raise ConfigError("rope_theta, rope_fraction and rope_scaling apply to positional='rope' only, got "
                           f"positional={cfg.positional!r}")
@@ -295,9 +314,19 @@ def _validate_rope_scaling(scaling: RopeScaling) -> None:
         raise ConfigError(f"rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor (the smoothing between "
                           f"them divides by their difference), got {scaling.low_freq_factor} and "
                           f"{scaling.high_freq_factor}")
+    if scaling.kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(scaling, name)
+            if not isinstance(factors, tuple) or not all(
+                    isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
+                    for f in factors):
+                raise ConfigError(f"rope_scaling.{name} must be a list of positive numbers (one per rotated pair), "
+                                  f"got {factors!r}")
+    elif scaling.short_factor is not None or scaling.long_factor is not None:
+        raise ConfigError(f"rope_scaling.short_factor and long_factor are longrope's; {scaling.kind} has none")
+    if scaling.attention_factor is not None and not scaling.attention_factor > 0:
+        raise ConfigError(f"rope_scaling.attention_factor must be positive, got {scaling.attention_factor}")
     if scaling.kind == "yarn":
         if not 0 < scaling.beta_slow < scaling.beta_fast:
             raise ConfigError(f"rope_scaling: yarn needs 0 < beta_slow < beta_fast, got {scaling.beta_slow} and "
                               f"{scaling.beta_fast}")
-        if scaling.attention_factor is not None and not scaling.attention_factor > 0:
-            raise ConfigError(f"rope_scaling.attention_factor must be positive, got {scaling.attention_factor}")

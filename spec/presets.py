@@ -166,6 +166,25 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             gated_ffn=True, qkv_bias=False, bias=False, tie_head=False, sliding_window=4,
         ),
     ),
+    "phi3-tiny": (
+        "A Phi-3.5/Phi-4-mini-family decoder at odd sizes with LongRoPE (rope_type longrope: a short "
+        "and a long factor per rotated pair, the long ones for a call longer than the original context; "
+        "attention factor sqrt(1 + ln 4 / ln 1002) from factor 4) and Phi-4-mini's partial rotary "
+        "(three quarters of each head: 12 of 16 dimensions, 6 pairs). The original context is 1002, "
+        "so that decode-far's prefill of 1001 positions and its first step (1002) take the short "
+        "factors and its second step (1003) the long ones, mha-far the long ones, forward-long (520) and "
+        "every short case the short ones: d 80, 5 heads of 16, 1 key/value head, d_ff 76, 2 layers, "
+        "vocabulary 127, theta 10000, eps 1e-5, no biases, untied head, max_len 4096.",
+        ModelConfig(
+            arch="decoder-only", d_model=80, n_heads=5, n_kv_heads=1, d_ff=76, n_decoder_layers=2,
+            tgt_vocab_size=127, max_len=4096, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_fraction=0.75, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=False,
+            rope_scaling=RopeScaling(kind="longrope", factor=4.0, original_max_len=1002,
+                                     short_factor=(1.0, 1.02, 1.11, 1.37, 1.9, 2.6),
+                                     long_factor=(1.08, 1.3, 3.2, 9.7, 22.0, 41.5)),
+        ),
+    ),
     "llama-small": (
         "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
         "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "

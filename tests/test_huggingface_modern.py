@@ -25,7 +25,7 @@ from conformance.harness import PASS, SKIP  # noqa: E402
 from conformance.tolerance import compare, tolerance  # noqa: E402
 from importers import import_huggingface  # noqa: E402
 from importers.huggingface import mapping_markdown  # noqa: E402
-from spec import ConfigError, WeightsError  # noqa: E402
+from spec import ConfigError, RopeScaling, WeightsError  # noqa: E402
 from tests.test_huggingface import _matrix, _rewrite, _with_config  # noqa: E402
 
 FAMILY_CONFIGS = {
@@ -281,7 +281,7 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
 @pytest.mark.parametrize("kind, changes, message", [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r'rope_scaling.rope_type = "dynamic"'),
     ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
-                                   "long_factor": [2.0] * 6}}, r'rope_parameters.rope_type = "longrope"'),
+                                   "long_factor": 2.0}}, r'rope_parameters.long_factor = 2.0: expected a list'),
     ("qwen2", {"layer_types": None, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
      r"use_sliding_window = true, sliding_window = 4, max_window_layers = 1: layers 1 … 1 attend to the last 4"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
@@ -298,12 +298,9 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
     ("qwen2", {"num_key_value_heads": None}, r"config.json of this qwen2 model has no num_key_value_heads"),
     ("mistral", {"sliding_window": 0}, r"sliding_window = 0: a window is a positive number of keys, or null"),
     ("mistral", {"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping = 30.0: scores squashed"),
-    # Phi3Config reads "yarn" (and "su") as longrope: never YaRN
+    # Phi3Config reads "yarn" (and "su") as longrope: never YaRN, so a YaRN's keys are not enough
     ("phi3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-     r'rope_parameters.rope_type = "yarn" \(per-dimension rescale factors .*\): Phi-3\'s rotary embedding is the '
-     r"plain one or longrope, and longrope is not in the spec yet"),
-    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}},
-     r'rope_scaling.type = "longrope"'),
+     r'rope_parameters has rope_type "longrope" but no short_factor'),
     ("phi3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
      r'rope_parameters.rope_type = "linear" \(a rescaling Phi3Config refuses\)'),
     ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
@@ -359,6 +356,32 @@ def test_canonical_weights_written_as_a_directory_import_back_and_run_in_transfo
     assert result.passed, result.reason
 
 
+def test_phi3s_longrope_from_the_top_level_with_the_class_default_context(tmp_path, checkpoints):
+    """Phi-3-mini-128k's layout: rope_theta and rope_scaling {"type": "longrope"} at the top level;
+    without original_max_position_embeddings, Phi3Config's 4096 applies; factor from
+    max_position_embeddings / 4096. transformers reads the same. (Older files say "su", which
+    Phi3Config renames to longrope after its check for the key, so transformers 5.23 cannot load
+    them; the importer reads them as longrope.)"""
+    su = {"type": "longrope", "short_factor": [1.0, 1.1, 1.5], "long_factor": [1.2, 5.0, 30.0]}
+    directory = _with_config(tmp_path, checkpoints["phi3"], rope_theta=10000.0, partial_rotary_factor=0.5,
+                             max_position_embeddings=131072, rope_scaling=su)
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("rope_parameters", "original_max_position_embeddings"):  # a file from before transformers 5
+        del config[key]
+    (directory / "config.json").write_text(json.dumps(config))
+    scaling = import_huggingface(directory).config.rope_scaling
+    assert scaling == RopeScaling(kind="longrope", factor=32.0, original_max_len=4096, short_factor=(1.0, 1.1, 1.5),
+                                  long_factor=(1.2, 5.0, 30.0))
+    hf = transformers.AutoConfig.from_pretrained(directory)
+    assert (hf.rope_parameters["rope_type"], hf.rope_parameters["original_max_position_embeddings"]) == ("longrope", 4096)
+    # an entry that disagrees with the top level (or its default): transformers 5 reads either, by where rope_theta is
+    disagreeing = _with_config(tmp_path / "disagreeing", checkpoints["phi3"], rope_parameters=None, rope_theta=10000.0,
+                               partial_rotary_factor=0.5, rope_scaling={**su, "original_max_position_embeddings": 8})
+    with pytest.raises(ConfigError, match=r"rope_scaling.original_max_position_embeddings = 8 but the top-level field "
+                                          r"is 4096: transformers 5 takes one or the other"):
+        import_huggingface(disagreeing)
+
+
 def test_a_partial_rotary_with_a_window_is_written_as_phi3(tmp_path):
     """The writer's Phi-3: q, k, v and gate, up put back into their fused tensors, read back to the
     same config and tensors, and transformers' Phi3ForCausalLM computes the golden's logits."""
@@ -382,7 +405,7 @@ def test_a_partial_rotary_with_a_window_is_written_as_phi3(tmp_path):
     ({"dropout": 0.1}, r"cannot hold dropout = 0.1"),
     ({"norm": "layernorm"}, r"norm = 'layernorm': Llama, Qwen2, Qwen3, Mistral and Phi-3 have norm = 'rmsnorm'"),
     ({"bias": True}, r"bias without qkv_bias"),
-    ({"rope_fraction": 0.5, "qkv_bias": True}, r"rope_fraction = 0.5 with q/k norms, biases or rope_scaling: Phi-3"),
+    ({"rope_fraction": 0.5, "qkv_bias": True}, r"rope_fraction = 0.5, rope_scaling None with q/k norms, biases"),
 ])
 def test_a_config_no_family_holds_is_not_written(tmp_path, changes, message):
     from importers.huggingface_writer import to_huggingface

@@ -99,7 +99,8 @@ def test_columns_of_one_program_family_run_in_one_worker(siblings):
     assert [len(group) for group in column_groups([("jax", "float32", "cpu"), ("jax-math", "float32", "cpu"),
                                                    ("jax-math", "float64", "cpu")])] == [2, 1]
     results = run_matrix(CFG, PARAMS, _plan(["sibling", "numpy-float32", "other-sibling"]), jobs=2)
-    assert {r.status for r in results if r.dtype == "float32"} == {PASS}
+    assert {r.status for r in results if r.dtype == "float32"} == {PASS}, \
+        {r.test_id: r.reason for r in results if r.dtype == "float32" and r.status != PASS}
     loads = [line.split() for line in siblings.read_text().splitlines()]
     assert sorted(name for name, _, _ in loads) == ["other-sibling", "sibling"]
     assert loads[0][2] == loads[1][2]  # one process

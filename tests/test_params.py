@@ -29,6 +29,8 @@ EXPECTED_COUNTS = {
     "qwen2-yarn-tiny": 113 * 40 + 2 * (40 * 40 + 40 + 2 * (40 * 20 + 20) + 40 * 40 + 3 * 40 * 72 + 2 * 40) + 40,
     # llama-tiny's layout at 4 heads of 14 over 2 (k and v 56 x 28), an untied 107-row table and head
     "mistral-tiny": 2 * 107 * 56 + 2 * (56 * 56 + 2 * 56 * 28 + 56 * 56 + 3 * 56 * 96 + 2 * 56) + 56,  # 63,336
+    # 5 heads of 16 over 1 key/value head (k and v 80 x 16), an untied 127-row table and head; longrope adds nothing
+    "phi3-tiny": 2 * 127 * 80 + 2 * (80 * 80 + 2 * 80 * 16 + 80 * 80 + 3 * 80 * 76 + 2 * 80) + 80,  # 87,920
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }

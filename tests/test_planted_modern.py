@@ -56,6 +56,7 @@ def _rms_statistics_in_the_activation_dtype(x, scale, bias, eps):
 
 
 _frequencies, _llama3, _yarn = torch_model.rope_frequencies, torch_model.llama3_frequencies, torch_model.yarn_frequencies
+_longrope = torch_model.longrope_frequencies
 _causal = torch_model._causal_mask
 
 
@@ -63,8 +64,12 @@ def _window_off_by_one(q_len, k_len, device, window=None):
     return _causal(q_len, k_len, device, None if window is None else window + 1)  # i − W <= j: W + 1 keys
 
 
-def _rope_scaling_ignored(cfg, dtype, device):
+def _rope_scaling_ignored(cfg, dtype, device, length=None):
     return _frequencies(cfg.replace(rope_scaling=None), dtype, device)  # rope_theta read, rope_scaling not
+
+
+def _longrope_switch_inclusive(omega, scaling, length):
+    return _longrope(omega, scaling, None if length is None else length + 1)  # long from ℓ ≥ L on: a call early
 
 
 def _llama3_bands_swapped(omega, scaling):
@@ -93,6 +98,8 @@ PLANTS = {
     "yarn_frequencies_inverted_twice": (torch_model, "yarn_frequencies", _yarn_frequencies_inverted_twice),
     "yarn_temperature_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
     "window_off_by_one": (torch_model, "_causal_mask", _window_off_by_one),
+    "longrope_switch_inclusive": (torch_model, "longrope_frequencies", _longrope_switch_inclusive),
+    "longrope_attention_factor_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
 }
 # (mistake, the preset whose number it gets wrong, dtype, the first cell of the column that must fail)
 CAUGHT = [
@@ -128,6 +135,11 @@ CAUGHT = [
     ("window_off_by_one", "mistral-tiny", "float32", "decoder-none"),
     ("window_off_by_one", "mistral-tiny", "float16", "decoder-none"),
     ("window_off_by_one", "mistral-tiny", "bfloat16", "decoder-none"),
+    # LongRoPE (SPEC §5.12): the switch one call early shows only at ℓ = L, decode-far's first step
+    ("longrope_switch_inclusive", "phi3-tiny", "float32", "decode-far"),
+    ("longrope_switch_inclusive", "phi3-tiny", "bfloat16", "decode-far"),
+    ("longrope_attention_factor_ignored", "phi3-tiny", "float32", "mha-none"),
+    ("longrope_attention_factor_ignored", "phi3-tiny", "bfloat16", "mha-none"),
 ]
 
 

@@ -1,6 +1,6 @@
 """Rescaled rotary frequencies (SPEC §5.12): linear, llama3 and yarn, in the config, the golden,
 PyTorch and JAX, and against transformers' own rope functions; the importer reads them and the
-writer writes them back."""
+writer writes them back (longrope, whose frequencies depend on the call: tests/test_longrope.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_a_scaled_config_goes_through_json_and_an_unscaled_one_is_written_as_bef
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rope_scaling": RopeScaling(kind="ntk", factor=2.0)}, r"rope_scaling.kind must be one of linear, llama3, yarn"),
+    ({"rope_scaling": RopeScaling(kind="ntk", factor=2.0)},
+     r"rope_scaling.kind must be one of linear, llama3, yarn, longrope"),
     ({"rope_scaling": RopeScaling(kind="linear", factor=0.0)}, r"rope_scaling.factor must be positive"),
     ({"rope_scaling": RopeScaling(kind="llama3", factor=8.0)}, r"original_max_len must be a positive integer for llama3"),
     ({"rope_scaling": RopeScaling(kind="llama3", factor=8.0, original_max_len=64, low_freq_factor=4.0,
@@ -219,6 +220,11 @@ def llama_directory(tmp_path_factory):
                           "mscale_all_dim": 1.0, "truncate": False, "original_max_position_embeddings": 4096}},
      (10000.0, RopeScaling(kind="yarn", factor=40.0, original_max_len=4096, mscale=0.707, mscale_all_dim=1.0,
                            truncate=False))),
+    # longrope in a Llama: its factor from the two lengths where absent (2048 / 512), as transformers takes it
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
+                          "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 9.0, 20.0]}},
+     (10000.0, RopeScaling(kind="longrope", factor=4.0, original_max_len=512, short_factor=(1.0, 1.5, 2.0, 3.0),
+                           long_factor=(1.0, 4.0, 9.0, 20.0)))),
 ])
 def test_the_importer_reads_each_rescaling_as_transformers_does(tmp_path, llama_directory, changes, expected):
     from importers import import_huggingface
@@ -230,9 +236,13 @@ def test_the_importer_reads_each_rescaling_as_transformers_does(tmp_path, llama_
 
 @pytest.mark.parametrize("changes, message", [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-     r'rope_scaling.rope_type = "dynamic" \(NTK scaling.*\): the spec\'s rotary rescalings are linear, llama3 and yarn'),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                          "long_factor": [2.0] * 4}}, r'rope_parameters.rope_type = "longrope" \(per-dimension'),
+     r'rope_scaling.rope_type = "dynamic" \(NTK scaling.*\): the spec\'s rotary rescalings are linear, llama3, yarn '
+     r"and longrope"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4}},
+     r'rope_parameters has rope_type "longrope" but no long_factor'),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 3,
+                          "long_factor": [2.0] * 3}}, r"rope_scaling.short_factor has 3 factors; longrope needs one "
+                                                      r"per rotated pair: 4"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}},
      r'rope_parameters has rope_type "llama3" but no high_freq_factor'),
 ])
@@ -244,7 +254,7 @@ def test_a_rescaling_the_spec_lacks_is_refused_by_name(tmp_path, llama_directory
         import_huggingface(_with_config(tmp_path, llama_directory, **changes))
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen2-yarn-tiny"])
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen2-yarn-tiny", "phi3-tiny"])
 def test_transformers_own_rescaled_rope_passes_every_whole_model_case_at_float32(tmp_path, preset):
     """At float32 the transformers column runs its own rope functions (at float64 the spec's, as
     transformers computes them in float32 whatever the dtype): every whole-model case, the long

@@ -238,7 +238,11 @@ def _every(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) ->
 def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, inputs: Mapping[str, Any],
                   runner: NumpyRunner | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray] | GradientReference:
     """The reference output of a case: float64; for 'decode' the full forward's logits (so a
-    cache bug cannot hide by being in the reference too); for 'generate' the tokens and the
+    cache bug cannot hide by being in the reference too), but the golden's own cached decode
+    where a call's rotary frequencies depend on its length (longrope, SPEC §5.12: the cache keeps
+    keys rotated by their own call's frequencies, which the forward of the whole sequence does
+    not; tests/test_longrope.py holds the golden's cached decode to its forward wherever no call
+    crosses the original context); for 'generate' the tokens and the
     logits each step chose from (to tell a near-tie from a wrong token); for a gradient case the
     GradientReference."""
     runner = runner or NumpyRunner(cfg, params, "float64")
@@ -248,6 +252,8 @@ def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: 
         return golden.greedy_decoding(
             cfg, runner.p, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
             eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], return_step_logits=True)
+    if sublayer == "decode" and cfg.rotary_reads_length:
+        return runner.run("decode", inputs)
     if sublayer == "decode":
         logits = runner.run("forward", {"src_ids": inputs["src_ids"], "tgt_ids": inputs["tgt_ids"]})
         return logits[:, inputs["prefix"]:]

@@ -197,7 +197,10 @@ def _rotary_float64(module, x, position_ids, cfg):
     if 2 * module.inv_freq.shape[-1] != cfg.rotary_dim:
         raise NotSupported(f"transformers rotates {2 * module.inv_freq.shape[-1]} dimensions of each head, the "
                            f"config {cfg.rotary_dim}")
-    inverse_frequency = torch.from_numpy(rope_frequencies(cfg)).to(x.device)
+    # transformers' longrope takes the long factors where max(position_ids) + 1 passes the original
+    # context, per call: the spec's rule (SPEC §5.12)
+    length = int(position_ids.max()) + 1 if cfg.rotary_reads_length else None
+    inverse_frequency = torch.from_numpy(rope_frequencies(cfg, length)).to(x.device)
     angles = position_ids[..., None].to(torch.float64) * inverse_frequency
     angles = torch.cat((angles, angles), dim=-1)
     factor = rope_attention_factor(cfg)
