@@ -1,5 +1,6 @@
-"""onnxruntime-genai's column: an ONNX implementation of Llama, Qwen2 and Qwen3 written by its
-model builder, not traced from anyone's PyTorch, checked against the golden.
+"""onnxruntime-genai's column: an ONNX implementation of Llama, Qwen2, Qwen3 and Phi-3 (with
+longrope) written by its model builder, not traced from anyone's PyTorch, checked against the
+golden.
 
 Models are random (nothing is downloaded), at odd sizes with every parameter perturbed, and with
 heads of 16 (onnxruntime's CPU GroupQueryAttention takes no other sizes): Llama with 2 groups,
@@ -34,6 +35,16 @@ from importers import import_huggingface  # noqa: E402
 from spec import WeightsError  # noqa: E402
 from tests.test_huggingface_modern import QWEN2_HEADS_OF_16, build_checkpoint  # noqa: E402
 
+def PHI3_LONGROPE(**rope):  # noqa: N802 - a config factory, as the others
+    return transformers.Phi3Config(
+        vocab_size=103, hidden_size=80, intermediate_size=76, num_hidden_layers=2, num_attention_heads=5,
+        num_key_value_heads=1, max_position_embeddings=4096, original_max_position_embeddings=6, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 6,
+                         "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.1, 2.6, 3.2],
+                         "long_factor": [1.1, 1.6, 2.9, 5.0, 9.0, 16.0, 27.0, 41.0], **rope},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 GENAI_CONFIGS = {
     # 4 query heads of 16 over 2 key/value heads, untied head, vocabulary 97
     "llama": lambda: transformers.LlamaConfig(
@@ -48,6 +59,9 @@ GENAI_CONFIGS = {
         vocab_size=89, hidden_size=40, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, eos_token_id=1),
+    # longrope as Phi-3's files write it (no factor), its original context 6: every decode case crosses it;
+    # 5 query heads of 16 over 1, every dimension rotating (8 pairs: the kernel's multiple)
+    "phi3": lambda: PHI3_LONGROPE(),
 }
 REFUSALS = {ALL_PAD, LEFT_PADDING, PAD_STEP, UNPADDED_ONLY}
 
@@ -230,6 +244,66 @@ def test_a_head_size_genai_cannot_run_on_the_cpu_is_refused(tmp_path):
     imported = import_huggingface(directory)
     with pytest.raises(NotSupported, match="head size 12"):
         GenaiBackend(directory).load(imported.config, imported.params, "float32", "cpu")
+
+
+def _genai_forward(directory, cfg, ids):
+    """genai's prompt logits of the builder's model of directory, refusals aside (to measure them)."""
+    from conformance.backends.genai_backend import GenaiRunner, build_model
+
+    folder = directory.parent / "built"
+    folder.mkdir()
+    return GenaiRunner(build_model(directory, cfg, folder), cfg).run("forward", {"src_ids": None, "tgt_ids": ids})
+
+
+def test_a_rotation_genai_cannot_run_and_a_window_it_drops_are_refused_with_the_measured_cause(tmp_path):
+    """Mistral's window of 5: the builder writes local_window_size -1, and its logits on a 12-token
+    prompt are full causal attention's (equal to the golden without a window, apart from the
+    golden with it from position 5 on); the column refuses a window naming that. Phi-3 rotating
+    12 of 16 dimensions (6 pairs): its kernel refuses, and so does the column."""
+    mistral = transformers.MistralConfig(
+        vocab_size=107, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    directory = build_checkpoint("mistral", mistral, tmp_path / "mistral" / "hf")
+    imported = import_huggingface(directory)
+    cfg, params = imported.config, imported.params
+    with pytest.raises(NotSupported, match="a sliding window of 5 keys in every layer: the builder reads"):
+        GenaiBackend(directory).load(cfg, params, "float32", "cpu")
+    ids = np.random.default_rng(0).integers(1, cfg.tgt_vocab_size, (1, 12))
+    theirs = _genai_forward(directory, cfg, ids)
+    full_causal = golden.forward(cfg.replace(sliding_window=None), params, None, ids)
+    windowed = golden.forward(cfg, params, None, ids)
+    assert compare(theirs, full_causal, _float32_tolerance(cfg, 64)).passed
+    apart = np.abs(theirs - windowed).max(axis=-1)[0]
+    assert apart[:5].max() < 1e-4 and apart[5:].min() > 1e-2
+    partial = PHI3_LONGROPE(partial_rotary_factor=0.75, short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                            long_factor=[1.2, 2.0, 4.0, 9.0, 20.0, 40.0])
+    directory = build_checkpoint("phi3", partial, tmp_path / "phi3-partial")
+    imported = import_huggingface(directory)
+    with pytest.raises(NotSupported, match="12 rotated dimensions: .* a multiple of 8 pairs"):
+        GenaiBackend(directory).load(imported.config, imported.params, "float32", "cpu")
+
+
+def test_genai_takes_longropes_attention_factor_from_the_two_lengths_not_from_factor(tmp_path):
+    """A longrope file with factor 4 (transformers reads it; its warning asks for it): genai's
+    builder computes √(1 + ln(4096/6) / ln 6) = 2.15 where the spec and transformers take
+    √(1 + ln 4 / ln 6) = 1.33; its logits are the golden's with that attention factor, and miss
+    the golden's own by far from position 1 on (position 0 attends to itself alone)."""
+    import dataclasses
+
+    directory = build_checkpoint("phi3", PHI3_LONGROPE(factor=4.0), tmp_path / "phi3-factor" / "hf")
+    imported = import_huggingface(directory)
+    cfg, params = imported.config, imported.params
+    assert cfg.rope_scaling.factor == 4.0
+    ids = np.random.default_rng(0).integers(1, cfg.tgt_vocab_size, (1, 9))
+    theirs = _genai_forward(directory, cfg, ids)
+    from_lengths = cfg.replace(rope_scaling=dataclasses.replace(
+        cfg.rope_scaling, attention_factor=float(np.sqrt(1 + np.log(4096 / 6) / np.log(6)))))
+    assert compare(theirs, golden.forward(from_lengths, params, None, ids), _float32_tolerance(cfg, 80)).passed
+    ours = golden.forward(cfg, params, None, ids)
+    apart = np.abs(theirs - ours).max(axis=-1)[0]
+    assert apart[0] < 1e-4 and apart[1:].min() > 1e-1
 
 
 @pytest.mark.slow

@@ -22,8 +22,12 @@ tests/test_genai.py), and every other row is compared at every position (adapter
 - a row with no real token is a length of 0, which its GroupQueryAttention refuses.
 
 The builder writes a CPU model only with a head size that its CPU GroupQueryAttention accepts (a
-multiple of 16); other heads are refused by name. The build runs once per process, in a
-temporary folder that is removed at exit.
+multiple of 16) and a multiple of 8 rotated pairs; other heads are refused by name, and so is a
+sliding window (Mistral, Phi-3), which the builder drops (measured). Phi-3's longrope runs; the
+builder takes its attention factor from max_position_embeddings / original_max_position_embeddings
+and ignores an explicit `factor` (Phi-3's own files have none), so a file with a `factor` apart
+from that ratio fails the column (measured in tests/test_genai.py). The build runs once per
+process, in a temporary folder that is removed at exit.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ from conformance.adapter import NotSupported, Partial
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
-FAMILIES = ("llama", "qwen2", "qwen3")  # the builder's and the spec's common families
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # the builder's and the spec's common families
 # onnxruntime's CPU GroupQueryAttention with the rotation inside it, as the builder writes it:
 # "head_size shall be a multiple of 16" (without the rotation, export/in_place_step.py: of 8)
 HEAD_SIZE_MULTIPLE = 16
+ROTARY_PAIRS_MULTIPLE = 8  # its cos_cache "dimension 1 must be <= head_size / 2 and a multiple of 8"
 LEFT_PADDING = ("onnxruntime-genai reads the attention mask as each row's length (GroupQueryAttention's "
                 "seqlens_k): a row with n real tokens is computed as if its first n slots were real, so a pad "
                 "before a real token is attended and a real token after it is not; the spec masks each pad "
@@ -82,7 +87,9 @@ def _staged_directory(directory: Path, cfg: ModelConfig, into: Path) -> Path:
     staged = into / "huggingface"
     staged.mkdir()
     for path in directory.iterdir():
-        (staged / path.name).symlink_to(path.resolve())
+        if path.name != "config.json":
+            (staged / path.name).symlink_to(path.resolve())
+    (staged / "config.json").write_text(json.dumps(_builder_config(json.loads((directory / "config.json").read_text()))))
     if not any((staged / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         from tokenizers import Tokenizer, models
         from transformers import PreTrainedTokenizerFast
@@ -90,6 +97,16 @@ def _staged_directory(directory: Path, cfg: ModelConfig, into: Path) -> Path:
         words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.tgt_vocab_size)}, unk_token="t0"))
         PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(staged)
     return staged
+
+
+def _builder_config(config: dict) -> dict:
+    """config.json as the builder reads it: its Phi-3 longrope code reads rope_parameters["type"],
+    transformers 4's spelling, where transformers 5 writes only "rope_type" (a KeyError otherwise);
+    the same value under both names changes nothing transformers computes."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict) and parameters.get("rope_type") == "longrope" and "type" not in parameters:
+        return {**config, "rope_parameters": {**parameters, "type": "longrope"}}
+    return config
 
 
 def build_model(directory: Path, cfg: ModelConfig, into: Path) -> Path:
@@ -222,6 +239,15 @@ def genai_unsupported_reason(cfg: ModelConfig) -> str | None:
     if cfg.d_head % HEAD_SIZE_MULTIPLE:
         return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
                 f"needs a multiple of {HEAD_SIZE_MULTIPLE}")
+    if (cfg.rotary_dim // 2) % ROTARY_PAIRS_MULTIPLE:
+        return (f"{cfg.rotary_dim} rotated dimensions: the builder's GroupQueryAttention rotates inside the kernel, "
+                f"whose cos/sin caches must hold a multiple of {ROTARY_PAIRS_MULTIPLE} pairs (it refuses "
+                f"{cfg.rotary_dim // 2} at its first run)")
+    if cfg.sliding_window is not None:
+        return (f"a sliding window of {cfg.sliding_window} keys in every layer: the builder reads which layers "
+                "are windowed from config.json's layer_types, which MistralConfig and Phi3Config do not write, so "
+                "it writes local_window_size -1 (no window) on every layer, and its runtime then bounds the prompt "
+                "by a window-sized cache (tests/test_genai.py measures both)")
     return None
 
 
