@@ -146,7 +146,103 @@ def _modern_numbers() -> dict[str, dict]:
         angles = (positions.astype(dtype)[:, None] * inverse[None, :]).astype(np.float64)
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
-            "linear": _linear_roundings()}
+            "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch()}
+
+
+WINDOW = 4  # the spec's W in the window measurements: i − W < j ≤ i
+
+
+def _window_conventions() -> dict[str, object]:
+    """Each framework's own window parameter against the spec's window of W keys (SPEC.md §6), on
+    one causal attention of 9 positions: the largest difference from the golden with a window of W
+    and of W + 1, per setting; torch's SDPA arguments; transformers' overlay as a 9×9 keep-mask."""
+    import jax
+    import onnxruntime
+    import torch.nn.functional as F
+    from onnx import TensorProto, helper
+
+    import impl_numpy as golden
+    from spec.masks import causal_mask
+
+    batch, length, heads, width = 1, 9, 2, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((batch, length, heads, width)).astype(np.float32) for _ in range(3))
+
+    def apart(out: np.ndarray) -> list[float]:  # out [B, T, H, d]: from the golden's windows of W and W + 1
+        to_heads = lambda x: x.transpose(0, 2, 1, 3).astype(np.float64)  # noqa: E731
+        return [float(np.abs(np.asarray(out, np.float64).transpose(0, 2, 1, 3) - golden.scaled_dot_product_attention(
+            to_heads(q), to_heads(k), to_heads(v), causal_mask(length, window=window))).max())
+            for window in (WINDOW, WINDOW + 1)]
+
+    found: dict[str, object] = {}
+    for left in (WINDOW - 1, WINDOW):
+        found[f"jax ({left}, 0)"] = apart(jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                       local_window_size=(left, 0)))
+    flat = [x.reshape(batch, length, heads * width) for x in (q, k, v)]
+    empty = np.zeros((batch, heads, 0, width), np.float32)
+    for size in (WINDOW - 1, WINDOW):
+        node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
+                                ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
+                                kv_num_heads=heads, local_window_size=size)
+        inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, length, heads * width])
+                  for name in "qkv"]
+        inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, heads, 0, width])
+                   for name in ("past_k", "past_v")]
+        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+                   helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+        outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+                   for name in ("out", "present_k", "present_v")]
+        model = helper.make_model(helper.make_graph([node], "window", inputs, outputs), ir_version=8,
+                                  opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out, *_ = session.run(None, {"q": flat[0], "k": flat[1], "v": flat[2], "past_k": empty, "past_v": empty,
+                                     "seqlens_k": np.array([length - 1], np.int32),
+                                     "total": np.array(length, np.int32)})
+        found[f"onnxruntime {size}"] = apart(out.reshape(batch, length, heads, width))
+    # a builtin without a signature: its documented one, the docstring's head up to the closing parenthesis
+    documented = F.scaled_dot_product_attention.__doc__.strip().split(")", 1)[0].split("(", 1)[1]
+    found["sdpa arguments"] = [part.split("=")[0].strip() for part in documented.split(",") if part.strip()]
+    try:  # the hf extra
+        from transformers.masking_utils import sliding_window_overlay
+    except ImportError:
+        found["transformers is the spec"] = None
+        return found
+    overlay = sliding_window_overlay(WINDOW)
+    keep = np.array([[bool(overlay(0, 0, i, j)) and j <= i for j in range(length)] for i in range(length)])
+    found["transformers is the spec"] = bool(np.array_equal(keep, causal_mask(length, window=WINDOW)[0, 0]))
+    return found
+
+
+def _longrope_switch() -> dict[str, object]:
+    """transformers' longrope frequencies for a call of length L and L + 1 (its seq_len): which factor
+    set each takes, against the golden's rule (SPEC.md §5.12); empty without transformers."""
+    import dataclasses
+
+    try:  # the hf extra
+        import transformers
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return {}
+
+    import impl_numpy as golden
+    from spec import get_preset
+
+    cfg = get_preset("phi3-tiny")
+    scaling, length = cfg.rope_scaling, cfg.rope_scaling.original_max_len
+    hf = transformers.Phi3Config(
+        hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_len, original_max_position_embeddings=length,
+        rope_parameters={"rope_type": "longrope", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+                         "partial_rotary_factor": cfg.rope_fraction, "original_max_position_embeddings": length,
+                         "short_factor": list(scaling.short_factor), "long_factor": list(scaling.long_factor)})
+    always = {name: cfg.replace(rope_scaling=dataclasses.replace(scaling, short_factor=factors, long_factor=factors))
+              for name, factors in (("short", scaling.short_factor), ("long", scaling.long_factor))}
+    taken = {}
+    for seq_len in (length, length + 1):
+        frequencies = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)[0].double().numpy()
+        taken[seq_len] = next(name for name, variant in always.items()
+                              if np.allclose(frequencies, golden.rope_frequencies(variant, seq_len), rtol=1e-6))
+    return {"L": length, "at L": taken[length], "at L + 1": taken[length + 1]}
 
 
 def _linear_roundings() -> dict[str, float]:
@@ -467,6 +563,46 @@ def _grouped_query_attention(measurements: Measurements) -> list[tuple[str, str]
     ]
 
 
+def _sliding_windows(measurements: Measurements) -> list[tuple[str, str]]:
+    """How each framework's own window parameter counts W, and LongRoPE's switch in transformers."""
+    found, rope = measurements.modern["windows"], measurements.modern["longrope"]
+
+    def against(key: str) -> str:
+        spec_w, wider = found[key]
+        return f"{spec_w:.1e} from the spec's window of {WINDOW}, {wider:.1e} from a window of {WINDOW + 1}"
+
+    sdpa = ", ".join(f"`{name}`" for name in found["sdpa arguments"])
+    items = [
+        (MEASURED, f"`jax.nn.dot_product_attention(is_causal=True, local_window_size=({WINDOW - 1}, 0))` on 9 "
+                   f"positions: {against(f'jax ({WINDOW - 1}, 0)')}; with `({WINDOW}, 0)`: "
+                   f"{against(f'jax ({WINDOW}, 0)')}. JAX's left size does not count the query itself: the spec's "
+                   f"W is `(W − 1, 0)`."),
+        (MEASURED, f"onnxruntime's `GroupQueryAttention` (com.microsoft, CPU) with `local_window_size={WINDOW}`: "
+                   f"{against(f'onnxruntime {WINDOW}')}; with `{WINDOW - 1}` (a window of {WINDOW - 1}): "
+                   f"{against(f'onnxruntime {WINDOW - 1}')}. "
+                   "Its size counts the query, as the spec's W does."),
+        (MEASURED, f"`F.scaled_dot_product_attention` takes {sdpa}: no window; a window is a mask."),
+    ]
+    if found["transformers is the spec"] is not None:
+        items.append((MEASURED, f"transformers' `sliding_window_overlay({WINDOW})` (kv_idx > q_idx − W) on a 9 × 9 "
+                                f"causal grid is {'exactly' if found['transformers is the spec'] else 'NOT'} the "
+                                f"spec's window of {WINDOW}: `sliding_window` in Mistral's and Phi-3's config.json "
+                                "is the spec's W."))
+    if rope:
+        items.append((MEASURED, f"transformers' longrope (`_compute_longrope_parameters(seq_len=…)`, phi3-tiny's "
+                                f"factors, L = {rope['L']}): a call of length L takes the {rope['at L']} factors, "
+                                f"L + 1 the {rope['at L + 1']} ones, as SPEC.md §5.12's ℓ > L."))
+    return items + [
+        (EXPLAINED, "impl_torch and impl_jax build the window into the causal keep-mask (`_causal_mask`), so one "
+                    "mask serves the native and the math attention paths; their decode steps keep a cache slot "
+                    "where slot > position − W; the ONNX in-place step writes the window into GroupQueryAttention's "
+                    "`attention_bias` (export/in_place_step.py), not into `local_window_size`, whose count the "
+                    "measurement above settles. onnxruntime-genai's builder drops Mistral's and Phi-3's windows and "
+                    "derives longrope's attention factor from the two lengths, ignoring `factor` "
+                    "(docs/huggingface.md, measured by tests/test_genai.py)."),
+    ]
+
+
 def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
     """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
     nn.Linear at float16."""
@@ -610,6 +746,13 @@ SECTIONS = [
             {"NumPy (golden)": "group_heads", "PyTorch": ("group_heads", "scaled_dot_product_attention"),
              "JAX / Flax": ("group_heads", "_attention")},
             _grouped_query_attention),
+    Section("Sliding windows and LongRoPE's switch: how each framework counts",
+            "A window of W keys: query i sees key j iff i − W < j ≤ i, the query among the W (SPEC.md §6). "
+            "LongRoPE takes its long factors for a call of length ℓ > L, ℓ = 1 + the call's largest position "
+            "(SPEC.md §5.12).",
+            {"NumPy (golden)": ("spec/masks.py::causal_mask", "longrope_frequencies"),
+             "PyTorch": ("_causal_mask", "longrope_frequencies"), "JAX / Flax": ("_causal_mask", "longrope_frequencies")},
+            _sliding_windows),
     Section("Linear layers: where x W + b is rounded",
             "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
             "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "

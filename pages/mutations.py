@@ -96,6 +96,16 @@ def _window_off_by_one(tgt_keep, q_len=None, window=None):
     return _original("decoder_self_mask")(tgt_keep, q_len, None if window is None else window + 1)
 
 
+def _window_short_by_one(tgt_keep, q_len=None, window=None):
+    # i - W + 1 < j: W - 1 keys, the query's own not counted (JAX's local_window_size=(W, 0) read as W - 1 keys)
+    return _original("decoder_self_mask")(tgt_keep, q_len, None if window is None or window < 2 else window - 1)
+
+
+def _window_ignored_in_the_cached_step(cfg, p, cache, tgt_ids, tgt_keep=None):
+    # the forward masks its window; the cached step attends to the whole cache (a serving engine's Gemma 2)
+    return _original("decode_step")(cfg.replace(sliding_window=None), p, cache, tgt_ids, tgt_keep)
+
+
 def _fill_minus_1e9(x, mask=None):
     if mask is not None:
         x = np.where(mask, x, -1e9)  # a finite fill: a row with no key averages V instead of giving 0
@@ -369,6 +379,13 @@ MUTATIONS: list[Mutation] = [
     Mutation("window_off_by_one", "a sliding window of W keys that lets the query see W + 1 (i − W ≤ j; the "
              "kernels of one library disagreed exactly so)", "decoder_self_mask", _window_off_by_one, "decoder",
              None, unlocalized=MASKS, preset="mistral-tiny"),
+    Mutation("window_short_by_one", "a sliding window of W keys that lets the query see W − 1 (the query's own "
+             "key not counted among the W)", "decoder_self_mask", _window_short_by_one, "decoder", None,
+             unlocalized=MASKS, preset="mistral-tiny"),
+    Mutation("window_ignored_in_cached_step", "the sliding window applied by the forward but not by the cached "
+             "decode step, which attends to the whole cache", "decode_step", _window_ignored_in_the_cached_step,
+             "decode", None, preset="mistral-tiny",
+             unlocalized="the mistake is in the cached step, which a teacher-forced forward never takes"),
     Mutation("fill_minus_1e9", "masked scores filled with -1e9: rows with no key average V instead of giving 0 "
              "(and in float16 the fill overflows to -inf: NaN)",
              "softmax", _fill_minus_1e9, "attention", "encoder.layers.0", localize_on="all_pad"),
