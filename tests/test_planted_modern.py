@@ -68,6 +68,17 @@ def _rope_scaling_ignored(cfg, dtype, device, length=None):
     return _frequencies(cfg.replace(rope_scaling=None), dtype, device)  # rope_theta read, rope_scaling not
 
 
+_step_body = torch_model._decode_step_body
+
+
+def _window_ignored_in_the_step(model, *arguments, **options):
+    window, model.cfg = model.cfg, model.cfg.replace(sliding_window=None)  # the step masks no window; the forward does
+    try:
+        return _step_body(model, *arguments, **options)
+    finally:
+        model.cfg = window
+
+
 def _longrope_switch_inclusive(omega, scaling, length):
     return _longrope(omega, scaling, None if length is None else length + 1)  # long from ℓ ≥ L on: a call early
 
@@ -99,6 +110,7 @@ PLANTS = {
     "yarn_temperature_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
     "window_off_by_one": (torch_model, "_causal_mask", _window_off_by_one),
     "longrope_switch_inclusive": (torch_model, "longrope_frequencies", _longrope_switch_inclusive),
+    "window_ignored_in_the_step": (torch_model, "_decode_step_body", _window_ignored_in_the_step),
     "longrope_attention_factor_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
 }
 # (mistake, the preset whose number it gets wrong, dtype, the first cell of the column that must fail)
@@ -135,6 +147,9 @@ CAUGHT = [
     ("window_off_by_one", "mistral-tiny", "float32", "decoder-none"),
     ("window_off_by_one", "mistral-tiny", "float16", "decoder-none"),
     ("window_off_by_one", "mistral-tiny", "bfloat16", "decoder-none"),
+    # the window masked by the forward but not by the cached step: the decode cells, the forward's all pass
+    ("window_ignored_in_the_step", "mistral-tiny", "float32", "decode-incremental"),
+    ("window_ignored_in_the_step", "mistral-tiny", "bfloat16", "decode-incremental"),
     # LongRoPE (SPEC §5.12): the switch one call early shows only at ℓ = L, decode-far's first step
     ("longrope_switch_inclusive", "phi3-tiny", "float32", "decode-far"),
     ("longrope_switch_inclusive", "phi3-tiny", "bfloat16", "decode-far"),
