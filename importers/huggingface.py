@@ -110,16 +110,21 @@ class Rule:
     target: str
     how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0" | "transpose rows a:b"
 
+    def span(self) -> tuple[int, int]:
+        """start and stop of a ranged rule ("columns a:b", "slice a:b", "transpose rows a:b")."""
+        start, stop = self.how.split()[-1].split(":")
+        return int(start), int(stop)
+
     def take(self, value: np.ndarray) -> np.ndarray:
         if self.how == "copy":
             return value
         if self.how == "transpose":  # nn.Linear stores [out, in]; the spec [in, out]
             return value.T
         if self.how.startswith("transpose rows "):  # one block of a fused nn.Linear's outputs (Phi-3)
-            start, stop = (int(part) for part in self.how.split()[2].split(":"))
+            start, stop = self.span()
             return value[start:stop].T
         if self.how.startswith(("columns ", "slice ")):
-            start, stop = (int(part) for part in self.how.split()[1].split(":"))
+            start, stop = self.span()
             return value[:, start:stop] if self.how.startswith("columns ") else value[start:stop]
         if self.how.startswith("rows "):
             return value[int(self.how.split()[1].rstrip(":")):]
@@ -352,8 +357,7 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if family == "phi3":
-        fraction = 1.0 if fraction is None else fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
             raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: expected a number in (0, 1]")
     elif fraction is not None and fraction != 1:
         raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: {FAMILIES[family]} rotates every "
@@ -392,11 +396,11 @@ def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mappi
 
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(required("factor")))
-    original = hf.get("original_max_position_embeddings") or parameters.get("original_max_position_embeddings") \
-        or hf.get("max_position_embeddings")
-    if hf.get("model_type") == "phi3":
+    entry = parameters.get("original_max_position_embeddings")
+    if hf.get("model_type") != "phi3":
+        original = hf.get("original_max_position_embeddings") or entry or hf.get("max_position_embeddings")
+    else:
         original = hf.get("original_max_position_embeddings") or _PHI3_ORIGINAL_MAX_LEN
-        entry = parameters.get("original_max_position_embeddings")
         if entry is not None and entry != original:
             top = hf.get("original_max_position_embeddings")
             raise ConfigError(f"{name}.original_max_position_embeddings = {json.dumps(entry)} but the top-level field "
@@ -556,6 +560,15 @@ def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int, 
         rules.append(Rule(f"{source}.bias", (n_out,), f"{target}.bias", "copy"))
 
 
+def _fused_linear(rules: list[Rule], source: str, targets: Mapping[str, int], n_in: int) -> None:
+    """An nn.Linear without bias whose outputs are several of the spec's projections one after
+    another (Phi-3's qkv_proj, gate_up_proj): each target's block of rows, transposed."""
+    start, n_out = 0, sum(targets.values())
+    for target, width in targets.items():
+        rules.append(Rule(f"{source}.weight", (n_out, n_in), f"{target}.weight", f"transpose rows {start}:{start + width}"))
+        start += width
+
+
 def _layer_norm(rules: list[Rule], source: str, target: str, d: int) -> None:
     rules.append(Rule(f"{source}.weight", (d,), f"{target}.scale", "copy"))
     rules.append(Rule(f"{source}.bias", (d,), f"{target}.bias", "copy"))
@@ -633,28 +646,35 @@ _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
-def llama_mapping(cfg: ModelConfig) -> list[Rule]:
+def llama_mapping(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
     """LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM -> canonical
     (the Qwen and Mistral classes kept Llama's names). q/k/v/o biases where the config has them
     (Qwen2: q, k and v), Qwen3's per-head q_norm and k_norm [d_k]. q and k are taken as stored: transformers' checkpoints are already in
     the rotate_half layout the spec rotates (its converter permuted Meta's interleaved originals),
-    so no permutation happens here. k and v are [H_kv·d_k, d]: grouped-query attention."""
+    so no permutation happens here. k and v are [H_kv·d_k, d]: grouped-query attention.
+    ``fused`` (Phi-3): q, k and v are the row blocks of one qkv_proj, gate and up of one gate_up_proj."""
     d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
     widths = {"q": cfg.n_heads * d_k, "k": cfg.kv_heads * d_k, "v": cfg.kv_heads * d_k}
     rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
     for i in range(cfg.n_decoder_layers):
         hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
         rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
-        for projection, width in widths.items():
-            _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d, width,
-                    cfg.qkv_bias)
+        if fused:
+            _fused_linear(rules, f"{hf}.self_attn.qkv_proj",
+                          {f"{ours}.self_attn.{projection}": width for projection, width in widths.items()}, d)
+        else:
+            for projection, width in widths.items():
+                _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d, width,
+                        cfg.qkv_bias)
         _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, cfg.bias)
         if cfg.qk_norm:
             for projection in "qk":
                 rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
                                   f"{ours}.self_attn.{projection}_norm.scale", "copy"))
         rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
-        for projection, canonical in _LLAMA_MLP:
+        if fused:  # Phi3MLP chunks gate_up_proj's outputs in two and activates the first half
+            _fused_linear(rules, f"{hf}.mlp.gate_up_proj", {f"{ours}.ffn.w1": d_ff, f"{ours}.ffn.w3": d_ff}, d)
+        for projection, canonical in _LLAMA_MLP[2:] if fused else _LLAMA_MLP:
             n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
             _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, cfg.bias)
     rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
@@ -666,30 +686,8 @@ def llama_mapping(cfg: ModelConfig) -> list[Rule]:
 def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
     """Phi3ForCausalLM -> canonical: Llama's names but for two fused projections, split by rows
     (nn.Linear's outputs) before the transpose. qkv_proj [H·d_k + 2·H_kv·d_k, d] holds q, then k,
-    then v; gate_up_proj [2·d_ff, d] holds the activated gate (W1), then up (W3): Phi3MLP chunks
-    it in two and activates the first half."""
-    d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
-    widths = {"q": cfg.n_heads * d_k, "k": cfg.kv_heads * d_k, "v": cfg.kv_heads * d_k}
-    fused = sum(widths.values())
-    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
-    for i in range(cfg.n_decoder_layers):
-        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
-        rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
-        start = 0
-        for projection, width in widths.items():
-            rules.append(Rule(f"{hf}.self_attn.qkv_proj.weight", (fused, d), f"{ours}.self_attn.{projection}.weight",
-                              f"transpose rows {start}:{start + width}"))
-            start += width
-        _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, bias=False)
-        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
-        for block, canonical in enumerate(("w1", "w3")):
-            rules.append(Rule(f"{hf}.mlp.gate_up_proj.weight", (2 * d_ff, d), f"{ours}.ffn.{canonical}.weight",
-                              f"transpose rows {block * d_ff}:{(block + 1) * d_ff}"))
-        _linear(rules, f"{hf}.mlp.down_proj", f"{ours}.ffn.w2", d_ff, d, bias=False)
-    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
-    if not cfg.tie_head:
-        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
-    return rules
+    then v; gate_up_proj [2·d_ff, d] holds the activated gate (W1), then up (W3)."""
+    return llama_mapping(cfg, fused=True)
 
 
 def rotary_mapping(family: str, cfg: ModelConfig) -> list[Rule]:
@@ -905,7 +903,7 @@ def mapping_markdown(family: str) -> str:
         if rule.how.startswith("transpose rows"):
             how = f"rows {_block_rows(rule)}, transposed"
         elif rule.how.startswith(("columns", "slice")):
-            block = int(rule.how.split()[1].split(":")[0]) // cfg.d_model
+            block = rule.span()[0] // cfg.d_model
             how = f"{'columns' if rule.how.startswith('columns') else 'entries'} {block}·d … {block + 1}·d − 1"
         elif rule.how.startswith("rows"):
             how = "rows 2 … (rows 0 and 1 are never read)"

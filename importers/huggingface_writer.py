@@ -118,7 +118,7 @@ def _source_tensors(rules: list[Rule], params: Mapping[str, np.ndarray]) -> dict
         elif rule.how == "transpose":
             tensors[rule.source] = value.T
         elif rule.how.startswith("transpose rows "):
-            start, stop = (int(part) for part in rule.how.split()[2].split(":"))
+            start, stop = rule.span()
             tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop] = value.T
         else:
             raise ValueError(f"the rotary families' mappings have no {rule.how!r} rule to invert")
