@@ -39,7 +39,9 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0}  # Gemma's norms multiply by 1 + weight: 0 is the identity
 # the commands timed on each shape: name -> rosetta arguments after the program ({dir}, {weights} filled in)
 RUNS: dict[str, list[str]] = {
     "import": ["import", "{dir}", "--out", "{weights}"],
@@ -53,7 +55,8 @@ RUNS: dict[str, list[str]] = {
 
 def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: int = 0) -> Path:
     """A randomly initialised transformers model of the family saved to directory, every parameter
-    drawn: matrices at 1/sqrt(their smaller side), norm scales about 1 (not 1), biases about 0 (not 0)."""
+    drawn: matrices at 1/sqrt(their smaller side), norm scales about their identity (1, Gemma's 0; never
+    it), biases about 0 (not 0)."""
     import torch
     import transformers
 
@@ -66,7 +69,7 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
             if tensor.ndim >= 2:
                 tensor.copy_(noise * min(tensor.shape) ** -0.5)
             elif "norm" in name:
-                tensor.copy_(1.0 + 0.2 * noise)
+                tensor.copy_(_NORM_IDENTITY.get(family, 1.0) + 0.2 * noise)
             else:
                 tensor.copy_(0.2 * noise)
     model.save_pretrained(directory)

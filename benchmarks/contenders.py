@@ -333,10 +333,10 @@ class OnnxRuntimeGenai(Contender):
         from spec.errors import ConfigError
 
         try:
-            family_of(cfg)
+            family = family_of(cfg)
         except ConfigError as error:
-            raise Skip(f"the builder reads a Llama, Qwen2 or Qwen3 directory ({error})") from None
-        reason = genai_unsupported_reason(cfg)
+            raise Skip(f"the builder reads a directory of the families the writer knows ({error})") from None
+        reason = genai_unsupported_reason(cfg, family)
         if reason:
             raise Skip(reason)
         self.directory = tempfile.TemporaryDirectory(prefix="rosetta-genai-")

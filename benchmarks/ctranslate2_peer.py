@@ -44,6 +44,9 @@ def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
         family = family_of(cfg)
     except ConfigError as error:
         return f"a decoder-only model is mapped to CTranslate2 only as Llama or Qwen2 ({error})"
+    if family in ("gemma2", "gemma3_text"):
+        return (f"Gemma's layer ((1 + w) norms, post norms, softcaps, the query scalar: family {family}) is not "
+                "mapped to CTranslate2 here")
     if family == "qwen3":
         return "Qwen3's per-head q/k norms are not mapped to CTranslate2 here"
     if family == "phi3":  # convert_decoder rotates every dimension of a head

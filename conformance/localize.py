@@ -25,7 +25,7 @@ from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, SKIP, CellResult
 from conformance.tolerance import compare, rotary_angle, tolerance
 from spec import ModelConfig, params_under
-from spec.masks import decoder_self_mask, key_mask, real_tokens
+from spec.masks import key_mask, real_tokens
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,16 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
                           0 if src_ids is None else src_ids.shape[1])
 
     memory = None if memory_reference is None else _f32(memory_reference)
-    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)
+    self_masks = golden.decoder_self_masks(cfg, tgt_keep)
     cross = None if memory is None else key_mask(real_tokens(cfg, src_ids, "src"))
     plan = [("tgt embedding", "embedding", None, {"ids": tgt_ids, "side": "tgt", "offset": 0})]
     for i in range(cfg.n_decoder_layers):
-        layer = params_under(p, f"decoder.layers.{i}")
+        layer, self_mask = params_under(p, f"decoder.layers.{i}"), self_masks[cfg.layer(i).sliding_window]
         plan.append((f"decoder.layers.{i}", "decoder_layer",
-                     lambda y, layer=layer: golden.decoder_layer(cfg, layer, y, memory, self_mask, cross),
-                     lambda y, i=i: {"index": i, "y": y, "memory": memory, "self_mask": self_mask, "cross_mask": cross}))
+                     lambda y, layer=layer, i=i, self_mask=self_mask: golden.decoder_layer(
+                         cfg.layer(i), layer, y, memory, self_mask, cross),
+                     lambda y, i=i, self_mask=self_mask: {"index": i, "y": y, "memory": memory, "self_mask": self_mask,
+                                                          "cross_mask": cross}))
     if cfg.final_norm:
         plan.append(("decoder.norm", "norm", lambda y: golden.norm(cfg, params_under(p, "decoder.norm"), y),
                      lambda y: {"module": "decoder.norm", "x": y}))
@@ -197,13 +199,14 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             encoder_inputs.append(("encoder.norm", "norm", {"module": "encoder.norm", "x": _f32(x)}, "x"))
             x = golden.norm(cfg, params_under(p, "encoder.norm"), x)
         memory, cross = _f32(x), key_mask(real_tokens(cfg, src_ids, "src"))
-    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)
+    self_masks = golden.decoder_self_masks(cfg, tgt_keep)
     decoder_inputs = [("tgt embedding", "embedding", {"ids": tgt_ids, "side": "tgt", "offset": 0}, None)]
     y = golden.embed(cfg, p, tgt_ids, "tgt")
     for i in range(cfg.n_decoder_layers):
+        self_mask = self_masks[cfg.layer(i).sliding_window]
         decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {"index": i, "y": _f32(y), "memory": memory,
                                                                           "self_mask": self_mask, "cross_mask": cross}, "y"))
-        y = golden.decoder_layer(cfg, params_under(p, f"decoder.layers.{i}"), y, memory, self_mask, cross)
+        y = golden.decoder_layer(cfg.layer(i), params_under(p, f"decoder.layers.{i}"), y, memory, self_mask, cross)
     if cfg.final_norm:
         decoder_inputs.append(("decoder.norm", "norm", {"module": "decoder.norm", "x": _f32(y)}, "x"))
         y = golden.norm(cfg, params_under(p, "decoder.norm"), y)

@@ -36,7 +36,7 @@ from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 from torch import nn
 
-from impl_torch.model import (Transformer, _key_mask, attention_positions, merge_heads, residual, rotary,
+from impl_torch.model import (Transformer, _key_mask, attention_positions, block, merge_heads, rotary,
                               scaled_dot_product_attention, split_heads)
 
 MICROSOFT = "com.microsoft"
@@ -60,6 +60,8 @@ def register_group_query_attention_schema() -> None:
     attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
                   OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "key/value heads"),
                   OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "the scores' factor (1/√head_size)",
+                                     required=False),
+                  OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "c of c·tanh(scores / c); 0: none",
                                      required=False)]
     onnx.defs.register_schema(OpSchema(
         "GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs, attributes=attributes,
@@ -69,11 +71,13 @@ def register_group_query_attention_schema() -> None:
 @torch.library.custom_op("rosetta::cached_attention", mutates_args=())
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor,
                      past_values: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
-                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     window: int | None = None, scale: float | None = None,
+                     cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The new queries' attention over the cache with the new keys and values written at start …
     start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, p] with p ≥ d_k (the
     padded head size: zeros past d_k), keep [B, C] (the new positions' included), window: the
-    config's sliding window -> (heads [B, n, H·d_k], present keys, present values)."""
+    layer's sliding window, scale and cap: its scores' factor and softcap (SPEC §5.13)
+    -> (heads [B, n, H·d_k], present keys, present values)."""
     heads_kv = past_keys.shape[1]
     head_size = k.shape[2] // heads_kv
     n, first = q.shape[1], int(start)
@@ -87,12 +91,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key
         causal = causal & (slots > positions[:, None] - window)
     mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, n, C]
     heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys[..., :head_size],
-                                         values[..., :head_size], mask)
+                                         values[..., :head_size], mask, scale=scale, cap=cap)
     return merge_heads(heads), keys, values
 
 
 @cached_attention.register_fake
-def _(q, k, v, past_keys, past_values, keep, start, window=None):
+def _(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None):
     return torch.empty_like(q), torch.empty_like(past_keys), torch.empty_like(past_values)
 
 
@@ -116,7 +120,7 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
                         op.Constant(value_ints=[3]))
         return op.Reshape(kept, op.Constant(value_ints=[0, 0, n_heads * head_size]))
 
-    def translation(q, k, v, past_keys, past_values, keep, start, window=None):
+    def translation(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None):
         n = op.Shape(q, start=1, end=2)  # [1]
         total = op.Add(op.Reshape(start, op.Constant(value_ints=[1])), n)  # [1]: the length after the step
         batch = op.Shape(q, start=0, end=1)
@@ -138,9 +142,12 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
         bias = op.Expand(bias, op.Concat(batch, op.Constant(value_ints=[1]), n, total, axis=0))  # [B, 1, n, T]
         if extra:  # zeros past head_size in q and k add nothing to a score; the scale is head_size's
             q, k, v = pad_heads(q, n_heads), pad_heads(k, kv_heads), pad_heads(v, kv_heads)
+        # the softcap is GroupQueryAttention's own (applied before its attention bias: measured in
+        # tests/test_in_place_step.py against the golden, which caps before the mask)
         heads, present_keys, present_values = microsoft.GroupQueryAttention(
             q, k, v, past_keys, past_values, seqlens, total_length, None, None, None, bias,
-            num_heads=n_heads, kv_num_heads=kv_heads, scale=head_size ** -0.5)
+            num_heads=n_heads, kv_num_heads=kv_heads, scale=head_size ** -0.5 if scale is None else scale,
+            softcap=0.0 if cap is None else cap)
         if extra:
             heads = unpad_heads(heads)
         # a query whose positions up to its own (within its window) hold no real token has no key: zeros (SPEC §6)
@@ -180,21 +187,23 @@ class InPlaceDecoderStepGraph(nn.Module):
         rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)
         present = []
         for i, layer in enumerate(model.decoder.layers):
-            attention = layer.self_attn
+            attention, layer_cfg = layer.self_attn, layer.cfg  # the layer's own window and rotary (SPEC §6)
 
             def self_attention(h: torch.Tensor) -> torch.Tensor:
                 # the q, k and v of MultiHeadAttention.attend and key_value_heads, in GQA's [B, n, heads·d_k]
                 k, v = attention.key_value_heads(h, rope_positions)
                 q = attention.head_norm("q", split_heads(attention.q(h), cfg.n_heads))
-                q = q if rope_positions is None else rotary(cfg, q, rope_positions)
+                q = q if rope_positions is None else rotary(layer_cfg, q, rope_positions)
                 heads, keys, values = cached_attention(merge_heads(q), merge_heads(k), merge_heads(v),
-                                                       past[2 * i], past[2 * i + 1], keep, start, cfg.sliding_window)
+                                                       past[2 * i], past[2 * i + 1], keep, start,
+                                                       layer_cfg.sliding_window, layer_cfg.score_scale,
+                                                       layer_cfg.attention_softcap)
                 present.extend((keys, values))
                 return attention.o(heads)
 
-            y = residual(cfg, layer.self_attn_norm, y, self_attention)
+            y = block(layer_cfg, layer, "self_attn", y, self_attention)
             if cross is not None:
-                y = residual(cfg, layer.cross_attn_norm, y,
-                             lambda h: layer.cross_attn.attend(h, cross[2 * i], cross[2 * i + 1], cross_mask))
+                y = block(cfg, layer, "cross_attn", y,
+                          lambda h: layer.cross_attn.attend(h, cross[2 * i], cross[2 * i + 1], cross_mask))
             y = layer.ffn_block(y)
         return (model.output_logits(model.decoder.final_norm(y)), *present, keep)

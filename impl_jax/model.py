@@ -86,9 +86,10 @@ def softmax(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
 # ---- embeddings and positions ---------------------------------------------------------------
 
 def token_embedding(ids: jax.Array, table: nnx.Embed, scale: bool) -> jax.Array:
-    """E[ids] · √d_model. ids [B, T] -> [B, T, d]"""
+    """E[ids] · √d_model, the scale a number of the activation dtype (SPEC §5.13). ids [B, T] -> [B, T, d]"""
     x = table(ids)
-    return x * math.sqrt(table.features) if scale else x
+    # a Python float is weakly typed and would take x's dtype anyway; written out, as in the other texts
+    return x * jnp.asarray(math.sqrt(table.features), x.dtype) if scale else x
 
 
 def sinusoidal_table(positions: np.ndarray, d_model: int, layout: str) -> np.ndarray:
@@ -234,21 +235,29 @@ def group_heads(x: jax.Array, n_heads: int) -> jax.Array:
     return jnp.repeat(x, n_heads // x.shape[1], axis=1)
 
 
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """c · tanh(x / c): x bent smoothly into (−c, c); x itself without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
-                                 path: str = "sdpa", precision: str = "highest") -> jax.Array:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V, query head h reading key/value head
-    h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
-    broadcastable to [B, H, Q, K]."""
+                                 path: str = "sdpa", precision: str = "highest", scale: float | None = None,
+                                 cap: float | None = None) -> jax.Array:
+    """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given, query head h
+    reading key/value head h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a
+    boolean keep-mask broadcastable to [B, H, Q, K]."""
     # Decided before the jit, so both paths' calls that end up explicit share one program.
-    path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path)
-    return _attention(q, k, v, mask, path, precision)
+    path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path, cap is not None)
+    return _attention(q, k, v, mask, path, precision, 1 / math.sqrt(q.shape[-1]) if scale is None else scale, cap)
 
 
-def attention_path(dtype, platform: str, n_queries: int, path: str) -> tuple[str, str | None]:
+def attention_path(dtype, platform: str, n_queries: int, path: str, capped: bool = False) -> tuple[str, str | None]:
     """The path attention asked for `path` takes ('sdpa' or 'math'), and why it is not the one
-    asked for (None when it is)."""
+    asked for (None when it is); `capped`: the scores are softcapped (SPEC §5.13)."""
     if path == "math":
         return "math", None
+    if capped:
+        return "math", "jax.nn.dot_product_attention has no softcap"
     # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
     # which leaves float64 attention float32-accurate (errors ~1e-7)
     if jnp.dtype(dtype) == jnp.float64:
@@ -257,12 +266,12 @@ def attention_path(dtype, platform: str, n_queries: int, path: str) -> tuple[str
     return ("math", failure) if failure else ("sdpa", None)
 
 
-@partial(jax.jit, static_argnames=("path", "precision"))
+@partial(jax.jit, static_argnames=("path", "precision", "scale", "cap"))
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, path: str,
-               precision: str) -> jax.Array:
+               precision: str, scale: float, cap: float | None) -> jax.Array:
     if path == "math":
         k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
-        scores = jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+        scores = softcap(jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) * scale, cap)  # [B, H, Q, K]
         weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
         return jnp.matmul(weights, v, precision=precision)
     # jax.nn.dot_product_attention wants [B, T, H, d_k] (heads after the sequence axis). Its mask
@@ -270,7 +279,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
     # negative, so a row with no key gets the *mean of V* rather than zeros: enforced below. It
     # groups heads itself (fewer K/V heads than query heads, a mask of H or 1 heads), reading each
     # key/value head for its group in place of the golden's repeated copies.
-    out = jax.nn.dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask)
+    out = jax.nn.dot_product_attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), mask=mask, scale=scale)
     out = out.swapaxes(1, 2)
     if mask is None:
         return out
@@ -305,10 +314,10 @@ class HeadNorm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype):
         self.scale = nnx.Param(jnp.ones(cfg.d_head, dtype))
-        self.eps = float(cfg.norm_eps)
+        self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], None, self.eps)
+        return rms_norm(x, self.scale[...], None, self.eps, self.plus_one)
 
 
 def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset=0) -> tuple[jax.Array | None, ...]:
@@ -373,7 +382,8 @@ class MultiHeadAttention(nnx.Module):
         x [B, Q, d], k and v [B, H_kv, K, d_k] -> [B, Q, d]"""
         q = self.head_norm("q", split_heads(self.q(x), self.cfg.n_heads))
         q = q if positions is None else rotary(self.cfg, q, positions)
-        heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision)  # [B, H, Q, d_k]
+        heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision, self.cfg.score_scale,
+                                             self.cfg.attention_softcap)  # [B, H, Q, d_k]
         return self.o(merge_heads(heads))
 
     def __call__(self, x: jax.Array, context: jax.Array, mask, offset=0) -> jax.Array:
@@ -418,11 +428,15 @@ def std_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax
     return scale * centered / (jnp.std(x, axis=-1, keepdims=True, ddof=1) + eps) + bias
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, bias: None, eps: float) -> jax.Array:
-    """γ x / √(mean(x²) + ε), no bias. A half-precision x is normalised in float32, cast back, then
-    scaled in its own dtype, as Llama does (SPEC §5.6)."""
+def rms_norm(x: jax.Array, scale: jax.Array, bias: None, eps: float, plus_one: bool = False) -> jax.Array:
+    """γ x / √(mean(x²) + ε), no bias; γ = 1 + scale where plus_one (Gemma). A half-precision x is
+    normalised in float32, cast back, then scaled in its own dtype, as Llama does (SPEC §5.6);
+    Gemma's scales in float32 before the cast: so here."""
     wide = x.astype(jnp.float32) if x.dtype in _HALF else x
-    return (wide * lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
+    normed = wide * lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + scale.astype(normed.dtype))).astype(x.dtype)
+    return normed.astype(x.dtype) * scale
 
 
 class Norm(nnx.Module):
@@ -432,13 +446,13 @@ class Norm(nnx.Module):
         self.scale = nnx.Param(jnp.ones(cfg.d_model, dtype))
         self.bias = None if cfg.norm == "rmsnorm" else nnx.Param(jnp.zeros(cfg.d_model, dtype))
         self.norm = cfg.norm
-        self.eps = float(cfg.norm_eps)
+        self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[self.norm]
         scale = self.scale[...]
         if self.bias is None:  # RMSNorm takes half precision itself
-            return kind(x, scale, None, self.eps)
+            return rms_norm(x, scale, None, self.eps, self.plus_one)
         bias = self.bias[...]
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
             return kind(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32),
@@ -453,11 +467,23 @@ def dropout(cfg: ModelConfig, x: jax.Array, keep: jax.Array | None) -> jax.Array
 
 
 def residual(cfg: ModelConfig, norm: Norm, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array],
-             dropout_mask: jax.Array | None = None) -> jax.Array:
-    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
+             dropout_mask: jax.Array | None = None, post_norm: Norm | None = None) -> jax.Array:
+    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)));
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
     if cfg.norm_position == "post":
         return norm(x + dropout(cfg, sublayer(x), dropout_mask))
-    return x + dropout(cfg, sublayer(norm(x)), dropout_mask)
+    out = sublayer(norm(x))
+    if post_norm is not None:
+        out = post_norm(out)
+    return x + dropout(cfg, out, dropout_mask)
+
+
+def block(cfg: ModelConfig, layer: nnx.Module, name: str, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array],
+          dropout_mask: jax.Array | None = None) -> jax.Array:
+    """The residual block of a layer's sublayer `name` (self_attn, cross_attn, ffn) with its norms:
+    {name}_norm, and {name}_post_norm where the config has post norms."""
+    return residual(cfg, getattr(layer, f"{name}_norm"), x, sublayer, dropout_mask,
+                    getattr(layer, f"{name}_post_norm", None))
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -471,12 +497,12 @@ class EncoderLayer(nnx.Module):
         self.ffn_norm = Norm(cfg, dtype)
 
     def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
 
     def __call__(self, x: jax.Array, mask, dropout_masks: dict | None = None) -> jax.Array:
         """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
         drop = dropout_masks or {}
-        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
+        x = block(self.cfg, self, "self_attn", x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
         return self.ffn_block(x, drop.get("ffn"))
 
 
@@ -485,24 +511,26 @@ class DecoderLayer(nnx.Module):
         self.cfg = cfg
         self.self_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs)
         self.self_attn_norm = Norm(cfg, dtype)
+        self.self_attn_post_norm = Norm(cfg, dtype) if cfg.post_norms else None
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs, self_attention=False)
             self.cross_attn_norm = Norm(cfg, dtype)
         self.ffn = FeedForward(cfg, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
+        self.ffn_post_norm = Norm(cfg, dtype) if cfg.post_norms else None
 
     def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
 
     def __call__(self, y: jax.Array, memory: jax.Array | None, self_mask, cross_mask,
                  dropout_masks: dict | None = None) -> jax.Array:
         """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
         y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
         drop = dropout_masks or {}
-        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
+        y = block(self.cfg, self, "self_attn", y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
         if memory is not None:
-            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask),
-                         drop.get("cross_attn"))
+            y = block(self.cfg, self, "cross_attn", y, lambda h: self.cross_attn(h, memory, cross_mask),
+                      drop.get("cross_attn"))
         return self.ffn_block(y, drop.get("ffn"))
 
 
@@ -512,7 +540,9 @@ class Stack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer: type, count: int, path: str, precision: str, dtype, rngs: nnx.Rngs):
         self.embed_norm = Norm(cfg, dtype) if cfg.embed_norm else None
-        self.layers = nnx.List([layer(cfg, path, precision, dtype, rngs) for _ in range(count)])
+        # each decoder layer with its own config (its window, its rotary: SPEC §6)
+        layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
+        self.layers = nnx.List([layer(layer_config(i), path, precision, dtype, rngs) for i in range(count)])
         self.norm = Norm(cfg, dtype) if cfg.final_norm else None
 
     def embedding_norm(self, x: jax.Array) -> jax.Array:
@@ -523,17 +553,18 @@ class Stack(nnx.Module):
 
 
 class Head(nnx.Module):
-    """logits = h W_head + b. Tied: W_head = E_tgtᵀ, and only the bias (if any) lives here."""
+    """logits = softcap(h W_head + b), the final cap where the config has one. Tied: W_head = E_tgtᵀ,
+    and only the bias (if any) lives here."""
 
     def __init__(self, cfg: ModelConfig, precision: str, dtype):
-        self.precision = precision
+        self.precision, self.cap = precision, cfg.final_softcap
         self.weight = None if cfg.tie_head else nnx.Param(jnp.zeros((cfg.d_model, cfg.tgt_vocab_size), dtype))
         self.bias = nnx.Param(jnp.zeros(cfg.tgt_vocab_size, dtype)) if cfg.head_bias else None
 
     def __call__(self, h: jax.Array, tied_table: jax.Array) -> jax.Array:
         weight = tied_table.T if self.weight is None else self.weight[...]  # [d, V]
         logits = jnp.matmul(h, weight, precision=self.precision)
-        return logits if self.bias is None else logits + self.bias[...]
+        return softcap(logits if self.bias is None else logits + self.bias[...], self.cap)
 
 
 def _key_mask(keep: jax.Array) -> jax.Array:
@@ -685,11 +716,12 @@ class Transformer(nnx.Module):
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
-        causal = _causal_mask(length, length, self.cfg.sliding_window)
-        self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
+        self_masks = {window: _causal_mask(length, length, window) & _key_mask(tgt_keep)  # [B, 1, T, T]
+                      for window in set(self.cfg.layer_windows)}
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
-            y = layer(y, memory, self_mask, cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}"))
+            y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,
+                      masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
 
     def output_logits(self, h: jax.Array) -> jax.Array:
@@ -842,10 +874,12 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     keep = lax.dynamic_update_slice(cache.tgt_keep, new_keep, (zero, start))  # [B, C]
     query_positions = cache.length + jnp.arange(n_new)
     slots = jnp.arange(capacity)[None, :]
-    causal = slots <= query_positions[:, None]  # [n, C]
-    if cfg.sliding_window is not None:
-        causal = causal & (slots > query_positions[:, None] - cfg.sliding_window)
-    self_mask = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
+    self_masks = {}
+    for window in set(cfg.layer_windows):
+        causal = slots <= query_positions[:, None]  # [n, C]
+        if window is not None:
+            causal = causal & (slots > query_positions[:, None] - window)
+        self_masks[window] = causal[None, None] & _key_mask(keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)
     positions, _ = attention_positions(cfg, n_new, n_new, start)  # RoPE's: the new ones, after the cached
@@ -859,12 +893,12 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
             at = (jnp.int32(i), zero, zero, start, zero)
             keys = lax.dynamic_update_slice(keys, k[None], at)
             values = lax.dynamic_update_slice(values, v[None], at)
-            return layer.self_attn.attend(h, keys[i], values[i], self_mask, positions)
+            return layer.self_attn.attend(h, keys[i], values[i], self_masks[layer.cfg.sliding_window], positions)
 
-        y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
+        y = block(layer.cfg, layer, "self_attn", y, cached_self_attention)
         if cache.cross_keys is not None:
-            y = residual(cfg, layer.cross_attn_norm, y,
-                         lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
+            y = block(cfg, layer, "cross_attn", y,
+                      lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = layer.ffn_block(y)
     logits = model.output_logits(model.decoder.final_norm(y))
     new_cache = KVCache(keys, values, keep, cache.length + n_new, cache.cross_keys, cache.cross_values, cache.src_keep)

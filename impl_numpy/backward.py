@@ -28,6 +28,8 @@ from impl_numpy.model import (
     encoder,
     encoder_layer,
     attention_positions,
+    block,
+    decoder_self_masks,
     feed_forward,
     group_heads,
     head_norm,
@@ -39,13 +41,14 @@ from impl_numpy.model import (
     model_logits,
     multi_head_attention,
     norm,
+    norm_scale,
     positional_encoding,
-    residual,
     rope_tables,
     rotary,
     rotate_half,
     scaled_dot_product_attention,
     smoothed_targets,
+    softcap,
     softmax,
     split_heads,
     token_cross_entropy,
@@ -54,7 +57,7 @@ from impl_numpy.model import (
 from spec import ModelConfig, params_under
 from spec.dropout import masks_under
 from spec.inputs import check_targets
-from spec.masks import decoder_self_mask, key_mask
+from spec.masks import key_mask
 
 Grads = dict[str, np.ndarray]  # parameter name (relative to a module) -> ∂L/∂parameter
 
@@ -143,15 +146,22 @@ def without_cancellation():
 
 # ---- attention ------------------------------------------------------------------------------
 
+def softcap_vjp(x: np.ndarray, cap: float | None, d_y: np.ndarray) -> np.ndarray:
+    """y = c tanh(x / c):  ∂x = ∂y (1 − tanh²(x / c)); the identity without a cap."""
+    return d_y if cap is None else d_y * (1.0 - np.tanh(x / cap) ** 2)
+
+
 def scaled_dot_product_attention_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                                     d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """out = P V, P = softmax(S, mask), S = Q Kᵀ / √d_k:
-    ∂V = Pᵀ ∂out, ∂P = ∂out Vᵀ, ∂S = softmax_vjp(P, ∂P), ∂Q = ∂S K / √d_k, ∂K = ∂Sᵀ Q / √d_k.
+                                     d_out: np.ndarray, scale: float | None = None,
+                                     cap: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """out = P V, P = softmax(softcap(S), mask), S = Q Kᵀ s (s = 1/√d_k unless given):
+    ∂V = Pᵀ ∂out, ∂P = ∂out Vᵀ, ∂S = softcap_vjp(S, softmax_vjp(P, ∂P)), ∂Q = ∂S K s, ∂K = ∂Sᵀ Q s.
     q [B, H, Q, d_k], k and v [B, H, K, d_k], d_out [B, H, Q, d_k] -> d_q, d_k, d_v"""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    weights = softmax(q @ np.swapaxes(k, -1, -2) * scale, mask)  # P [B, H, Q, K]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ np.swapaxes(k, -1, -2) * scale  # S [B, H, Q, K]
+    weights = softmax(softcap(scores, cap), mask)  # P [B, H, Q, K]
     d_v = np.swapaxes(weights, -1, -2) @ d_out  # [B, H, K, d_k]
-    d_scores = softmax_vjp(weights, d_out @ np.swapaxes(v, -1, -2))  # ∂S [B, H, Q, K]
+    d_scores = softcap_vjp(scores, cap, softmax_vjp(weights, d_out @ np.swapaxes(v, -1, -2)))  # ∂S [B, H, Q, K]
     return d_scores @ k * scale, np.swapaxes(d_scores, -1, -2) @ q * scale, d_v
 
 
@@ -219,9 +229,10 @@ def rms_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
 
 
 def norm_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
-    """The config's norm, back: -> d_x, {scale, bias} (RMSNorm: {scale})"""
+    """The config's norm, back: -> d_x, {scale, bias} (RMSNorm: {scale}). γ = 1 + scale (Gemma) has
+    ∂scale = ∂γ."""
     kind = {"layernorm": layer_norm_vjp, "std": std_norm_vjp, "rmsnorm": rms_norm_vjp}[cfg.norm]
-    d_x, d_scale, d_bias = kind(x, p["scale"], float(cfg.norm_eps), d_y)
+    d_x, d_scale, d_bias = kind(x, norm_scale(cfg, p["scale"]), float(cfg.norm_eps), d_y)
     return d_x, {"scale": d_scale} if d_bias is None else {"scale": d_scale, "bias": d_bias}
 
 
@@ -292,7 +303,7 @@ def head_norm_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, d_y: np
     scale = p.get(f"{name}_norm.scale")
     if scale is None:
         return d_y, {}
-    d_x, d_scale, _ = rms_norm_vjp(x, scale, float(cfg.norm_eps), d_y)
+    d_x, d_scale, _ = rms_norm_vjp(x, norm_scale(cfg, scale), float(cfg.norm_eps), d_y)
     return d_x, {f"{name}_norm.scale": d_scale}
 
 
@@ -305,9 +316,10 @@ def attend_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.
     q = head_norm(cfg, p, "q", before)
     q = q if positions is None else rotary(cfg, q, positions)
     keys, values = group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads)  # [B, H, K, d_k]
-    heads = scaled_dot_product_attention(q, keys, values, mask)
+    heads = scaled_dot_product_attention(q, keys, values, mask, cfg.score_scale, cfg.attention_softcap)
     d_merged, d_wo, d_bo = linear_vjp(merge_heads(heads), p["o.weight"], d_y)
-    d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, split_heads(d_merged, cfg.n_heads))
+    d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, split_heads(d_merged, cfg.n_heads),
+                                                             cfg.score_scale, cfg.attention_softcap)
     d_before, norm_grads = head_norm_vjp(cfg, p, "q", before, rotary_vjp(cfg, positions, d_q))
     d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_before))
     grads = _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
@@ -356,26 +368,32 @@ def dropout_vjp(cfg: ModelConfig, keep: np.ndarray | None, d_y: np.ndarray) -> n
 
 
 def residual_vjp(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
-                 d_y: np.ndarray, dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads, Grads]:
+                 d_y: np.ndarray, dropout_mask: np.ndarray | None = None,
+                 post_norm_p: Params | None = None) -> tuple[np.ndarray, Grads, Grads, Grads]:
     """post: y = Norm(s), s = x + D(F(x)):  ∂s = Norm_vjp(∂y), ∂x = ∂s + F_vjp(x, D_vjp(∂s));
-    pre:  y = x + D(F(Norm(x))):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), D_vjp(∂y))), D the dropout.
-    -> d_x, norm's grads, F's grads"""
+    pre:  y = x + D(F(Norm(x))):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), D_vjp(∂y))), D the dropout;
+    with a post norm, y = x + D(PostNorm(F(Norm(x)))): PostNorm_vjp(F(Norm(x)), D_vjp(∂y)) goes to F_vjp.
+    -> d_x, norm's grads, F's grads, the post norm's grads"""
     if cfg.norm_position == "post":
         d_sum, norm_grads = norm_vjp(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask), d_y)
         d_x, grads = sublayer_vjp(x, dropout_vjp(cfg, dropout_mask, d_sum))
-        return d_sum + d_x, norm_grads, grads
-    d_normed, grads = sublayer_vjp(norm(cfg, norm_p, x), dropout_vjp(cfg, dropout_mask, d_y))
+        return d_sum + d_x, norm_grads, grads, {}
+    normed, d_out, post_grads = norm(cfg, norm_p, x), dropout_vjp(cfg, dropout_mask, d_y), {}
+    if post_norm_p is not None:
+        d_out, post_grads = norm_vjp(cfg, post_norm_p, sublayer(normed), d_out)
+    d_normed, grads = sublayer_vjp(normed, d_out)
     d_x, norm_grads = norm_vjp(cfg, norm_p, x, d_normed)
-    return d_y + d_x, norm_grads, grads
+    return d_y + d_x, norm_grads, grads, post_grads
 
 
 def block_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Sublayer, sublayer_vjp: SublayerVJP,
               d_y: np.ndarray, dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
-    """residual_vjp for the layer's sublayer `name` (self_attn, cross_attn, ffn) and its norm
-    `name_norm`, gradients named relative to the layer."""
-    d_x, norm_grads, grads = residual_vjp(cfg, params_under(p, f"{name}_norm"), x, sublayer, sublayer_vjp, d_y,
-                                          dropout_mask)
-    return d_x, {**_named(f"{name}_norm", norm_grads), **_named(name, grads)}
+    """residual_vjp for the layer's sublayer `name` (self_attn, cross_attn, ffn) and its norms
+    `name_norm` and `name_post_norm` (post norms), gradients named relative to the layer."""
+    post_norm_p = params_under(p, f"{name}_post_norm") if cfg.post_norms else None
+    d_x, norm_grads, grads, post_grads = residual_vjp(cfg, params_under(p, f"{name}_norm"), x, sublayer, sublayer_vjp,
+                                                      d_y, dropout_mask, post_norm_p)
+    return d_x, {**_named(f"{name}_norm", norm_grads), **_named(name, grads), **_named(f"{name}_post_norm", post_grads)}
 
 
 def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> tuple[Sublayer, SublayerVJP]:
@@ -403,7 +421,7 @@ def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarr
     attention block. -> d_x, the layer's grads"""
     drop = dropout_masks or {}
     attention, attention_vjp = self_attention_vjp(cfg, p, mask)
-    x1 = residual(cfg, params_under(p, "self_attn_norm"), x, attention, drop.get("self_attn"))
+    x1 = block(cfg, p, "self_attn", x, attention, drop.get("self_attn"))
     d_x1, ffn_grads = ffn_block_vjp(cfg, p, x1, d_y, drop.get("ffn"))
     d_x, attention_grads = block_vjp(cfg, p, "self_attn", x, attention, attention_vjp, d_x1, drop.get("self_attn"))
     return d_x, {**attention_grads, **ffn_grads}
@@ -417,7 +435,7 @@ def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.nda
     Block(y2, FFN): back through the three blocks in reverse. -> d_y, d_memory, the layer's grads"""
     drop = dropout_masks or {}
     attention, attention_vjp = self_attention_vjp(cfg, p, self_mask)
-    y1 = residual(cfg, params_under(p, "self_attn_norm"), y, attention, drop.get("self_attn"))
+    y1 = block(cfg, p, "self_attn", y, attention, drop.get("self_attn"))
     grads: Grads = {}
     d_memory = None
     if memory is None:
@@ -425,7 +443,7 @@ def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.nda
     else:
         cross = params_under(p, "cross_attn")
         cross_attention = lambda h: multi_head_attention(cfg, cross, h, memory, cross_mask)  # noqa: E731
-        y2 = residual(cfg, params_under(p, "cross_attn_norm"), y1, cross_attention, drop.get("cross_attn"))
+        y2 = block(cfg, p, "cross_attn", y1, cross_attention, drop.get("cross_attn"))
         d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out, drop.get("ffn"))
         d_memory_parts = []
 
@@ -474,19 +492,20 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
                 dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[Grads, np.ndarray | None]:
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))), back; the memory's gradient is the sum
     over every layer's cross-attention. -> the decoder's grads, d_memory"""
-    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)  # [B, 1, T, T]
+    self_masks = decoder_self_masks(cfg, tgt_keep)  # by window: [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)
     embed_mask = (dropout_masks or {}).get("decoder.embed")
     inputs = [embed(cfg, params, tgt_ids, "tgt", dropout_mask=embed_mask)]
     for i in range(cfg.n_decoder_layers):
         layer = params_under(params, f"decoder.layers.{i}")
-        inputs.append(decoder_layer(cfg, layer, inputs[i], memory, self_mask, cross_mask,
-                                    masks_under(dropout_masks, f"decoder.layers.{i}")))
+        inputs.append(decoder_layer(cfg.layer(i), layer, inputs[i], memory, self_masks[cfg.layer(i).sliding_window],
+                                    cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}")))
     d_y, grads = final_norm_vjp(cfg, params, "decoder", inputs[-1], d_h)
     d_memory = None if memory is None else np.zeros_like(memory)
     for i in reversed(range(cfg.n_decoder_layers)):
         layer = params_under(params, f"decoder.layers.{i}")
-        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg, layer, inputs[i], memory, self_mask, cross_mask, d_y,
+        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg.layer(i), layer, inputs[i], memory,
+                                                             self_masks[cfg.layer(i).sliding_window], cross_mask, d_y,
                                                              masks_under(dropout_masks, f"decoder.layers.{i}"))
         grads.update(_named(f"decoder.layers.{i}", layer_grads))
         if d_memory is not None:
@@ -495,9 +514,12 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
 
 
 def output_logits_vjp(cfg: ModelConfig, params: Params, h: np.ndarray, d_logits: np.ndarray) -> tuple[np.ndarray, Grads]:
-    """logits = h W_head + b:  ∂h = ∂logits W_headᵀ, ∂W_head = Σ hᵀ ∂logits; tied (W_head = Eᵀ):
+    """logits = softcap(z), z = h W_head + b:  ∂z = softcap_vjp(z, ∂logits), ∂h = ∂z W_headᵀ, ∂W_head = Σ hᵀ ∂z;
+    tied (W_head = Eᵀ):
     ∂E gets ∂W_headᵀ. h [B, T, d], d_logits [B, T, V] -> d_h, {head.* or tgt_embed.weight}"""
     weight = params["tgt_embed.weight"].T if cfg.tie_head else params["head.weight"]
+    if cfg.final_softcap is not None:  # logits = c tanh(z / c), z = h W_head + b
+        d_logits = softcap_vjp(linear(h, weight, params.get("head.bias")), cfg.final_softcap, d_logits)
     d_h, d_weight, d_bias = linear_vjp(h, weight, d_logits)
     grads = {"tgt_embed.weight": d_weight.T} if cfg.tie_head else {"head.weight": d_weight}
     if "head.bias" in params:

@@ -247,18 +247,25 @@ def group_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
     return np.repeat(x, n_heads // x.shape[1], axis=1)
 
 
-def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                                 mask: np.ndarray | None = None) -> np.ndarray:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V.
+def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    """c · tanh(x / c): x bent smoothly into (−c, c); x itself without a cap."""
+    return x if cap is None else cap * np.tanh(x / cap)
+
+
+def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
+                                 scale: float | None = None, cap: float | None = None) -> np.ndarray:
+    """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given (Gemma's
+    1/√query_pre_attention_scalar), the cap taken before the mask (SPEC §5.13).
     q [B, H, Q, d_k], k and v [B, H, K, d_k], mask keep [.., Q, K] -> [B, H, Q, d_k]"""
-    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = softcap(q @ np.swapaxes(k, -1, -2) * scale, cap)  # [B, H, Q, K]
     return softmax(scores, mask) @ v
 
 
 def head_norm(cfg: ModelConfig, p: Params, name: str, x: np.ndarray) -> np.ndarray:
     """Qwen3's RMSNorm of each head's q or k over d_k (p[name + "_norm.scale"]), when it has one."""
     scale = p.get(f"{name}_norm.scale")
-    return x if scale is None else rms_norm(x, scale, None, float(cfg.norm_eps))
+    return x if scale is None else rms_norm(x, norm_scale(cfg, scale), None, float(cfg.norm_eps))
 
 
 def key_value_heads(cfg: ModelConfig, p: Params, context: np.ndarray,
@@ -276,7 +283,8 @@ def attend(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.ndar
     rotated as K is. x [B, Q, d], k and v [B, H_kv, K, d_k] -> [B, Q, d]"""
     q = head_norm(cfg, p, "q", split_heads(linear(x, p["q.weight"], p.get("q.bias")), cfg.n_heads))
     q = q if positions is None else rotary(cfg, q, positions)
-    heads = scaled_dot_product_attention(q, group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads), mask)
+    heads = scaled_dot_product_attention(q, group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads), mask,
+                                         cfg.score_scale, cfg.attention_softcap)
     return linear(merge_heads(heads), p["o.weight"], p.get("o.bias"))  # heads [B, H, Q, d_k]
 
 
@@ -327,10 +335,15 @@ def rms_norm(x: np.ndarray, scale: np.ndarray, bias: None, eps: float) -> np.nda
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * scale
 
 
+def norm_scale(cfg: ModelConfig, scale: np.ndarray) -> np.ndarray:
+    """γ: the stored scale, or 1 + scale where cfg.norm_scale_plus_one (Gemma)."""
+    return 1.0 + scale if cfg.norm_scale_plus_one else scale
+
+
 def norm(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     """The config's norm with parameters p["scale"] and p["bias"] (RMSNorm has none)."""
     kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[cfg.norm]
-    return kind(x, p["scale"], p.get("bias"), float(cfg.norm_eps))
+    return kind(x, norm_scale(cfg, p["scale"]), p.get("bias"), float(cfg.norm_eps))
 
 
 def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
@@ -339,17 +352,28 @@ def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndar
 
 
 def residual(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray],
-             dropout_mask: np.ndarray | None = None) -> np.ndarray:
-    """post-LN: Norm(x + Dropout(Sublayer(x)))  (the paper);  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
+             dropout_mask: np.ndarray | None = None, post_norm_p: Params | None = None) -> np.ndarray:
+    """post-LN: Norm(x + Dropout(Sublayer(x)))  (the paper);  pre-LN: x + Dropout(Sublayer(Norm(x)));
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
     if cfg.norm_position == "post":
         return norm(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask))
-    return x + dropout(cfg, sublayer(norm(cfg, norm_p, x)), dropout_mask)
+    out = sublayer(norm(cfg, norm_p, x))
+    if post_norm_p is not None:
+        out = norm(cfg, post_norm_p, out)
+    return x + dropout(cfg, out, dropout_mask)
+
+
+def block(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray],
+          dropout_mask: np.ndarray | None = None) -> np.ndarray:
+    """The residual block of a layer's sublayer `name` (self_attn, cross_attn, ffn) with its norms:
+    {name}_norm, and {name}_post_norm where the config has post norms. p: the layer's parameters."""
+    post_norm_p = params_under(p, f"{name}_post_norm") if cfg.post_norms else None
+    return residual(cfg, params_under(p, f"{name}_norm"), x, sublayer, dropout_mask, post_norm_p)
 
 
 def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarray | None = None) -> np.ndarray:
     """The residual/norm block around a layer's FFN. p: the layer's parameters."""
-    return residual(cfg, params_under(p, "ffn_norm"), x,
-                    lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation), dropout_mask)
+    return block(cfg, p, "ffn", x, lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation), dropout_mask)
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -359,8 +383,7 @@ def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray |
     """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
     drop = dropout_masks or {}
     attention = params_under(p, "self_attn")
-    x = residual(cfg, params_under(p, "self_attn_norm"), x,
-                 lambda h: multi_head_attention(cfg, attention, h, h, mask), drop.get("self_attn"))
+    x = block(cfg, p, "self_attn", x, lambda h: multi_head_attention(cfg, attention, h, h, mask), drop.get("self_attn"))
     return ffn_block(cfg, p, x, drop.get("ffn"))
 
 
@@ -371,13 +394,12 @@ def decoder_layer(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray
     only]; y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
     drop = dropout_masks or {}
     self_attention = params_under(p, "self_attn")
-    y = residual(cfg, params_under(p, "self_attn_norm"), y,
-                 lambda h: multi_head_attention(cfg, self_attention, h, h, self_mask), drop.get("self_attn"))
+    y = block(cfg, p, "self_attn", y, lambda h: multi_head_attention(cfg, self_attention, h, h, self_mask),
+              drop.get("self_attn"))
     if memory is not None:
         cross_attention = params_under(p, "cross_attn")
-        y = residual(cfg, params_under(p, "cross_attn_norm"), y,
-                     lambda h: multi_head_attention(cfg, cross_attention, h, memory, cross_mask),
-                     drop.get("cross_attn"))
+        y = block(cfg, p, "cross_attn", y, lambda h: multi_head_attention(cfg, cross_attention, h, memory, cross_mask),
+                  drop.get("cross_attn"))
     return ffn_block(cfg, p, y, drop.get("ffn"))
 
 
@@ -404,18 +426,26 @@ def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))). tgt_ids [B, T] -> [B, T, d];
     dropout_masks by site (spec.dropout.dropout_sites)."""
     y = embed(cfg, params, tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
-    self_mask = decoder_self_mask(tgt_keep, window=cfg.sliding_window)  # [B, 1, T, T]
+    self_masks = decoder_self_masks(cfg, tgt_keep)  # by window: [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_decoder_layers):
-        y = decoder_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, memory, self_mask, cross_mask,
+        y = decoder_layer(cfg.layer(i), params_under(params, f"decoder.layers.{i}"), y, memory,
+                          self_masks[cfg.layer(i).sliding_window], cross_mask,
                           masks_under(dropout_masks, f"decoder.layers.{i}"))
     return final_norm(cfg, params, "decoder", y)
 
 
+def decoder_self_masks(cfg: ModelConfig, tgt_keep: np.ndarray, q_len: int | None = None) -> dict:
+    """The decoder's self-attention masks by window, one for each window its layers have (None:
+    full causal). tgt_keep [B, K] -> {W: [B, 1, Q, K]}"""
+    return {window: decoder_self_mask(tgt_keep, q_len, window) for window in set(cfg.layer_windows)}
+
+
 def output_logits(cfg: ModelConfig, params: Params, h: np.ndarray) -> np.ndarray:
-    """logits = h W_head + b; tied: W_head = E_tgtᵀ. [B, T, d] -> [B, T, V]"""
+    """logits = softcap(h W_head + b) (the final cap where the config has one); tied: W_head = E_tgtᵀ.
+    [B, T, d] -> [B, T, V]"""
     weight = params["tgt_embed.weight"].T if cfg.tie_head else params["head.weight"]
-    return linear(h, weight, params.get("head.bias"))
+    return softcap(linear(h, weight, params.get("head.bias")), cfg.final_softcap)
 
 
 def log_probs(cfg: ModelConfig, params: Params, h: np.ndarray) -> np.ndarray:
@@ -536,29 +566,29 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     tgt_ids = np.asarray(tgt_ids)
     keep = np.concatenate([cache.tgt_keep, token_keep(cfg, tgt_ids, tgt_keep, "tgt", cache.length)], axis=1)
     n_new, n_all = tgt_ids.shape[1], keep.shape[1]
-    self_mask = decoder_self_mask(keep, n_new, cfg.sliding_window)  # [B, 1, n, P + n]
+    self_masks = decoder_self_masks(cfg, keep, n_new)  # by window: [B, 1, n, P + n]
     cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)
     y = embed(cfg, p, tgt_ids, "tgt", offset=cache.length)
     positions, _ = attention_positions(cfg, n_new, n_all)  # RoPE's: the new ones
     keys, values = [], []
     for i in range(cfg.n_decoder_layers):
-        layer = params_under(p, f"decoder.layers.{i}")
+        layer, layer_cfg = params_under(p, f"decoder.layers.{i}"), cfg.layer(i)
         self_attention = params_under(layer, "self_attn")
 
         def cached_self_attention(h: np.ndarray) -> np.ndarray:
             # K (rotated) and V of the new positions joined to the cached ones: [B, H_kv, P + n, d_k]
-            k, v = key_value_heads(cfg, self_attention, h, positions)
+            k, v = key_value_heads(layer_cfg, self_attention, h, positions)
             keys.append(np.concatenate([cache.self_keys[i], k], axis=2))
             values.append(np.concatenate([cache.self_values[i], v], axis=2))
-            return attend(cfg, self_attention, h, keys[-1], values[-1], self_mask, positions)
+            return attend(layer_cfg, self_attention, h, keys[-1], values[-1], self_masks[layer_cfg.sliding_window],
+                          positions)
 
-        y = residual(cfg, params_under(layer, "self_attn_norm"), y, cached_self_attention)
+        y = block(layer_cfg, layer, "self_attn", y, cached_self_attention)
         if cache.cross_keys is not None:
             cross_attention = params_under(layer, "cross_attn")
-            y = residual(cfg, params_under(layer, "cross_attn_norm"), y,
-                         lambda h: attend(cfg, cross_attention, h, cache.cross_keys[i], cache.cross_values[i],
-                                          cross_mask))
-        y = ffn_block(cfg, layer, y)
+            y = block(cfg, layer, "cross_attn", y,
+                      lambda h: attend(cfg, cross_attention, h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
+        y = ffn_block(layer_cfg, layer, y)
     logits = output_logits(cfg, p, final_norm(cfg, p, "decoder", y))
     new_cache = KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)
     return logits, new_cache

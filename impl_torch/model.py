@@ -72,9 +72,13 @@ def softmax(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
 # ---- embeddings and positions ---------------------------------------------------------------
 
 def token_embedding(ids: torch.Tensor, table: nn.Embedding, scale: bool) -> torch.Tensor:
-    """E[ids] · √d_model. ids [B, T] -> [B, T, d]"""
+    """E[ids] · √d_model, the scale a number of the activation dtype (SPEC §5.13). ids [B, T] -> [B, T, d]"""
     x = table(ids)
-    return x * math.sqrt(table.embedding_dim) if scale else x
+    if not scale:
+        return x
+    # a Python float would be applied in float32 to a half-precision x (torch's op math); the spec
+    # rounds √d to x's dtype first, as Gemma's normalizer does
+    return x * torch.tensor(math.sqrt(table.embedding_dim), dtype=x.dtype, device=x.device)
 
 
 def sinusoidal_table(positions: torch.Tensor, d_model: int, layout: str) -> torch.Tensor:
@@ -220,16 +224,23 @@ def group_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x.repeat_interleave(n_heads // x.shape[1], dim=1)
 
 
-def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 mask: torch.Tensor | None = None, path: str = "sdpa") -> torch.Tensor:
-    """Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V, query head h reading key/value head
-    h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
-    broadcastable to [B, H, Q, K]."""
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """c · tanh(x / c): x bent smoothly into (−c, c); x itself without a cap."""
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                                 path: str = "sdpa", scale: float | None = None,
+                                 cap: float | None = None) -> torch.Tensor:
+    """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given, query head h
+    reading key/value head h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a
+    boolean keep-mask broadcastable to [B, H, Q, K]."""
     grouped = k.shape[1] != q.shape[1]
-    if path == "math":
+    if path == "math" or cap is not None:  # SDPA has no softcap: a capped attention takes the math path
         if grouped:
             k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, Q, K]
+        scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = softcap(q @ k.transpose(-1, -2) * scale, cap)  # [B, H, Q, K]
         # Half-precision softmax loses the small weights; take it in float32 as SDPA kernels do.
         weights = softmax(scores.float() if scores.dtype in _HALF else scores, mask).to(v.dtype)
         return weights @ v
@@ -243,7 +254,7 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # enable_gqa: SDPA reads each key/value head for its group in place of the golden's repeated
     # copies (and torch.onnx exports it as one GQA Attention op); only when grouped, so that
     # multi-head attention keeps every kernel SDPA may choose
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped, scale=scale)
     if mask is None:
         return out
     row_has_key = mask.any(dim=-1, keepdim=True)  # [B|1, H|1, Q|1, 1]
@@ -257,10 +268,10 @@ class HeadNorm(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(cfg.d_head))
-        self.eps = float(cfg.norm_eps)
+        self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.scale, None, self.eps)
+        return rms_norm(x, self.scale, None, self.eps, self.plus_one)
 
 
 def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset: int | torch.Tensor = 0,
@@ -309,7 +320,8 @@ class MultiHeadAttention(nn.Module):
         q = self.head_norm("q", split_heads(self.q(x), self.cfg.n_heads))
         q = q if positions is None else rotary(self.cfg, q, positions)
         # K and V go in as H_kv heads, not the golden's group_heads copies: SDPA groups them itself
-        heads = scaled_dot_product_attention(q, k, v, mask, self.path)  # [B, H, Q, d_k]
+        heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.cfg.score_scale,
+                                             self.cfg.attention_softcap)  # [B, H, Q, d_k]
         return self.o(merge_heads(heads))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None,
@@ -353,11 +365,17 @@ def std_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: floa
     return scale * centered / (x.std(dim=-1, keepdim=True) + eps) + bias
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, bias: None, eps: float) -> torch.Tensor:
-    """γ x / √(mean(x²) + ε), no bias. A half-precision x is normalised in float32, cast back, then
-    scaled in its own dtype, as Llama does (SPEC §5.6); not F.rms_norm, which scales in float32."""
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, bias: None, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """γ x / √(mean(x²) + ε), no bias; γ = 1 + scale where plus_one (Gemma). A half-precision x is
+    normalised in float32, cast back, then scaled in its own dtype, as Llama does (SPEC §5.6); not
+    F.rms_norm, which scales in float32. Gemma's scales in float32 before the cast: so here."""
     wide = x.float() if x.dtype in _HALF else x
-    return (wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * scale
+    root = torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if plus_one:
+        # x · (γ · r) rather than (x · r) · γ: torch.onnx's rewriter fuses the latter with the cast
+        # after it into one RMSNormalization whose output type contradicts its float32 scale
+        return (wide * ((1.0 + scale.to(wide.dtype)) * root)).to(x.dtype)
+    return (wide * root).to(x.dtype) * scale
 
 
 class Norm(nn.Module):
@@ -369,12 +387,12 @@ class Norm(nn.Module):
         self.scale = nn.Parameter(torch.ones(cfg.d_model))
         self.bias = None if cfg.norm == "rmsnorm" else nn.Parameter(torch.zeros(cfg.d_model))
         self.norm = cfg.norm
-        self.eps = float(cfg.norm_eps)
+        self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = {"layernorm": layer_norm, "std": std_norm, "rmsnorm": rms_norm}[self.norm]
         if self.bias is None:  # RMSNorm takes half precision itself
-            return kind(x, self.scale, None, self.eps)
+            return rms_norm(x, self.scale, None, self.eps, self.plus_one)
         if x.dtype in _HALF:  # statistics of half-precision activations are taken in float32
             return kind(x.float(), self.scale.float(), self.bias.float(), self.eps).to(x.dtype)
         return kind(x, self.scale, self.bias, self.eps)
@@ -387,11 +405,23 @@ def dropout(cfg: ModelConfig, x: torch.Tensor, keep: torch.Tensor | None) -> tor
 
 
 def residual(cfg: ModelConfig, norm: Norm, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor],
-             dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)))."""
+             dropout_mask: torch.Tensor | None = None, post_norm: Norm | None = None) -> torch.Tensor:
+    """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)));
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
     if cfg.norm_position == "post":
         return norm(x + dropout(cfg, sublayer(x), dropout_mask))
-    return x + dropout(cfg, sublayer(norm(x)), dropout_mask)
+    out = sublayer(norm(x))
+    if post_norm is not None:
+        out = post_norm(out)
+    return x + dropout(cfg, out, dropout_mask)
+
+
+def block(cfg: ModelConfig, layer: nn.Module, name: str, x: torch.Tensor,
+          sublayer: Callable[[torch.Tensor], torch.Tensor], dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual block of a layer's sublayer `name` (self_attn, cross_attn, ffn) with its norms:
+    {name}_norm, and {name}_post_norm where the config has post norms."""
+    return residual(cfg, getattr(layer, f"{name}_norm"), x, sublayer, dropout_mask,
+                    getattr(layer, f"{name}_post_norm", None))
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -406,12 +436,12 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = Norm(cfg)
 
     def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, dropout_masks: dict | None = None) -> torch.Tensor:
         """x = Block(x, SelfAttention); x = Block(x, FFN). x [B, S, d]; dropout_masks by block name."""
         drop = dropout_masks or {}
-        x = residual(self.cfg, self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
+        x = block(self.cfg, self, "self_attn", x, lambda h: self.self_attn(h, h, mask), drop.get("self_attn"))
         return self.ffn_block(x, drop.get("ffn"))
 
 
@@ -421,24 +451,28 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.self_attn = MultiHeadAttention(cfg, path)
         self.self_attn_norm = Norm(cfg)
+        if cfg.post_norms:
+            self.self_attn_post_norm = Norm(cfg)
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, self_attention=False)
             self.cross_attn_norm = Norm(cfg)
         self.ffn = FeedForward(cfg)
         self.ffn_norm = Norm(cfg)
+        if cfg.post_norms:
+            self.ffn_post_norm = Norm(cfg)
 
     def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return residual(self.cfg, self.ffn_norm, x, self.ffn, dropout_mask)
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor | None, self_mask: torch.Tensor | None,
                 cross_mask: torch.Tensor | None, dropout_masks: dict | None = None) -> torch.Tensor:
         """y = Block(y, masked SelfAttention); y = Block(y, CrossAttention) [encoder-decoder];
         y = Block(y, FFN). y [B, T, d], memory [B, S, d]; dropout_masks by block name."""
         drop = dropout_masks or {}
-        y = residual(self.cfg, self.self_attn_norm, y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
+        y = block(self.cfg, self, "self_attn", y, lambda h: self.self_attn(h, h, self_mask), drop.get("self_attn"))
         if memory is not None:
-            y = residual(self.cfg, self.cross_attn_norm, y, lambda h: self.cross_attn(h, memory, cross_mask),
-                         drop.get("cross_attn"))
+            y = block(self.cfg, self, "cross_attn", y, lambda h: self.cross_attn(h, memory, cross_mask),
+                      drop.get("cross_attn"))
         return self.ffn_block(y, drop.get("ffn"))
 
 
@@ -450,7 +484,9 @@ class Stack(nn.Module):
         super().__init__()
         if cfg.embed_norm:
             self.embed_norm = Norm(cfg)
-        self.layers = nn.ModuleList(layer(cfg, path) for _ in range(count))
+        # each decoder layer with its own config (its window, its rotary: SPEC §6)
+        layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
+        self.layers = nn.ModuleList(layer(layer_config(i), path) for i in range(count))
         if cfg.final_norm:
             self.norm = Norm(cfg)
 
@@ -462,7 +498,8 @@ class Stack(nn.Module):
 
 
 class Head(nn.Module):
-    """logits = h W_head + b. Tied: W_head = E_tgtᵀ, and only the bias (if any) lives here."""
+    """logits = softcap(h W_head + b), the final cap where the config has one. Tied: W_head = E_tgtᵀ,
+    and only the bias (if any) lives here."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -470,10 +507,11 @@ class Head(nn.Module):
             self.weight = nn.Parameter(torch.empty(cfg.tgt_vocab_size, cfg.d_model))  # [out, in] like nn.Linear
         if cfg.head_bias:
             self.bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size))
+        self.cap = cfg.final_softcap
 
     def forward(self, h: torch.Tensor, tied_table: torch.Tensor) -> torch.Tensor:
         weight = tied_table if not hasattr(self, "weight") else self.weight  # both [V, d]
-        return F.linear(h, weight, getattr(self, "bias", None))
+        return softcap(F.linear(h, weight, getattr(self, "bias", None)), self.cap)
 
 
 def _key_mask(keep: torch.Tensor) -> torch.Tensor:
@@ -623,11 +661,12 @@ class Transformer(nn.Module):
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
         length = tgt_ids.shape[1]
-        causal = _causal_mask(length, length, y.device, self.cfg.sliding_window)
-        self_mask = causal & _key_mask(tgt_keep)  # [B, 1, T, T]
+        self_masks = {window: _causal_mask(length, length, y.device, window) & _key_mask(tgt_keep)  # [B, 1, T, T]
+                      for window in set(self.cfg.layer_windows)}
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
-            y = layer(y, memory, self_mask, cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}"))
+            y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,
+                      masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -775,11 +814,13 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     cache.tgt_keep.scatter_(1, positions[None, :].expand(batch, n_new), new_keep)
     at_positions = positions[None, None, :, None].expand(batch, cfg.kv_heads, n_new, cfg.d_head)  # [B, H_kv, n, d_k]
     slots = torch.arange(cache.capacity, device=start.device)[None, :]
-    causal = slots <= positions[:, None]  # [n, C]
-    if cfg.sliding_window is not None:
-        causal = causal & (slots > positions[:, None] - cfg.sliding_window)
-    # the stale entries past the new positions are hidden by the causal mask, whatever they hold
-    self_mask = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
+    self_masks = {}
+    for window in set(cfg.layer_windows):
+        causal = slots <= positions[:, None]  # [n, C]
+        if window is not None:
+            causal = causal & (slots > positions[:, None] - window)
+        # the stale entries past the new positions are hidden by the causal mask, whatever they hold
+        self_masks[window] = causal[None, None] & _key_mask(cache.tgt_keep)  # [B, 1, n, C]
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start)
     rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)  # RoPE's: the new ones
@@ -790,12 +831,13 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
             k, v = layer.self_attn.key_value_heads(h, rope_positions)
             cache.self_keys[i].scatter_(2, at_positions, k)
             cache.self_values[i].scatter_(2, at_positions, v)
-            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i], self_mask, rope_positions)
+            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i],
+                                          self_masks[layer.cfg.sliding_window], rope_positions)
 
-        y = residual(cfg, layer.self_attn_norm, y, cached_self_attention)
+        y = block(layer.cfg, layer, "self_attn", y, cached_self_attention)
         if cache.cross_keys is not None:
-            y = residual(cfg, layer.cross_attn_norm, y,
-                         lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
+            y = block(cfg, layer, "cross_attn", y,
+                      lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = layer.ffn_block(y)
     return model.output_logits(model.decoder.final_norm(y))
 

@@ -59,6 +59,8 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -73,6 +75,9 @@ _OUT_OF_SPEC = {
     "mbart": ("add_final_layer_norm", "mBART is pre-LN with its norms after the embeddings and after each stack; "
               "import it as a separate family once the spec grows that combination"),
     "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
+    "gemma3": ("vision_config", "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) has a vision tower "
+               "the spec does not describe; its text decoder is Gemma3ForCausalLM (model_type gemma3_text), which "
+               "imports"),
 }
 
 _ACTIVATIONS = {
@@ -351,9 +356,11 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     if not isinstance(parameters, dict):
         raise ConfigError(f"{name} = {json.dumps(parameters)}: expected a JSON object (rope_type, rope_theta)")
     if any(isinstance(value, dict) for value in parameters.values()):  # one entry per layer type
-        if set(parameters) != {"full_attention"}:
+        kinds = {"full_attention", "sliding_attention"} if family == "gemma3_text" else {"full_attention"}
+        if not set(parameters) <= kinds or "full_attention" not in parameters:
             raise ConfigError(f"{name} = {json.dumps(parameters)}: rotary settings per layer type; the spec has one "
-                              "rotary embedding for every layer")
+                              "rotary embedding for every layer, or Gemma 3's sliding layers with their own "
+                              "unrescaled theta (local_rope_theta)")
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if family == "phi3":
@@ -364,7 +371,7 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
                           "dimension of a head whatever this says, so the file and transformers disagree on the "
                           "function; the spec's rope_fraction is for a family whose class honours it")
     theta = parameters.get("rope_theta", hf.get("rope_theta"))
-    theta = float(10000.0 if theta is None else theta)  # transformers' default_theta
+    theta = float(_DEFAULT_THETA.get(family, 10000.0) if theta is None else theta)  # transformers' default_theta
     fraction = float(1.0 if fraction is None else fraction)
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind == "default":
@@ -380,6 +387,25 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
         raise ConfigError(f"{field} = {json.dumps(kind)} ({what}): the spec's rotary rescalings are "
                           f"{', '.join(ROPE_SCALINGS[:-1])} and {ROPE_SCALINGS[-1]} (SPEC §5.12)")
     return theta, fraction, _rope_scaling(hf, name, kind, parameters)
+
+
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}  # Gemma3TextConfig's global theta; the others' is 10000
+_GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
+
+
+def _local_rope_theta(hf: Mapping[str, Any]) -> float:
+    """Gemma 3's sliding layers rotate by their own θ, unrescaled: rope_parameters.sliding_attention
+    (transformers 5), else rope_local_base_freq (older files), else 10000."""
+    parameters = hf.get("rope_parameters") or {}
+    entry = parameters.get("sliding_attention") if isinstance(parameters, dict) else None
+    if isinstance(entry, dict):
+        kind = entry.get("rope_type", entry.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"rope_parameters.sliding_attention.rope_type = {json.dumps(kind)}: the spec's sliding "
+                              "layers with a theta of their own rotate unrescaled (Gemma 3's local layers)")
+        if entry.get("rope_theta") is not None:
+            return float(entry["rope_theta"])
+    return float(hf.get("rope_local_base_freq") or _GEMMA3_LOCAL_THETA)
 
 
 def _rope_scaling(hf: Mapping[str, Any], name: str, kind: str, parameters: Mapping[str, Any]) -> RopeScaling:
@@ -434,6 +460,8 @@ def _refuse_foreign_fields(hf: Mapping[str, Any], family: str) -> None:
     """Fields of other architectures that these classes do not apply: a file that sets them was made
     for a model that does, and the spec has neither."""
     model = FAMILIES[family]
+    if family in _GEMMA_FAMILIES:
+        return
     for name, what in (("attn_logit_softcapping", "scores squashed by c·tanh(s/c)"),
                        ("final_logit_softcapping", "logits squashed by c·tanh(z/c)")):
         _refuse_if(hf, name, lambda value: value is not None,
@@ -444,20 +472,39 @@ def _refuse_foreign_fields(hf: Mapping[str, Any], family: str) -> None:
                    "not apply it either")
 
 
-def _refuse_sliding_window(hf: Mapping[str, Any], family: str) -> None:
+_HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _layer_kinds(hf: Mapping[str, Any], family: str, window: int | None,
+                 default: Callable[[int], bool]) -> dict[str, Any]:
+    """sliding_window and layer_types (SPEC §6) from the file's layer_types, else from the class's
+    rule default(i) (is layer i sliding?): no field where every layer is full, a window alone where
+    every layer is sliding, both where they mix."""
+    layers = _require(hf, "num_hidden_layers", family)
+    written = hf.get("layer_types")
+    if written is not None:
+        if not isinstance(written, list) or len(written) != layers or any(kind not in _HF_LAYER_TYPES for kind in written):
+            raise ConfigError(f"layer_types = {json.dumps(written)}: expected {layers} entries, each "
+                              f"{' or '.join(map(json.dumps, _HF_LAYER_TYPES))}")
+        kinds = tuple(_HF_LAYER_TYPES[kind] for kind in written)
+    else:
+        kinds = tuple("sliding" if default(i) else "full" for i in range(layers))
+    if "sliding" not in kinds:
+        return {}
+    if window is None:
+        raise ConfigError(f"layer_types has sliding layers ({kinds.count('sliding')} of {layers}) but sliding_window is "
+                          "null: their window is unknown")
+    if "full" not in kinds:
+        return {"sliding_window": window}
+    return {"sliding_window": window, "layer_types": kinds}
+
+
+def _qwen_layer_kinds(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
     """Qwen2 and Qwen3 attend to a window of sliding_window keys in the layers from max_window_layers
     on, when use_sliding_window is true (layer_types, if written, says which layers)."""
-    layer_types = hf.get("layer_types")
-    _refuse_if(hf, "layer_types", lambda kinds: any(kind != "full_attention" for kind in kinds or ()),
-               "the spec has full causal attention in every layer")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    if window is None or layer_types is not None:
-        return
-    layers, first = _require(hf, "num_hidden_layers", family), hf.get("max_window_layers", 28)
-    if first < layers:
-        raise ConfigError(f"use_sliding_window = true, sliding_window = {json.dumps(window)}, max_window_layers = "
-                          f"{json.dumps(first)}: layers {first} … {layers - 1} attend to the last {window} keys "
-                          "only; the spec's causal attention sees every earlier position")
+    window = _sliding_window(hf, None) if hf.get("use_sliding_window") else None
+    first = hf.get("max_window_layers", 28)
+    return _layer_kinds(hf, family, window, lambda i: window is not None and i >= first)
 
 
 def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, head_dim: int, kv_heads: int,
@@ -501,9 +548,9 @@ def _llama_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
 
 
 def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
-    _refuse_sliding_window(hf, "qwen2")
     return _rotary_decoder(hf, "qwen2", notes, head_dim=_head_dim(hf, "qwen2"),
-                           kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False)
+                           kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False,
+                           **_qwen_layer_kinds(hf, "qwen2"))
 
 
 _PHI3_ORIGINAL_MAX_LEN = 4096  # Phi3Config's original_max_position_embeddings where config.json has none
@@ -543,12 +590,55 @@ def _phi3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
 
 
 def _qwen3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
-    _refuse_sliding_window(hf, "qwen3")
     _refuse_if(hf, "attention_bias", bool, "Qwen3 then has biases on q, k, v and o_proj but none in its MLP; the "
                "spec's bias field gives o_proj and the FFN their biases together")
     return _rotary_decoder(hf, "qwen3", notes, head_dim=_head_dim(hf, "qwen3", 128),
                            kv_heads=_require(hf, "num_key_value_heads", "qwen3"), qkv_bias=False, bias=False,
-                           qk_norm=True)
+                           qk_norm=True, **_qwen_layer_kinds(hf, "qwen3"))
+
+
+_GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+_GEMMA_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}  # the classes' attn, final defaults
+_GEMMA_WINDOW = 4096  # Gemma2Config's and Gemma3TextConfig's sliding_window where the file has none
+
+
+def _gemma_config(hf: Mapping[str, Any], notes: list[str], family: str) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text): Llama's layout with the embeddings times √d, RMSNorms that
+    multiply by (1 + weight) and four of them a layer, scores scaled by 1/√query_pre_attn_scalar,
+    GeGLU, sliding and full layers (layer_types, else every other layer from the first for Gemma 2,
+    five in six for Gemma 3), Gemma 2's softcaps, Gemma 3's q/k norms and its sliding layers'
+    own θ. A tied head (the classes tie it)."""
+    _refuse_if(hf, "use_bidirectional_attention", bool, "its layers attend in both directions (an embedding "
+               "model), and the spec's decoder is causal")
+    _refuse_if(hf, "attention_bias", bool, "then q, k, v and o carry biases; Gemma's have none, nor has the spec's "
+               "Gemma layout")
+    if hf.get("tie_word_embeddings") is False:
+        raise ConfigError(f"tie_word_embeddings = false: {FAMILIES[family]} ties its head to the embeddings whatever "
+                          "this says")
+    attention_cap, final_cap = (hf.get(key, default) for key, default in
+                                zip(("attn_logit_softcapping", "final_logit_softcapping"), _GEMMA_SOFTCAPS[family]))
+    window = _sliding_window(hf, _GEMMA_WINDOW)
+    pattern = 2 if family == "gemma2" else hf.get("sliding_window_pattern", 6)
+    kinds = _layer_kinds(hf, family, window, lambda i: bool((i + 1) % pattern))
+    if family == "gemma3_text" and "layer_types" in kinds:
+        kinds["local_rope_theta"] = _local_rope_theta(hf)
+    activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", family)
+    cfg = _rotary_decoder({**hf, "hidden_act": activation, "tie_word_embeddings": True}, family, notes,
+                          head_dim=_head_dim(hf, family, 256), kv_heads=kv_heads, qkv_bias=False, bias=False,
+                          qk_norm=family == "gemma3_text", **kinds)
+    return cfg.replace(embed_scale=True, norm_scale_plus_one=True, post_norms=True,
+                       query_pre_attention_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                       attention_softcap=None if attention_cap is None else float(attention_cap),
+                       final_softcap=None if final_cap is None else float(final_cap))
+
+
+def _gemma2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    return _gemma_config(hf, notes, "gemma2")
+
+
+def _gemma3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    return _gemma_config(hf, notes, "gemma3_text")
 
 
 # ---- the mappings ------------------------------------------------------------------------------
@@ -642,7 +732,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES)
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -671,7 +761,13 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
             for projection in "qk":
                 rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
                                   f"{ours}.self_attn.{projection}_norm.scale", "copy"))
-        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention's post norm, not the FFN's
+            for theirs, norm in (("post_attention_layernorm", "self_attn_post_norm"),
+                                 ("pre_feedforward_layernorm", "ffn_norm"),
+                                 ("post_feedforward_layernorm", "ffn_post_norm")):
+                rules.append(Rule(f"{hf}.{theirs}.weight", (d,), f"{ours}.{norm}.scale", "copy"))
+        else:
+            rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
         if fused:  # Phi3MLP chunks gate_up_proj's outputs in two and activates the first half
             _fused_linear(rules, f"{hf}.mlp.gate_up_proj", {f"{ours}.ffn.w1": d_ff, f"{ours}.ffn.w3": d_ff}, d)
         for projection, canonical in _LLAMA_MLP[2:] if fused else _LLAMA_MLP:
@@ -811,7 +907,8 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 
 
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
-            "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config}
+            "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
+            "gemma2": _gemma2_config, "gemma3_text": _gemma3_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -895,6 +992,10 @@ def mapping_markdown(family: str) -> str:
     examples["qwen3"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True))
     examples["mistral"] = (llama_mapping, rotary.replace(sliding_window=2))
     examples["phi3"] = (phi3_mapping, rotary.replace(rope_fraction=0.5, sliding_window=2))
+    gemma = rotary.replace(embed_scale=True, activation="gelu-tanh", tie_head=True, norm_scale_plus_one=True,
+                           post_norms=True, query_pre_attention_scalar=4.0)
+    examples["gemma2"] = (llama_mapping, gemma.replace(attention_softcap=50.0, final_softcap=30.0))
+    examples["gemma3_text"] = (llama_mapping, gemma.replace(qk_norm=True, head_dim=4))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

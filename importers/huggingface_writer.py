@@ -1,5 +1,5 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral, Phi-3): the importer's mapping run backwards, so that tools which read only Hugging Face
+Mistral, Phi-3, Gemma 2, Gemma 3): the importer's mapping run backwards, so that tools which read only Hugging Face
 directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can
 run the very weights the suite checks.
 
@@ -29,10 +29,42 @@ _MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
 }
 
 
+_GEMMA = {**_MODERN_DECODER, "embed_scale": True, "activation": "gelu-tanh", "tie_head": True, "qkv_bias": False,
+          "bias": False, "norm_scale_plus_one": True, "post_norms": True}
+
+
+def _gemma_family(cfg: ModelConfig) -> str:
+    """Gemma 3 (q/k norms, the sliding layers' own θ) or Gemma 2 (neither)."""
+    for field, value in _GEMMA.items():
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Gemma 2 and Gemma 3 have {field} = {value!r}")
+    if cfg.query_pre_attention_scalar is None:
+        raise ConfigError("query_pre_attention_scalar = None: Gemma's classes always scale the scores by "
+                          "query_pre_attn_scalar (give d_k for 1/√d_k)")
+    mixed = cfg.layer_types is not None
+    if cfg.qk_norm:
+        if mixed and cfg.local_rope_theta is None:
+            raise ConfigError("local_rope_theta = None with sliding and full layers: Gemma 3's sliding layers "
+                              "always rotate by a θ of their own (give rope_theta for the same one)")
+        return "gemma3_text"
+    if cfg.local_rope_theta is not None or cfg.rope_scaling is not None:
+        raise ConfigError("local_rope_theta or rope_scaling without qk_norm: Gemma 2 rotates every layer by one "
+                          "plain θ; Gemma 3 (q/k norms) is the family with per-layer rotaries")
+    return "gemma2"
+
+
 def family_of(cfg: ModelConfig) -> str:
-    """The family whose class computes this config: Phi-3 (a partial rotary, no biases, the plain
-    rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k norms), Qwen2 (q/k/v
-    biases only), else Llama (biases on all or none); a ConfigError naming a field none of them has."""
+    """The family whose class computes this config: Gemma 3 or Gemma 2 ((1 + w) norms and post
+    norms), Phi-3 (a partial rotary, no biases, the plain rotary frequencies), Mistral (a sliding
+    window, no biases), Qwen3 (q/k norms), Qwen2 (q/k/v biases only), else Llama (biases on all or
+    none); a ConfigError naming a field none of them has."""
+    if cfg.post_norms or cfg.norm_scale_plus_one:
+        return _gemma_family(cfg)
+    gemma_only = [name for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar",
+                                    "local_rope_theta") if getattr(cfg, name) is not None]
+    if gemma_only:
+        raise ConfigError(f"{gemma_only[0]} = {getattr(cfg, gemma_only[0])!r} without Gemma's norms: only Gemma's "
+                          "classes have it")
     for field, value in _MODERN_DECODER.items():
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2, Qwen3, Mistral and Phi-3 have "
@@ -45,6 +77,13 @@ def family_of(cfg: ModelConfig) -> str:
                               " with q/k norms, biases or a rescaling but longrope: Phi-3, the family that rotates "
                               "part of each head or rescales by longrope, has none of them")
         return "phi3"
+    if cfg.layer_types is not None:
+        if cfg.qkv_bias and not cfg.bias and not cfg.qk_norm:
+            return "qwen2"
+        if cfg.qk_norm and not (cfg.qkv_bias or cfg.bias):
+            return "qwen3"
+        raise ConfigError("layer_types outside Gemma: Qwen2 (q/k/v biases only) and Qwen3 (q/k norms, no biases) "
+                          "are the other families whose layers slide or not one by one")
     if cfg.sliding_window is not None:
         if cfg.qk_norm or cfg.qkv_bias or cfg.bias:
             raise ConfigError("sliding_window with q/k norms or biases: Mistral, the family with a window in every "
@@ -77,11 +116,35 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     elif family in ("mistral", "phi3"):
         config |= {"sliding_window": cfg.sliding_window}
+    elif family in ("gemma2", "gemma3_text"):
+        del config["hidden_act"]
+        config |= {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                   # an int in Gemma's configs (transformers' strict config refuses 16.0)
+                   "query_pre_attn_scalar": _integral(cfg.query_pre_attention_scalar), "sliding_window": cfg.sliding_window,
+                   "layer_types": _hf_layer_types(cfg), "attn_logit_softcapping": cfg.attention_softcap,
+                   "final_logit_softcapping": cfg.final_softcap}
+        if family == "gemma3_text" and cfg.local_rope_theta is not None:
+            config["rope_parameters"] = {"full_attention": config["rope_parameters"],
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
+        return config
+    elif cfg.layer_types is not None:  # Qwen2, Qwen3: the window in the layers layer_types says
+        return config | {"use_sliding_window": True, "sliding_window": cfg.sliding_window,
+                         "layer_types": _hf_layer_types(cfg), "max_window_layers": cfg.layer_types.index("sliding")}
     if family == "phi3" and cfg.rope_scaling is not None:  # transformers reads Phi-3's at the top level first
         config |= {"original_max_position_embeddings": cfg.rope_scaling.original_max_len}
     else:
         config |= {"use_sliding_window": False}
     return config
+
+
+def _integral(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def _hf_layer_types(cfg: ModelConfig) -> list[str]:
+    """layer_types as transformers writes them, every layer's kind spelled out."""
+    kinds = cfg.layer_types or ("sliding" if cfg.sliding_window else "full",) * cfg.n_decoder_layers
+    return [f"{kind}_attention" for kind in kinds]
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:

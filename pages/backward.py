@@ -45,6 +45,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "positional_encoding_vjp": ("Transformer.positional_encoding", "Transformer.positional_encoding"),
     "embed_vjp": ("Transformer.embed", "Transformer.embed"),
     "rotary_vjp": ("rotary", "rotary"),
+    "softcap_vjp": ("softcap", "softcap"),
     "group_heads_vjp": ("group_heads", "group_heads"),
     "head_norm_vjp": ("HeadNorm.forward", "HeadNorm.__call__"),
     "attend_vjp": ("MultiHeadAttention.attend", "MultiHeadAttention.attend"),
@@ -52,7 +53,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "multi_head_attention_vjp": ("MultiHeadAttention.forward", "MultiHeadAttention.__call__"),
     "dropout_vjp": ("dropout", "dropout"),
     "residual_vjp": ("residual", "residual"),
-    "block_vjp": (None, None),
+    "block_vjp": ("block", "block"),
     "self_attention_vjp": (None, None),
     "ffn_block_vjp": ("EncoderLayer.ffn_block", "EncoderLayer.ffn_block"),
     "encoder_layer_vjp": ("EncoderLayer.forward", "EncoderLayer.__call__"),
@@ -70,7 +71,6 @@ PRIMITIVES = {
     "gelu_vjp": "PyTorch: `F.gelu(approximate='none')`'s own derivative",
     "swish_vjp": "`F.silu` / `jax.nn.silu`: the frameworks' own derivative",
     "log_softmax_vjp": "`F.log_softmax` / `jax.nn.log_softmax`: the frameworks' own derivative",
-    "block_vjp": "no function of its own in the frameworks: a layer's forward calls residual on each sublayer",
     "self_attention_vjp": "no function of its own in the frameworks: the layer's forward calls its attention "
                           "module with the same tensor as queries and context",
 }

@@ -146,7 +146,60 @@ def _modern_numbers() -> dict[str, dict]:
         angles = (positions.astype(dtype)[:, None] * inverse[None, :]).astype(np.float64)
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
-            "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch()}
+            "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch(),
+            "softcap": _softcap_conventions()}
+
+
+CAP = 2.0  # the softcap c of the softcap measurement: c·tanh(s / c)
+
+
+def _softcap_conventions() -> dict[str, object]:
+    """Where each framework takes an attention softcap (SPEC.md §5.13), on one causal attention of 9
+    positions with scores well past c: the arguments of torch's SDPA and of
+    jax.nn.dot_product_attention, and onnxruntime's GroupQueryAttention with softcap = c and the
+    causal mask as its attention_bias, against the golden with the cap before the mask and after it."""
+    import inspect
+
+    import jax
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    import impl_numpy as golden
+    from spec.masks import causal_mask
+
+    batch, length, heads, width = 1, 9, 2, 8
+    rng = np.random.default_rng(1)
+    q, k, v = (3 * rng.standard_normal((batch, length, heads, width)).astype(np.float32) for _ in range(3))
+    to_heads = lambda x: x.transpose(0, 2, 1, 3).astype(np.float64)  # noqa: E731
+    mask = causal_mask(length)
+    scores = to_heads(q) @ to_heads(k).swapaxes(-1, -2) / np.sqrt(width)
+    before = golden.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), mask, cap=CAP)
+    after = golden.softmax(golden.softcap(np.where(mask, scores, -np.inf), CAP)) @ to_heads(v)  # the fill, then the cap
+    bias = np.where(mask, 0.0, np.finfo(np.float32).min).astype(np.float32).reshape(1, 1, length, length)
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total", "", "",
+                                                    "", "bias"],
+                            ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
+                            kv_num_heads=heads, softcap=CAP)
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, length, heads * width]) for name in "qkv"]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, heads, 0, width])
+               for name in ("past_k", "past_v")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, []),
+               helper.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, length, length])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("out", "present_k", "present_v")]
+    model = helper.make_model(helper.make_graph([node], "softcap", inputs, outputs), ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    empty = np.zeros((batch, heads, 0, width), np.float32)
+    out, *_ = session.run(None, {"q": q.reshape(batch, length, -1), "k": k.reshape(batch, length, -1),
+                                 "v": v.reshape(batch, length, -1), "past_k": empty, "past_v": empty,
+                                 "seqlens_k": np.array([length - 1], np.int32), "total": np.array(length, np.int32),
+                                 "bias": bias})
+    out = to_heads(out.reshape(batch, length, heads, width))
+    uncapped = golden.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), mask)
+    return {"largest score": float(np.abs(scores).max()), "cap moves": float(np.abs(before - uncapped).max()),
+            "onnxruntime": [float(np.abs(out - reference).max()) for reference in (before, after)],
+            "jax arguments": list(inspect.signature(jax.nn.dot_product_attention).parameters)}
 
 
 WINDOW = 4  # the spec's W in the window measurements: i − W < j ≤ i
@@ -603,6 +656,28 @@ def _sliding_windows(measurements: Measurements) -> list[tuple[str, str]]:
     ]
 
 
+def _softcaps(measurements: Measurements) -> list[tuple[str, str]]:
+    """Which frameworks take an attention softcap themselves, and where onnxruntime's applies it."""
+    found, sdpa = measurements.modern["softcap"], measurements.modern["windows"]["sdpa arguments"]
+    before, after = found["onnxruntime"]
+    where = "before" if before < after else "after"
+    return [
+        (MEASURED, f"onnxruntime's `GroupQueryAttention` (com.microsoft, CPU) with `softcap={CAP}` and the causal mask "
+                   f"as its `attention_bias`, on scores up to {found['largest score']:.1f} (the cap moves the output "
+                   f"by {found['cap moves']:.2f}): {before:.1e} from the golden's cap before the mask, {after:.1e} from a "
+                   f"cap after the mask fill. It caps {where} its bias, as SPEC.md §5.13 says."),
+        (MEASURED, f"`F.scaled_dot_product_attention` takes {', '.join(f'`{name}`' for name in sdpa)}; "
+                   f"`jax.nn.dot_product_attention` takes {', '.join(f'`{name}`' for name in found['jax arguments'])}: "
+                   "neither has a softcap (its tanh sits between the product and the softmax, inside the kernel)."),
+        (EXPLAINED, "So impl_torch and impl_jax take their math path for a capped attention (`softcap` in "
+                    "`scaled_dot_product_attention`, their own matmul, tanh and softmax), and say so: the JAX "
+                    "column's attention row reads \"explicit (jax.nn.dot_product_attention has no softcap)\". The "
+                    "ONNX in-place step passes the cap to GroupQueryAttention's own `softcap`; the torch export writes "
+                    "the math path's Tanh between its MatMul and Softmax. transformers' Gemma 2 has no SDPA path at "
+                    "all (`_supports_sdpa = False`); its column runs eager attention."),
+    ]
+
+
 def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
     """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
     nn.Linear at float16."""
@@ -753,6 +828,12 @@ SECTIONS = [
             {"NumPy (golden)": ("spec/masks.py::causal_mask", "longrope_frequencies"),
              "PyTorch": ("_causal_mask", "longrope_frequencies"), "JAX / Flax": ("_causal_mask", "longrope_frequencies")},
             _sliding_windows),
+    Section("Softcapping: which kernels take it, and where",
+            "Gemma 2's c·tanh(s/c) on the attention scores comes after the scale and before the mask, and the "
+            "final one on the logits after the head (SPEC.md §5.13).",
+            {"NumPy (golden)": ("softcap", "scaled_dot_product_attention"),
+             "PyTorch": ("softcap", "scaled_dot_product_attention"), "JAX / Flax": ("softcap", "attention_path")},
+            _softcaps),
     Section("Linear layers: where x W + b is rounded",
             "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
             "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "

@@ -35,7 +35,7 @@ from spec import ModelConfig, conformance_params, get_preset, param_shapes
 
 # ---- the mistakes -----------------------------------------------------------------------------
 
-def _scaled_by_d_model(q, k, v, mask=None):
+def _scaled_by_d_model(q, k, v, mask=None, scale=None, cap=None):
     scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1] * q.shape[1])  # √d_model, not √d_k
     return model.softmax(scores, mask) @ v
 
@@ -74,7 +74,7 @@ def _no_embedding_scale(ids, weight, scale):
     return weight[ids]  # forgot × √d_model
 
 
-def _residual_from_normed(cfg, norm_p, x, sublayer):
+def _residual_from_normed(cfg, norm_p, x, sublayer, dropout_mask=None, post_norm_p=None):
     h = model.norm(cfg, norm_p, x)
     return h + sublayer(h)  # the residual adds the normalised tensor, not x
 
@@ -224,8 +224,8 @@ def _tied_table_one_use(cfg, params, ids, side, d_x, offset=0):
     return {**grads, table: np.zeros_like(grads[table])}  # the table's gradient from the head's use only
 
 
-def _finite_fill_vjp(q, k, v, mask, d_out):
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def _finite_fill_vjp(q, k, v, mask, d_out, scale=None, cap=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale
     if mask is not None:
         scores = np.where(mask, scores, -1e9)  # a row with no key attends uniformly, and its gradient flows
@@ -239,14 +239,14 @@ def _dropout_unscaled(cfg, x, keep):
     return x if keep is None else x * keep  # dropped, but the kept units not scaled by 1 / (1 − p)
 
 
-def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y):
+def _detached_residual(cfg, norm_p, x, sublayer, sublayer_vjp, d_y, dropout_mask=None, post_norm_p=None):
     if cfg.norm_position == "post":
         d_sum, norm_grads = backward.norm_vjp(cfg, norm_p, x + sublayer(x), d_y)
         d_x, grads = sublayer_vjp(x, d_sum)
-        return d_x, norm_grads, grads  # x.detach() on the skip path: ∂s never reaches x directly
+        return d_x, norm_grads, grads, {}  # x.detach() on the skip path: ∂s never reaches x directly
     d_normed, grads = sublayer_vjp(model.norm(cfg, norm_p, x), d_y)
     d_x, norm_grads = backward.norm_vjp(cfg, norm_p, x, d_normed)
-    return d_x, norm_grads, grads  # the same on the pre-norm skip path
+    return d_x, norm_grads, grads, {}  # the same on the pre-norm skip path
 
 
 # ---- the modern decoder's mistakes (run on llama-tiny, and on the preset whose number each gets wrong) ----
@@ -331,6 +331,47 @@ def _head_norm_with_qwen3s_eps(cfg, p, name, x):
 def _gate_and_up_swapped(p, x, activation):
     swapped = {**p, "w1.weight": p["w3.weight"], "w3.weight": p["w1.weight"]}  # silu(x W_up) ⊙ x W_gate
     return _original("feed_forward")(swapped, x, activation)
+
+
+# ---- Gemma's mistakes of record (run on gemma2-tiny and gemma3-tiny) ----
+
+def _attention_softcap_dropped(q, k, v, mask=None, scale=None, cap=None):
+    return _original("scaled_dot_product_attention")(q, k, v, mask, scale, None)  # Gemma 2 served without its cap
+
+
+def _softcap_after_the_mask_fill(q, k, v, mask=None, scale=None, cap=None):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)  # the fill first ...
+    return model.softmax(model.softcap(scores, cap)) @ v  # ... then the cap: a masked key's −∞ becomes −c
+
+
+def _final_softcap_dropped(cfg, params, h):
+    return _original("output_logits")(cfg.replace(final_softcap=None), params, h)
+
+
+def _norm_scale_read_as_w(cfg, scale):
+    return scale  # Gemma's stored w used as γ, not 1 + w
+
+
+def _post_norms_dropped(cfg, p, name, x, sublayer, dropout_mask=None):
+    return _original("block")(cfg.replace(post_norms=False), p, name, x, sublayer, dropout_mask)  # Llama's block
+
+
+def _query_scalar_ignored(q, k, v, mask=None, scale=None, cap=None):
+    return _original("scaled_dot_product_attention")(q, k, v, mask, None, cap)  # 1/√d_k, not 1/√query_pre_attn_scalar
+
+
+def _embedding_scale_two_decimals(ids, weight, scale):
+    return weight[ids] * round(math.sqrt(weight.shape[1]), 2) if scale else weight[ids]  # a model builder's 48.0 → "48.0"
+
+
+def _global_scaling_on_local_layers(cfg, length=None):
+    # the sliding layers keep their own θ but take the full layers' rescaling too (linear, factor 8)
+    if cfg.rope_scaling is None:
+        cfg = cfg.replace(rope_scaling=get_preset("gemma3-tiny").rope_scaling)
+    return _original("rope_frequencies")(cfg, length)
 
 
 @dataclass(frozen=True)
@@ -476,6 +517,30 @@ MUTATIONS += [
     Mutation("longrope_attention_factor_ignored", "LongRoPE's attention factor √(1 + ln s / ln L) ignored: 1 "
              "where it is 1.096", "rope_attention_factor", _yarn_temperature_ignored, "mha", "decoder.layers.0",
              preset="phi3-tiny"),
+]
+
+MUTATIONS += [  # Gemma's (SPEC §5.13)
+    Mutation("attention_softcap_dropped", "Gemma 2's attention softcap dropped (a serving engine's first Gemma 2)",
+             "scaled_dot_product_attention", _attention_softcap_dropped, "attention", "decoder.layers.0",
+             preset="gemma2-tiny"),
+    Mutation("softcap_after_mask_fill", "the attention softcap applied after the mask fill: a masked key's score "
+             "becomes −c, not −∞, and takes weight", "scaled_dot_product_attention", _softcap_after_the_mask_fill,
+             "attention", "decoder.layers.0", preset="gemma2-tiny"),
+    Mutation("final_softcap_dropped", "Gemma 2's final logit softcap dropped", "output_logits",
+             _final_softcap_dropped, "logits", "head", preset="gemma2-tiny"),
+    Mutation("norm_plus_one_read_as_w", "Gemma's RMSNorm scale read as w instead of 1 + w", "norm_scale",
+             _norm_scale_read_as_w, "norm", "decoder.layers.0", preset="gemma2-tiny"),
+    Mutation("post_norms_dropped", "Gemma's post-attention and post-FFN norms dropped (Llama's block)", "block",
+             _post_norms_dropped, "ffn_block", "decoder.layers.0", preset="gemma2-tiny"),
+    Mutation("query_pre_attn_scalar_ignored", "query_pre_attn_scalar ignored: scores by 1/√d_k (20) instead of "
+             "1/√16 (a converter that never reads it)", "scaled_dot_product_attention", _query_scalar_ignored,
+             "attention", "decoder.layers.0", preset="gemma2-tiny"),
+    Mutation("embedding_scale_two_decimals", "√d embedding scale rounded to two decimals (8.49 for √72 = 8.4853; a "
+             "model builder's)", "token_embedding", _embedding_scale_two_decimals, "embedding", "tgt embedding",
+             preset="gemma2-tiny"),
+    Mutation("local_layers_rescaled", "Gemma 3's linear rope scaling applied to the sliding layers too (their own θ "
+             "is unrescaled)", "rope_frequencies", _global_scaling_on_local_layers, "mha", "decoder.layers.0",
+             preset="gemma3-tiny"),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.

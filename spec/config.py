@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any
@@ -15,6 +16,7 @@ NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # SPEC §5.12
+LAYER_TYPES = ("full", "sliding")  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
 
 _CHOICES = {
     "arch": ARCHS,
@@ -108,6 +110,14 @@ class ModelConfig:
     gated_ffn: bool = False  # FFN(x) = (act(x W1) ⊙ x W3) W2: SwiGLU with swish, GeGLU with gelu-tanh
     qk_norm: bool = False  # an RMSNorm of each head's q and k before the rotation (Qwen3)
     sliding_window: int | None = None  # W: decoder self-attention sees the last W positions only (SPEC §6; Mistral)
+    layer_types: tuple[str, ...] | None = None  # per decoder layer, "full" or "sliding" (W); None: all as sliding_window says
+    local_rope_theta: float | None = None  # the sliding layers' own θ, unrescaled (Gemma 3); None: as the full layers
+    # Gemma's layer (SPEC §5.13)
+    attention_softcap: float | None = None  # scores ← c·tanh(scores / c) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits ← c·tanh(logits / c)
+    norm_scale_plus_one: bool = False  # RMSNorm multiplies by (1 + scale): a stored 0 is the identity (Gemma)
+    post_norms: bool = False  # a pre-norm layer's sublayer outputs normed again before the residual sum (Gemma 2/3)
+    query_pre_attention_scalar: float | None = None  # scores divided by √(this) instead of √d_k (Gemma)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -137,15 +147,50 @@ class ModelConfig:
         return self.rope_scaling is not None and self.rope_scaling.kind == "longrope"
 
     @property
+    def score_scale(self) -> float:
+        """The scores' factor: 1 / √query_pre_attention_scalar where given (Gemma), else 1 / √d_k."""
+        return 1 / math.sqrt(self.query_pre_attention_scalar or self.d_head)
+
+    def layer(self, index: int) -> "ModelConfig":
+        """Decoder layer `index`'s own config (SPEC §6): a uniform one, in which sliding_window is
+        kept on a sliding layer only and a sliding layer with local_rope_theta rotates by that θ,
+        unrescaled. The config itself for a model whose layers are all alike."""
+        return _layer_config(self, index)
+
+    def first_layers(self, count: int) -> "ModelConfig":
+        """This model cut to its first `count` decoder layers, each keeping its kind (a model whose
+        remaining layers are all full has no window left)."""
+        kinds = None if self.layer_types is None else self.layer_types[:count]
+        changes: dict[str, Any] = {"n_decoder_layers": count, "layer_types": kinds}
+        if kinds is not None and "sliding" not in kinds:
+            changes.update(layer_types=None, sliding_window=None, local_rope_theta=None)
+        return self.replace(**changes)
+
+    def module_config(self, module: str | None) -> "ModelConfig":
+        """The config a module computes with: decoder layer i's (layer) for a module under
+        "decoder.layers.i", else the model's."""
+        parts = (module or "").split(".")
+        if len(parts) >= 3 and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+            return self.layer(int(parts[2]))
+        return self
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each decoder layer's window (None: full causal attention)."""
+        return tuple(self.layer(i).sliding_window for i in range(self.n_decoder_layers))
+
+    @property
     def has_encoder(self) -> bool:
         return self.arch == "encoder-decoder"
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("rope_scaling", "sliding_window"):
-            if data[name] is None:  # absent, so that a config without it reads as it did before it existed
+        for name, default in _ABSENT_WHEN.items():
+            if data[name] == default:  # absent, so that a config without it reads as it did before it existed
                 del data[name]
+        if data.get("layer_types") is not None:
+            data["layer_types"] = list(data["layer_types"])
         for name in ("short_factor", "long_factor"):  # longrope's, absent from the other rules likewise
             if data.get("rope_scaling") and data["rope_scaling"][name] is None:
                 del data["rope_scaling"][name]
@@ -160,6 +205,8 @@ class ModelConfig:
         _check_fields(cls, data, "config", "a JSON object")
         if data.get("rope_scaling") is not None:
             data = {**data, "rope_scaling": RopeScaling.from_dict(data["rope_scaling"])}
+        if isinstance(data.get("layer_types"), list):  # a JSON array: the frozen config holds a tuple
+            data = {**data, "layer_types": tuple(data["layer_types"])}
         return cls(**data)
 
     @classmethod
@@ -175,6 +222,27 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
+    "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
+    "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
+    "query_pre_attention_scalar": None,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_config(cfg: ModelConfig, index: int) -> ModelConfig:
+    if not 0 <= index < cfg.n_decoder_layers:
+        raise ConfigError(f"decoder layer {index} does not exist: the model has {cfg.n_decoder_layers}")
+    if cfg.layer_types is None:
+        return cfg
+    sliding = cfg.layer_types[index] == "sliding"
+    changes: dict[str, Any] = {"layer_types": None, "local_rope_theta": None,
+                               "sliding_window": cfg.sliding_window if sliding else None}
+    if sliding and cfg.local_rope_theta is not None:
+        changes.update(rope_theta=cfg.local_rope_theta, rope_scaling=None)
+    return dataclasses.replace(cfg, **changes)
+
+
 # ---- validation ---------------------------------------------------------------------------
 
 _INT_FIELDS = (
@@ -183,7 +251,7 @@ _INT_FIELDS = (
 )
 _BOOL_FIELDS = (
     "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
-    "gated_ffn", "qk_norm",
+    "gated_ffn", "qk_norm", "norm_scale_plus_one", "post_norms",
 )
 _OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim", "sliding_window")
 
@@ -242,6 +310,20 @@ def _validate(cfg: ModelConfig) -> None:
     elif (cfg.rope_theta, cfg.rope_fraction, cfg.rope_scaling) != (10000.0, 1.0, None):
         raise ConfigError("rope_theta, rope_fraction and rope_scaling apply to positional='rope' only, got "
                           f"positional={cfg.positional!r}")
+    _validate_layer_kinds(cfg)
+    for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+    if cfg.norm_scale_plus_one and cfg.norm != "rmsnorm":
+        raise ConfigError(f"norm_scale_plus_one is Gemma's RMSNorm, γ = 1 + scale; it needs norm='rmsnorm', "
+                          f"got norm={cfg.norm!r}")
+    if cfg.post_norms and cfg.norm_position != "pre":
+        raise ConfigError("post_norms norm each sublayer's output before a pre-norm layer's residual sum "
+                          f"(Gemma 2/3); it needs norm_position='pre', got {cfg.norm_position!r}")
+    if cfg.post_norms and cfg.has_encoder:
+        raise ConfigError("post_norms are defined for decoder-only models here (Gemma 2/3); use arch='decoder-only'")
     if cfg.sliding_window is not None and cfg.has_encoder:
         raise ConfigError("sliding_window restricts a decoder-only model's self-attention (Mistral, Phi-3); "
                           "an encoder-decoder has none here: use arch='decoder-only'")
@@ -286,6 +368,31 @@ def _validate(cfg: ModelConfig) -> None:
     for name, size in vocabularies:
         if not 0 <= cfg.pad_id < size:
             raise ConfigError(f"pad_id ({cfg.pad_id}) must lie inside the vocabulary: 0 <= pad_id < {name} ({size})")
+
+
+def _validate_layer_kinds(cfg: ModelConfig) -> None:
+    """layer_types and local_rope_theta (SPEC §6): one kind per decoder layer, sliding ones with a window."""
+    kinds = cfg.layer_types
+    if kinds is not None:
+        if not isinstance(kinds, tuple) or len(kinds) != cfg.n_decoder_layers:
+            raise ConfigError(f"layer_types must list one kind per decoder layer ({cfg.n_decoder_layers}), "
+                              f"got {kinds!r}")
+        unknown = sorted({str(kind) for kind in kinds if kind not in LAYER_TYPES})
+        if unknown:
+            raise ConfigError(f"layer_types must hold {' or '.join(LAYER_TYPES)}; got {', '.join(unknown)}")
+        if "sliding" in kinds and cfg.sliding_window is None:
+            raise ConfigError("layer_types has sliding layers but sliding_window is null: give their window W")
+        if cfg.sliding_window is not None and "sliding" not in kinds:
+            raise ConfigError(f"sliding_window {cfg.sliding_window} is given but no layer of layer_types is sliding")
+    theta = cfg.local_rope_theta
+    if theta is None:
+        return
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or not theta > 1:
+        raise ConfigError(f"local_rope_theta must be a number greater than 1 or null, got {theta!r}")
+    if cfg.positional != "rope":
+        raise ConfigError(f"local_rope_theta applies to positional='rope' only, got {cfg.positional!r}")
+    if kinds is None:
+        raise ConfigError("local_rope_theta is the θ of the sliding layers of layer_types; give layer_types")
 
 
 def _validate_rope_scaling(scaling: RopeScaling) -> None:

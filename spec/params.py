@@ -83,11 +83,15 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer = f"decoder.layers.{i}"
         shapes.update(_attention_shapes(f"{layer}.self_attn", cfg, True))
         shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
+        if cfg.post_norms:
+            shapes.update(_norm_shapes(f"{layer}.self_attn_post_norm", cfg))
         if cfg.has_encoder:
             shapes.update(_attention_shapes(f"{layer}.cross_attn", cfg, False))
             shapes.update(_norm_shapes(f"{layer}.cross_attn_norm", cfg))
         shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
+        if cfg.post_norms:
+            shapes.update(_norm_shapes(f"{layer}.ffn_post_norm", cfg))
     if cfg.final_norm:
         shapes.update(_norm_shapes("decoder.norm", cfg))
     if not cfg.tie_head:
@@ -132,7 +136,8 @@ def _check_seed(seed: object) -> None:
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic float32 parameters: Xavier-uniform matrices, N(0, std=d^-0.5) embeddings
-    (token and learned-position tables), zero biases, unit norm scales."""
+    (token and learned-position tables), zero biases, unit norm scales (a stored 0 where the
+    norm multiplies by 1 + scale, Gemma's)."""
     _check_seed(seed)
     params: dict[str, np.ndarray] = {}
     for name, shape in param_shapes(cfg).items():
@@ -140,7 +145,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         if name.endswith("embed.weight") or name.endswith("pos.weight"):
             values = _normal(stream, shape, cfg.d_model ** -0.5)
         elif name.endswith(".scale"):
-            values = np.ones(shape)
+            values = np.full(shape, 0.0 if cfg.norm_scale_plus_one else 1.0)
         elif name.endswith(".bias"):
             values = np.zeros(shape)
         else:  # a [in, out] matrix
@@ -171,6 +176,10 @@ CONFORMANCE_GAINS = {  # × the Xavier limit of these [in, out] matrices, by "mo
     "cross_attn.v": 0.7, "cross_attn.o": 0.7,  # less: the source would weigh less than the token
 }
 CENTRED_OVER_INPUTS = ("ffn.w2.weight",)
+# A post norm (Gemma's, SPEC §5.13) sets the size of its sublayer's output whatever the matrices before
+# it are, so the gains that keep a step's own token in the stream move onto it: the FFN's ×3, the
+# attention's ×0.5 (without them the tiny Gemmas' greedy runs repeat one token, as above).
+POST_NORM_GAINS = {"ffn_post_norm": 3.0, "self_attn_post_norm": 0.5}
 
 
 def _gain(name: str) -> float:
@@ -181,13 +190,17 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
     """Deterministic float32 parameters in which every tensor matters: init_params' matrices
     (the FFN's ×3, its output matrix centred over its inputs; attention's values and
     output ×0.5, ×0.7 across) and embeddings, with biases drawn from U(-0.2, 0.2) and norm
-    scales from U(0.8, 1.2). The weights `rosetta check --preset` and the tests run on."""
+    scales from U(0.8, 1.2) (the scale applied: a stored U(-0.2, 0.2) where the norm multiplies
+    by 1 + scale), post norms' times POST_NORM_GAINS. The weights `rosetta check --preset` and
+    the tests run on."""
     _check_seed(seed)
     params: dict[str, np.ndarray] = {}
     for name, value in init_params(cfg, seed).items():
         stream = _name_stream(int(seed), name)  # the stream init_params leaves unread for these
         if name.endswith(".scale"):
-            value = 1.0 + _uniform(stream, value.shape, CONFORMANCE_SCALE)
+            gain = POST_NORM_GAINS.get(name.split(".")[-2], 1.0)
+            applied = gain * (1.0 + _uniform(stream, value.shape, CONFORMANCE_SCALE))  # γ about the gain
+            value = applied - 1.0 if cfg.norm_scale_plus_one else applied  # Gemma stores γ − 1
         elif name.endswith(".bias"):
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
         elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix

@@ -185,6 +185,41 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
                                      long_factor=(1.08, 1.3, 3.2, 9.7, 22.0, 41.5)),
         ),
     ),
+    "gemma2-tiny": (
+        "A Gemma 2-family decoder at odd sizes: RMSNorm multiplying by (1 + scale) with four norms a "
+        "layer (before and after attention and the FFN), the embeddings times sqrt(d), GeGLU (tanh "
+        "GELU), scores scaled by 1/sqrt(query_pre_attention_scalar) = 1/sqrt(16) rather than "
+        "1/sqrt(head_dim 20) (Gemma 2 27B's differ too), attention scores capped by 4 tanh(x / 4) "
+        "and the logits by 4 tanh(x / 4) (Gemma 2's 50 and 30, lowered so that the conformance weights' "
+        "scores and logits bend at every dtype), layers alternating sliding (window 4) and full "
+        "attention as Gemma 2's: d 72, 4 heads of 20, 2 key/value heads, d_ff 112, 2 layers, "
+        "vocabulary 131, theta 10000, eps 1e-6, tied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=72, n_heads=4, n_kv_heads=2, head_dim=20, d_ff=112, n_decoder_layers=2,
+            tgt_vocab_size=131, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=10000.0, embed_scale=True, activation="gelu-tanh",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True, sliding_window=4,
+            layer_types=("sliding", "full"), norm_scale_plus_one=True, post_norms=True,
+            query_pre_attention_scalar=16.0, attention_softcap=4.0, final_softcap=4.0,
+        ),
+    ),
+    "gemma3-tiny": (
+        "A Gemma 3-family text decoder at odd sizes: Gemma 2's layer without the softcaps, with an "
+        "RMSNorm (1 + scale) of each head's q and k, two sliding layers (window 4) then a full one "
+        "(Gemma 3's five to one, shortened), the sliding layers rotating by their own theta 10000 "
+        "unrescaled and the full one by theta 1000000 with linear scaling by 8 (Gemma 3 4B's): "
+        "d 60, 4 heads of 16, 1 key/value head, query_pre_attention_scalar 16, d_ff 100, 3 layers, "
+        "vocabulary 139, eps 1e-6, tied head.",
+        ModelConfig(
+            arch="decoder-only", d_model=60, n_heads=4, n_kv_heads=1, head_dim=16, d_ff=100, n_decoder_layers=3,
+            tgt_vocab_size=139, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=True, activation="gelu-tanh",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True, qk_norm=True, sliding_window=4,
+            layer_types=("sliding", "sliding", "full"), local_rope_theta=10000.0,
+            rope_scaling=RopeScaling(kind="linear", factor=8.0), norm_scale_plus_one=True, post_norms=True,
+            query_pre_attention_scalar=16.0,
+        ),
+    ),
     "llama-small": (
         "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
         "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "

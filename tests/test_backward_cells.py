@@ -130,7 +130,7 @@ def test_the_relu_kink_allowance_widens_the_bound_by_its_size():
 
 # ---- mistakes that only the backward sees ---------------------------------------------------
 
-def _detached_residual(cfg, norm, x, sublayer, dropout_mask=None):
+def _detached_residual(cfg, norm, x, sublayer, dropout_mask=None, post_norm=None):
     if cfg.norm_position == "post":
         return norm(x.detach() + torch_model.dropout(cfg, sublayer(x), dropout_mask))
     return x.detach() + torch_model.dropout(cfg, sublayer(norm(x)), dropout_mask)

@@ -237,7 +237,7 @@ PLANTED = {
             np.where(np.arange(v) == pad, e / (v - 2), original(t, v, pad, e)) / (1 + e / (v - 2)))),
     "a detached residual":
         ("decoder-only-pre-learned-tied", "residual_vjp", lambda original: lambda cfg, *a: (
-            lambda d_x, norm_grads, grads: (d_x - a[4], norm_grads, grads))(*original(cfg, *a))),  # a[4]: d_y
+            lambda d_x, norm_grads, grads, post: (d_x - a[4], norm_grads, grads, post))(*original(cfg, *a))),  # a[4]: d_y
 }
 
 

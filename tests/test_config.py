@@ -12,17 +12,20 @@ TINY = get_preset("tiny")
 def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
-                            "mistral-tiny", "phi3-tiny", "llama-small"]
+                            "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())
 def test_json_round_trip(name):
     cfg = get_preset(name)
     assert ModelConfig.from_json(cfg.to_json()) == cfg
-    # every field, but rope_scaling and sliding_window where they are null, and longrope's factors in
-    # another rule's rope_scaling (a config written before they existed reads the same)
-    expected = {key: value for key, value in dataclasses.asdict(cfg).items()
-                if key not in ("rope_scaling", "sliding_window") or value is not None}
+    # every field, but the newer ones at their defaults (rope_scaling, sliding_window, layer kinds, Gemma's),
+    # and longrope's factors in another rule's rope_scaling (a config written before they existed reads the same)
+    newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
+             "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
+             "query_pre_attention_scalar": None}
+    expected = {key: list(value) if key == "layer_types" and value else value
+                for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):
         expected["rope_scaling"] = {key: list(value) if isinstance(value, tuple) else value
                                     for key, value in expected["rope_scaling"].items()

@@ -134,7 +134,7 @@ def test_the_huggingface_mapping_tables_are_the_code():
     from importers.huggingface import mapping_markdown
 
     page = (ROOT / "docs" / "huggingface.md").read_text()
-    for family in ("gpt2", "marian", "bart", "llama", "qwen2", "qwen3", "mistral", "phi3"):
+    for family in ("gpt2", "marian", "bart", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"):
         assert mapping_markdown(family) in page, f"regenerate the {family} table of docs/huggingface.md"
 
 

@@ -574,7 +574,8 @@ def test_cli_errors_exit_2(tmp_path, capsys, argv, message):
 
 # ---- the modern decoder: RoPE, grouped-query attention, q/k norms --------------------------------
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-yarn-tiny", "mistral-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "qwen2-yarn-tiny", "mistral-tiny",
+                                  "gemma2-tiny"])
 def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
     """Both exports at float32 against the golden on every whole-model case, `far` (decode steps
     after 1000 cached positions) and `long` (a 520-token forward) included; the torch export keeps
@@ -582,7 +583,8 @@ def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
     qwen2-yarn-tiny carries rescaled frequencies (SPEC §5.12) and YaRN's attention factor into
     both graphs (llama3-tiny's go through the torch export in test_in_place_step, which keeps the
     suite's cold exports fewer); mistral-tiny its sliding window (SPEC §6) into both, and into the
-    in-place step's attention bias."""
+    in-place step's attention bias; gemma2-tiny its softcaps, (1 + w) norms, post norms and sliding and
+    full layers (SPEC §5.13), the attention's cap a Tanh before the mask in both graphs."""
     from conformance.harness import PASS, plan_matrix, run_matrix
 
     cfg = get_preset(name)
@@ -597,7 +599,10 @@ def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
     heads = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in graph.value_info
              if len(v.type.tensor_type.shape.dim) == 4}
     attention = [(heads.get(node.input[0]), heads.get(node.input[1])) for node in graph.node if node.op_type == "Attention"]
-    assert attention == [(cfg.n_heads, cfg.kv_heads)] * cfg.n_decoder_layers
+    if cfg.attention_softcap is None:
+        assert attention == [(cfg.n_heads, cfg.kv_heads)] * cfg.n_decoder_layers
+    else:  # SDPA has no softcap: the math path, its cap one Tanh per layer and the final cap one more
+        assert attention == [] and sum(node.op_type == "Tanh" for node in graph.node) >= cfg.n_decoder_layers + 1
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

@@ -102,7 +102,7 @@ def test_a_mistake_the_fields_criteria_let_by_and_ours_does_not(monkeypatch):
     every token's KL stays under MaxText's 1e-4 and every argmax agrees, while the tolerance policy
     fails the whole model."""
     norm = torch_model.rms_norm
-    monkeypatch.setattr(torch_model, "rms_norm", lambda x, scale, bias, eps: norm(x, scale, bias, 10 * eps))
+    monkeypatch.setattr(torch_model, "rms_norm", lambda x, scale, bias, eps, *rest: norm(x, scale, bias, 10 * eps, *rest))
     cfg = get_preset("qwen3-tiny")
     results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["torch"], ["float32"], ["cpu"]),
                          pattern="forward-none")

@@ -26,8 +26,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import impl_numpy as golden  # noqa: E402
 from conformance.adapter import NotSupported, register_backend, unregister_backend  # noqa: E402
-from conformance.backends.genai_backend import (ALL_PAD, LEFT_PADDING, PAD_STEP, UNPADDED_ONLY,  # noqa: E402
-                                                GenaiBackend, inexpressible)
+from conformance.backends.genai_backend import (ALL_PAD, GEMMA3_ROPE, LEFT_PADDING, PAD_STEP,  # noqa: E402
+                                                RAGGED_WINDOW, UNPADDED_ONLY, GenaiBackend, build_model,
+                                                genai_unsupported_reason, inexpressible)
 from conformance.cases import build_case  # noqa: E402
 from conformance.harness import FAIL, PASS, SKIP, golden_runner_for, plan_matrix, run_matrix  # noqa: E402
 from conformance.tolerance import compare, tolerance  # noqa: E402
@@ -43,6 +44,15 @@ def PHI3_LONGROPE(**rope):  # noqa: N802 - a config factory, as the others
                          "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.1, 2.6, 3.2],
                          "long_factor": [1.1, 1.6, 2.9, 5.0, 9.0, 16.0, 27.0, 41.0], **rope},
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def GEMMA2_HEADS_OF_16(hidden_size=64):  # noqa: N802 - a config factory, as the others
+    return transformers.Gemma2Config(
+        vocab_size=131, hidden_size=hidden_size, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, pad_token_id=0, bos_token_id=2,
+        eos_token_id=1)
 
 
 GENAI_CONFIGS = {
@@ -62,8 +72,11 @@ GENAI_CONFIGS = {
     # longrope as Phi-3's files write it (no factor), its original context 6: every decode case crosses it;
     # 5 query heads of 16 over 1, every dimension rotating (8 pairs: the kernel's multiple)
     "phi3": lambda: PHI3_LONGROPE(),
+    # softcaps of 3 and 4, four (1 + w) norms, a query scalar of 12, layers sliding (window 5) then full;
+    # d 64, whose √d the builder's rounding to two decimals leaves exact (see the d 72 test below)
+    "gemma2": lambda: GEMMA2_HEADS_OF_16(),
 }
-REFUSALS = {ALL_PAD, LEFT_PADDING, PAD_STEP, UNPADDED_ONLY}
+REFUSALS = {ALL_PAD, LEFT_PADDING, PAD_STEP, UNPADDED_ONLY, RAGGED_WINDOW}
 
 
 class Built:
@@ -333,3 +346,48 @@ def test_the_bench_contender_generates_the_golden_tokens_from_canonical_weights(
     np.testing.assert_array_equal(contender.generate(prompt, 16), want)
     ended = golden.greedy_generate(cfg, params, None, prompt_ids=prompt, eos_id=int(want[1, 4]), max_new_tokens=16)
     np.testing.assert_array_equal(contender.runner.greedy_batch(prompt, 16, int(want[1, 4])), ended)
+
+
+# ---- Gemma: the builder's embedding scale, and Gemma 3 ------------------------------------------------
+
+def test_genais_gemma_scales_the_embeddings_by_sqrt_d_rounded_to_two_decimals(tmp_path):
+    """d = 72: √72 = 8.4853 becomes 8.49 in the builder (GemmaModel's embed_attrs scale), 5.6e-4 apart.
+    Every logits cell fails the spec's float32 tolerance by that, and the golden with the rounded
+    scale written in agrees with genai within it: the disagreement is that one number."""
+    directory = build_checkpoint("gemma2", GEMMA2_HEADS_OF_16(hidden_size=72), tmp_path / "gemma2-72" / "hf")
+    model = Built(directory)
+    case, reference = _case(model, "forward", "none")
+    ids = case.inputs["tgt_ids"]
+    ours = model.runner.logits(ids)
+    tol = _float32_tolerance(model.cfg, case.reduction_length)
+    assert not compare(ours, reference, tol).passed
+    original = golden.token_embedding
+
+    def rounded(ids_, weight, scale):
+        return weight[ids_] * round(float(np.sqrt(weight.shape[1])), 2) if scale else weight[ids_]
+
+    golden.model.token_embedding = rounded
+    try:
+        theirs = golden.forward(model.cfg, model.params, None, ids)
+    finally:
+        golden.model.token_embedding = original
+    assert compare(ours, theirs, tol).passed
+
+
+def test_genai_cannot_build_gemma_3_from_a_transformers_5_directory(tmp_path):
+    """The builder's make_rope_init reads rope_parameters["rope_type"]; Gemma 3's rope_parameters holds
+    one entry per layer type: measured, and the column refuses Gemma 3 with that cause."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=139, hidden_size=64, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    directory = build_checkpoint("gemma3_text", config, tmp_path / "gemma3" / "hf")
+    cfg = import_huggingface(directory).config
+    with pytest.raises(RuntimeError, match="KeyError: 'rope_type'"):
+        build_model(directory, cfg, tmp_path)
+    assert genai_unsupported_reason(cfg, "gemma3_text") == GEMMA3_ROPE
+    with pytest.raises(NotSupported, match="make_rope_init reads"):
+        GenaiBackend(directory).load(cfg, import_huggingface(directory).params, "float32", "cpu")

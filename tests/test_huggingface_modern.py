@@ -1,5 +1,5 @@
-"""Hugging Face's modern decoders (Llama, Qwen2, Qwen3, Mistral, Phi-3) through the importer and the
-transformers column.
+"""Hugging Face's modern decoders (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3) through the
+importer and the transformers column.
 
 Models are built here from configs with random weights (nothing is downloaded), at odd sizes:
 vocabularies that are not powers of two, grouped-query attention with 2 groups (Llama, Qwen3),
@@ -64,9 +64,33 @@ FAMILY_CONFIGS = {
         num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-5, sliding_window=5,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Qwen2 with a window of 3 keys in its second layer only (max_window_layers 1; layer_types written)
+    "qwen2-windowed": lambda: transformers.Qwen2Config(
+        vocab_size=101, hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, use_sliding_window=True,
+        sliding_window=3, max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=100, eos_token_id=100),
+    # Gemma 2: (1 + w) norms, four a layer; scores by 1/sqrt(16) with head_dim 20; softcaps of 3 and 4, low
+    # enough to bend these weights' scores and logits; layers sliding (window 5), full, sliding
+    "gemma2": lambda: transformers.Gemma2Config(
+        vocab_size=131, hidden_size=72, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=20, query_pre_attn_scalar=16, sliding_window=5, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, pad_token_id=0, bos_token_id=2,
+        eos_token_id=1),
+    # Gemma 3 (text): q/k norms; two sliding layers (window 5, theta 10000, unrescaled) then a full one
+    # (theta 1e6, linear scaling by 8); query_pre_attn_scalar 24 with head_dim 16; multi-query
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        vocab_size=139, hidden_size=60, intermediate_size=100, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, sliding_window_pattern=3,
+        max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        pad_token_id=0, bos_token_id=2, eos_token_id=1),
 }
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+           "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _build(kind: str, directory, seed: int = 0):
@@ -136,7 +160,7 @@ def test_transformers_float64_llama_normalises_and_rotates_in_float32(checkpoint
     assert not as_loaded.passed and 1e-9 < as_loaded.max_abs_err < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["llama", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2", "gemma3_text"])
 def test_the_float64_check_can_fail(checkpoints, kind):
     """gate_proj and up_proj swapped (W1 and W3; Phi-3: the two halves of gate_up_proj read the
     wrong way round): the comparison that passed above fails, by far."""
@@ -197,6 +221,32 @@ def test_the_imported_configs(checkpoints):
     qwen3 = import_huggingface(checkpoints["qwen3"]).config
     assert (qwen3.head_dim, qwen3.d_head, qwen3.n_kv_heads, qwen3.qk_norm, qwen3.qkv_bias, qwen3.bias,
             qwen3.tie_head) == (12, 12, 2, True, False, False, False)
+    windowed = import_huggingface(checkpoints["qwen2-windowed"]).config
+    assert (windowed.sliding_window, windowed.layer_types, windowed.layer_windows) == (3, ("full", "sliding"), (None, 3))
+    gemma2 = import_huggingface(checkpoints["gemma2"]).config
+    assert (gemma2.norm_scale_plus_one, gemma2.post_norms, gemma2.embed_scale, gemma2.activation, gemma2.tie_head,
+            gemma2.query_pre_attention_scalar, gemma2.attention_softcap, gemma2.final_softcap, gemma2.layer_types,
+            gemma2.sliding_window, gemma2.qk_norm, gemma2.local_rope_theta) == (
+        True, True, True, "gelu-tanh", True, 16.0, 3.0, 4.0, ("sliding", "full", "sliding"), 5, False, None)
+    gemma3 = import_huggingface(checkpoints["gemma3_text"]).config
+    assert (gemma3.qk_norm, gemma3.layer_types, gemma3.local_rope_theta, gemma3.rope_theta, gemma3.rope_scaling.kind,
+            gemma3.rope_scaling.factor, gemma3.attention_softcap, gemma3.final_softcap) == (
+        True, ("sliding", "sliding", "full"), 10000.0, 1e6, "linear", 8.0, None, None)
+    assert (gemma3.layer(0).rope_theta, gemma3.layer(0).rope_scaling, gemma3.layer(2).rope_theta) == (1e4, None, 1e6)
+
+
+def test_gemmas_four_norms_are_mapped_by_role(checkpoints):
+    """Gemma's post_attention_layernorm is the attention's post norm (Llama's is the FFN's norm), and
+    its norms store w for a scale of 1 + w: copied as stored."""
+    from safetensors.numpy import load_file
+
+    imported = import_huggingface(checkpoints["gemma2"])
+    stored = load_file(str(checkpoints["gemma2"] / "model.safetensors"))
+    for theirs, ours in (("input_layernorm", "self_attn_norm"), ("post_attention_layernorm", "self_attn_post_norm"),
+                         ("pre_feedforward_layernorm", "ffn_norm"), ("post_feedforward_layernorm", "ffn_post_norm")):
+        np.testing.assert_array_equal(imported.params[f"decoder.layers.1.{ours}.scale"],
+                                      stored[f"model.layers.1.{theirs}.weight"])
+    assert abs(float(np.mean(imported.params["decoder.layers.1.ffn_norm.scale"]))) < 0.2  # about 0: Gemma's identity
 
 
 def test_mapping_tables_for_the_new_families():
@@ -282,10 +332,20 @@ def test_inverse_frequencies_saved_by_older_transformers_are_checked(tmp_path, c
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r'rope_scaling.rope_type = "dynamic"'),
     ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
                                    "long_factor": 2.0}}, r'rope_parameters.long_factor = 2.0: expected a list'),
-    ("qwen2", {"layer_types": None, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-     r"use_sliding_window = true, sliding_window = 4, max_window_layers = 1: layers 1 … 1 attend to the last 4"),
-    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
-               "sliding_window": 4}, r'layer_types = \["full_attention", "sliding_attention"\]: the spec has full'),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True,
+               "sliding_window": None}, r"layer_types has sliding layers \(1 of 2\) but sliding_window is null"),
+    ("qwen3", {"layer_types": ["full_attention", "local"], "use_sliding_window": True, "sliding_window": 4},
+     r'layer_types = \["full_attention", "local"\]: expected 2 entries, each "full_attention" or "sliding_attention"'),
+    ("gemma2", {"use_bidirectional_attention": True}, r"use_bidirectional_attention = true: its layers attend in both"),
+    ("gemma2", {"tie_word_embeddings": False}, r"tie_word_embeddings = false: Gemma2ForCausalLM ties its head"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     r"rope_parameters.sliding_attention.rope_type = \"linear\": the spec's sliding layers"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     r'rope_parameters.full_attention.rope_type = "dynamic"'),
+    ("llama", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}},
+     r'model_type = "gemma3" cannot be imported: vision_config = \{\}: Gemma 3\'s multimodal model'),
     ("llama", {"sliding_window": 4096}, r"sliding_window = 4096: attention to a sliding window of keys \(Mistral\)"),
     ("llama", {"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping = 50.0: scores squashed by c·tanh"),
     ("qwen3", {"final_logit_softcapping": 30.0},

@@ -34,8 +34,11 @@ from spec import conformance_params, get_preset
 
 # cross-attention beside it; GQA and RoPE; learned positions; heads of 12 padded to 16; rescaled
 # rotary frequencies, and YaRN's attention factor on the cos and sin the step reads; a sliding
-# window, written into the attention bias (chunks that cross it, a pad run as long as it)
-PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny", "mistral-tiny"]
+# window, written into the attention bias (chunks that cross it, a pad run as long as it); Gemma 2's
+# softcap as GroupQueryAttention's own and its query scalar as the scale, sliding and full layers; Gemma 3's
+# sliding layers with their own unrescaled θ
+PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny", "mistral-tiny",
+           "gemma2-tiny", "gemma3-tiny"]
 
 
 def _batch(cfg, seed=1):

@@ -251,7 +251,7 @@ def test_a_single_float16_query_on_a_gpu_takes_the_explicit_path(monkeypatch, n_
 
     calls = []
     monkeypatch.setattr(model, "_platform", lambda: "gpu")
-    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, mask=None: calls.append(q.shape) or q)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, mask=None, **options: calls.append(q.shape) or q)
     q = jnp.ones((2, 4, n_queries, 8), jnp.float16)
     k = v = jnp.ones((2, 4, 5, 8), jnp.float16)
     with jax.disable_jit():  # run here, not from jit's cache

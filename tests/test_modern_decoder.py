@@ -12,7 +12,7 @@ from impl_numpy import backward
 from spec import conformance_params, get_preset, params_under
 from spec.masks import causal_mask, combine_masks, key_mask
 
-FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny"]
+FAMILIES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "gemma2-tiny", "gemma3-tiny"]
 
 
 def rng(seed=0):
@@ -157,5 +157,5 @@ def test_the_whole_model_backward_agrees_with_central_differences(family):
     _, grads = backward.loss_and_gradients(cfg, p, None, tgt, targets)
     loss = lambda q: golden.token_cross_entropy(cfg, golden.model_logits(cfg, q, None, tgt), targets)  # noqa: E731
     for index, name in enumerate(p):
-        numeric, analytic = _directional(lambda w: loss({**p, name: w}), p[name], grads[name], index, h=1e-5)
+        numeric, analytic = _directional(lambda w: loss({**p, name: w}), p[name], grads[name], index, h=1e-6)
         assert numeric == pytest.approx(analytic, rel=1e-6, abs=1e-10), name

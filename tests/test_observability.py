@@ -34,6 +34,8 @@ def _checked(name, generates=False):
         cut["tgt_vocab_size"] = 512
         if cfg.has_encoder:
             cut["src_vocab_size"] = 512
+    if "n_decoder_layers" in cut:  # the first layers, each of its own kind (SPEC §6)
+        cfg = cfg.first_layers(cut.pop("n_decoder_layers"))
     return cfg.replace(**cut) if cut else cfg
 
 

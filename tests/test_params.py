@@ -31,6 +31,10 @@ EXPECTED_COUNTS = {
     "mistral-tiny": 2 * 107 * 56 + 2 * (56 * 56 + 2 * 56 * 28 + 56 * 56 + 3 * 56 * 96 + 2 * 56) + 56,  # 63,336
     # 5 heads of 16 over 1 key/value head (k and v 80 x 16), an untied 127-row table and head; longrope adds nothing
     "phi3-tiny": 2 * 127 * 80 + 2 * (80 * 80 + 2 * 80 * 16 + 80 * 80 + 3 * 80 * 76 + 2 * 80) + 80,  # 87,920
+    # a tied 131-row table; q 72 x 80 (4 heads of 20), k and v 72 x 40, o 80 x 72, GeGLU, four norms a layer
+    "gemma2-tiny": 131 * 72 + 2 * (72 * 80 + 2 * 72 * 40 + 80 * 72 + 3 * 72 * 112 + 4 * 72) + 72,  # 93,024
+    # a tied 139-row table; q 60 x 64 (4 heads of 16), k and v 60 x 16, o 64 x 60, q/k norms [16], four norms, 3 layers
+    "gemma3-tiny": 139 * 60 + 3 * (60 * 64 + 2 * 60 * 16 + 64 * 60 + 2 * 16 + 3 * 60 * 100 + 4 * 60) + 60,  # 92,016
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }

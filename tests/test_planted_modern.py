@@ -51,7 +51,7 @@ def _head_norm_with_qwen3s_eps(self, x):
     return torch_model.rms_norm(x, self.scale, None, 1e-6)  # Qwen3's rms_norm_eps, not the config's
 
 
-def _rms_statistics_in_the_activation_dtype(x, scale, bias, eps):
+def _rms_statistics_in_the_activation_dtype(x, scale, bias, eps, plus_one=False):
     return (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)) * scale  # no float32 for half x
 
 
@@ -72,11 +72,16 @@ _step_body = torch_model._decode_step_body
 
 
 def _window_ignored_in_the_step(model, *arguments, **options):
-    window, model.cfg = model.cfg, model.cfg.replace(sliding_window=None)  # the step masks no window; the forward does
+    # the step masks no window (each layer's config read without it); the forward does
+    modules = [model, *model.decoder.layers]
+    configs = [module.cfg for module in modules]
+    for module in modules:
+        module.cfg = module.cfg.replace(sliding_window=None, layer_types=None, local_rope_theta=None)
     try:
         return _step_body(model, *arguments, **options)
     finally:
-        model.cfg = window
+        for module, cfg in zip(modules, configs):
+            module.cfg = cfg
 
 
 def _longrope_switch_inclusive(omega, scaling, length):

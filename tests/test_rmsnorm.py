@@ -110,11 +110,11 @@ def test_half_precision_normalises_in_float32_then_scales_in_its_own_dtype():
         llama.astype(np.float32)).max() * 2.0 ** -11
 
 
-def _torch_without_upcast(x, scale, bias, eps):
+def _torch_without_upcast(x, scale, bias, eps, plus_one=False):
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * scale
 
 
-def _jax_without_upcast(x, scale, bias, eps):
+def _jax_without_upcast(x, scale, bias, eps, plus_one=False):
     import jax
 
     return x * jax.lax.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * scale

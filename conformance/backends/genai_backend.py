@@ -19,11 +19,17 @@ tests/test_genai.py), and every other row is compared at every position (adapter
   left-padded row's logits, where genai's length says real, equal the golden's with that keep);
 - its generator takes every appended token as real: a pad fed as a decode step attends and is
   attended (the real steps of such a row agree; the pad steps do not);
-- a row with no real token is a length of 0, which its GroupQueryAttention refuses.
+- a row with no real token is a length of 0, which its GroupQueryAttention refuses;
+- with a sliding window (Gemma 2), its windowed cache refuses a batch row shorter than the
+  prompt: right-padded rows are left out of the forward (RAGGED_WINDOW), and every search is
+  given a length of at least the window, which its cache must hold.
 
 The builder writes a CPU model only with a head size that its CPU GroupQueryAttention accepts (a
 multiple of 16) and a multiple of 8 rotated pairs; other heads are refused by name, and so is a
-sliding window (Mistral, Phi-3), which the builder drops (measured). Phi-3's longrope runs; the
+sliding window (Mistral, Phi-3), which the builder drops (measured); Gemma 2's windows, which its
+config.json places by layer_types, run, and so do its softcaps, four norms and query scalar, while
+its embedding scale is the builder's √d rounded to two decimals (a Gemma with d = 72 fails every
+logits cell by that, measured). Gemma 3 fails to build (GEMMA3_ROPE). Phi-3's longrope runs; the
 builder takes its attention factor from max_position_embeddings / original_max_position_embeddings
 and ignores an explicit `factor` (Phi-3's own files have none), so a file with a `factor` apart
 from that ratio fails the column (measured in tests/test_genai.py). The build runs once per
@@ -48,7 +54,8 @@ from conformance.adapter import NotSupported, Partial
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # the builder's and the spec's common families
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # the builder's and the spec's
+WINDOWED_FAMILIES = ("gemma2", "gemma3_text")  # whose config.json writes layer_types, which the builder reads
 # onnxruntime's CPU GroupQueryAttention with the rotation inside it, as the builder writes it:
 # "head_size shall be a multiple of 16" (without the rotation, export/in_place_step.py: of 8)
 HEAD_SIZE_MULTIPLE = 16
@@ -64,6 +71,9 @@ UNPADDED_ONLY = ("a right-padded prompt is a shorter prompt to onnxruntime-genai
                  "prompts only")
 ALL_PAD = ("a row with no real token is a length of 0 to onnxruntime-genai: its GroupQueryAttention "
            "refuses it (seqlens_k = -1 is out of range); the spec defines that row's numbers (SPEC §5.2)")
+RAGGED_WINDOW = ("with a sliding window, onnxruntime-genai keeps a windowed KV cache, and its GroupQueryAttention "
+                 "refuses a batch whose row has fewer real tokens than the prompt's length (\"seqlens_k[r] is too "
+                 "small for sequence_length\"); the spec computes a right-padded row (SPEC §5.2)")
 
 
 def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None:
@@ -143,6 +153,9 @@ class GenaiRunner:
     def _generator(self, batch: int, max_length: int, eos_id: int | None = None):
         model = self._model(eos_id)
         params = self.og.GeneratorParams(model)
+        # a windowed model's cache holds max_length positions and must hold the window ("KV cache capacity
+        # (1) must be at least local_window_size (5)"): the search's length bounds nothing the cases read
+        max_length = max(max_length, self.cfg.sliding_window or 0)
         params.set_search_options(max_length=max_length, do_sample=False, batch_size=batch)
         return self.og.Generator(model, params)
 
@@ -160,6 +173,9 @@ class GenaiRunner:
     def forward(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         ids = np.asarray(inputs["tgt_ids"])
         left_out = self._left_out(ids)
+        if self.cfg.sliding_window is not None:  # a right-padded row beside longer ones: refused by the windowed cache
+            left_out |= {row: RAGGED_WINDOW for row in range(len(ids))
+                         if row not in left_out and (ids[row] == self.cfg.pad_id).any()}
         rows = np.array([row not in left_out for row in range(len(ids))])
         logits = np.full((*ids.shape, self.cfg.tgt_vocab_size), np.nan)
         if rows.any():
@@ -234,8 +250,15 @@ class GenaiRunner:
         return tokens
 
 
-def genai_unsupported_reason(cfg: ModelConfig) -> str | None:
-    """Why the builder's CPU model cannot be made for this config, or None."""
+GEMMA3_ROPE = ("the builder (onnxruntime-genai 0.18.0) fails on a Gemma 3 directory of transformers 5: its "
+               "make_rope_init reads config.rope_parameters[\"rope_type\"], and Gemma3TextConfig's rope_parameters "
+               "holds one entry per layer type (KeyError: 'rope_type'; tests/test_genai.py measures it)")
+
+
+def genai_unsupported_reason(cfg: ModelConfig, family: str | None = None) -> str | None:
+    """Why the builder's CPU model cannot be made for this config (of this family, where known), or None."""
+    if family == "gemma3_text":
+        return GEMMA3_ROPE
     if cfg.d_head % HEAD_SIZE_MULTIPLE:
         return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
                 f"needs a multiple of {HEAD_SIZE_MULTIPLE}")
@@ -243,11 +266,12 @@ def genai_unsupported_reason(cfg: ModelConfig) -> str | None:
         return (f"{cfg.rotary_dim} rotated dimensions: the builder's GroupQueryAttention rotates inside the kernel, "
                 f"whose cos/sin caches must hold a multiple of {ROTARY_PAIRS_MULTIPLE} pairs (it refuses "
                 f"{cfg.rotary_dim // 2} at its first run)")
-    if cfg.sliding_window is not None:
-        return (f"a sliding window of {cfg.sliding_window} keys in every layer: the builder reads which layers "
-                "are windowed from config.json's layer_types, which MistralConfig and Phi3Config do not write, so "
-                "it writes local_window_size -1 (no window) on every layer, and its runtime then bounds the prompt "
-                "by a window-sized cache (tests/test_genai.py measures both)")
+    if cfg.sliding_window is not None and family not in WINDOWED_FAMILIES:
+        return (f"a sliding window of {cfg.sliding_window} keys: the builder reads which layers are windowed from "
+                "config.json's layer_types, which MistralConfig and Phi3Config do not write, so it writes "
+                "local_window_size -1 (no window) on every layer, and its runtime then bounds the prompt by a "
+                "window-sized cache (tests/test_genai.py measures both); Gemma's files write layer_types, and "
+                "Qwen's windows are not measured here")
     return None
 
 
@@ -289,7 +313,7 @@ class GenaiBackend:
         if imported.family not in FAMILIES:
             raise NotSupported(f"{imported.family}: onnxruntime-genai's builder and the spec share the "
                                f"{', '.join(FAMILIES)} families")
-        reason = genai_unsupported_reason(cfg)
+        reason = genai_unsupported_reason(cfg, imported.family)
         if reason:
             raise NotSupported(reason)
         if self._built is None:

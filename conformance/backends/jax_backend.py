@@ -82,13 +82,15 @@ class JaxRunner(ModuleRunner):
         """Which attention the case ran: 'jax.nn.dot_product_attention', or 'explicit (why)', the
         program jax-math runs, where the native primitive cannot serve this dtype and device."""
         platform, queries = self.device.platform, attention_queries(sublayer, inputs)
-        taken = {attention_path(self.dtype, platform, n, self.attention) for n in queries}
+        capped = self.cfg.attention_softcap is not None
+        taken = {attention_path(self.dtype, platform, n, self.attention, capped) for n in queries}
         names = [NATIVE_PATH if path == "sdpa" else EXPLICIT_PATH + (f" ({why})" if why else "") for path, why in taken]
         return " and ".join(sorted(names))
 
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision)
+        return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision, self.cfg.score_scale,
+                                            self.cfg.attention_softcap)
 
     def _token_cross_entropy(self, cfg, logits, targets):
         return token_cross_entropy(cfg, logits, targets)

@@ -63,7 +63,7 @@ class NumpyRunner:
         return normalize_mask(mask, x.shape[0], self.cfg.n_heads, x.shape[1], context.shape[1])
 
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
-        cfg, p = self.cfg, self.p
+        cfg, p = self.cfg.module_config(_module(sublayer, inputs)), self.p
         if sublayer == "embedding":
             return golden.embed(cfg, p, np.asarray(inputs["ids"]), inputs["side"], inputs.get("offset", 0))
         if sublayer == "positional":
@@ -72,7 +72,8 @@ class NumpyRunner:
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             heads = q.shape[1]
-            return golden.scaled_dot_product_attention(q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask)
+            return golden.scaled_dot_product_attention(q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask,
+                                                       cfg.score_scale, cfg.attention_softcap)
         if sublayer in ("mha", "mha_cross"):
             # checked as given, before the cast to the run's dtype would hide an integer array
             check_activations(inputs["x"], "x", cfg.d_model)
@@ -125,7 +126,8 @@ class NumpyRunner:
     def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """A gradient case (conformance/cases.py) by the golden VJPs: cotangents of the inputs
         GRADIENT_INPUTS names, gradients of every parameter under the case's owner."""
-        cfg, p, forward = self.cfg, self.p, forward_of(sublayer)
+        forward = forward_of(sublayer)
+        cfg, p = self.cfg.module_config(_module(forward, inputs)), self.p
         d_out = self._float(inputs["d_out"])
         owner = gradient_owner(sublayer, inputs)
         under = {} if owner is None else (p if owner == "" else params_under(p, owner))
@@ -134,7 +136,8 @@ class NumpyRunner:
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             heads = q.shape[1]
             d_q, d_k, d_v = backward.scaled_dot_product_attention_vjp(
-                q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask, d_out)
+                q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask, d_out, cfg.score_scale,
+                cfg.attention_softcap)
             return {"q": d_q, "k": backward.group_heads_vjp(d_k, k.shape[1]), "v": backward.group_heads_vjp(d_v, k.shape[1])}
         if forward in ("mha", "mha_cross"):
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
@@ -280,3 +283,10 @@ class NumpyFloat32Backend:
 
     def load(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str, device: str) -> NumpyRunner:
         return NumpyRunner(cfg, params, dtype)
+
+
+def _module(sublayer: str, inputs: Mapping[str, Any]) -> str | None:
+    """The module a sublayer case runs (its config may be a decoder layer's own: SPEC §6)."""
+    if sublayer == "decoder_layer":
+        return f"decoder.layers.{inputs['index']}"
+    return inputs.get("module") or inputs.get("layer")

@@ -52,7 +52,8 @@ class TorchRunner(ModuleRunner):
 
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return scaled_dot_product_attention(q, k, v, mask, self.attention)
+        return scaled_dot_product_attention(q, k, v, mask, self.attention, self.cfg.score_scale,
+                                            self.cfg.attention_softcap)
 
     def _token_cross_entropy(self, cfg, logits, targets):
         return token_cross_entropy(cfg, logits, targets)

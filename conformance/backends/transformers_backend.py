@@ -28,7 +28,11 @@ Where the two conventions differ, the runner states the spec's in Hugging Face's
 The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
 column does not change with the default. Its "eager" attention differs from the spec on a query
 row with no key to attend to (it adds a large negative number to every score of the row, so the
-softmax sees every key again); SDPA gives the spec's zeros. See docs/huggingface.md.
+softmax sees every key again; at float64 the number is -inf in its float32 softmax, and the row is
+NaN); SDPA gives the spec's zeros. See docs/huggingface.md. Gemma 2 refuses SDPA (it has no softcap):
+its column runs "spec-eager", transformers' eager formula (scores · scaling, the softcap, the mask,
+a float32 softmax, float64 in a float64 run) with a boolean mask, and a row with no key gives zeros
+as the spec says.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class TransformersRunner:
         torch_dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                        "bfloat16": torch.bfloat16}[dtype]
         loader = AutoModelForSeq2SeqLM if cfg.has_encoder else AutoModelForCausalLM
-        self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation="sdpa")
+        attention = "sdpa" if cfg.attention_softcap is None else register_spec_eager()
+        self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation=attention)
         self.model = self.model.to(self.device).eval()
         self.model.generation_config = GenerationConfig()  # plain greedy: no bad words, forced or suppressed tokens
         self._rebuild_sinusoids(torch_dtype)
@@ -77,7 +82,8 @@ class TransformersRunner:
             if kind.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
             elif kind.endswith("RotaryEmbedding"):
-                if module.rope_type not in ("default", *ROPE_SCALINGS):
+                rope_types = module.rope_type.values() if isinstance(module.rope_type, dict) else [module.rope_type]
+                if any(rope_type not in ("default", *ROPE_SCALINGS) for rope_type in rope_types):
                     raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
                                        f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
                 module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
@@ -179,12 +185,54 @@ class TransformersRunner:
 
 
 def _rms_norm_float64(module, hidden):
-    """transformers' Llama-family RMSNorm, γ · x / √(mean(x²) + ε), without its cast to float32 (a float64 run)."""
+    """transformers' Llama-family RMSNorm, γ · x / √(mean(x²) + ε), without its cast to float32 (a
+    float64 run); Gemma's multiplies by 1 + weight and names its ε eps."""
     variance = hidden.pow(2).mean(-1, keepdim=True)
+    if type(module).__name__.startswith("Gemma"):
+        return (1.0 + module.weight) * (hidden * (variance + module.eps).rsqrt())
     return module.weight * (hidden * (variance + module.variance_epsilon).rsqrt())
 
 
-def _rotary_float64(module, x, position_ids, cfg):
+SPEC_EAGER = "spec-eager"
+
+
+def register_spec_eager() -> str:
+    """Register transformers' eager attention with a boolean mask and the spec's empty rows (zeros)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def boolean_mask(*args, **kwargs):
+        # always the mask itself: SDPA's own may be skipped (None) where is_causal would do, which eager has not
+        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+    AttentionInterface.register(SPEC_EAGER, _spec_eager_attention)
+    AttentionMaskInterface.register(SPEC_EAGER, boolean_mask)
+    return SPEC_EAGER
+
+
+def _spec_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                          **kwargs):
+    """Gemma 2's eager attention (scores · scaling, softcap, mask, softmax in float32) with the mask a
+    boolean keep-mask, and a query with no key to attend to given zeros (SPEC §6), not NaN."""
+    import torch
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * (module.head_dim ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is None:
+        raise NotSupported("transformers gave spec-eager attention no mask: causality would be lost")
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    row_has_key = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    # float32 for half precision, as eager does; a float64 run keeps float64 (eager's float32 would cap it)
+    wide = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    weights = torch.softmax(wide.masked_fill(~row_has_key, 0.0), dim=-1).to(query.dtype)
+    weights = weights.masked_fill(~row_has_key, 0.0)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def _rotary_float64(module, x, position_ids, layer_type=None, *, cfg):
     """transformers' rotary embedding, a·cos and a·sin of position · ω_i repeated for both halves,
     with the frequencies and angles in float64 rather than float32 (a float64 run). transformers
     computes its frequencies in float32 whatever the dtype (for the rescaled kinds too), so at
@@ -194,8 +242,15 @@ def _rotary_float64(module, x, position_ids, cfg):
 
     from impl_numpy.model import rope_attention_factor, rope_frequencies
 
-    if 2 * module.inv_freq.shape[-1] != cfg.rotary_dim:
-        raise NotSupported(f"transformers rotates {2 * module.inv_freq.shape[-1]} dimensions of each head, the "
+    if layer_type is not None:  # Gemma 3: one table per layer type, the sliding layers' with their own θ
+        kind = {"full_attention": "full", "sliding_attention": "sliding"}[layer_type]
+        kinds = cfg.layer_types or ("sliding" if cfg.sliding_window else "full",) * cfg.n_decoder_layers
+        cfg = cfg.layer(kinds.index(kind))
+    inverse = getattr(module, "inv_freq", None)
+    if inverse is None:
+        inverse = getattr(module, f"{layer_type}_inv_freq")
+    if 2 * inverse.shape[-1] != cfg.rotary_dim:
+        raise NotSupported(f"transformers rotates {2 * inverse.shape[-1]} dimensions of each head, the "
                            f"config {cfg.rotary_dim}")
     # transformers' longrope takes the long factors where max(position_ids) + 1 passes the original
     # context, per call: the spec's rule (SPEC §5.12)
