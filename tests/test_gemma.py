@@ -160,19 +160,8 @@ def test_the_softcapped_attention_vjp():
         assert numeric == pytest.approx(analytic, rel=1e-7)
 
 
-@pytest.mark.parametrize("preset", ["gemma2-tiny", "gemma3-tiny"])
-def test_the_whole_model_backward_agrees_with_central_differences(preset):
-    cfg = get_preset(preset)
-    p = golden.cast_params(cfg, conformance_params(cfg, seed=3))
-    tgt = rng(4).integers(1, cfg.tgt_vocab_size, (2, 7))
-    tgt[1, 5:] = cfg.pad_id
-    targets = np.roll(tgt, -1, axis=1)
-    targets[:, -1] = cfg.pad_id
-    _, grads = backward.loss_and_gradients(cfg, p, None, tgt, targets)
-    loss = lambda q: golden.token_cross_entropy(cfg, golden.model_logits(cfg, q, None, tgt), targets)  # noqa: E731
-    for index, name in enumerate(p):
-        numeric, analytic = _directional(lambda w: loss({**p, name: w}), p[name], grads[name], index, h=1e-6)
-        assert numeric == pytest.approx(analytic, rel=1e-6, abs=1e-10), name
+# (the whole model's backward against central differences: tests/test_modern_decoder.py, whose families
+# include the two Gemmas)
 
 
 # ---- PyTorch and JAX ------------------------------------------------------------------------------------

@@ -84,6 +84,22 @@ def _window_ignored_in_the_step(model, *arguments, **options):
             module.cfg = cfg
 
 
+_attention, _rms_norm, _block = (torch_model.scaled_dot_product_attention, torch_model.rms_norm,
+                                 torch_model.block)
+
+
+def _attention_softcap_dropped(q, k, v, mask=None, path="sdpa", scale=None, cap=None):
+    return _attention(q, k, v, mask, path, scale, None)  # Gemma 2 served without its attention cap
+
+
+def _norm_plus_one_read_as_w(x, scale, bias, eps, plus_one=False):
+    return _rms_norm(x, scale, bias, eps)  # Gemma's stored w taken as γ, not 1 + w
+
+
+def _post_norms_dropped(cfg, layer, name, x, sublayer, dropout_mask=None):
+    return torch_model.residual(cfg, getattr(layer, f"{name}_norm"), x, sublayer, dropout_mask)  # Llama's block
+
+
 def _longrope_switch_inclusive(omega, scaling, length):
     return _longrope(omega, scaling, None if length is None else length + 1)  # long from ℓ ≥ L on: a call early
 
@@ -117,6 +133,9 @@ PLANTS = {
     "longrope_switch_inclusive": (torch_model, "longrope_frequencies", _longrope_switch_inclusive),
     "window_ignored_in_the_step": (torch_model, "_decode_step_body", _window_ignored_in_the_step),
     "longrope_attention_factor_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
+    "attention_softcap_dropped": (torch_model, "scaled_dot_product_attention", _attention_softcap_dropped),
+    "norm_plus_one_read_as_w": (torch_model, "rms_norm", _norm_plus_one_read_as_w),
+    "post_norms_dropped": (torch_model, "block", _post_norms_dropped),
 }
 # (mistake, the preset whose number it gets wrong, dtype, the first cell of the column that must fail)
 CAUGHT = [
@@ -160,6 +179,13 @@ CAUGHT = [
     ("longrope_switch_inclusive", "phi3-tiny", "bfloat16", "decode-far"),
     ("longrope_attention_factor_ignored", "phi3-tiny", "float32", "mha-none"),
     ("longrope_attention_factor_ignored", "phi3-tiny", "bfloat16", "mha-none"),
+    # Gemma's (SPEC §5.13), on gemma2-tiny: each fails the first cell that runs the piece
+    ("attention_softcap_dropped", "gemma2-tiny", "float32", "mha-none"),
+    ("attention_softcap_dropped", "gemma2-tiny", "bfloat16", "mha-none"),
+    ("norm_plus_one_read_as_w", "gemma2-tiny", "float32", "norm-none"),
+    ("norm_plus_one_read_as_w", "gemma2-tiny", "bfloat16", "norm-none"),
+    ("post_norms_dropped", "gemma2-tiny", "float32", "ffn_block-none"),
+    ("post_norms_dropped", "gemma2-tiny", "bfloat16", "ffn_block-none"),
 ]
 
 
