@@ -496,16 +496,17 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
     cross_mask = None if memory is None else key_mask(src_keep)
     embed_mask = (dropout_masks or {}).get("decoder.embed")
     inputs = [embed(cfg, params, tgt_ids, "tgt", dropout_mask=embed_mask)]
-    for i in range(cfg.n_decoder_layers):
+    layer_cfgs = [cfg.layer(i) for i in range(cfg.n_decoder_layers)]  # each layer's window and rotary (SPEC §6)
+    for i, layer_cfg in enumerate(layer_cfgs):
         layer = params_under(params, f"decoder.layers.{i}")
-        inputs.append(decoder_layer(cfg.layer(i), layer, inputs[i], memory, self_masks[cfg.layer(i).sliding_window],
+        inputs.append(decoder_layer(layer_cfg, layer, inputs[i], memory, self_masks[layer_cfg.sliding_window],
                                     cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}")))
     d_y, grads = final_norm_vjp(cfg, params, "decoder", inputs[-1], d_h)
     d_memory = None if memory is None else np.zeros_like(memory)
     for i in reversed(range(cfg.n_decoder_layers)):
         layer = params_under(params, f"decoder.layers.{i}")
-        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(cfg.layer(i), layer, inputs[i], memory,
-                                                             self_masks[cfg.layer(i).sliding_window], cross_mask, d_y,
+        d_y, d_layer_memory, layer_grads = decoder_layer_vjp(layer_cfgs[i], layer, inputs[i], memory,
+                                                             self_masks[layer_cfgs[i].sliding_window], cross_mask, d_y,
                                                              masks_under(dropout_masks, f"decoder.layers.{i}"))
         grads.update(_named(f"decoder.layers.{i}", layer_grads))
         if d_memory is not None:

@@ -429,8 +429,9 @@ def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.
     self_masks = decoder_self_masks(cfg, tgt_keep)  # by window: [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_decoder_layers):
-        y = decoder_layer(cfg.layer(i), params_under(params, f"decoder.layers.{i}"), y, memory,
-                          self_masks[cfg.layer(i).sliding_window], cross_mask,
+        layer_cfg = cfg.layer(i)  # its window and its rotary (SPEC §6)
+        y = decoder_layer(layer_cfg, params_under(params, f"decoder.layers.{i}"), y, memory,
+                          self_masks[layer_cfg.sliding_window], cross_mask,
                           masks_under(dropout_masks, f"decoder.layers.{i}"))
     return final_norm(cfg, params, "decoder", y)
 

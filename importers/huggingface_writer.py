@@ -77,13 +77,12 @@ def family_of(cfg: ModelConfig) -> str:
                               " with q/k norms, biases or a rescaling but longrope: Phi-3, the family that rotates "
                               "part of each head or rescales by longrope, has none of them")
         return "phi3"
-    if cfg.layer_types is not None:
-        if cfg.qkv_bias and not cfg.bias and not cfg.qk_norm:
-            return "qwen2"
-        if cfg.qk_norm and not (cfg.qkv_bias or cfg.bias):
-            return "qwen3"
-        raise ConfigError("layer_types outside Gemma: Qwen2 (q/k/v biases only) and Qwen3 (q/k norms, no biases) "
-                          "are the other families whose layers slide or not one by one")
+    if cfg.layer_types is not None:  # the family its layers would have without windows, if it places them by layer
+        family = family_of(cfg.replace(layer_types=None, sliding_window=None))
+        if family not in ("qwen2", "qwen3"):
+            raise ConfigError(f"layer_types in a {family} config: Qwen2 and Qwen3 are the families besides Gemma whose "
+                              "layers slide or not one by one")
+        return family
     if cfg.sliding_window is not None:
         if cfg.qk_norm or cfg.qkv_bias or cfg.bias:
             raise ConfigError("sliding_window with q/k norms or biases: Mistral, the family with a window in every "

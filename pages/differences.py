@@ -153,6 +153,37 @@ def _modern_numbers() -> dict[str, dict]:
 CAP = 2.0  # the softcap c of the softcap measurement: c·tanh(s / c)
 
 
+def _group_query_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None = None,
+                           **attributes) -> np.ndarray:
+    """onnxruntime's GroupQueryAttention (com.microsoft, CPU) as one node: a causal self-attention of
+    q, k, v [B, T, H, d] (as many key/value heads as query heads, an empty past), with an additive
+    attention_bias [1, 1, T, T] where given and the node's attributes. -> out [B, T, H, d]"""
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    batch, length, heads, width = q.shape
+    names = ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"] + (["", "", "", "bias"] if bias is not None else [])
+    node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain="com.microsoft",
+                            num_heads=heads, kv_num_heads=heads, **attributes)
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, length, heads * width]) for name in "qkv"]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, heads, 0, width])
+               for name in ("past_k", "past_v")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    feeds = {name: x.reshape(batch, length, heads * width) for name, x in zip("qkv", (q, k, v))}
+    feeds |= {"past_k": np.zeros((batch, heads, 0, width), np.float32), "past_v": np.zeros((batch, heads, 0, width),
+                                                                                           np.float32),
+              "seqlens_k": np.array([length - 1] * batch, np.int32), "total": np.array(length, np.int32)}
+    if bias is not None:
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, list(bias.shape)))
+        feeds["bias"] = bias
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("out", "present_k", "present_v")]
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0].reshape(batch, length, heads, width)
+
+
 def _softcap_conventions() -> dict[str, object]:
     """Where each framework takes an attention softcap (SPEC.md §5.13), on one causal attention of 9
     positions with scores well past c: the arguments of torch's SDPA and of
@@ -161,8 +192,6 @@ def _softcap_conventions() -> dict[str, object]:
     import inspect
 
     import jax
-    import onnxruntime
-    from onnx import TensorProto, helper
 
     import impl_numpy as golden
     from spec.masks import causal_mask
@@ -176,26 +205,7 @@ def _softcap_conventions() -> dict[str, object]:
     before = golden.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), mask, cap=CAP)
     after = golden.softmax(golden.softcap(np.where(mask, scores, -np.inf), CAP)) @ to_heads(v)  # the fill, then the cap
     bias = np.where(mask, 0.0, np.finfo(np.float32).min).astype(np.float32).reshape(1, 1, length, length)
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total", "", "",
-                                                    "", "bias"],
-                            ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
-                            kv_num_heads=heads, softcap=CAP)
-    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, length, heads * width]) for name in "qkv"]
-    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, heads, 0, width])
-               for name in ("past_k", "past_v")]
-    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
-               helper.make_tensor_value_info("total", TensorProto.INT32, []),
-               helper.make_tensor_value_info("bias", TensorProto.FLOAT, [1, 1, length, length])]
-    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("out", "present_k", "present_v")]
-    model = helper.make_model(helper.make_graph([node], "softcap", inputs, outputs), ir_version=8,
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    empty = np.zeros((batch, heads, 0, width), np.float32)
-    out, *_ = session.run(None, {"q": q.reshape(batch, length, -1), "k": k.reshape(batch, length, -1),
-                                 "v": v.reshape(batch, length, -1), "past_k": empty, "past_v": empty,
-                                 "seqlens_k": np.array([length - 1], np.int32), "total": np.array(length, np.int32),
-                                 "bias": bias})
-    out = to_heads(out.reshape(batch, length, heads, width))
+    out = to_heads(_group_query_attention(q, k, v, bias, softcap=CAP))
     uncapped = golden.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), mask)
     return {"largest score": float(np.abs(scores).max()), "cap moves": float(np.abs(before - uncapped).max()),
             "onnxruntime": [float(np.abs(out - reference).max()) for reference in (before, after)],
@@ -210,9 +220,7 @@ def _window_conventions() -> dict[str, object]:
     one causal attention of 9 positions: the largest difference from the golden with a window of W
     and of W + 1, per setting; torch's SDPA arguments; transformers' overlay as a 9×9 keep-mask."""
     import jax
-    import onnxruntime
     import torch.nn.functional as F
-    from onnx import TensorProto, helper
 
     import impl_numpy as golden
     from spec.masks import causal_mask
@@ -231,27 +239,8 @@ def _window_conventions() -> dict[str, object]:
     for left in (WINDOW - 1, WINDOW):
         found[f"jax ({left}, 0)"] = apart(jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                        local_window_size=(left, 0)))
-    flat = [x.reshape(batch, length, heads * width) for x in (q, k, v)]
-    empty = np.zeros((batch, heads, 0, width), np.float32)
     for size in (WINDOW - 1, WINDOW):
-        node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"],
-                                ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
-                                kv_num_heads=heads, local_window_size=size)
-        inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, length, heads * width])
-                  for name in "qkv"]
-        inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, heads, 0, width])
-                   for name in ("past_k", "past_v")]
-        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
-                   helper.make_tensor_value_info("total", TensorProto.INT32, [])]
-        outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
-                   for name in ("out", "present_k", "present_v")]
-        model = helper.make_model(helper.make_graph([node], "window", inputs, outputs), ir_version=8,
-                                  opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        out, *_ = session.run(None, {"q": flat[0], "k": flat[1], "v": flat[2], "past_k": empty, "past_v": empty,
-                                     "seqlens_k": np.array([length - 1], np.int32),
-                                     "total": np.array(length, np.int32)})
-        found[f"onnxruntime {size}"] = apart(out.reshape(batch, length, heads, width))
+        found[f"onnxruntime {size}"] = apart(_group_query_attention(q, k, v, local_window_size=size))
     # a builtin without a signature: its documented one, the docstring's head up to the closing parenthesis
     documented = F.scaled_dot_product_attention.__doc__.strip().split(")", 1)[0].split("(", 1)[1]
     found["sdpa arguments"] = [part.split("=")[0].strip() for part in documented.split(",") if part.strip()]
