@@ -176,8 +176,11 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each decoder layer's window (None: full causal attention)."""
-        return tuple(self.layer(i).sliding_window for i in range(self.n_decoder_layers))
+        """Each decoder layer's window (None: full causal attention), as layer(i) has it. Read
+        without layer(i)'s cache, since the compiled steps read it inside the traced code."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.n_decoder_layers
+        return tuple(self.sliding_window if kind == "sliding" else None for kind in self.layer_types)
 
     @property
     def has_encoder(self) -> bool:

@@ -16,7 +16,9 @@ Each column records where it ran: the node, its host, the device's name, the dri
 package versions (placements, written into the report). An actor that dies (a segfault, an
 out-of-memory kill) turns the unfinished cells of the column it was running into errors that
 quote Ray's exit detail; nothing is retried (at most once), and its group's later columns go
-to a new actor. Before any column runs, every live node reports the versions of this project,
+to a new actor. An actor is given one cell at a time, the next once the last one's answer is in
+hand: Ray drops the answers a dying worker had not yet sent (under load, all of them), so with
+more in flight a crash at one cell would turn cells that had passed before it into errors. Before any column runs, every live node reports the versions of this project,
 Python and the frameworks, and a cluster whose nodes differ is refused (ClusterMismatch).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -172,19 +175,6 @@ class ColumnGroup:
         return run_cell(self.cfg, self.params, case, name, dtype, device, reference, self.runners)
 
 
-def _results_in_hand(refs: list) -> list[CellResult | None]:
-    """Each ref's cell where it is already there and is one, else None (not done, or the actor's death)."""
-    ray = _ray()
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-    results = []
-    for ref in refs:
-        try:
-            results.append(ray.get(ref) if ref in ready else None)
-        except ray.exceptions.RayError:
-            results.append(None)
-    return results
-
-
 def _fingerprint_here() -> tuple[str, str, dict]:
     import ray
 
@@ -195,12 +185,13 @@ def _fingerprint_here() -> tuple[str, str, dict]:
 
 @dataclass
 class _Group:
-    """A column group's actor on the driver's side: the cells it was given, in order."""
+    """A column group's actor on the driver's side: the cell it is running, and those to come in order."""
 
     columns: list[Column]
     requirement: dict[str, float]
     actor: object = None
-    pending: dict = field(default_factory=dict)  # ObjectRef -> WorkItem
+    pending: dict = field(default_factory=dict)  # ObjectRef -> WorkItem: the one cell in flight
+    queue: deque = field(default_factory=deque)  # the WorkItems not yet given to the actor
 
 
 class RayCluster:
@@ -292,28 +283,35 @@ class RayCluster:
             self._release()
 
     def _start(self, group: _Group, columns: list[Column]) -> None:
-        """A new actor for the group, given the columns' cells in order, each column's `where` first."""
-        actor_class, setup, by_column, shared = self._submission
+        """A new actor for the group, each column's `where` asked first, then its first cell."""
+        actor_class, setup, by_column, _ = self._submission
         extra = {name: amount for name, amount in group.requirement.items() if name not in ("CPU", "GPU")}
         group.actor = actor_class.options(num_cpus=group.requirement.get("CPU", 0.0),
                                           num_gpus=group.requirement.get("GPU", 0.0), resources=extra or None,
                                           max_restarts=0, max_task_retries=0).remote(*setup)
         for column in columns:
             self.placements[_column_key(column)] = group.actor.where.remote(column)
-            for item in by_column[column]:
-                case, reference = shared[item.case.name]
-                group.pending[group.actor.run.remote(case, reference, column)] = item
+            group.queue.extend(by_column[column])
+        self._submit_next(group)
+
+    def _submit_next(self, group: _Group) -> None:
+        """Give the group's actor its next cell; with none left its resources go to a group still waiting."""
+        if group.queue:
+            item = group.queue.popleft()
+            case, reference = self._submission[3][item.case.name]
+            group.pending[group.actor.run.remote(case, reference, item.column)] = item
+        else:
+            _ray().kill(group.actor)
+            group.actor = None
 
     def _gather(self, groups: list[_Group], on_result: OnResult) -> None:
         ray = _ray()
         owner = {ref: group for group in groups for ref in group.pending}
         while owner:
-            # every cell done by now, in one call (a call per cell would scan every pending cell each time)
-            ready, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0.05)
-            # in the order the actors ran them: a cell finished before its actor died is a result
-            ready.sort(key=lambda ref: owner[ref].pending[ref].index if ref in owner else -1)
+            ray.wait(list(owner), num_returns=1)  # an actor's death makes its cell ready too
+            ready, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0)
             for ref in ready:
-                if ref in owner and self._take(ref, owner, on_result):
+                if self._take(ref, owner, on_result):
                     return
 
     def _take(self, ref, owner: dict, on_result: OnResult) -> bool:
@@ -330,26 +328,16 @@ class RayCluster:
         key = _column_key(item.column)
         if not isinstance(self.placements.get(key), dict):  # answered before the column's first cell
             self.placements[key] = _resolved(self.placements.get(key))
-        if not group.pending:  # its columns are done: its resources go to a group still waiting
-            ray.kill(group.actor)
-            group.actor = None
+        self._submit_next(group)  # the actor works on while the driver reports
+        owner.update({ref: group for ref in group.pending})
         return on_result(item.index, result)
 
     def _lost(self, group: _Group, died, owner: dict, on_result: OnResult) -> bool:
-        """The group's actor is gone: the unfinished cells of the column it was running are
+        """The group's actor is gone: the cell it was running and the rest of that column are
         errors that quote Ray's detail; a new actor takes the group's columns not started."""
-        for ref in group.pending:
-            owner.pop(ref, None)
-        finished = dict(zip(group.pending, _results_in_hand(list(group.pending))))
-        for ref, result in list(finished.items()):  # answered before the actor died (its answer arrived late)
-            if result is not None:
-                item = group.pending.pop(ref)
-                if on_result(item.index, result):
-                    return True
-        left, group.pending = list(group.pending.values()), {}  # in the order the actor ran them
-        if not left:
-            return False
-        crashed = left[0].column
+        (item,) = group.pending.values()
+        left, group.pending, group.queue = [item, *group.queue], {}, deque()
+        crashed = item.column
         detail = " ".join(str(died).split())[:600]
         for item in [item for item in left if item.column == crashed]:
             if on_result(item.index, _cell(item, ERROR, f"the Ray actor running this column died ({detail})")):
@@ -357,6 +345,8 @@ class RayCluster:
         if later := list(dict.fromkeys(item.column for item in left if item.column != crashed)):
             self._start(group, later)
             owner.update({ref: group for ref in group.pending})
+        else:
+            group.actor = None
         return False
 
     def _release(self) -> None:
