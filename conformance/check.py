@@ -27,6 +27,7 @@ from conformance.cells import ERROR, FAIL, PASS, CellResult
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
 from conformance.harness import Plan, memory_ledger, plan_matrix, run_matrix, runnable_cells
+from conformance.explain import explain_failures
 from conformance.localize import localize_failures
 from conformance.memory import MemoryLedger, references_here
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
@@ -50,6 +51,7 @@ class CheckRun:
     placements: dict | None = None  # the executor's, where it spreads columns over nodes
     text: list[dict] = field(default_factory=list)  # the text generate case's continuations (report.generated_text)
     plan: BudgetPlan | None = None  # where a budget chose the cells
+    explanations: dict = field(default_factory=dict)  # whole-model columns' failures by omissions (conformance.explain)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -73,6 +75,7 @@ class CheckRun:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
+                            explanations=self.explanations,
                             placements=self.placements, text=self.text, plan=self.plan_figures)
 
     @property
@@ -94,7 +97,7 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 prompts: Sequence[str] | None = None, budget: float | None = None, size_aware: bool = False,
                 on_plan: Callable[[BudgetPlan], None] | None = None, memory: int | None = None) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
-    onnxruntime-genai columns join the backends), else the preset's conformance weights of seed.
+    onnxruntime-genai and ctranslate2 columns join the backends), else the preset's conformance weights of seed.
     shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
     `executor` (e.g. executors.ray_cluster.RayCluster, whose devices count as present), else in
     `jobs` local worker processes (None: one per core on the CPU), taken from `pool` where the
@@ -136,7 +139,8 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
     seconds = time.perf_counter() - start
     continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),
-                    getattr(executor, "placements", None), continuations, budgeted)
+                    getattr(executor, "placements", None), continuations, budgeted,
+                    explanations=explain_failures(cfg, params, results))
 
 
 def _cold(cfg: ModelConfig, params, plan: Plan) -> set:

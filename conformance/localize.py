@@ -255,7 +255,7 @@ def localize_backward_column(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     return localize_backward(cfg, params, runner, dtype, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"])
 
 
-def _runs_layers(name: str) -> bool:
+def runs_layers(name: str) -> bool:
     """Whether a backend runs the model layer by layer (a whole-model backend, transformers, has no
     stages to feed one by one)."""
     from conformance.adapter import get_backend
@@ -284,13 +284,13 @@ def localize_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], result
             failing_backward.setdefault(column, r.mask_case if r.sublayer == "grad-loss" else "pad_right")
     localizations = {}
     for (backend, dtype, device), mask_case in failing.items():
-        if not _runs_layers(backend):
+        if not runs_layers(backend):
             continue
         if cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk"):
             localizations[f"{backend}/{dtype}/{device} (forward-{mask_case})"] = localize_column(
                 cfg, params, backend, dtype, device, mask_case)
     for (backend, dtype, device), mask_case in failing_backward.items():
-        if _runs_layers(backend) and (cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk", "pad_start")):
+        if runs_layers(backend) and (cfg.has_encoder or mask_case not in ("cross_pad", "lq_ne_lk", "pad_start")):
             localizations[f"{backend}/{dtype}/{device} (backward of loss-{mask_case})"] = localize_backward_column(
                 cfg, params, backend, dtype, device, mask_case)
     return localizations

@@ -58,9 +58,11 @@ def checkpoint_dtype(source: dict) -> str:
 
 def register_model_directory(directory: str | Path) -> None:
     """Register the columns that run one Hugging Face model directory's own model: transformers,
-    and onnxruntime-genai (its builder's graph). Registered with a callable, so they run in this
-    process (a worker process could not be handed the directory by name)."""
+    onnxruntime-genai (its builder's graph) and ctranslate2 (its converter's model). Registered
+    with a callable, so they run in this process (a worker process could not be handed the
+    directory by name)."""
     from conformance.adapter import register_backend
+    from conformance.backends.ctranslate2_backend import CTranslate2Backend
     from conformance.backends.genai_backend import GenaiBackend
     from conformance.backends.transformers_backend import TransformersBackend
 
@@ -68,3 +70,4 @@ def register_model_directory(directory: str | Path) -> None:
         raise ValueError(f"{directory}: not a directory")
     register_backend("transformers", lambda: TransformersBackend(directory))
     register_backend("onnxruntime-genai", lambda: GenaiBackend(directory))
+    register_backend("ctranslate2", lambda: CTranslate2Backend(directory))

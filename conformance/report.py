@@ -24,6 +24,10 @@ report.json (schema_version 1):
     localization    {"<backend>/<dtype>/<device> (forward-<mask case>)": {"first_failure": stage or null,
                     "stages": [{name, sublayer, isolated_ratio, chained_ratio, note}]}} for the columns
                     localized (failing whole-model cells, or every column with --localize)
+    explanations    (where a whole-model-only column's forward failed) {"<backend>/<dtype>/<device>
+                    (forward-<mask case>)": {"case", "verdict", "sets", "explained_by": [[omission]],
+                    "trials": [{"omissions", "ratio"}]}}: the smallest sets of the spec's omissions
+                    under which the golden computes what the column did (conformance.explain)
     placements      (a run on a Ray cluster) {"<backend>/<dtype>/<device>": {"node_id", "hostname",
                     "device", "driver", "pid", "gpu_ids", "versions"}}: the node, device, driver and
                     package versions each column ran on (null where its actor died before saying)
@@ -302,13 +306,15 @@ def field_metrics_table(results: list[CellResult]) -> str:
 def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, source: dict, params,
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
                  merged: dict | None = None, placements: dict | None = None,
-                 text: list[dict] | None = None, plan: dict | None = None) -> list[Path]:
+                 text: list[dict] | None = None, plan: dict | None = None,
+                 explanations: dict | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
     column ran, from an executor that spreads them over nodes (the Ray executor's); text: the
     text generate case's continuations, decoded (generated_text); plan: a budgeted plan's
-    figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken."""
+    figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken;
+    explanations: the failing whole-model columns' omissions (conformance.explain)."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     empty = empty_columns(results)
@@ -331,6 +337,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         "attention_paths": attention_paths(results),
         "graphs": graphs_served(results),
         "localization": {column: found.to_dict() for column, found in (localizations or {}).items()},
+        **({"explanations": {column: found.to_dict() for column, found in explanations.items()}} if explanations else {}),
         **({"placements": placements} if placements else {}),
         **({"generated_text": text} if text else {}),
         **({"plan": plan} if plan else {}),
@@ -372,6 +379,8 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         first = found.first_failure
         markdown += ["", f"## Localization {column}", "",
                      f"First failing stage: **{first.name if first else 'none alone'}**", "", "```", found.table(), "```"]
+    for column, found in (explanations or {}).items():
+        markdown += ["", f"## What explains {column}", "", found.verdict(), "", "```", found.table(), "```"]
     if write_error_growth(directory / "error-growth.png", localizations):
         markdown += ["", "![error growth](error-growth.png)"]
         written.append(directory / "error-growth.png")

@@ -173,6 +173,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         first = localization.first_failure
         verdict = f"first failing stage: {first.name} ({first.sublayer})" if first else "no stage fails on its own"
         print(f"\nlocalization {column}: {verdict}\n{localization.table()}")
+    for column, explanation in run.explanations.items():
+        print(f"\nexplanation {column}: {explanation.verdict()}\n{explanation.table()}")
     if args.report:
         written = run.write_report(args.report)
         print(f"report written: {', '.join(str(path) for path in written)}")

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported, Partial
+from conformance.backends.staging import staged_directory
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
@@ -90,38 +91,9 @@ def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None
     return None
 
 
-def _staged_directory(directory: Path, cfg: ModelConfig, into: Path) -> Path:
-    """The Hugging Face directory as the builder wants it: it loads a tokenizer and fails without
-    one, so a model without one (a randomly initialised one) gets a word-level vocabulary of its
-    size. The token ids, not the tokenizer, are what the cases feed."""
-    staged = into / "huggingface"
-    staged.mkdir()
-    for path in directory.iterdir():
-        if path.name != "config.json":
-            (staged / path.name).symlink_to(path.resolve())
-    (staged / "config.json").write_text(json.dumps(_builder_config(json.loads((directory / "config.json").read_text()))))
-    if not any((staged / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
-        from tokenizers import Tokenizer, models
-        from transformers import PreTrainedTokenizerFast
-
-        words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.tgt_vocab_size)}, unk_token="t0"))
-        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(staged)
-    return staged
-
-
-def _builder_config(config: dict) -> dict:
-    """config.json as the builder reads it: its Phi-3 longrope code reads rope_parameters["type"],
-    transformers 4's spelling, where transformers 5 writes only "rope_type" (a KeyError otherwise);
-    the same value under both names changes nothing transformers computes."""
-    parameters = config.get("rope_parameters")
-    if isinstance(parameters, dict) and parameters.get("rope_type") == "longrope" and "type" not in parameters:
-        return {**config, "rope_parameters": {**parameters, "type": "longrope"}}
-    return config
-
-
 def build_model(directory: Path, cfg: ModelConfig, into: Path) -> Path:
     """Run onnxruntime-genai's model builder (fp32, CPU) on the directory; the output folder."""
-    staged, output = _staged_directory(directory, cfg, into), into / "model"
+    staged, output = staged_directory(directory, cfg, into), into / "model"
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(output),
                "-p", "fp32", "-e", "cpu", "-c", str(into / "cache")]
     done = subprocess.run(command, capture_output=True, text=True)

@@ -1,0 +1,165 @@
+"""Explanation: which of the spec's features a whole-model column left out.
+
+A column that runs whole models only (a peer: onnxruntime-genai's builder, CTranslate2's
+converter, transformers) has no stages to localize. When its forward fails, its logits are
+compared with the golden's under sets of omissions (spec.omissions: a softcap ignored, a window
+one key wider, the rope scaling dropped, ...), smallest sets first, every set of one size before
+the next. The sets under which the column passes the very tolerance its cell failed are the
+explanation: "its logits are the golden's with attention_softcap and final_softcap ignored".
+Where none does within the sets tried, the nearest is reported, and the failure stays unexplained.
+The backend runs once; each set costs one golden forward (a time budget bounds the search at a
+real checkpoint's size, and the report says how many sets it tried).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from conformance.adapter import Partial
+from conformance.backends.numpy_backend import golden_output
+from conformance.cells import golden_runner_for
+from conformance.tolerance import compare
+from spec import ConfigError, ModelConfig
+from spec.omissions import Omission, applicable_omissions
+
+
+@dataclass(frozen=True)
+class Trial:
+    omissions: tuple[str, ...]  # the omissions' names; () is the spec itself
+    ratio: float  # max|error| / tolerance of the column against the golden computed so
+
+
+@dataclass(frozen=True)
+class Explanation:
+    case: str  # the forward case whose logits were explained, e.g. "forward-pad_right"
+    trials: tuple[Trial, ...]  # in the order tried, the spec itself first
+    sets: int  # how many sets of omissions there were, up to the largest size searched
+
+    @property
+    def explained_by(self) -> tuple[Trial, ...]:
+        """The passing sets of the smallest size that has one; () when none passes."""
+        passing = [trial for trial in self.trials[1:] if trial.ratio <= 1.0]
+        smallest = min((len(trial.omissions) for trial in passing), default=0)
+        return tuple(trial for trial in passing if len(trial.omissions) == smallest)
+
+    @property
+    def nearest(self) -> Trial:
+        return min(self.trials[1:] or self.trials, key=lambda trial: trial.ratio)
+
+    def verdict(self) -> str:
+        if self.trials[0].ratio <= 1.0:
+            return f"{self.case} passes: nothing to explain"
+        if found := self.explained_by:
+            return " or ".join("the golden's with " + ", ".join(trial.omissions) for trial in found)
+        near = self.nearest
+        return (f"unexplained by the {len(self.trials) - 1} sets of omissions tried (of {self.sets}); nearest: "
+                + (", ".join(near.omissions) or "the spec itself") + f" at {_ratio_text(near.ratio)}× the tolerance")
+
+    def table(self) -> str:
+        lines = [f"{'error/tolerance':>15}  omitted (on {self.case})"]
+        ranked = sorted(self.trials, key=lambda trial: (trial.ratio, len(trial.omissions)))
+        shown = [self.trials[0], *[trial for trial in ranked if trial is not self.trials[0]][:7]]
+        for trial in shown:
+            flag = "  <- explains it" if trial in self.explained_by else ""
+            lines.append(f"{_ratio_text(trial.ratio):>15}  {', '.join(trial.omissions) or '(the spec itself)'}{flag}")
+        if len(self.trials) > len(shown):
+            lines.append(f"{'':>15}  ... {len(self.trials) - len(shown)} more sets tried")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"case": self.case, "verdict": self.verdict(), "sets": self.sets,
+                "explained_by": [list(trial.omissions) for trial in self.explained_by],
+                "trials": [{"omissions": list(trial.omissions), "ratio": _json_number(trial.ratio)}
+                           for trial in self.trials]}
+
+
+def _ratio_text(ratio: float) -> str:
+    return "inf" if math.isinf(ratio) else f"{ratio:.3g}"
+
+
+def _json_number(value: float):
+    return value if math.isfinite(value) else str(value)
+
+
+def omission_sets(cfg: ModelConfig, largest: int = 4) -> list[tuple[Omission, ...]]:
+    """Every set of applicable omissions with at most one per group, smallest first."""
+    found = applicable_omissions(cfg)
+    sets = []
+    for size in range(1, min(largest, len(found)) + 1):
+        for chosen in itertools.combinations(found, size):
+            if len({omission.group for omission in chosen}) == size and _omitted(cfg, chosen) is not None:
+                sets.append(chosen)
+    return sets
+
+
+def _omitted(cfg: ModelConfig, chosen: tuple[Omission, ...]) -> ModelConfig | None:
+    """The config with the chosen omissions; None where the spec cannot hold them together (a
+    longrope's factors are one per rotated pair: its partial rotary cannot be ignored alone)."""
+    try:
+        for omission in chosen:
+            cfg = omission.apply(cfg)
+    except ConfigError:
+        return None
+    return cfg
+
+
+def explain(cfg: ModelConfig, params: Mapping[str, np.ndarray], case, dtype: str, output,
+            largest: int = 4, seconds: float = 60.0) -> Explanation:
+    """Explain a forward case's `output` (the column's logits, or its Partial) by omissions."""
+    compared = None
+    if isinstance(output, Partial):
+        output, compared = output.output, output.compared
+    relative = case.tolerance(cfg, dtype)
+
+    def ratio(changed: ModelConfig) -> float:
+        reference = golden_output(changed, params, case.sublayer, case.inputs, golden_runner_for(changed, params))
+        found = compare(output, reference, relative, case.floor, compared)
+        return found.ratio
+
+    trials = [Trial((), ratio(cfg))]
+    sets = omission_sets(cfg, largest)
+    if trials[0].ratio <= 1.0:
+        return Explanation(case.name, tuple(trials), len(sets))
+    deadline, smallest_passing = time.perf_counter() + seconds, None
+    for chosen in sets:
+        if smallest_passing is not None and len(chosen) > smallest_passing or time.perf_counter() > deadline:
+            break
+        trials.append(Trial(tuple(omission.name for omission in chosen), ratio(_omitted(cfg, chosen))))
+        if trials[-1].ratio <= 1.0 and smallest_passing is None:
+            smallest_passing = len(chosen)
+    return Explanation(case.name, tuple(trials), len(sets))
+
+
+def explain_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_name: str, dtype: str, device: str,
+                   mask_case: str = "pad_right") -> Explanation:
+    """Explain one whole-model column on the catalogue's forward case `mask_case`."""
+    from conformance.adapter import get_backend
+    from conformance.cases import build_case
+
+    backend, reason = get_backend(backend_name)
+    if backend is None:
+        raise RuntimeError(f"backend {backend_name} is unavailable: {reason}")
+    case = build_case(cfg, params, "forward", mask_case)
+    return explain(cfg, params, case, dtype, backend.load(cfg, params, dtype, device).run("forward", case.inputs))
+
+
+def explain_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], results: list) -> dict[str, Explanation]:
+    """{'<backend>/<dtype>/<device> (forward-<mask case>)': explanation} of each whole-model-only
+    column (localize.runs_layers is False) whose forward cells failed: what `rosetta check` prints
+    after the localizations and its report keeps."""
+    from conformance.harness import FAIL
+    from conformance.localize import runs_layers
+
+    failing: dict[tuple[str, str, str], str] = {}
+    for r in results:
+        if r.sublayer == "forward" and r.status == FAIL:
+            failing.setdefault((r.backend, r.dtype, r.device), r.mask_case)
+    return {f"{backend}/{dtype}/{device} (forward-{mask_case})": explain_column(cfg, params, backend, dtype, device,
+                                                                               mask_case)
+            for (backend, dtype, device), mask_case in failing.items() if not runs_layers(backend)}
