@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import impl_numpy as golden
+from conformance.adapter import NotSupported
 from spec import ModelConfig
 
 BOS_ID, EOS_ID = 1, 2
@@ -280,9 +281,12 @@ class OnnxRuntime(Contender):
 
 class CTranslate2(Contender):
     """CTranslate2 from the same weights: its Translator for an encoder-decoder, its Generator
-    for a Llama- or Qwen2-family decoder."""
+    for a Llama- or Qwen2-family decoder through our mapping (benchmarks.ctranslate2_peer), and
+    for the other decoders its own converter on the weights written as a Hugging Face directory
+    (the ctranslate2 column's path: what its loader leaves out shows as different tokens)."""
 
     name = "ctranslate2"
+    runner = None
 
     def prepare(self, cfg, params):
         super().prepare(cfg, params)
@@ -293,6 +297,8 @@ class CTranslate2(Contender):
         from benchmarks.ctranslate2_peer import convert, convert_decoder, unsupported_reason
 
         reason = unsupported_reason(cfg)
+        if reason and not cfg.has_encoder:
+            return self._own_converter(cfg, params, reason)
         if reason:
             raise Skip(reason)
         self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
@@ -303,6 +309,26 @@ class CTranslate2(Contender):
             convert_decoder(cfg, params, self.directory.name, BOS_ID, EOS_ID)
             self.generator = ctranslate2.Generator(self.directory.name, device="cpu", compute_type="float32")
 
+    def _own_converter(self, cfg, params, why_not_ours: str) -> None:
+        from conformance.backends.ctranslate2_backend import (CTranslate2Runner, convert_model,
+                                                              ctranslate2_unsupported_reason)
+        from importers.huggingface_writer import family_of, to_huggingface
+        from spec.errors import ConfigError
+
+        try:
+            family = family_of(cfg)
+        except ConfigError as error:
+            raise Skip(f"{why_not_ours}; nor a family its converter reads ({error})") from None
+        if (reason := ctranslate2_unsupported_reason(family)) is not None:
+            raise Skip(reason)
+        self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
+        folder = Path(self.directory.name)
+        to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)
+        try:
+            self.runner = CTranslate2Runner(convert_model(folder / "source", cfg, folder), cfg)
+        except NotSupported as reason:
+            raise Skip(str(reason)) from None
+
     def forward(self, src, tgt):
         raise Skip("CTranslate2 exposes no teacher-forced logits")
 
@@ -311,6 +337,8 @@ class CTranslate2(Contender):
 
         if (src == self.cfg.pad_id).any():
             raise Skip("CTranslate2 takes unpadded rows; the benchmark's sources are unpadded")
+        if self.runner is not None:
+            return self.runner.greedy_batch(src, max_new_tokens, EOS_ID)
         if self.cfg.has_encoder:
             return greedy(self.translator, self.cfg, src, max_new_tokens)
         return greedy_decoder(self.generator, self.cfg, src, max_new_tokens, EOS_ID)

@@ -1,14 +1,15 @@
 """Explanation: which of the spec's features a whole-model column left out.
 
 A column that runs whole models only (a peer: onnxruntime-genai's builder, CTranslate2's
-converter, transformers) has no stages to localize. When its forward fails, its logits are
-compared with the golden's under sets of omissions (spec.omissions: a softcap ignored, a window
-one key wider, the rope scaling dropped, ...), smallest sets first, every set of one size before
-the next. The sets under which the column passes the very tolerance its cell failed are the
-explanation: "its logits are the golden's with attention_softcap and final_softcap ignored".
-Where none does within the sets tried, the nearest is reported, and the failure stays unexplained.
-The backend runs once; each set costs one golden forward (a time budget bounds the search at a
-real checkpoint's size, and the report says how many sets it tried).
+converter, transformers) has no stages to localize. When its forward (else its decode) fails,
+its logits are compared with the golden's under sets of omissions (spec.omissions: a softcap
+ignored, a window one key wider, the rope scaling dropped, ...), smallest sets first, every set
+of one size before the next, and within a size those whose subsets came nearest first. The sets
+under which the column passes the very tolerance its cell failed are the explanation: "its
+logits are the golden's with attention_softcap and final_softcap ignored". Where none does
+within the sets tried, the nearest is reported, and the failure stays unexplained. The backend
+runs once; each set costs one golden run of the case (a time budget bounds the search at a real
+checkpoint's size, and the report says how many sets it tried).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,9 @@ from spec import ConfigError, ModelConfig
 from spec.omissions import Omission, applicable_omissions
 
 
+EXPLAINED = ("forward", "decode")  # the whole-model cases of logits, in the order a column's failure is explained
+
+
 @dataclass(frozen=True)
 class Trial:
     omissions: tuple[str, ...]  # the omissions' names; () is the spec itself
@@ -37,7 +41,7 @@ class Trial:
 
 @dataclass(frozen=True)
 class Explanation:
-    case: str  # the forward case whose logits were explained, e.g. "forward-pad_right"
+    case: str  # the case whose logits were explained, e.g. "forward-pad_right"
     trials: tuple[Trial, ...]  # in the order tried, the spec itself first
     sets: int  # how many sets of omissions there were, up to the largest size searched
 
@@ -110,8 +114,8 @@ def _omitted(cfg: ModelConfig, chosen: tuple[Omission, ...]) -> ModelConfig | No
 
 
 def explain(cfg: ModelConfig, params: Mapping[str, np.ndarray], case, dtype: str, output,
-            largest: int = 4, seconds: float = 60.0) -> Explanation:
-    """Explain a forward case's `output` (the column's logits, or its Partial) by omissions."""
+            largest: int = 4, seconds: float = 300.0) -> Explanation:
+    """Explain a forward or decode case's `output` (the column's logits, or its Partial) by omissions."""
     compared = None
     if isinstance(output, Partial):
         output, compared = output.output, output.compared
@@ -127,39 +131,59 @@ def explain(cfg: ModelConfig, params: Mapping[str, np.ndarray], case, dtype: str
     if trials[0].ratio <= 1.0:
         return Explanation(case.name, tuple(trials), len(sets))
     deadline, smallest_passing = time.perf_counter() + seconds, None
-    for chosen in sets:
+    ratios = {(): trials[0].ratio}  # by the omissions' names, sorted
+    for chosen in _best_first(sets, ratios):
         if smallest_passing is not None and len(chosen) > smallest_passing or time.perf_counter() > deadline:
             break
-        trials.append(Trial(tuple(omission.name for omission in chosen), ratio(_omitted(cfg, chosen))))
+        names = tuple(omission.name for omission in chosen)
+        trials.append(Trial(names, ratio(_omitted(cfg, chosen))))
+        ratios[tuple(sorted(names))] = trials[-1].ratio
         if trials[-1].ratio <= 1.0 and smallest_passing is None:
             smallest_passing = len(chosen)
     return Explanation(case.name, tuple(trials), len(sets))
 
 
+def _best_first(sets: list[tuple[Omission, ...]], ratios: dict) -> Iterator[tuple[Omission, ...]]:
+    """The sets size by size; within a size, those whose best subset one smaller came nearest
+    first, so that a budget cut at a real checkpoint's size leaves out the least promising."""
+    for size in sorted({len(chosen) for chosen in sets}):
+        def promise(chosen: tuple[Omission, ...]) -> float:
+            names = [omission.name for omission in chosen]
+            return min(ratios.get(tuple(sorted(subset)), math.inf) for subset in itertools.combinations(names, size - 1))
+
+        yield from sorted((chosen for chosen in sets if len(chosen) == size), key=promise)
+
+
 def explain_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_name: str, dtype: str, device: str,
-                   mask_case: str = "pad_right") -> Explanation:
-    """Explain one whole-model column on the catalogue's forward case `mask_case`."""
+                   case_name: str = "forward-pad_right") -> Explanation:
+    """Explain one whole-model column on the catalogue's case `case_name` (a forward or decode case)."""
     from conformance.adapter import get_backend
     from conformance.cases import build_case
 
     backend, reason = get_backend(backend_name)
     if backend is None:
         raise RuntimeError(f"backend {backend_name} is unavailable: {reason}")
-    case = build_case(cfg, params, "forward", mask_case)
-    return explain(cfg, params, case, dtype, backend.load(cfg, params, dtype, device).run("forward", case.inputs))
+    sublayer, mask_case = case_name.split("-", 1)
+    case = build_case(cfg, params, sublayer, mask_case)
+    return explain(cfg, params, case, dtype, backend.load(cfg, params, dtype, device).run(sublayer, case.inputs))
 
 
 def explain_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], results: list) -> dict[str, Explanation]:
-    """{'<backend>/<dtype>/<device> (forward-<mask case>)': explanation} of each whole-model-only
-    column (localize.runs_layers is False) whose forward cells failed: what `rosetta check` prints
+    """{'<backend>/<dtype>/<device> (<case>)': explanation} of each whole-model-only column
+    (localize.runs_layers is False) whose logits failed: its first failing forward case, else its
+    first failing decode case (a cache's mistake shows there only). What `rosetta check` prints
     after the localizations and its report keeps."""
     from conformance.harness import FAIL
     from conformance.localize import runs_layers
 
-    failing: dict[tuple[str, str, str], str] = {}
+    failing: dict[tuple[str, str, str], dict[str, str]] = {}
     for r in results:
-        if r.sublayer == "forward" and r.status == FAIL:
-            failing.setdefault((r.backend, r.dtype, r.device), r.mask_case)
-    return {f"{backend}/{dtype}/{device} (forward-{mask_case})": explain_column(cfg, params, backend, dtype, device,
-                                                                               mask_case)
-            for (backend, dtype, device), mask_case in failing.items() if not runs_layers(backend)}
+        if r.sublayer in EXPLAINED and r.status == FAIL:
+            failing.setdefault((r.backend, r.dtype, r.device), {}).setdefault(r.sublayer, f"{r.sublayer}-{r.mask_case}")
+    explanations = {}
+    for (backend, dtype, device), cases in failing.items():
+        if not runs_layers(backend):
+            case_name = next(cases[sublayer] for sublayer in EXPLAINED if sublayer in cases)
+            explanations[f"{backend}/{dtype}/{device} ({case_name})"] = explain_column(cfg, params, backend, dtype,
+                                                                                      device, case_name)
+    return explanations

@@ -53,7 +53,8 @@ OMISSIONS: tuple[Omission, ...] = (
     Omission("final_softcap ignored", "final_softcap",
              lambda cfg: cfg.final_softcap is not None, lambda cfg: {"final_softcap": None}),
     Omission("query_pre_attention_scalar ignored (scores by 1/√d_k)", "query_pre_attention_scalar",
-             lambda cfg: cfg.query_pre_attention_scalar is not None, lambda cfg: {"query_pre_attention_scalar": None}),
+             lambda cfg: cfg.query_pre_attention_scalar not in (None, cfg.d_head),  # equal to d_k it changes nothing
+             lambda cfg: {"query_pre_attention_scalar": None}),
     Omission("(1 + w) norm scale read as w", "norm_scale_plus_one",
              lambda cfg: cfg.norm_scale_plus_one, lambda cfg: {"norm_scale_plus_one": False}),
     Omission("embedding scale √d ignored", "embed_scale",

@@ -220,6 +220,23 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             query_pre_attention_scalar=16.0,
         ),
     ),
+    "gemma2-small": (
+        "A Gemma 2-family decoder of llama-small's size, for the CPU bench against onnxruntime-genai and "
+        "CTranslate2: Gemma 2's layer (four (1 + scale) RMSNorms, GeGLU, the embeddings times sqrt(d) = 24 "
+        "exactly, which onnxruntime-genai's two-decimal rounding keeps), its own softcaps 50 on the scores "
+        "and 30 on the logits, query_pre_attention_scalar 64 = head_dim (Gemma 2 2B's and 9B's equal "
+        "theirs too), layers alternating sliding (window 32, which the bench's 16-token prompt and 64 new "
+        "tokens cross) and full: d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers, "
+        "vocabulary 49152, theta 10000, eps 1e-6, tied head, max_len 2048.",
+        ModelConfig(
+            arch="decoder-only", d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536, n_decoder_layers=10,
+            tgt_vocab_size=49152, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=10000.0, embed_scale=True, activation="gelu-tanh",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True, sliding_window=32,
+            layer_types=("sliding", "full") * 5, norm_scale_plus_one=True, post_norms=True,
+            query_pre_attention_scalar=64.0, attention_softcap=50.0, final_softcap=30.0,
+        ),
+    ),
     "llama-small": (
         "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
         "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "

@@ -12,7 +12,8 @@ TINY = get_preset("tiny")
 def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
-                            "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "llama-small"]
+                            "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma2-small",
+                            "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())

@@ -29,6 +29,7 @@ class OmittingBackend:
 
     name = "omitting"
     omissions: tuple[str, ...] = ()
+    sublayers = ("forward", "decode", "generate")  # the cases whose computation leaves them out
 
     def availability(self):
         return None
@@ -40,16 +41,17 @@ class OmittingBackend:
         return None if dtype == "float32" else "float32 only"
 
     def supports_sublayer(self, sublayer):
-        return None if sublayer in ("forward", "generate") else "whole models only"
+        return None if sublayer in ("forward", "decode", "generate") else "whole models only"
 
     def load(self, cfg, params, dtype, device):
-        changed = _changed(cfg, self.omissions)
+        changed, where = _changed(cfg, self.omissions), self.sublayers
 
         class Runner:
             def run(self, sublayer, inputs):
-                if sublayer not in ("forward", "generate"):
+                if sublayer not in ("forward", "decode", "generate"):
                     raise NotSupported(sublayer)
-                return golden_output(changed, params, sublayer, inputs, golden_runner_for(changed, params))
+                computed = changed if sublayer in where else cfg
+                return golden_output(computed, params, sublayer, inputs, golden_runner_for(computed, params))
 
         return Runner()
 
@@ -58,7 +60,7 @@ class OmittingBackend:
 def omitting():
     register_backend("omitting", lambda: OmittingBackend())
     yield OmittingBackend
-    OmittingBackend.omissions = ()
+    OmittingBackend.omissions, OmittingBackend.sublayers = (), ("forward", "decode", "generate")
     unregister_backend("omitting")
 
 
@@ -136,3 +138,16 @@ def test_a_failing_whole_model_column_of_a_run_is_explained(omitting):
     omitting.omissions = ()
     assert not explain_failures(cfg, params, run_matrix(cfg, params, plan_matrix(cfg, ["omitting"], ["float32"], ["cpu"]),
                                                         pattern="forward-*"))
+
+
+def test_a_mistake_of_the_cache_alone_is_explained_on_a_decode_case(omitting):
+    """A port whose cached steps ignore the window (a bug of record) passes forward; its first
+    failing decode case is what is explained."""
+    cfg = get_preset("mistral-tiny")
+    params = conformance_params(cfg, seed=0)
+    omitting.omissions, omitting.sublayers = ("sliding window ignored (every layer full)",), ("decode",)
+    results = run_matrix(cfg, params, plan_matrix(cfg, ["omitting"], ["float32"], ["cpu"]), pattern="*")
+    assert {r.status for r in results if r.sublayer == "forward"} == {"pass"}
+    (column, found), = explain_failures(cfg, params, results).items()
+    assert column.startswith("omitting/float32/cpu (decode-")
+    assert ("sliding window ignored (every layer full)",) in [trial.omissions for trial in found.explained_by]

@@ -36,6 +36,7 @@ EXPECTED_COUNTS = {
     # a tied 139-row table; q 60 x 64 (4 heads of 16), k and v 60 x 16, o 64 x 60, q/k norms [16], four norms, 3 layers
     "gemma3-tiny": 139 * 60 + 3 * (60 * 64 + 2 * 60 * 16 + 64 * 60 + 2 * 16 + 3 * 60 * 100 + 4 * 60) + 60,  # 92,016
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
+    "gemma2-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 4 * 576) + 576,
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
 }
 

@@ -229,3 +229,46 @@ def test_far_cells_fail_interleaved_rope_by_a_margin_like_the_near_cells(monkeyp
         assert interleaved[near].status == interleaved[far].status == FAIL
         assert interleaved[near].ratio / interleaved[far].ratio < 10, (near, far)
         assert correct[far].ratio > 1 / 100, far
+
+
+# ---- the same Gemma mistakes planted in impl_jax ------------------------------------------------
+
+def _jax_plants():
+    jax_model = pytest.importorskip("impl_jax.model")
+    attention, rms_norm = jax_model.scaled_dot_product_attention, jax_model.rms_norm
+
+    def attention_softcap_dropped(q, k, v, mask=None, path="sdpa", precision="highest", scale=None, cap=None):
+        return attention(q, k, v, mask, path, precision, scale, None)  # Gemma 2 served without its attention cap
+
+    def norm_plus_one_read_as_w(x, scale, bias, eps, plus_one=False):
+        return rms_norm(x, scale, bias, eps)  # Gemma's stored w taken as γ, not 1 + w
+
+    def post_norms_dropped(cfg, layer, name, x, sublayer, dropout_mask=None):
+        return jax_model.residual(cfg, getattr(layer, f"{name}_norm"), x, sublayer, dropout_mask)  # Llama's block
+
+    return {"attention_softcap_dropped": (jax_model, "scaled_dot_product_attention", attention_softcap_dropped),
+            "norm_plus_one_read_as_w": (jax_model, "rms_norm", norm_plus_one_read_as_w),
+            "post_norms_dropped": (jax_model, "block", post_norms_dropped)}
+
+
+JAX_CAUGHT = [(mistake, dtype, first) for mistake, preset, dtype, first in CAUGHT
+              if preset == "gemma2-tiny"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, dtype, first", JAX_CAUGHT, ids=[f"{m}-gemma2-tiny-{d}-jax-cpu" for m, d, _ in JAX_CAUGHT])
+def test_gemmas_mistakes_fail_the_jax_column_at_the_first_cell_that_runs_the_piece(monkeypatch, mistake, dtype, first):
+    """The torch plants' Gemma mistakes in impl_jax: the same first failing cell of the default
+    JAX column, and the whole model fails too."""
+    jax = pytest.importorskip("jax")
+    monkeypatch.setattr(*_jax_plants()[mistake])
+    jax.clear_caches()  # a program traced with the honest function must not be reused, nor this one later
+    try:
+        cfg = get_preset("gemma2-tiny")
+        results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["jax"], [dtype], ["cpu"]))
+        assert all(r.status in (PASS, FAIL) for r in results), [r.reason for r in results if r.status not in (PASS, FAIL)]
+        failing = [f"{r.sublayer}-{r.mask_case}" for r in results if r.status == FAIL]
+        assert failing and failing[0] == first, f"{mistake} at {dtype}: failing {failing}"
+        assert any(name.startswith("forward-") for name in failing)  # and the whole model shows it
+    finally:
+        jax.clear_caches()
