@@ -1,5 +1,5 @@
-"""onnxruntime-genai's column: an ONNX implementation of Llama, Qwen2, Qwen3 and Phi-3 (with
-longrope) written by its model builder, not traced from anyone's PyTorch, checked against the
+"""onnxruntime-genai's column: an ONNX implementation of Llama (with llama3 rope scaling too),
+Qwen2, Qwen3, Phi-3 (with longrope) and Gemma 2 written by its model builder, not traced from anyone's PyTorch, checked against the
 golden.
 
 Models are random (nothing is downloaded), at odd sizes with every parameter perturbed, and with
@@ -62,6 +62,13 @@ GENAI_CONFIGS = {
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=1, eos_token_id=2,
         pad_token_id=0),
+    # Llama 3.1's rope scaling (factor 32, bands over an original context of 1280), θ 5e5
+    "llama-llama3": lambda: transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 1280},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # multi-query: 3 query heads of 16 over 1; q/k/v biases; tied; no pad token
     "qwen2": QWEN2_HEADS_OF_16,
     # head_dim 16 where hidden / heads is 10; q/k head norms
@@ -100,7 +107,7 @@ class Built:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("genai")
-    return {family: Built(build_checkpoint(family, make(), root / family)) for family, make in GENAI_CONFIGS.items()}
+    return {kind: Built(build_checkpoint(kind.split("-")[0], make(), root / kind)) for kind, make in GENAI_CONFIGS.items()}
 
 
 def _float32_tolerance(cfg, reduction):
@@ -317,6 +324,19 @@ def test_genai_takes_longropes_attention_factor_from_the_two_lengths_not_from_fa
     ours = golden.forward(cfg, params, None, ids)
     apart = np.abs(theirs - ours).max(axis=-1)[0]
     assert apart[0] < 1e-4 and apart[1:].min() > 1e-1
+
+
+@pytest.mark.slow
+def test_genai_rescales_llama3s_frequencies(built):
+    """The llama3 file passes every case (the column test above); here, that it would not have
+    passed without the rescaling: its forward is far from the golden's with the plain rotary."""
+    model = built["llama-llama3"]
+    case, reference = _case(model, "forward", "none")
+    theirs = model.runner.run("forward", case.inputs)
+    assert compare(theirs, reference, case.tolerance(model.cfg, "float32")).passed
+    plain = model.cfg.replace(rope_scaling=None)
+    unscaled = golden_runner_for(plain, model.params).run("forward", case.inputs)
+    assert compare(theirs, unscaled, case.tolerance(model.cfg, "float32")).ratio > 10
 
 
 @pytest.mark.slow
