@@ -1,6 +1,6 @@
 """onnxruntime-genai's column: an ONNX implementation of Llama (with llama3 rope scaling too),
-Qwen2, Qwen3, Phi-3 (with longrope) and Gemma 2 written by its model builder, not traced from anyone's PyTorch, checked against the
-golden.
+Qwen2, Qwen3, Phi-3 (with longrope) and Gemma 2 written by its model builder, not traced from
+anyone's PyTorch, checked against the golden.
 
 Models are random (nothing is downloaded), at odd sizes with every parameter perturbed, and with
 heads of 16 (onnxruntime's CPU GroupQueryAttention takes no other sizes): Llama with 2 groups,
