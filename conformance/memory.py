@@ -160,6 +160,9 @@ FOOTPRINTS: dict[str, Footprint] = {
     "onnx-jax": Footprint(3.7, 6.5),
     "transformers": Footprint(1.7, 1.1),
     "onnxruntime-genai": Footprint(1.3, activation_copies=6.0),
+    # its converter holds transformers' model and its own spec at once (2.83 measured, 2026-11-26:
+    # reports/bench/footprints-ctranslate2/)
+    "ctranslate2": Footprint(3.1),
 }
 
 
