@@ -1,0 +1,103 @@
+"""The golden's mixture-of-experts FFN (impl_numpy/experts.py) against transformers' Mixtral and
+Qwen3-MoE blocks at float64, and its routing rules: ties to the lower index, margins, an expert no
+token chose computes nothing, and where "softmax after top-k" is and is not the same model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from impl_numpy.experts import (mixture_of_experts, router_probabilities, routing_margins, routing_weights,
+                                top_experts)
+from impl_numpy.model import softmax
+
+D, D_FF, E, K, N = 24, 20, 6, 2, 40
+
+
+def _experts(rng):
+    return [{"w1.weight": rng.normal(0, 0.3, (D, D_FF)), "w3.weight": rng.normal(0, 0.3, (D, D_FF)),
+             "w2.weight": rng.normal(0, 0.3, (D_FF, D))} for _ in range(E)]
+
+
+@pytest.fixture
+def model():
+    rng = np.random.default_rng(0)
+    return rng.normal(0, 1.0, (N, D)), rng.normal(0, 0.5, (D, E)), _experts(rng)
+
+
+@pytest.mark.parametrize("family, renormalize", [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)])
+def test_the_golden_is_transformers_block_at_float64(model, family, renormalize):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    x, router, experts = model
+    common = dict(hidden_size=D, intermediate_size=D_FF, moe_intermediate_size=D_FF, num_experts_per_tok=K,
+                  hidden_act="silu")
+    if family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+        config = transformers.MixtralConfig(num_local_experts=E, router_jitter_noise=0.0, **common)
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        config = transformers.Qwen3MoeConfig(num_experts=E, norm_topk_prob=renormalize, **common)
+    block = Block(config).double().eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(router.T))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(np.stack(
+            [np.concatenate([p["w1.weight"].T, p["w3.weight"].T]) for p in experts])))
+        block.experts.down_proj.copy_(torch.from_numpy(np.stack([p["w2.weight"].T for p in experts])))
+        theirs = block(torch.from_numpy(x)[None]).numpy()[0]
+    ours = mixture_of_experts(x, router, experts, K, renormalize, "swish")
+    # transformers takes the router's softmax in float32 (Mixtral's .float(), Qwen3's dtype=float): its
+    # weights carry float32's rounding (6e-8), every choice a hundred times that from a tie
+    assert routing_margins(router_probabilities(x, router), K).min() > 1e-5
+    assert np.abs(theirs - ours).max() <= 1e-6 * np.abs(ours).max()
+    assert np.abs(ours).max() > 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=7), st.integers(1, 7))
+def test_ties_go_to_the_lower_index_and_the_largest_come_first(levels, k):
+    probabilities = np.asarray(levels, dtype=np.float64)[None]
+    k = min(k, probabilities.shape[-1])
+    chosen = top_experts(probabilities, k)[0]
+    order = sorted(range(len(levels)), key=lambda expert: (-levels[expert], expert))
+    assert list(chosen) == order[:k]
+
+
+def test_margins_are_the_gap_past_the_kth_and_a_tie_has_none():
+    probabilities = np.array([[0.4, 0.1, 0.3, 0.2], [0.3, 0.3, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25]])
+    assert np.allclose(routing_margins(probabilities, 2), [0.1, 0.1, 0.0])
+    assert np.allclose(routing_margins(probabilities, 1), [0.1, 0.0, 0.0])
+    assert np.allclose(routing_margins(probabilities, 4), [0.1, 0.2, 0.25])
+
+
+def test_an_expert_no_token_chose_computes_nothing(model):
+    x, router, experts = model
+    x, router = np.abs(x), router.copy()
+    router[:, 5] = -np.abs(router).max()  # positive tokens: expert 5's logit is below every other's
+    assert 5 not in top_experts(router_probabilities(x, router), K)
+    broken = [*experts[:5], {name: np.full_like(value, np.nan) for name, value in experts[5].items()}]
+    assert np.array_equal(mixture_of_experts(x, router, broken, K, True, "swish"),
+                          mixture_of_experts(x, router, experts, K, True, "swish"))
+
+
+def test_softmax_after_top_k_is_mixtrals_model_and_not_qwen3_moes(model):
+    """Renormalised top-k probabilities are the softmax of the top-k logits (the partition function
+    cancels), so a port that takes the softmax after the top-k computes Mixtral exactly; without
+    the renormalisation (Qwen3-MoE's norm_topk_prob false) it computes another model."""
+    x, router, _ = model
+    logits = x @ router
+    probabilities = softmax(logits)
+    chosen = top_experts(probabilities, K)
+    after = softmax(np.take_along_axis(logits, chosen, axis=-1))
+    assert np.allclose(after, routing_weights(probabilities, chosen, renormalize=True), rtol=1e-12, atol=0)
+    assert not np.allclose(after, routing_weights(probabilities, chosen, renormalize=False), rtol=1e-2)
+
+
+def test_bad_arguments_are_refused_by_name(model):
+    x, router, experts = model
+    with pytest.raises(ValueError, match="k = 7 experts per token: there are 6"):
+        top_experts(router_probabilities(x, router), 7)
+    with pytest.raises(ValueError, match="the router scores 6 experts; 5 are given"):
+        mixture_of_experts(x, router, experts[:5], K, True, "swish")
