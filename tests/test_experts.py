@@ -101,3 +101,65 @@ def test_bad_arguments_are_refused_by_name(model):
         top_experts(router_probabilities(x, router), 7)
     with pytest.raises(ValueError, match="the router scores 6 experts; 5 are given"):
         mixture_of_experts(x, router, experts[:5], K, True, "swish")
+
+
+# ---- the backward pass ----------------------------------------------------------------------
+
+def _loss(x, router, experts, renormalize, direction):
+    return float((mixture_of_experts(x, router, experts, K, renormalize, "swish") * direction).sum())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize):
+    """∂ of ⟨MoE(x), g⟩ against central differences (h = 1e-6): the chosen experts do not change
+    within h (every margin is far larger), so top-k is a constant there, as the VJP takes it."""
+    from impl_numpy.backward import mixture_of_experts_vjp
+
+    x, router, experts = model
+    direction = np.random.default_rng(1).normal(size=x.shape)
+    d_x, d_router, expert_grads = mixture_of_experts_vjp(x, router, experts, K, renormalize, "swish", direction)
+    step = 1e-6
+    rng = np.random.default_rng(2)
+    for name, value, gradient in [("x", x, d_x), ("router", router, d_router),
+                                  ("expert 3 w1", experts[3]["w1.weight"], expert_grads[3]["w1.weight"]),
+                                  ("expert 0 w2", experts[0]["w2.weight"], expert_grads[0]["w2.weight"])]:
+        for index in [tuple(rng.integers(0, size) for size in value.shape) for _ in range(6)]:
+            original = value[index]
+            value[index] = original + step
+            up = _loss(x, router, experts, renormalize, direction)
+            value[index] = original - step
+            down = _loss(x, router, experts, renormalize, direction)
+            value[index] = original
+            numeric = (up - down) / (2 * step)
+            assert abs(gradient[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), (name, index)
+    assert np.abs(d_router).max() > 0.1  # the router's gradient flows through the chosen weights
+
+
+def test_an_expert_no_token_chose_gets_a_zero_gradient(model):
+    from impl_numpy.backward import mixture_of_experts_vjp
+
+    x, router, experts = model
+    x, router = np.abs(x), router.copy()
+    router[:, 5] = -np.abs(router).max()
+    used = set(top_experts(router_probabilities(x, router), K).ravel())
+    assert 5 not in used and len(used) >= 2
+    _, _, expert_grads = mixture_of_experts_vjp(x, router, experts, K, True, "swish", np.ones_like(x))
+    for expert, grads in enumerate(expert_grads):
+        assert all(gradient.any() == (expert in used) for gradient in grads.values()), expert
+
+
+def test_central_differences_catch_a_vjp_that_forgets_the_renormalisation(model):
+    """The check above can fail: the router's gradient of Mixtral taken as if unnormalised."""
+    from impl_numpy.backward import mixture_of_experts_vjp
+
+    x, router, experts = model
+    direction = np.random.default_rng(1).normal(size=x.shape)
+    _, planted, _ = mixture_of_experts_vjp(x, router, experts, K, False, "swish", direction)
+    step, index = 1e-6, (3, 2)
+    original = router[index]
+    router[index] = original + step
+    up = _loss(x, router, experts, True, direction)
+    router[index] = original - step
+    down = _loss(x, router, experts, True, direction)
+    router[index] = original
+    assert abs(planted[index] - (up - down) / (2 * step)) > 1e-2
