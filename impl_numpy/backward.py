@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from impl_numpy.experts import router_probabilities, routing_weights, top_experts
 from impl_numpy.model import (
     ACTIVATIONS,
     Params,
@@ -187,38 +186,6 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
         d_from_w3, grads["w3.weight"], grads["w3.bias"] = linear_vjp(x, p["w3.weight"], d_hidden * activated)
         d_x = d_x + d_from_w3
     return d_x, _present(p, grads)
-
-
-def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict[str, np.ndarray]], k: int,
-                           renormalize: bool, activation: str,
-                           d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
-    """y = Σ_j w_j FFN_top_j(x), the chosen experts constants (top-k is constant between ties):
-    ∂w_j = ⟨∂y, FFN_top_j(x)⟩; renormalised, w = p_T / Σ p_T: ∂p_T = (∂w − Σ_j w_j ∂w_j) / Σ p_T;
-    ∂z = softmax's VJP of ∂p (0 off the chosen), z = x R; ∂x = Σ_j w_j ∂x_FFN_j + ∂z Rᵀ.
-    x [N, d], d_y [N, d] -> d_x [N, d], d_router [d, E], each expert's {w1.*, w3.*, w2.*} (zeros
-    for an expert no token chose)"""
-    probabilities = router_probabilities(x, router)  # [N, E]
-    chosen = top_experts(probabilities, k)  # [N, k]
-    weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
-    d_x, d_weights, expert_grads = np.zeros_like(x), np.zeros_like(weights), []
-    for expert, p in enumerate(experts):
-        tokens, slot = np.nonzero(chosen == expert)
-        if not tokens.size:
-            expert_grads.append({name: np.zeros_like(value) for name, value in p.items()})
-            continue
-        d_weights[tokens, slot] = (d_y[tokens] * feed_forward(p, x[tokens], activation)).sum(axis=-1)
-        d_part, grads = feed_forward_vjp(p, x[tokens], activation, weights[tokens, slot, None] * d_y[tokens])
-        d_x[tokens] += d_part
-        expert_grads.append(grads)
-    d_chosen = d_weights
-    if renormalize:
-        total = np.take_along_axis(probabilities, chosen, axis=-1).sum(axis=-1, keepdims=True)
-        shared = (weights * d_weights).sum(axis=-1, keepdims=True) if _CANCELLING[0] else 0.0
-        d_chosen = (d_weights - shared) / total
-    d_probabilities = np.zeros_like(probabilities)
-    np.put_along_axis(d_probabilities, chosen, d_chosen, axis=-1)
-    d_from_router, d_router, _ = linear_vjp(x, router, softmax_vjp(probabilities, d_probabilities))
-    return d_x + d_from_router, d_router, expert_grads
 
 
 def layer_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,

@@ -113,7 +113,7 @@ def _loss(x, router, experts, renormalize, direction):
 def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize):
     """∂ of ⟨MoE(x), g⟩ against central differences (h = 1e-6): the chosen experts do not change
     within h (every margin is far larger), so top-k is a constant there, as the VJP takes it."""
-    from impl_numpy.backward import mixture_of_experts_vjp
+    from impl_numpy.experts import mixture_of_experts_vjp
 
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)
@@ -136,7 +136,7 @@ def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize
 
 
 def test_an_expert_no_token_chose_gets_a_zero_gradient(model):
-    from impl_numpy.backward import mixture_of_experts_vjp
+    from impl_numpy.experts import mixture_of_experts_vjp
 
     x, router, experts = model
     x, router = np.abs(x), router.copy()
@@ -150,7 +150,7 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient(model):
 
 def test_central_differences_catch_a_vjp_that_forgets_the_renormalisation(model):
     """The check above can fail: the router's gradient of Mixtral taken as if unnormalised."""
-    from impl_numpy.backward import mixture_of_experts_vjp
+    from impl_numpy.experts import mixture_of_experts_vjp
 
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)
