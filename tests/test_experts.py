@@ -109,6 +109,17 @@ def _loss(x, router, experts, renormalize, direction):
     return float((mixture_of_experts(x, router, experts, K, renormalize, "swish") * direction).sum())
 
 
+def _central_difference(x, router, experts, renormalize, direction, value, index, step=1e-6):
+    """∂⟨MoE(x), direction⟩ / ∂value[index], value one of x, router or an expert's weights (changed in place, restored)."""
+    original = value[index]
+    value[index] = original + step
+    up = _loss(x, router, experts, renormalize, direction)
+    value[index] = original - step
+    down = _loss(x, router, experts, renormalize, direction)
+    value[index] = original
+    return (up - down) / (2 * step)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize):
     """∂ of ⟨MoE(x), g⟩ against central differences (h = 1e-6): the chosen experts do not change
@@ -118,19 +129,12 @@ def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)
     d_x, d_router, expert_grads = mixture_of_experts_vjp(x, router, experts, K, renormalize, "swish", direction)
-    step = 1e-6
     rng = np.random.default_rng(2)
     for name, value, gradient in [("x", x, d_x), ("router", router, d_router),
                                   ("expert 3 w1", experts[3]["w1.weight"], expert_grads[3]["w1.weight"]),
                                   ("expert 0 w2", experts[0]["w2.weight"], expert_grads[0]["w2.weight"])]:
         for index in [tuple(rng.integers(0, size) for size in value.shape) for _ in range(6)]:
-            original = value[index]
-            value[index] = original + step
-            up = _loss(x, router, experts, renormalize, direction)
-            value[index] = original - step
-            down = _loss(x, router, experts, renormalize, direction)
-            value[index] = original
-            numeric = (up - down) / (2 * step)
+            numeric = _central_difference(x, router, experts, renormalize, direction, value, index)
             assert abs(gradient[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), (name, index)
     assert np.abs(d_router).max() > 0.1  # the router's gradient flows through the chosen weights
 
@@ -155,11 +159,5 @@ def test_central_differences_catch_a_vjp_that_forgets_the_renormalisation(model)
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)
     _, planted, _ = mixture_of_experts_vjp(x, router, experts, K, False, "swish", direction)
-    step, index = 1e-6, (3, 2)
-    original = router[index]
-    router[index] = original + step
-    up = _loss(x, router, experts, True, direction)
-    router[index] = original - step
-    down = _loss(x, router, experts, True, direction)
-    router[index] = original
-    assert abs(planted[index] - (up - down) / (2 * step)) > 1e-2
+    index = (3, 2)
+    assert abs(planted[index] - _central_difference(x, router, experts, True, direction, router, index)) > 1e-2
