@@ -110,7 +110,8 @@ def _loss(x, router, experts, renormalize, direction):
 
 
 def _central_difference(x, router, experts, renormalize, direction, value, index, step=1e-6):
-    """∂⟨MoE(x), direction⟩ / ∂value[index], value one of x, router or an expert's weights (changed in place, restored)."""
+    """∂⟨MoE(x), direction⟩ / ∂value[index]: value is x, the router or an expert's weights, changed
+    in place and restored."""
     original = value[index]
     value[index] = original + step
     up = _loss(x, router, experts, renormalize, direction)
