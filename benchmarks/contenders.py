@@ -279,6 +279,26 @@ class OnnxRuntime(Contender):
         return self._cached_step(src, past_len)
 
 
+def _written_as_huggingface(contender: Contender, cfg: ModelConfig, params: Mapping[str, np.ndarray], prefix: str,
+                            unsupported: Callable[[str], str | None], no_family: str) -> Path:
+    """The weights written as a Hugging Face directory (folder/source) in the contender's own
+    temporary folder, for a peer that reads nothing else; Skip where the writer knows no family
+    for the config (`no_family` says whose) or `unsupported(family)` gives a reason."""
+    from importers.huggingface_writer import family_of, to_huggingface
+    from spec.errors import ConfigError
+
+    try:
+        family = family_of(cfg)
+    except ConfigError as error:
+        raise Skip(f"{no_family} ({error})") from None
+    if (reason := unsupported(family)) is not None:
+        raise Skip(reason)
+    contender.directory = tempfile.TemporaryDirectory(prefix=prefix)
+    folder = Path(contender.directory.name)
+    to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)
+    return folder
+
+
 class CTranslate2(Contender):
     """CTranslate2 from the same weights: its Translator for an encoder-decoder, its Generator
     for a Llama- or Qwen2-family decoder through our mapping (benchmarks.ctranslate2_peer), and
@@ -312,18 +332,9 @@ class CTranslate2(Contender):
     def _own_converter(self, cfg, params, why_not_ours: str) -> None:
         from conformance.backends.ctranslate2_backend import (CTranslate2Runner, convert_model,
                                                               ctranslate2_unsupported_reason)
-        from importers.huggingface_writer import family_of, to_huggingface
-        from spec.errors import ConfigError
 
-        try:
-            family = family_of(cfg)
-        except ConfigError as error:
-            raise Skip(f"{why_not_ours}; nor a family its converter reads ({error})") from None
-        if (reason := ctranslate2_unsupported_reason(family)) is not None:
-            raise Skip(reason)
-        self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
-        folder = Path(self.directory.name)
-        to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)
+        folder = _written_as_huggingface(self, cfg, params, "rosetta-ct2-", ctranslate2_unsupported_reason,
+                                         f"{why_not_ours}; nor a family its converter reads")
         try:
             self.runner = CTranslate2Runner(convert_model(folder / "source", cfg, folder), cfg)
         except NotSupported as reason:
@@ -357,19 +368,10 @@ class OnnxRuntimeGenai(Contender):
         except ImportError as error:
             raise Skip(f"not installed ({error})") from None
         from conformance.backends.genai_backend import GenaiRunner, build_model, genai_unsupported_reason
-        from importers.huggingface_writer import family_of, to_huggingface
-        from spec.errors import ConfigError
 
-        try:
-            family = family_of(cfg)
-        except ConfigError as error:
-            raise Skip(f"the builder reads a directory of the families the writer knows ({error})") from None
-        reason = genai_unsupported_reason(cfg, family)
-        if reason:
-            raise Skip(reason)
-        self.directory = tempfile.TemporaryDirectory(prefix="rosetta-genai-")
-        folder = Path(self.directory.name)
-        to_huggingface(cfg, params, folder / "source", bos_id=BOS_ID, eos_id=EOS_ID)
+        folder = _written_as_huggingface(self, cfg, params, "rosetta-genai-",
+                                         lambda family: genai_unsupported_reason(cfg, family),
+                                         "the builder reads a directory of the families the writer knows")
         self.runner = GenaiRunner(build_model(folder / "source", cfg, folder), cfg)
 
     def forward(self, src, tgt):

@@ -69,8 +69,9 @@ class Explanation:
         lines = [f"{'error/tolerance':>15}  omitted (on {self.case})"]
         ranked = sorted(self.trials, key=lambda trial: (trial.ratio, len(trial.omissions)))
         shown = [self.trials[0], *[trial for trial in ranked if trial is not self.trials[0]][:7]]
+        explaining = self.explained_by
         for trial in shown:
-            flag = "  <- explains it" if trial in self.explained_by else ""
+            flag = "  <- explains it" if trial in explaining else ""
             lines.append(f"{_ratio_text(trial.ratio):>15}  {', '.join(trial.omissions) or '(the spec itself)'}{flag}")
         if len(self.trials) > len(shown):
             lines.append(f"{'':>15}  ... {len(self.trials) - len(shown)} more sets tried")

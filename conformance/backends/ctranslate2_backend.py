@@ -79,54 +79,49 @@ class CTranslate2Runner:
             return INNER_PAD
         return None
 
-    def forward(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
-        ids = np.asarray(inputs["tgt_ids"])
+    def _lengths(self, ids: np.ndarray, longest: int | None = None) -> tuple[np.ndarray, dict[int, str]]:
+        """Each row's length as CTranslate2 reads it (0 where the row is left out) and the rows left
+        out or cut short, with why; a row longer than `longest` is left out (PAST_WINDOW)."""
         keep = ids != self.cfg.pad_id
-        computed = np.zeros(ids.shape, dtype=bool)
-        left_out: dict[int, str] = {}
+        lengths, left_out = keep.sum(axis=1), {}
         for row in range(len(ids)):
-            if (why := self._row_reason(keep[row])) is None and self.cfg.sliding_window is not None \
-                    and keep[row].sum() > self.cfg.sliding_window:
+            why = self._row_reason(keep[row])
+            if why is None and longest is not None and lengths[row] > longest:
                 why = PAST_WINDOW
             if why is not None:
-                left_out[row] = why
-                continue
-            computed[row, :keep[row].sum()] = True
-            if not keep[row].all():
+                lengths[row], left_out[row] = 0, why
+            elif not keep[row].all():
                 left_out[row] = AFTER_LAST
+        return lengths, left_out
+
+    def forward(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
+        ids = np.asarray(inputs["tgt_ids"])
+        lengths, left_out = self._lengths(ids, self.cfg.sliding_window)
+        computed = np.arange(ids.shape[1]) < lengths[:, None]  # [B, L]
         logits = np.full((*ids.shape, self.cfg.tgt_vocab_size), np.nan)
-        rows = np.flatnonzero(computed.any(axis=1))
+        rows = np.flatnonzero(lengths)
         # with a window, rows of different lengths in one call fail ("Length mask has size 112 which is
         # different than the current batch size 32", measured): such a model's rows go one per call
         batches = [[row] for row in rows] if self.cfg.sliding_window is not None else [list(rows)] if rows.size else []
         for batch in batches:
-            found = self.generator.forward_batch([[int(t) for t in ids[row, computed[row]]] for row in batch])
+            found = self.generator.forward_batch([[int(t) for t in ids[row, :lengths[row]]] for row in batch])
             found = np.asarray(found, dtype=np.float64)  # [rows, longest, V'], each row to its own length
             if found.shape[-1] != logits.shape[-1]:
                 raise ValueError(f"CTranslate2's logits have {found.shape[-1]} entries per position, the model's "
                                  f"vocabulary {logits.shape[-1]}")
             for at, row in enumerate(batch):
-                logits[row, computed[row]] = found[at, :computed[row].sum()]
+                logits[row, :lengths[row]] = found[at, :lengths[row]]
         return Partial(logits, computed, left_out) if left_out else logits
 
     def decode(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         """Each row through its cache a token at a time, to its last real token: the steps from
         the prefix on are compared."""
         ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
-        keep = ids != self.cfg.pad_id
-        steps = np.zeros((len(ids), ids.shape[1] - prefix), dtype=bool)
-        left_out: dict[int, str] = {}
-        for row in range(len(ids)):
-            if (why := self._row_reason(keep[row])) is not None:
-                left_out[row] = why
-                continue
-            steps[row, :max(0, keep[row].sum() - prefix)] = True
-            if not keep[row].all():
-                left_out[row] = AFTER_LAST
+        lengths, left_out = self._lengths(ids)
+        steps = prefix + np.arange(ids.shape[1] - prefix) < lengths[:, None]  # [B, L − prefix]
         logits = np.full((*steps.shape, self.cfg.tgt_vocab_size), np.nan)
-        for row in np.flatnonzero(steps.any(axis=1)):
-            length = prefix + steps[row].sum()
-            logits[row, :steps[row].sum()] = self.step_logits(ids[row, :length])[prefix:]
+        for row in np.flatnonzero(lengths > prefix):
+            logits[row, :lengths[row] - prefix] = self.step_logits(ids[row, :lengths[row]])[prefix:]
         return Partial(logits, steps, left_out) if left_out else logits
 
     def step_logits(self, tokens: np.ndarray) -> np.ndarray:
