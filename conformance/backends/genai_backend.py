@@ -265,7 +265,10 @@ class GenaiBackend:
         return None
 
     def devices(self) -> list[str]:
-        return ["cpu"]  # the CUDA model is a different build (-e cuda) that has not met a GPU here
+        # The CUDA model is another build (-e cuda). On an H200 (reports/gpu/nvidia-h200/, second run) its fp16
+        # model's logits after a row's last real token were a constant, and its fp32 model did not load
+        # ("Graph output (present.0.key) does not exist"): a column for it needs those causes in its rows first.
+        return ["cpu"]
 
     def supports(self, dtype: str, device: str) -> str | None:
         if dtype != "float32":
