@@ -40,7 +40,8 @@ SHAPES: dict[str, tuple[str, dict]] = {
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+           "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 _NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0}  # Gemma's norms multiply by 1 + weight: 0 is the identity
 # the commands timed on each shape: name -> rosetta arguments after the program ({dir}, {weights} filled in)
 RUNS: dict[str, list[str]] = {
@@ -55,8 +56,9 @@ RUNS: dict[str, list[str]] = {
 
 def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: int = 0) -> Path:
     """A randomly initialised transformers model of the family saved to directory, every parameter
-    drawn: matrices at 1/sqrt(their smaller side), norm scales about their identity (1, Gemma's 0; never
-    it), biases about 0 (not 0)."""
+    drawn: matrices at 1/sqrt(their smaller side) (a stack of them, transformers 5's fused experts
+    [E, out, in], at each one's), norm scales about their identity (1, Gemma's 0; never it), biases
+    about 0 (not 0)."""
     import torch
     import transformers
 
@@ -67,7 +69,7 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
         for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             if tensor.ndim >= 2:
-                tensor.copy_(noise * min(tensor.shape) ** -0.5)
+                tensor.copy_(noise * min(tensor.shape[-2:]) ** -0.5)
             elif "norm" in name:
                 tensor.copy_(_NORM_IDENTITY.get(family, 1.0) + 0.2 * noise)
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -140,12 +140,21 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     if case.sublayer == "generate" and case.mask_case in TEXT_CASES:
         base["tokens"], base["golden_tokens"] = _rows(output), _rows(reference[0])
     if case.sublayer == "generate":
-        result = compare_generation(output, *reference, relative, case.inputs["eos_id"], compared)
+        def judge(tokens):
+            return compare_generation(tokens, *reference, relative, case.inputs["eos_id"], compared)
+        result = judge(output)
+        if not result.passed and cfg.moe is not None:
+            result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     elif is_gradient(case.sublayer):
         # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
         kink_width = case.tolerance(cfg, dtype, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
-        result = compare_gradients(output, reference.gradients, reference.terms, relative,
-                                   reference.kink_allowance(kink_width))
+
+        def judge(gradients):
+            return compare_gradients(gradients, reference.gradients, reference.terms, relative,
+                                     reference.kink_allowance(kink_width))
+        result = judge(output)
+        if not result.passed and cfg.moe is not None:
+            result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     elif is_training(case.sublayer):
         # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
         # stored value's own rounding for the update
@@ -153,11 +162,95 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
                                   case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)), relative,
                                   tolerance(dtype, 1, 1))
     else:
-        result = compare(output, reference, relative, case.floor, compared)
+        def judge(values):
+            return compare(values, reference, relative, case.floor, compared)
+        result = judge(output)
+        if not result.passed and cfg.moe is not None:
+            result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     base["field"] = _field_metrics(case, output, reference, compared, dtype)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
                       reason=result.reason, seconds=seconds)
+
+
+def _routing_verdict(cfg, params, case: Case, runner, dtype: str, judge, failed):
+    if hasattr(runner, "routing_log"):
+        return replayed_routing(cfg, params, case, runner, dtype, judge, failed)
+    return near_ties(cfg, params, case, dtype, failed)
+
+
+def golden_routing(cfg, params, case: Case) -> list[list[np.ndarray]]:
+    """The golden's routing of a case, per MoE layer in call order: [chosen [B, T, k], margins
+    [B, T], router logits' size [B, T]]."""
+    from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
+
+    with recorded_routing() as calls:  # a gradient case's routing is its forward's
+        golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
+                      case.inputs)
+    # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
+    count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
+    return [[np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
+             for field in ("chosen", "margins", "logit_scale")] for layer in range(count)]
+
+
+def near_ties(cfg, params, case: Case, dtype: str, failed):
+    """A failing cell of a column that cannot replay routing (an exported graph): how many of the
+    case's routing decisions sit within rounding of a tie at its dtype, said beside the verdict."""
+    bounds = [(margins, 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale)
+              for layer, (_, margins, scale) in enumerate(golden_routing(cfg, params, case))]
+    near = sum(int((margins < bound).sum()) for margins, bound in bounds)
+    if not near:
+        return replace(failed, reason=f"{failed.reason}; no routing decision of the case is within rounding of a tie")
+    return replace(failed, reason=(
+        f"{failed.reason}; {near} routing decision(s) of the case are within rounding of a tie at {dtype} (smallest "
+        f"margin {min(float(margins.min()) for margins, _ in bounds):.2g}), and this column cannot replay the "
+        "golden's routing: a flip there may explain the failure"))
+
+
+def replayed_routing(cfg, params, case: Case, runner, dtype: str, judge, failed):
+    """A mixture-of-experts model's failing cell, split (SPEC §5.14). The backend runs again with
+    the golden's routing forced. If that run fails too, the experts or the rest of the layer
+    compute differently, and the cell fails saying so. If it passes, the routing made the
+    difference: in the first layer whose choices differ from the golden's, a token whose margin is
+    clear of rounding (2ρ·max|z|: ρ the tolerance at the layer's depth, z its router logits) fails
+    the cell as "the router chose differently"; where every such token sits within rounding of a
+    tie, the replayed run's verdict stands, saying so (a later layer's differences follow from the
+    first's)."""
+    golden = golden_routing(cfg, params, case)
+    try:
+        with runner.routing_log() as log:
+            _output(runner, case)
+        layers = log.layers()
+        with runner.routing_log(forced=[chosen for chosen, _, _ in golden]):
+            replayed = judge(_output(runner, case))
+    except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
+        return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
+    if [chosen.shape for chosen in layers] != [chosen.shape for chosen, _, _ in golden]:
+        return failed
+    flips = [(np.sort(mine, axis=-1) != np.sort(chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
+             for mine, (chosen, _, _) in zip(layers, golden)]
+    agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
+                 f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
+    if not replayed.passed:
+        return replace(replayed, reason=f"with the golden's routing replayed the cell still fails, so the experts or "
+                                        f"the rest of the layer compute differently ({agreement}): {replayed.reason}")
+    if not any(f.any() for f in flips):
+        return failed
+    layer = next(index for index, f in enumerate(flips) if f.any())
+    chosen, margins, scale = golden[layer]
+    bound = 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale
+    clear = flips[layer] & (margins >= bound)
+    if clear.any():
+        row, position = (int(i) for i in np.argwhere(clear)[0])
+        return replace(failed, reason=(
+            f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {layer}, "
+            f"row {row}, position {position} (margin {margins[row, position]:.3g} >= rounding bound "
+            f"{bound[row, position]:.3g}): golden experts {chosen[row, position].tolist()}, here "
+            f"{layers[layer][row, position].tolist()}; with the golden's routing replayed the cell passes; "
+            f"{failed.reason}"))
+    note = (f"routing replayed: {agreement}, those of MoE layer {layer} each within rounding of a tie (smallest "
+            f"margin there {float(margins[flips[layer]].min()):.2g}, bound {float(bound[flips[layer]].min()):.2g})")
+    return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)
 
 
 def _field_metrics(case: Case, output, reference, compared, dtype: str) -> dict | None:

@@ -21,9 +21,11 @@ Numerics are explicit, not left to JAX's defaults:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -33,8 +35,10 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.experimental import io_callback
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.errors import InputError
 from spec.inputs import (
     check_cache_capacity,
     check_cache_room,
@@ -414,6 +418,100 @@ class FeedForward(nnx.Module):
         return self.w2(hidden)
 
 
+class RoutingLog:
+    """A model's routing across calls, per MoE layer (SPEC §5.14): what each layer chose at every
+    position, [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the
+    layers are first called), the choices are those instead: replayed routing. A layer reads its
+    positions in order from a cursor, so a forward, a prefill and its steps all line up."""
+
+    def __init__(self, forced: list[np.ndarray] | None = None):
+        self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
+        self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
+        self._layers: dict[int, int] = {}
+
+    def choose(self, layer: nnx.Module, free: jax.Array, batch: int) -> jax.Array:
+        """The choices [N, k] of `layer` for this call: its own (`free`), or the forced ones. Inside
+        compiled code a host callback does it, at every run of the compiled program."""
+        host = partial(self._choose, layer.index, batch)
+        # int32 across: the callback runs on a thread of its own, where x64 mode (thread-local) is off
+        chosen = io_callback(host, jax.ShapeDtypeStruct(free.shape, jnp.int32), free.astype(jnp.int32), ordered=True)
+        return chosen.astype(free.dtype)
+
+    def _choose(self, layer: int, batch: int, free: np.ndarray) -> np.ndarray:
+        index = self._layers.setdefault(layer, len(self._layers))
+        if index == len(self.chosen):
+            self.chosen.append([])
+        cursor = sum(call.shape[1] for call in self.chosen[index])
+        length = free.shape[0] // batch
+        if self.forced is not None:
+            if index >= len(self.forced) or self.forced[index].shape[0] != batch \
+                    or cursor + length > self.forced[index].shape[1]:
+                raise InputError(f"replayed routing out of step: MoE layer call {index} wants {batch} rows at positions "
+                                 f"{cursor}..{cursor + length - 1}; the forced choices hold "
+                                 f"{[list(f.shape[:2]) for f in self.forced]}")
+            free = self.forced[index][:, cursor:cursor + length].reshape(-1, free.shape[1])
+        free = np.asarray(free, dtype=np.int32)
+        self.chosen[index].append(free.reshape(batch, length, -1))
+        return free
+
+    def layers(self) -> list[np.ndarray]:
+        """What each layer chose, [B, T, k], its calls joined along the positions."""
+        return [np.concatenate([np.asarray(call) for call in calls], axis=1) for calls in self.chosen]
+
+
+# nnx.jit traverses a module's attributes as its graph: the log rides a context variable instead
+_ROUTING: contextvars.ContextVar[RoutingLog | None] = contextvars.ContextVar("routing", default=None)
+
+
+class MixtureOfExperts(nnx.Module):
+    """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
+    token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
+    else a loop over the experts. Both are in the matrix: the sdpa column runs the batched form, the
+    math column the loop."""
+
+    def __init__(self, cfg: ModelConfig, batched: bool, precision: str, dtype, rngs: nnx.Rngs):
+        self.router = Linear(cfg.d_model, cfg.moe.n_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
+                             precision=precision, rngs=rngs)
+        self.experts = nnx.List([FeedForward(cfg, precision, dtype, rngs) for _ in range(cfg.moe.n_experts)])
+        self.k, self.renormalize, self.batched = cfg.moe.experts_per_token, cfg.moe.renormalize, batched
+        self.router_float32 = cfg.moe.router_softmax == "float32"  # at least float32: half activations widened
+        # which decoder layer this is, for a routing log (Stack sets it): nnx.jit traces copies of a
+        # module with Variables of their own, so neither the module's identity nor theirs lasts
+        self.index = 0
+
+    def route(self, tokens: jax.Array, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """probabilities [N, E], the chosen experts [N, k] largest first, their weights [N, k]."""
+        logits = self.router(tokens)
+        widen = self.router_float32 and logits.dtype in _HALF
+        probabilities = jax.nn.softmax(logits.astype(jnp.float32) if widen else logits, axis=-1)
+        # lax.top_k documents no order for ties; a stable sort of −p puts the lower index first
+        chosen = jnp.argsort(-probabilities, axis=-1, stable=True)[:, :self.k]
+        log = _ROUTING.get()
+        if log is not None:
+            chosen = log.choose(self, chosen, batch)
+        weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return probabilities, chosen, weights.astype(tokens.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
+        _, chosen, weights = self.route(tokens, x.shape[0] if x.ndim == 3 else 1)
+        if self.batched:
+            outputs = jnp.stack([expert(tokens) for expert in self.experts], axis=1)  # [N, E, d]
+            # gathered, not multiplied by a zero weight: an unchosen expert's inf would make 0 · inf = NaN
+            picked = jnp.take_along_axis(outputs, chosen[..., None], axis=1)  # [N, k, d]
+            return (weights[..., None] * picked).sum(axis=1).reshape(x.shape)
+        # jit needs static shapes, so the loop runs each expert on every token and keeps its output
+        # only where chosen (jnp.where rather than a zero weight, for the same reason as above)
+        out = jnp.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            here = chosen == index  # [N, k]
+            weight = jnp.where(here, weights, 0).sum(axis=-1, keepdims=True)  # [N, 1]
+            out = out + jnp.where(here.any(axis=-1, keepdims=True), weight * expert(tokens), 0)
+        return out.reshape(x.shape)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """γ (x - μ) / √(σ² + ε) + β, two passes. (nnx.LayerNorm's default use_fast_variance=True
     takes E[x²] − E[x]², which cancels badly when the mean is large.)"""
@@ -515,7 +613,8 @@ class DecoderLayer(nnx.Module):
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs, self_attention=False)
             self.cross_attn_norm = Norm(cfg, dtype)
-        self.ffn = FeedForward(cfg, precision, dtype, rngs)
+        self.ffn = FeedForward(cfg, precision, dtype, rngs) if cfg.moe is None else \
+            MixtureOfExperts(cfg, path == "sdpa", precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
         self.ffn_post_norm = Norm(cfg, dtype) if cfg.post_norms else None
 
@@ -543,6 +642,9 @@ class Stack(nnx.Module):
         # each decoder layer with its own config (its window, its rotary: SPEC §6)
         layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
         self.layers = nnx.List([layer(layer_config(i), path, precision, dtype, rngs) for i in range(count)])
+        for index, each in enumerate(self.layers):
+            if isinstance(getattr(each, "ffn", None), MixtureOfExperts):
+                each.ffn.index = index
         self.norm = Norm(cfg, dtype) if cfg.final_norm else None
 
     def embedding_norm(self, x: jax.Array) -> jax.Array:
@@ -672,6 +774,20 @@ class Transformer(nnx.Module):
     def to_params(self) -> dict[str, np.ndarray]:
         """Canonical float32 parameters (bit-exact round trip from float32 or float64 models)."""
         return {name: np.asarray(_variable(self, name)[...], dtype=np.float32) for name in param_shapes(self.cfg)}
+
+    @contextlib.contextmanager
+    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, every MoE layer logs its choices, or takes the forced ones (replayed routing).
+        The layers see the log when they are traced: the compiled programs are traced again inside
+        (with the host callbacks) and after (without them)."""
+        log = RoutingLog(forced)
+        jax.clear_caches()
+        token = _ROUTING.set(log)
+        try:
+            yield log
+        finally:
+            _ROUTING.reset(token)
+            jax.clear_caches()
 
     # ---- pieces the harness drives one by one ----
     def _table(self, side: str) -> nnx.Embed:

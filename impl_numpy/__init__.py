@@ -15,6 +15,7 @@ from impl_numpy.model import (
     encoder,
     encoder_layer,
     feed_forward,
+    ffn,
     ffn_block,
     final_norm,
     forward,

@@ -30,10 +30,12 @@ from impl_numpy.model import (
     attention_positions,
     block,
     decoder_self_masks,
+    experts_ffn,
     feed_forward,
     group_heads,
     head_norm,
     key_value_heads,
+    layer_experts,
     linear,
     log_softmax,
     merge_heads,
@@ -46,6 +48,8 @@ from impl_numpy.model import (
     rope_tables,
     rotary,
     rotate_half,
+    router_probabilities,
+    routing_weights,
     scaled_dot_product_attention,
     smoothed_targets,
     softcap,
@@ -53,6 +57,7 @@ from impl_numpy.model import (
     split_heads,
     token_cross_entropy,
     token_embedding,
+    top_experts,
 )
 from spec import ModelConfig, params_under
 from spec.dropout import masks_under
@@ -186,6 +191,60 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
         d_from_w3, grads["w3.weight"], grads["w3.bias"] = linear_vjp(x, p["w3.weight"], d_hidden * activated)
         d_x = d_x + d_from_w3
     return d_x, _present(p, grads)
+
+
+def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict[str, np.ndarray]], k: int,
+                           renormalize: bool, activation: str,
+                           d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
+    """y = Σ_j w_j FFN_top_j(x), the chosen experts constants (top-k is constant between ties):
+    ∂w_j = ⟨∂y, FFN_top_j(x)⟩; renormalised, w = p_T / Σ p_T: ∂p_T = (∂w − Σ_j w_j ∂w_j) / Σ p_T;
+    ∂z = softmax's VJP of ∂p (0 off the chosen), z = x R; ∂x = Σ_j w_j ∂x_FFN_j + ∂z Rᵀ.
+    x [N, d], d_y [N, d] -> d_x [N, d], d_router [d, E], each expert's {w1.*, w3.*, w2.*} (zeros
+    for an expert no token chose)"""
+    probabilities = router_probabilities(x, router)  # [N, E]
+    chosen = top_experts(probabilities, k)  # [N, k]
+    weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
+    d_x, d_weights, expert_grads = np.zeros_like(x), np.zeros_like(weights), []
+    for expert, p in enumerate(experts):
+        tokens, slot = np.nonzero(chosen == expert)
+        if not tokens.size:
+            expert_grads.append({name: np.zeros_like(value) for name, value in p.items()})
+            continue
+        d_weights[tokens, slot] = (d_y[tokens] * feed_forward(p, x[tokens], activation)).sum(axis=-1)
+        d_part, grads = feed_forward_vjp(p, x[tokens], activation, weights[tokens, slot, None] * d_y[tokens])
+        d_x[tokens] += d_part
+        expert_grads.append(grads)
+    d_chosen = d_weights
+    if renormalize:
+        total = np.take_along_axis(probabilities, chosen, axis=-1).sum(axis=-1, keepdims=True)
+        if _CANCELLING[0]:
+            d_chosen = (d_weights - (weights * d_weights).sum(axis=-1, keepdims=True)) / total
+        else:  # the terms' size: the shared term cancels between the chosen (exactly, for the router's gradient)
+            d_chosen = (np.abs(d_weights) + np.abs(weights * d_weights).sum(axis=-1, keepdims=True)) / total
+    d_probabilities = np.zeros_like(probabilities)
+    np.put_along_axis(d_probabilities, chosen, d_chosen, axis=-1)
+    if _CANCELLING[0]:
+        d_logits = softmax_vjp(probabilities, d_probabilities)
+    else:
+        # unlike an attention row's masked keys, an unchosen expert's logit is reached, through the
+        # softmax's shared term −p_e Σ_j p_j ∂p_j: its size, kept where the cancelling form drops it
+        d_logits = probabilities * (np.abs(d_probabilities) + np.abs(probabilities * d_probabilities).sum(
+            axis=-1, keepdims=True))
+    d_from_router, d_router, _ = linear_vjp(x, router, d_logits)
+    return d_x + d_from_router, d_router, expert_grads
+
+
+def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray,
+                    d_y: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """experts_ffn, back: d_x [B, T, d] and {router.weight, experts.{e}.w1.weight, ...}."""
+    moe, width = cfg.moe, x.shape[-1]
+    d_x, d_router, expert_grads = mixture_of_experts_vjp(
+        x.reshape(-1, width), p["router.weight"], layer_experts(cfg, p), moe.experts_per_token, moe.renormalize,
+        cfg.activation, d_y.reshape(-1, width))
+    grads = {"router.weight": d_router}
+    for expert, expert_grad in enumerate(expert_grads):
+        grads.update({f"experts.{expert}.{name}": value for name, value in expert_grad.items()})
+    return d_x.reshape(x.shape), grads
 
 
 def layer_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,
@@ -409,10 +468,13 @@ def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> 
 
 def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
                   dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
-    """The FFN's residual block, back. p: the layer's parameters."""
-    ffn = params_under(p, "ffn")
-    return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn, h, cfg.activation),
-                     lambda h, d_out: feed_forward_vjp(ffn, h, cfg.activation, d_out), d_y, dropout_mask)
+    """The FFN's residual block, back: one FFN's, or the mixture of experts' (§5.14). p: the layer's parameters."""
+    ffn_p = params_under(p, "ffn")
+    if cfg.moe is None:
+        return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn_p, h, cfg.activation),
+                         lambda h, d_out: feed_forward_vjp(ffn_p, h, cfg.activation, d_out), d_y, dropout_mask)
+    return block_vjp(cfg, p, "ffn", x, lambda h: experts_ffn(cfg, ffn_p, h),
+                     lambda h, d_out: experts_ffn_vjp(cfg, ffn_p, h, d_out), d_y, dropout_mask)
 
 
 def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,

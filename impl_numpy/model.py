@@ -13,8 +13,10 @@ as ``spec.params_under`` gives them: multi_head_attention(p) reads p["q.weight"]
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -371,9 +373,106 @@ def block(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Calla
     return residual(cfg, params_under(p, f"{name}_norm"), x, sublayer, dropout_mask, post_norm_p)
 
 
+def ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """A layer's FFN: one FFN (§5.5), or the mixture of experts (§5.14). p: its "ffn" parameters. [B, T, d] -> [B, T, d]"""
+    return feed_forward(p, x, cfg.activation) if cfg.moe is None else experts_ffn(cfg, p, x)
+
+
 def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarray | None = None) -> np.ndarray:
     """The residual/norm block around a layer's FFN. p: the layer's parameters."""
-    return block(cfg, p, "ffn", x, lambda h: feed_forward(params_under(p, "ffn"), h, cfg.activation), dropout_mask)
+    return block(cfg, p, "ffn", x, lambda h: ffn(cfg, params_under(p, "ffn"), h), dropout_mask)
+
+
+# ---- the mixture of experts (SPEC §5.14: Mixtral, Qwen3-MoE) ---------------------------------
+# A router chooses k of E gated FFNs per token and the block sums their outputs, weighted:
+#     p = softmax(x R) [N, E];  top = the k largest p, ties to the lower index;
+#     w = p[top] / Σ p[top] (renormalised: Mixtral) or p[top] (Qwen3-MoE without norm_topk_prob);
+#     MoE(x) = Σ_j w_j · FFN_top_j(x).
+# An expert no token chose computes nothing. A token's routing margin, p_(k) − p_(k+1), is how far
+# its choice is from a tie that a backend's rounding could flip. x [N, d] (tokens flattened).
+
+def router_probabilities(x: np.ndarray, router: np.ndarray) -> np.ndarray:
+    """p = softmax(x R). [N, d] @ [d, E] -> [N, E]"""
+    return softmax(linear(x, router))
+
+
+def top_experts(probabilities: np.ndarray, k: int) -> np.ndarray:
+    """The k experts of largest probability per token, largest first, a tie to the lower index. [N, E] -> [N, k]"""
+    if not 1 <= k <= probabilities.shape[-1]:
+        raise ValueError(f"k = {k} experts per token: there are {probabilities.shape[-1]}")
+    return np.argsort(-probabilities, axis=-1, kind="stable")[..., :k]  # a stable sort keeps ties in index order
+
+
+def routing_weights(probabilities: np.ndarray, chosen: np.ndarray, renormalize: bool) -> np.ndarray:
+    """w = p[top] / Σ p[top] where renormalised, else p[top]. -> [N, k]"""
+    weights = np.take_along_axis(probabilities, chosen, axis=-1)
+    return weights / weights.sum(axis=-1, keepdims=True) if renormalize else weights
+
+
+def routing_margins(probabilities: np.ndarray, k: int) -> np.ndarray:
+    """p_(k) − p_(k+1) per token, the probabilities sorted largest first; with k = E, p_(E). -> [N]"""
+    ordered = -np.sort(-probabilities, axis=-1)
+    return ordered[..., k - 1] - (ordered[..., k] if k < ordered.shape[-1] else 0.0)
+
+
+def mixture_of_experts(x: np.ndarray, router: np.ndarray, experts: Sequence[Params], k: int, renormalize: bool,
+                       activation: str) -> np.ndarray:
+    """MoE(x) = Σ_j w_j · FFN_top_j(x), each expert run on the tokens that chose it. [N, d] -> [N, d]"""
+    if router.shape[-1] != len(experts):
+        raise ValueError(f"the router scores {router.shape[-1]} experts; {len(experts)} are given")
+    probabilities = router_probabilities(x, router)
+    chosen = top_experts(probabilities, k)  # [N, k]
+    weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
+    out = np.zeros_like(x)
+    for expert, p in enumerate(experts):
+        tokens, slot = np.nonzero(chosen == expert)  # the tokens that chose it, and in which of their k places
+        if tokens.size:
+            out[tokens] += weights[tokens, slot, None] * feed_forward(p, x[tokens], activation)
+    return out
+
+
+@dataclass(frozen=True)
+class RoutedCall:
+    """One call of a layer's mixture of experts on x [B, T, d]: what its router chose and how far
+    each choice is from a tie."""
+
+    chosen: np.ndarray  # [B, T, k], largest first
+    margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
+    logit_scale: np.ndarray  # [B, T]: max_e |z_e|, the router logits' size
+
+
+_RECORDING: contextvars.ContextVar[list[RoutedCall] | None] = contextvars.ContextVar("routing", default=None)
+
+
+@contextlib.contextmanager
+def recorded_routing() -> Iterator[list[RoutedCall]]:
+    """Every experts_ffn call's routing while inside, in call order (a forward: one per layer)."""
+    calls: list[RoutedCall] = []
+    token = _RECORDING.set(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDING.reset(token)
+
+
+def layer_experts(cfg: ModelConfig, p: Params) -> list[Params]:
+    """Each expert's gated FFN, in index order. p: the layer's "ffn" parameters."""
+    return [params_under(p, f"experts.{expert}") for expert in range(cfg.moe.n_experts)]
+
+
+def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """The layer's mixture of experts on every token of x. [B, T, d] -> [B, T, d]"""
+    tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
+    moe = cfg.moe
+    calls = _RECORDING.get()
+    if calls is not None:
+        logits = linear(tokens, p["router.weight"])
+        probabilities = softmax(logits)
+        calls.append(RoutedCall(top_experts(probabilities, moe.experts_per_token).reshape(*x.shape[:-1], -1),
+                                routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
+                                np.abs(logits).max(axis=-1).reshape(x.shape[:-1])))
+    return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,
+                              moe.renormalize, cfg.activation).reshape(x.shape)
 
 
 # ---- layers and stacks ----------------------------------------------------------------------

@@ -12,9 +12,10 @@ else changes: embeddings are [V, d] in both, norms are vectors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -354,6 +355,89 @@ class FeedForward(nn.Module):
         return self.w2(hidden)
 
 
+class RoutingLog:
+    """A model's routing across calls, per MoE layer (SPEC §5.14): what each layer chose at every
+    position, [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the
+    layers are first called), the choices are those instead: replayed routing. A layer reads its
+    positions in order from a cursor, so a forward, a prefill and its steps all line up."""
+
+    def __init__(self, forced: list[np.ndarray] | None = None):
+        self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
+        self.chosen: list[list[torch.Tensor]] = []  # per layer, in first-call order: its calls' [B, T, k]
+        self._layers: dict[int, int] = {}
+
+    def choose(self, layer: nn.Module, free: torch.Tensor, batch: int) -> torch.Tensor:
+        """The choices [N, k] of `layer` for this call: its own (`free`), or the forced ones."""
+        index = self._layers.setdefault(layer.index, len(self._layers))
+        if index == len(self.chosen):
+            self.chosen.append([])
+        cursor = sum(call.shape[1] for call in self.chosen[index])
+        length = free.shape[0] // batch
+        if self.forced is not None:
+            if index >= len(self.forced) or self.forced[index].shape[0] != batch \
+                    or cursor + length > self.forced[index].shape[1]:
+                raise InputError(f"replayed routing out of step: MoE layer call {index} wants {batch} rows at positions "
+                                 f"{cursor}..{cursor + length - 1}; the forced choices hold "
+                                 f"{[list(f.shape[:2]) for f in self.forced]}")
+            free = torch.as_tensor(self.forced[index][:, cursor:cursor + length].reshape(-1, free.shape[1]),
+                                   device=free.device)
+        self.chosen[index].append(free.reshape(batch, length, -1))
+        return free
+
+    def layers(self) -> list[np.ndarray]:
+        """What each layer chose, [B, T, k], its calls joined along the positions."""
+        return [torch.cat(calls, dim=1).cpu().numpy() for calls in self.chosen]
+
+
+class MixtureOfExperts(nn.Module):
+    """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
+    token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
+    else the plain loop, each expert on the tokens that chose it. Both are in the matrix: the sdpa
+    column runs the batched form, the math column the loop."""
+
+    def __init__(self, cfg: ModelConfig, batched: bool = False):
+        super().__init__()
+        self.router = nn.Linear(cfg.d_model, cfg.moe.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.moe.n_experts))
+        self.k, self.renormalize, self.batched = cfg.moe.experts_per_token, cfg.moe.renormalize, batched
+        self.router_float32 = cfg.moe.router_softmax == "float32"  # at least float32: half activations widened
+        self.log: RoutingLog | None = None  # set by Transformer.routing_log
+        self.index = 0  # which decoder layer this is, for a routing log (Stack sets it)
+
+    def route(self, tokens: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """probabilities [N, E], the chosen experts [N, k] largest first, their weights [N, k]."""
+        logits = self.router(tokens)
+        widen = self.router_float32 and logits.dtype in _HALF
+        probabilities = torch.softmax(logits.float() if widen else logits, dim=-1)
+        if torch.onnx.is_in_onnx_export():
+            # the exporter has no stable sort; ONNX's TopK breaks a tie by the lower index, as the spec does
+            chosen = torch.topk(probabilities, self.k, dim=-1).indices
+        else:
+            # torch.topk documents no order for ties; a stable descending sort puts the lower index first
+            chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
+        if self.log is not None:
+            chosen = self.log.choose(self, chosen, batch)
+        weights = probabilities.gather(-1, chosen)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probabilities, chosen, weights.to(tokens.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
+        _, chosen, weights = self.route(tokens, x.shape[0] if x.dim() == 3 else 1)
+        if self.batched:
+            outputs = torch.stack([expert(tokens) for expert in self.experts], dim=1)  # [N, E, d]
+            # gathered, not multiplied by a zero weight: an unchosen expert's inf would make 0 · inf = NaN
+            picked = torch.take_along_dim(outputs, chosen[..., None], dim=1)  # [N, k, d]
+            return (weights[..., None] * picked).sum(dim=1).reshape(x.shape)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(chosen == index, as_tuple=True)  # the tokens that chose it, and where
+            if rows.numel():
+                out.index_add_(0, rows, weights[rows, slot, None] * expert(tokens[rows]))
+        return out.reshape(x.shape)
+
+
 def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """γ (x - μ) / √(σ² + ε) + β with the biased variance: exactly F.layer_norm."""
     return F.layer_norm(x, x.shape[-1:], scale, bias, eps)
@@ -456,7 +540,7 @@ class DecoderLayer(nn.Module):
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, self_attention=False)
             self.cross_attn_norm = Norm(cfg)
-        self.ffn = FeedForward(cfg)
+        self.ffn = FeedForward(cfg) if cfg.moe is None else MixtureOfExperts(cfg, batched=path == "sdpa")
         self.ffn_norm = Norm(cfg)
         if cfg.post_norms:
             self.ffn_post_norm = Norm(cfg)
@@ -487,6 +571,9 @@ class Stack(nn.Module):
         # each decoder layer with its own config (its window, its rotary: SPEC §6)
         layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
         self.layers = nn.ModuleList(layer(layer_config(i), path) for i in range(count))
+        for index, each in enumerate(self.layers):
+            if isinstance(getattr(each, "ffn", None), MixtureOfExperts):
+                each.ffn.index = index
         if cfg.final_norm:
             self.norm = Norm(cfg)
 
@@ -620,6 +707,19 @@ class Transformer(nn.Module):
             array = value.detach().to("cpu", torch.float32).numpy()
             params[name] = np.ascontiguousarray(array.T if name in linear_weights else array)
         return {name: params[name] for name in param_shapes(self.cfg)}
+
+    @contextlib.contextmanager
+    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, every MoE layer logs its choices, or takes the forced ones (replayed routing)."""
+        log = RoutingLog(forced)
+        layers = [module for module in self.modules() if isinstance(module, MixtureOfExperts)]
+        for layer in layers:
+            layer.log = log
+        try:
+            yield log
+        finally:
+            for layer in layers:
+                layer.log = None
 
     # ---- pieces the harness drives one by one ----
     def _table(self, side: str) -> nn.Embedding:

@@ -28,6 +28,16 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   partial rotary (``partial_rotary_factor``, the spec's rope_fraction) and, where set, a window in
   every layer (Phi-3-mini's 2047); its longrope rescaling (the 128k models, Phi-3.5, Phi-4-mini)
   with Phi3Config's default original context of 4096.
+- ``mixtral`` (MixtralForCausalLM) and ``qwen3_moe`` (Qwen3MoeForCausalLM): Mistral's and Qwen3's
+  layers whose FFN is a mixture of experts (SPEC §5.14): a router ``gate`` [E, d] and E gated
+  FFNs, num_experts_per_tok of them per token. Checkpoints store one nn.Linear per expert and
+  projection (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE:
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as published and as transformers 5's
+  save_pretrained writes them; transformers 5's own modules fuse them per layer
+  (``mlp.experts.gate_up_proj`` [E, 2·d_ff, d], ``mlp.experts.down_proj`` [E, d, d_ff]), and a file
+  saved in that layout (save_original_format=False) is split per expert. Mixtral always
+  renormalises the k weights; Qwen3-MoE where norm_topk_prob says. Dense layers among the
+  mixtures (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) and shared experts are refused.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -46,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from spec import ROPE_SCALINGS, ModelConfig, RopeScaling, check_params, params_digest, save_weights
+from spec import ROPE_SCALINGS, MixtureOfExperts, ModelConfig, RopeScaling, check_params, params_digest, save_weights
 from spec.errors import ConfigError, WeightsError
 from spec.weights import read_header
 
@@ -61,6 +71,8 @@ FAMILIES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -75,6 +87,9 @@ _OUT_OF_SPEC = {
     "mbart": ("add_final_layer_norm", "mBART is pre-LN with its norms after the embeddings and after each stack; "
               "import it as a separate family once the spec grows that combination"),
     "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
+    "qwen2_moe": ("shared_expert_intermediate_size", "Qwen2-MoE adds a shared expert every token goes through, "
+                  "scaled by a sigmoid gate of its own, to the k experts the router chooses; the spec's mixture of "
+                  "experts (SPEC §5.14) is the chosen experts alone (Mixtral's, Qwen3-MoE's)"),
     "gemma3": ("vision_config", "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) has a vision tower "
                "the spec does not describe; its text decoder is Gemma3ForCausalLM (model_type gemma3_text), which "
                "imports"),
@@ -114,9 +129,11 @@ class Rule:
     source_shape: tuple[int, ...]
     target: str
     how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0" | "transpose rows a:b"
+    #           | "transpose expert e" | "transpose expert e rows a:b" (one expert's matrix of a fused [E, out, in])
 
     def span(self) -> tuple[int, int]:
-        """start and stop of a ranged rule ("columns a:b", "slice a:b", "transpose rows a:b")."""
+        """start and stop of a ranged rule ("columns a:b", "slice a:b", "transpose rows a:b",
+        "transpose expert e rows a:b")."""
         start, stop = self.how.split()[-1].split(":")
         return int(start), int(stop)
 
@@ -125,6 +142,12 @@ class Rule:
             return value
         if self.how == "transpose":  # nn.Linear stores [out, in]; the spec [in, out]
             return value.T
+        if self.how.startswith("transpose expert "):  # one expert of a fused [E, out, in] (transformers 5's MoE)
+            expert = value[int(self.how.split()[2])]
+            if " rows " in self.how:  # gate_up_proj: the gate's rows, then up's
+                start, stop = self.span()
+                expert = expert[start:stop]
+            return expert.T
         if self.how.startswith("transpose rows "):  # one block of a fused nn.Linear's outputs (Phi-3)
             start, stop = self.span()
             return value[start:stop].T
@@ -389,7 +412,8 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     return theta, fraction, _rope_scaling(hf, name, kind, parameters)
 
 
-_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}  # Gemma3TextConfig's global theta; the others' is 10000
+# Gemma3TextConfig's global theta and MixtralConfig's; the others' is 10000
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
 
 
@@ -508,9 +532,10 @@ def _qwen_layer_kinds(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
 
 
 def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, head_dim: int, kv_heads: int,
-                    **biases_and_norms: bool) -> ModelConfig:
+                    d_ff_field: str = "intermediate_size", **biases_and_norms: Any) -> ModelConfig:
     """What Llama, Qwen2 and Qwen3 share: pre-RMSNorm with a final norm, rotary positions, the gated
-    FFN, no embedding scale, no head bias."""
+    FFN (d_ff from d_ff_field: Qwen3-MoE's experts are moe_intermediate_size wide), no embedding
+    scale, no head bias."""
     _refuse_foreign_fields(hf, family)
     d_model, n_heads = _require(hf, "hidden_size", family), _require(hf, "num_attention_heads", family)
     vocab = _require(hf, "vocab_size", family)
@@ -520,7 +545,7 @@ def _rotary_decoder(hf: Mapping[str, Any], family: str, notes: list[str], *, hea
     theta, fraction, scaling = _rotary(hf, family)
     return ModelConfig(
         arch="decoder-only", d_model=d_model, n_heads=n_heads, n_kv_heads=None if kv_heads == n_heads else kv_heads,
-        head_dim=None if head_dim * n_heads == d_model else head_dim, d_ff=_require(hf, "intermediate_size", family),
+        head_dim=None if head_dim * n_heads == d_model else head_dim, d_ff=_require(hf, d_ff_field, family),
         n_decoder_layers=_require(hf, "num_hidden_layers", family), tgt_vocab_size=vocab,
         max_len=_require(hf, "max_position_embeddings", family), pad_id=_pad_id(hf, vocab, notes),
         norm_position="pre", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), final_norm=True,
@@ -641,6 +666,94 @@ def _gemma3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     return _gemma_config(hf, notes, "gemma3_text")
 
 
+# ---- mixtures of experts: Mixtral, Qwen3-MoE ---------------------------------------------------------
+
+# Fields of models whose every token also goes through experts the router does not choose (Qwen2-MoE's
+# shared expert, DeepSeek's): a file that sets them was made for such a model
+_SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+# Mixtral's name for the number of experts; Qwen3-MoE's (transformers maps one to the other)
+_EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts")
+
+
+def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: bool) -> MixtureOfExperts:
+    """The router's settings (SPEC §5.14): E experts, k of them per token, the k weights
+    renormalised or not, the softmax in float32 (both classes take it in float32). The router's
+    auxiliary loss and Mixtral's jitter act in training only: noted, not imported."""
+    model = FAMILIES[family]
+    for name in _SHARED_EXPERT_FIELDS:
+        _refuse_if(hf, name, bool, "experts every token goes through besides the k the router chooses are not in "
+                   f"the spec's mixture of experts (SPEC §5.14), and {model} has none either")
+    counts = {name: hf[name] for name in _EXPERT_COUNT_FIELDS if hf.get(name) is not None}
+    if len(set(map(json.dumps, counts.values()))) > 1:
+        raise ConfigError(" and ".join(f"{name} = {json.dumps(value)}" for name, value in counts.items())
+                          + f": two numbers of experts; {model} reads one as the other")
+    if not counts:
+        raise ConfigError(f"config.json of this {family} model has no {' (nor '.join(_EXPERT_COUNT_FIELDS)})")
+    name, experts = next(iter(counts.items()))
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 2:
+        raise ConfigError(f"{name} = {json.dumps(experts)}: the spec's mixture has at least 2 experts in every layer "
+                          "(one expert, or none, is a dense FFN: a family without experts)")
+    k = _require(hf, "num_experts_per_tok", family)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        raise ConfigError(f"num_experts_per_tok = {json.dumps(k)}: each token chooses 1 to {name} ({experts}) experts")
+    if hf.get("output_router_logits"):
+        notes.append(f"output_router_logits = true: transformers then adds router_aux_loss_coef "
+                     f"({hf.get('router_aux_loss_coef')}) times a load-balancing loss to the training loss; no logit "
+                     "changes, and the spec has no such loss")
+    if hf.get("router_jitter_noise"):
+        notes.append(f"router_jitter_noise = {hf['router_jitter_noise']} multiplies the experts' input by noise in "
+                     "training only; evaluation is unaffected and the import has none")
+    return MixtureOfExperts(n_experts=experts, experts_per_token=k, renormalize=renormalize, router_softmax="float32")
+
+
+def _mixtral_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Mistral's layer (no biases, a window of sliding_window keys in every layer where set;
+    MixtralConfig's default is none) whose FFN is num_local_experts gated experts of width
+    intermediate_size, num_experts_per_tok per token, their weights always renormalised."""
+    moe = _mixture(hf, "mixtral", notes, renormalize=True)
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "mixtral")
+    return _rotary_decoder(hf, "mixtral", notes, head_dim=_head_dim(hf, "mixtral"), kv_heads=kv_heads,
+                           qkv_bias=False, bias=False, sliding_window=_sliding_window(hf, None), moe=moe)
+
+
+_QWEN3_MOE_WINDOW = 4096  # Qwen3MoeConfig's sliding_window where use_sliding_window is true and the file has none
+
+
+def _qwen3_moe_window(hf: Mapping[str, Any]) -> int | None:
+    """Qwen3MoeForCausalLM (transformers 5) attends to a window of sliding_window keys in every
+    layer when use_sliding_window is true. Qwen2's per-layer fields in such a file (a
+    max_window_layers past 0, layer_types with full layers) describe another model: refused."""
+    if not hf.get("use_sliding_window"):
+        return None
+    layers = _require(hf, "num_hidden_layers", "qwen3_moe")
+    _refuse_if(hf, "max_window_layers", lambda first: bool(first) and first < layers, "with use_sliding_window, "
+               "Qwen2's rule slides only the layers from max_window_layers on, but Qwen3MoeForCausalLM slides every "
+               "layer: the file and the class disagree on the function")
+    _refuse_if(hf, "layer_types", lambda kinds: isinstance(kinds, list) and "full_attention" in kinds,
+               "full layers among sliding ones, but Qwen3MoeForCausalLM slides every layer when use_sliding_window "
+               "is true (it does not read layer_types)")
+    return _sliding_window(hf, _QWEN3_MOE_WINDOW)
+
+
+def _qwen3_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Qwen3's layer (q/k head norms, no biases) whose FFN is num_experts gated experts of width
+    moe_intermediate_size, num_experts_per_tok per token, renormalised where norm_topk_prob is true
+    (Qwen3MoeConfig's default: false). Every layer must be a mixture: dense layers among them
+    (mlp_only_layers, decoder_sparse_step) are not in the spec."""
+    _refuse_if(hf, "attention_bias", bool, "Qwen3-MoE then has biases on q, k, v and o_proj; the spec's bias field "
+               "gives o_proj its bias with the FFN's, and the mixture's experts have none")
+    _refuse_if(hf, "mlp_only_layers", bool, "these layers' FFN is one dense MLP of intermediate_size and the others' a "
+               "mixture of experts; the spec's mixture is in every layer or in none (SPEC §5.14)")
+    _refuse_if(hf, "decoder_sparse_step", lambda step: step != 1, "only every decoder_sparse_step-th layer is then a "
+               "mixture of experts and the others dense MLPs; the spec's mixture is in every layer or in none "
+               "(SPEC §5.14)")
+    moe = _mixture(hf, "qwen3_moe", notes, renormalize=bool(hf.get("norm_topk_prob", False)))
+    return _rotary_decoder(hf, "qwen3_moe", notes, head_dim=_head_dim(hf, "qwen3_moe"),
+                           kv_heads=_require(hf, "num_key_value_heads", "qwen3_moe"),
+                           d_ff_field="moe_intermediate_size", qkv_bias=False, bias=False, qk_norm=True,
+                           sliding_window=_qwen3_moe_window(hf), moe=moe)
+
+
 # ---- the mappings ------------------------------------------------------------------------------
 
 def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int, bias: bool = True) -> None:
@@ -732,17 +845,20 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES)
+_MOE_FAMILIES = ("mixtral", "qwen3_moe")
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES)
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
-def llama_mapping(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
+def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = None) -> list[Rule]:
     """LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM -> canonical
     (the Qwen and Mistral classes kept Llama's names). q/k/v/o biases where the config has them
     (Qwen2: q, k and v), Qwen3's per-head q_norm and k_norm [d_k]. q and k are taken as stored: transformers' checkpoints are already in
     the rotate_half layout the spec rotates (its converter permuted Meta's interleaved originals),
     so no permutation happens here. k and v are [H_kv·d_k, d]: grouped-query attention.
-    ``fused`` (Phi-3): q, k and v are the row blocks of one qkv_proj, gate and up of one gate_up_proj."""
+    ``fused`` (Phi-3): q, k and v are the row blocks of one qkv_proj, gate and up of one gate_up_proj.
+    ``experts`` (a mixture of experts, cfg.moe): the layout of each layer's router and experts, a
+    family's own names or "fused" (see _expert_rules)."""
     d, d_ff, d_k, rules = cfg.d_model, cfg.d_ff, cfg.d_head, []
     widths = {"q": cfg.n_heads * d_k, "k": cfg.kv_heads * d_k, "v": cfg.kv_heads * d_k}
     rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
@@ -768,6 +884,9 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False) -> list[Rule]:
                 rules.append(Rule(f"{hf}.{theirs}.weight", (d,), f"{ours}.{norm}.scale", "copy"))
         else:
             rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        if cfg.moe is not None:
+            _expert_rules(rules, hf, f"{ours}.ffn", cfg, experts)
+            continue
         if fused:  # Phi3MLP chunks gate_up_proj's outputs in two and activates the first half
             _fused_linear(rules, f"{hf}.mlp.gate_up_proj", {f"{ours}.ffn.w1": d_ff, f"{ours}.ffn.w3": d_ff}, d)
         for projection, canonical in _LLAMA_MLP[2:] if fused else _LLAMA_MLP:
@@ -786,9 +905,60 @@ def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
     return llama_mapping(cfg, fused=True)
 
 
-def rotary_mapping(family: str, cfg: ModelConfig) -> list[Rule]:
-    """The mapping of a rotary family: Phi-3's fused one, else Llama's names."""
-    return phi3_mapping(cfg) if family == "phi3" else llama_mapping(cfg)
+# Each family's names for a layer's mixture, one nn.Linear per expert and projection: the block, then
+# each expert's gate (W1, the activated one), up (W3) and down (W2). The router is the block's "gate".
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+FUSED_EXPERTS = "fused"
+
+
+def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig, layout: str | None) -> None:
+    """A layer's router, gate.weight [E, d] transposed to the spec's [d, E], and its E experts.
+    layout: a family of _EXPERT_NAMES (w1/w3/w2 or gate_proj/up_proj/down_proj, each [out, in]
+    transposed: the published files and transformers 5's save_pretrained), or FUSED_EXPERTS:
+    transformers 5's modules as they are (save_pretrained(save_original_format=False)), Mixtral's
+    and Qwen3-MoE's alike, mlp.experts.gate_up_proj [E, 2·d_ff, d] (expert e's gate in its first
+    d_ff rows, up in the rest, as nn.Linear's outputs) and mlp.experts.down_proj [E, d, d_ff]: each
+    expert's slice, transposed."""
+    d, d_ff, count = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
+    if layout not in (*_EXPERT_NAMES, FUSED_EXPERTS):
+        raise ValueError(f"a mixture of experts needs its layout ({', '.join(_EXPERT_NAMES)} or {FUSED_EXPERTS}), "
+                         f"got {layout!r}")
+    block = "mlp" if layout == FUSED_EXPERTS else _EXPERT_NAMES[layout][0]
+    rules.append(Rule(f"{source}.{block}.gate.weight", (count, d), f"{target}.router.weight", "transpose"))
+    for expert in range(count):
+        ours = f"{target}.experts.{expert}"
+        if layout == FUSED_EXPERTS:
+            gate_up, down = f"{source}.mlp.experts.gate_up_proj", f"{source}.mlp.experts.down_proj"
+            rules.append(Rule(gate_up, (count, 2 * d_ff, d), f"{ours}.w1.weight",
+                              f"transpose expert {expert} rows 0:{d_ff}"))
+            rules.append(Rule(gate_up, (count, 2 * d_ff, d), f"{ours}.w3.weight",
+                              f"transpose expert {expert} rows {d_ff}:{2 * d_ff}"))
+            rules.append(Rule(down, (count, d, d_ff), f"{ours}.w2.weight", f"transpose expert {expert}"))
+            continue
+        for projection, canonical in zip(_EXPERT_NAMES[layout][1], ("w1", "w3", "w2")):
+            n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
+            _linear(rules, f"{source}.{block}.experts.{expert}.{projection}", f"{ours}.{canonical}", n_in, n_out,
+                    bias=False)
+
+
+def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -> list[Rule]:
+    """The mapping of a rotary family: Phi-3's fused one, else Llama's names; a mixture's experts
+    by the family's names, or (fused_experts) as transformers 5's fused modules."""
+    if family == "phi3":
+        return phi3_mapping(cfg)
+    experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
+    return llama_mapping(cfg, experts=experts)
+
+
+def _fused_experts(family: str, tensors: Mapping[str, np.ndarray], notes: list[str]) -> bool:
+    """Whether a mixture's experts are stored as transformers 5's fused modules (said in a note)."""
+    fused = family in _MOE_FAMILIES and any(key.endswith(".mlp.experts.gate_up_proj") for key in tensors)
+    if fused:
+        notes.append("the experts are stored fused, as transformers 5's modules hold them (mlp.experts.gate_up_proj "
+                     "and down_proj per layer; save_pretrained(save_original_format=False)): each expert's slices "
+                     "are taken")
+    return fused
 
 
 def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
@@ -908,7 +1078,8 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
-            "gemma2": _gemma2_config, "gemma3_text": _gemma3_config}
+            "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
+            "qwen3_moe": _qwen3_moe_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -924,7 +1095,7 @@ def import_huggingface(directory: str | os.PathLike) -> Imported:
         rules = gpt2_mapping(cfg, prefix)
     elif family in _ROTARY_FAMILIES:
         prefix = ""
-        rules = rotary_mapping(family, cfg)
+        rules = rotary_mapping(family, cfg, _fused_experts(family, tensors, notes))
         _check_rotary_frequencies(cfg, tensors)
     else:
         prefix = ""
@@ -996,6 +1167,10 @@ def mapping_markdown(family: str) -> str:
                            post_norms=True, query_pre_attention_scalar=4.0)
     examples["gemma2"] = (llama_mapping, gemma.replace(attention_softcap=50.0, final_softcap=30.0))
     examples["gemma3_text"] = (llama_mapping, gemma.replace(qk_norm=True, head_dim=4))
+    moe = MixtureOfExperts(n_experts=2, experts_per_token=1)
+    examples["mixtral"] = (lambda cfg: rotary_mapping("mixtral", cfg), rotary.replace(moe=moe))
+    examples["qwen3_moe"] = (lambda cfg: rotary_mapping("qwen3_moe", cfg), rotary.replace(head_dim=6, qk_norm=True,
+                                                                                          moe=moe))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
@@ -1008,7 +1183,10 @@ def mapping_markdown(family: str) -> str:
             how = f"{'columns' if rule.how.startswith('columns') else 'entries'} {block}·d … {block + 1}·d − 1"
         elif rule.how.startswith("rows"):
             how = "rows 2 … (rows 0 and 1 are never read)"
-        source = re.sub(r"\.0\.", ".{i}.", rule.source)
-        target = re.sub(r"\.0\.", ".{i}.", rule.target)
-        lines.append(f"| `{source}` | `{target}` | {how} |")
+        # an expert's index as {e} (first: its ".0." is not a layer's), every expert's rules one row
+        source, target = (re.sub(r"\.0\.", ".{i}.", re.sub(r"experts\.\d+\.", "experts.{e}.", name))
+                          for name in (rule.source, rule.target))
+        line = f"| `{source}` | `{target}` | {how} |"
+        if line not in lines:
+            lines.append(line)
     return "\n".join(lines)

@@ -1,13 +1,15 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral, Phi-3, Gemma 2, Gemma 3): the importer's mapping run backwards, so that tools which read only Hugging Face
-directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can
-run the very weights the suite checks.
+Mistral, Phi-3, Gemma 2, Gemma 3, and with a mixture of experts Mixtral and Qwen3-MoE): the
+importer's mapping run backwards, so that tools which read only Hugging Face directories
+(onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can run the very
+weights the suite checks.
 
 There is one mapping per family, the importer's (``rotary_mapping``): each rule is inverted (a copy
 stays a copy, a transposed nn.Linear is transposed back, Phi-3's blocks are put back in their rows
-of the fused tensor), and the result is proven by importing it again, which must give back the same
-config and the same tensors. A config no family can hold is refused naming the field. Reads and
-writes NumPy and safetensors only.
+of the fused tensor; a mixture's experts are written one nn.Linear per expert and projection, as
+published checkpoints and transformers' save_pretrained have them), and the result is proven by
+importing it again, which must give back the same config and the same tensors. A config no family
+can hold is refused naming the field. Reads and writes NumPy and safetensors only.
 """
 
 from __future__ import annotations
@@ -53,11 +55,32 @@ def _gemma_family(cfg: ModelConfig) -> str:
     return "gemma2"
 
 
+def _moe_family(cfg: ModelConfig) -> str:
+    """Qwen3-MoE (q/k norms; norm_topk_prob either way) or Mixtral (no q/k norms; always
+    renormalised): both without biases, the router's softmax in float32, one window (or none) for
+    every layer."""
+    moe = cfg.moe
+    if moe.router_softmax != "float32":
+        raise ConfigError(f"moe.router_softmax = {moe.router_softmax!r}: Mixtral's and Qwen3-MoE's classes take the "
+                          "router's softmax in float32")
+    for field, value in (("qkv_bias", False), ("rope_fraction", 1.0), ("layer_types", None)):
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with a mixture of experts: Mixtral and Qwen3-MoE "
+                              f"have {field} = {value!r}")
+    if cfg.qk_norm:
+        return "qwen3_moe"
+    if not moe.renormalize:
+        raise ConfigError("moe.renormalize = False without qk_norm: Mixtral always renormalises the chosen experts' "
+                          "weights; Qwen3-MoE, whose norm_topk_prob may say not to, has q/k norms")
+    return "mixtral"
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The family whose class computes this config: Gemma 3 or Gemma 2 ((1 + w) norms and post
-    norms), Phi-3 (a partial rotary, no biases, the plain rotary frequencies), Mistral (a sliding
-    window, no biases), Qwen3 (q/k norms), Qwen2 (q/k/v biases only), else Llama (biases on all or
-    none); a ConfigError naming a field none of them has."""
+    norms), with a mixture of experts Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
+    biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
+    norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
+    field none of them has."""
     if cfg.post_norms or cfg.norm_scale_plus_one:
         return _gemma_family(cfg)
     gemma_only = [name for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar",
@@ -69,6 +92,8 @@ def family_of(cfg: ModelConfig) -> str:
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2, Qwen3, Mistral and Phi-3 have "
                               f"{field} = {value!r}")
+    if cfg.moe is not None:
+        return _moe_family(cfg)
     longrope = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope"
     if cfg.rope_fraction != 1 or longrope:
         other_scaling = cfg.rope_scaling is not None and not longrope
@@ -111,6 +136,8 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         "tie_word_embeddings": cfg.tie_head, "pad_token_id": cfg.pad_id, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "dtype": "float32", "attention_dropout": 0.0,
     }
+    if family in ("mixtral", "qwen3_moe"):
+        return config | _moe_config_json(cfg, family)
     if family == "llama":
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     elif family in ("mistral", "phi3"):
@@ -134,6 +161,21 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     else:
         config |= {"use_sliding_window": False}
     return config
+
+
+def _moe_config_json(cfg: ModelConfig, family: str) -> dict:
+    """The mixture's fields as each class reads them (Mixtral: num_local_experts, always
+    renormalised; Qwen3-MoE: num_experts as its published files spell it, experts
+    moe_intermediate_size wide, norm_topk_prob, every layer a mixture) and the window, in every
+    layer, or none."""
+    moe = cfg.moe
+    common = {"num_experts_per_tok": moe.experts_per_token, "output_router_logits": False}
+    if family == "mixtral":
+        return common | {"num_local_experts": moe.n_experts, "router_jitter_noise": 0.0,
+                         "sliding_window": cfg.sliding_window}
+    return common | {"num_experts": moe.n_experts, "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": moe.renormalize,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+                     "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
 
 
 def _integral(value: float) -> int | float:

@@ -37,6 +37,8 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "softmax_vjp": ("softmax", "softmax"),
     "scaled_dot_product_attention_vjp": ("scaled_dot_product_attention", "scaled_dot_product_attention"),
     "feed_forward_vjp": ("FeedForward.forward", "FeedForward.__call__"),
+    "mixture_of_experts_vjp": ("MixtureOfExperts.forward", "MixtureOfExperts.__call__"),
+    "experts_ffn_vjp": ("MixtureOfExperts.forward", "MixtureOfExperts.__call__"),
     "layer_norm_vjp": ("layer_norm", "layer_norm"),
     "std_norm_vjp": ("std_norm", "std_norm"),
     "rms_norm_vjp": ("rms_norm", "rms_norm"),

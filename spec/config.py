@@ -16,7 +16,8 @@ NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # SPEC §5.12
-LAYER_TYPES = ("full", "sliding")  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
+LAYER_TYPES = ("full", "sliding")
+ROUTER_SOFTMAXES = ("float32", "activation")  # SPEC §5.14: the dtype of the router's softmax  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
 
 _CHOICES = {
     "arch": ARCHS,
@@ -69,6 +70,22 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureOfExperts:
+    """A decoder layer's FFN as `n_experts` gated FFNs of width d_ff and a router that chooses
+    `experts_per_token` of them per token (SPEC §5.14: Mixtral, Qwen3-MoE)."""
+
+    n_experts: int  # E
+    experts_per_token: int  # k
+    renormalize: bool = True  # the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    router_softmax: str = "float32"  # the router's softmax at least in float32 (half activations widened), or theirs
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "MixtureOfExperts":
+        _check_fields(cls, data, "moe", "a JSON object or null")
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The whole architecture of one Transformer. See spec/SPEC.md §1 for each field's meaning.
 
@@ -118,6 +135,8 @@ class ModelConfig:
     norm_scale_plus_one: bool = False  # RMSNorm multiplies by (1 + scale): a stored 0 is the identity (Gemma)
     post_norms: bool = False  # a pre-norm layer's sublayer outputs normed again before the residual sum (Gemma 2/3)
     query_pre_attention_scalar: float | None = None  # scores divided by √(this) instead of √d_k (Gemma)
+    # mixture of experts (SPEC §5.14)
+    moe: MixtureOfExperts | None = None  # every decoder layer's FFN a mixture of gated experts; None: one FFN
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -208,6 +227,8 @@ class ModelConfig:
         _check_fields(cls, data, "config", "a JSON object")
         if data.get("rope_scaling") is not None:
             data = {**data, "rope_scaling": RopeScaling.from_dict(data["rope_scaling"])}
+        if data.get("moe") is not None:
+            data = {**data, "moe": MixtureOfExperts.from_dict(data["moe"])}
         if isinstance(data.get("layer_types"), list):  # a JSON array: the frozen config holds a tuple
             data = {**data, "layer_types": tuple(data["layer_types"])}
         return cls(**data)
@@ -228,7 +249,7 @@ class ModelConfig:
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
     "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
-    "query_pre_attention_scalar": None,
+    "query_pre_attention_scalar": None, "moe": None,
 }
 
 
@@ -319,6 +340,8 @@ def _validate(cfg: ModelConfig) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
             raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+    if cfg.moe is not None:
+        _validate_moe(cfg)
     if cfg.norm_scale_plus_one and cfg.norm != "rmsnorm":
         raise ConfigError(f"norm_scale_plus_one is Gemma's RMSNorm, γ = 1 + scale; it needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")
@@ -396,6 +419,31 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
         raise ConfigError(f"local_rope_theta applies to positional='rope' only, got {cfg.positional!r}")
     if kinds is None:
         raise ConfigError("local_rope_theta is the θ of the sliding layers of layer_types; give layer_types")
+
+
+def _validate_moe(cfg: ModelConfig) -> None:
+    """The mixture of experts (SPEC §5.14): gated experts without biases, in a decoder-only model."""
+    moe = cfg.moe
+    if not isinstance(moe, MixtureOfExperts):
+        raise ConfigError(f"moe must be a MixtureOfExperts or null, got {moe!r}")
+    for name in ("n_experts", "experts_per_token"):
+        value = getattr(moe, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"moe.{name} must be a positive integer, got {value!r}")
+    if moe.n_experts < 2:
+        raise ConfigError(f"moe.n_experts must be at least 2 (one expert is a dense FFN), got {moe.n_experts}")
+    if moe.experts_per_token > moe.n_experts:
+        raise ConfigError(f"moe.experts_per_token ({moe.experts_per_token}) cannot exceed moe.n_experts "
+                          f"({moe.n_experts})")
+    if not isinstance(moe.renormalize, bool):
+        raise ConfigError(f"moe.renormalize must be true or false, got {moe.renormalize!r}")
+    if moe.router_softmax not in ROUTER_SOFTMAXES:
+        raise ConfigError(f"moe.router_softmax must be one of {', '.join(ROUTER_SOFTMAXES)}; got {moe.router_softmax!r}")
+    if cfg.has_encoder:
+        raise ConfigError("moe is defined for decoder-only models here (Mixtral, Qwen3-MoE); use arch='decoder-only'")
+    if not cfg.gated_ffn or cfg.bias:
+        raise ConfigError("moe's experts are gated FFNs without biases (Mixtral's and Qwen3-MoE's): it needs "
+                          f"gated_ffn=true and bias=false, got gated_ffn={cfg.gated_ffn}, bias={cfg.bias}")
 
 
 def _validate_rope_scaling(scaling: RopeScaling) -> None:

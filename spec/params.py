@@ -88,7 +88,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.has_encoder:
             shapes.update(_attention_shapes(f"{layer}.cross_attn", cfg, False))
             shapes.update(_norm_shapes(f"{layer}.cross_attn_norm", cfg))
-        shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
+        if cfg.moe is None:
+            shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
+        else:  # §5.14: the router, then each expert's gated FFN
+            shapes[f"{layer}.ffn.router.weight"] = (d, cfg.moe.n_experts)
+            for expert in range(cfg.moe.n_experts):
+                shapes.update(_ffn_shapes(f"{layer}.ffn.experts.{expert}", cfg))
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
         if cfg.post_norms:
             shapes.update(_norm_shapes(f"{layer}.ffn_post_norm", cfg))
@@ -182,8 +187,18 @@ CENTRED_OVER_INPUTS = ("ffn.w2.weight",)
 POST_NORM_GAINS = {"ffn_post_norm": 3.0, "self_attn_post_norm": 0.5}
 
 
+def _role(name: str) -> str:
+    """A parameter's "module.matrix.kind", an expert's as its FFN's (SPEC §5.14):
+    decoder.layers.0.ffn.experts.3.w2.weight -> ffn.w2.weight."""
+    parts = name.split(".")
+    if "experts" in parts:
+        at = parts.index("experts")
+        del parts[at:at + 2]
+    return ".".join(parts[-3:])
+
+
 def _gain(name: str) -> float:
-    return CONFORMANCE_GAINS.get(".".join(name.split(".")[-3:-1]), 1.0)
+    return CONFORMANCE_GAINS.get(_role(name).rsplit(".", 1)[0], 1.0)
 
 
 def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -205,7 +220,7 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
         elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix
             value = _gain(name) * value.astype(np.float64)
-            if name.endswith(CENTRED_OVER_INPUTS):
+            if _role(name).endswith(CENTRED_OVER_INPUTS):
                 value = value - value.mean(axis=0, keepdims=True)  # Σ_j W2[j, :] = 0
         params[name] = value.astype(PARAM_DTYPE)
     return params

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec.config import ModelConfig, RopeScaling
+from spec.config import MixtureOfExperts, ModelConfig, RopeScaling
 from spec.errors import ConfigError
 
 _PRESETS: dict[str, tuple[str, ModelConfig]] = {
@@ -218,6 +218,33 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             layer_types=("sliding", "sliding", "full"), local_rope_theta=10000.0,
             rope_scaling=RopeScaling(kind="linear", factor=8.0), norm_scale_plus_one=True, post_norms=True,
             query_pre_attention_scalar=16.0,
+        ),
+    ),
+    "mixtral-tiny": (
+        "A Mixtral-family decoder at odd sizes: llama-tiny's layer (pre-RMSNorm eps 1e-5, rotary "
+        "positions with Mixtral's theta 1000000, grouped-query attention, no biases, untied head) whose "
+        "FFN is a mixture of 5 SwiGLU experts of width 36, 2 chosen per token, their weights "
+        "renormalised over the 2, the router's softmax in float32: d 40, 4 heads of 10 over 2 "
+        "key/value heads, 2 layers, vocabulary 83.",
+        ModelConfig(
+            arch="decoder-only", d_model=40, n_heads=4, n_kv_heads=2, d_ff=36, n_decoder_layers=2,
+            tgt_vocab_size=83, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, moe=MixtureOfExperts(n_experts=5, experts_per_token=2),
+        ),
+    ),
+    "qwen3-moe-tiny": (
+        "A Qwen3-MoE-family decoder at odd sizes: qwen3-tiny's layer (q/k head norms, head_dim 12 "
+        "apart from d / heads, eps 1e-6, theta 1000000, untied head) whose FFN is a mixture of 6 SwiGLU "
+        "experts of width 28 (moe_intermediate_size), 2 chosen per token, their weights the router's "
+        "probabilities as they are (norm_topk_prob false): d 36, 4 heads of 12 over 2 key/value "
+        "heads, 2 layers, vocabulary 91.",
+        ModelConfig(
+            arch="decoder-only", d_model=36, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=28, n_decoder_layers=2,
+            tgt_vocab_size=91, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False,
+            moe=MixtureOfExperts(n_experts=6, experts_per_token=2, renormalize=False),
         ),
     ),
     "gemma2-small": (

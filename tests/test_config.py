@@ -12,7 +12,8 @@ TINY = get_preset("tiny")
 def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
-                            "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "gemma2-small",
+                            "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
+                            "qwen3-moe-tiny", "gemma2-small",
                             "llama-small"]
 
 
@@ -20,11 +21,11 @@ def test_presets_are_listed_in_a_stable_order():
 def test_json_round_trip(name):
     cfg = get_preset(name)
     assert ModelConfig.from_json(cfg.to_json()) == cfg
-    # every field, but the newer ones at their defaults (rope_scaling, sliding_window, layer kinds, Gemma's),
+    # every field, but the newer ones at their defaults (rope_scaling, sliding_window, layer kinds, Gemma's, moe),
     # and longrope's factors in another rule's rope_scaling (a config written before they existed reads the same)
     newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
              "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
-             "query_pre_attention_scalar": None}
+             "query_pre_attention_scalar": None, "moe": None}
     expected = {key: list(value) if key == "layer_types" and value else value
                 for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):
@@ -91,6 +92,42 @@ def test_invalid_modern_decoders_name_the_problem(changes, message):
     with pytest.raises(ConfigError, match=message):
         get_preset("qwen3-tiny").replace(head_dim=None, n_heads=4, n_kv_heads=2, d_model=32, qk_norm=True).replace(
             **changes)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_experts": 1, "experts_per_token": 1}, "n_experts must be at least 2"),
+    ({"experts_per_token": 6}, r"experts_per_token \(6\) cannot exceed moe.n_experts \(5\)"),
+    ({"experts_per_token": 0}, "experts_per_token must be a positive integer"),
+    ({"n_experts": True}, "n_experts must be a positive integer"),
+    ({"renormalize": 1}, "renormalize must be true or false"),
+    ({"router_softmax": "bfloat16"}, "router_softmax must be one of float32, activation"),
+])
+def test_invalid_mixtures_of_experts_name_the_field(changes, message):
+    moe = get_preset("mixtral-tiny").moe
+    with pytest.raises(ConfigError, match=message):
+        get_preset("mixtral-tiny").replace(moe=dataclasses.replace(moe, **changes))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"gated_ffn": False}, "gated FFNs without biases"),
+    ({"bias": True}, "gated FFNs without biases"),
+])
+def test_experts_are_gated_ffns_without_biases(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        get_preset("mixtral-tiny").replace(**changes)
+    with pytest.raises(ConfigError, match="decoder-only"):
+        TINY.replace(gated_ffn=True, bias=False, moe=get_preset("mixtral-tiny").moe)
+
+
+def test_a_mixture_of_experts_reads_back_from_json_and_a_bad_one_is_named():
+    cfg = get_preset("qwen3-moe-tiny")
+    data = json.loads(cfg.to_json())
+    assert data["moe"] == {"n_experts": 6, "experts_per_token": 2, "renormalize": False, "router_softmax": "float32"}
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="unknown moe field.*top_k"):
+        ModelConfig.from_dict({**data, "moe": {**data["moe"], "top_k": 2}})
+    with pytest.raises(ConfigError, match="moe must be a JSON object"):
+        ModelConfig.from_dict({**data, "moe": 6})
 
 
 def test_head_dim_is_decoupled_and_key_value_heads_default_to_the_heads():

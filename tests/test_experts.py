@@ -1,5 +1,5 @@
-"""The golden's mixture-of-experts FFN (impl_numpy/experts.py) against transformers' Mixtral and
-Qwen3-MoE blocks at float64, and its routing rules: ties to the lower index, margins, an expert no
+"""The golden's mixture-of-experts FFN (impl_numpy/model.py, its VJP in impl_numpy/backward.py)
+against transformers' Mixtral and Qwen3-MoE blocks at float64, and its routing rules: ties to the lower index, margins, an expert no
 token chose computes nothing, and where "softmax after top-k" is and is not the same model."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impl_numpy.experts import (mixture_of_experts, router_probabilities, routing_margins, routing_weights,
-                                top_experts)
-from impl_numpy.model import softmax
+from impl_numpy.model import (mixture_of_experts, router_probabilities, routing_margins, routing_weights, softmax,
+                               top_experts)
 
 D, D_FF, E, K, N = 24, 20, 6, 2, 40
 
@@ -125,7 +124,7 @@ def _central_difference(x, router, experts, renormalize, direction, value, index
 def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize):
     """∂ of ⟨MoE(x), g⟩ against central differences (h = 1e-6): the chosen experts do not change
     within h (every margin is far larger), so top-k is a constant there, as the VJP takes it."""
-    from impl_numpy.experts import mixture_of_experts_vjp
+    from impl_numpy.backward import mixture_of_experts_vjp
 
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)
@@ -141,7 +140,7 @@ def test_the_vjp_is_central_differences_with_the_choices_held(model, renormalize
 
 
 def test_an_expert_no_token_chose_gets_a_zero_gradient(model):
-    from impl_numpy.experts import mixture_of_experts_vjp
+    from impl_numpy.backward import mixture_of_experts_vjp
 
     x, router, experts = model
     x, router = np.abs(x), router.copy()
@@ -155,7 +154,7 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient(model):
 
 def test_central_differences_catch_a_vjp_that_forgets_the_renormalisation(model):
     """The check above can fail: the router's gradient of Mixtral taken as if unnormalised."""
-    from impl_numpy.experts import mixture_of_experts_vjp
+    from impl_numpy.backward import mixture_of_experts_vjp
 
     x, router, experts = model
     direction = np.random.default_rng(1).normal(size=x.shape)

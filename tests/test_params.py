@@ -35,6 +35,10 @@ EXPECTED_COUNTS = {
     "gemma2-tiny": 131 * 72 + 2 * (72 * 80 + 2 * 72 * 40 + 80 * 72 + 3 * 72 * 112 + 4 * 72) + 72,  # 93,024
     # a tied 139-row table; q 60 x 64 (4 heads of 16), k and v 60 x 16, o 64 x 60, q/k norms [16], four norms, 3 layers
     "gemma3-tiny": 139 * 60 + 3 * (60 * 64 + 2 * 60 * 16 + 64 * 60 + 2 * 16 + 3 * 60 * 100 + 4 * 60) + 60,  # 92,016
+    # a layer: attention, two norms, the router [d, E] and E experts of 3 matrices d × d_ff
+    "mixtral-tiny": 2 * 83 * 40 + 40 + 2 * (2 * 40 * 40 + 2 * 40 * 20 + 2 * 40 + 40 * 5 + 5 * 3 * 40 * 36),  # 60,040
+    "qwen3-moe-tiny": 2 * 91 * 36 + 36 + 2 * (2 * 36 * 48 + 2 * 36 * 24 + 2 * 12 + 2 * 36 + 36 * 6
+                                              + 6 * 3 * 36 * 28),  # 53,868
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "gemma2-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 4 * 576) + 576,
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,

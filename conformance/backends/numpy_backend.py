@@ -83,7 +83,7 @@ class NumpyRunner:
             return golden.multi_head_attention(cfg, params_under(p, inputs["module"]), x, context, mask,
                                                inputs.get("offset", 0))
         if sublayer == "ffn":
-            return golden.feed_forward(params_under(p, inputs["module"]), self._float(inputs["x"]), cfg.activation)
+            return golden.ffn(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
         if sublayer == "norm":
             return golden.norm(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
         if sublayer == "ffn_block":
@@ -145,7 +145,8 @@ class NumpyRunner:
                 cfg, under, x, context, self._mask(inputs["mask"], x, context), d_out, inputs.get("offset", 0))
             return {"x": d_x, "context": d_context, **_every(under, grads)}
         if forward == "ffn":
-            d_x, grads = backward.feed_forward_vjp(under, self._float(inputs["x"]), cfg.activation, d_out)
+            d_x, grads = (backward.feed_forward_vjp(under, self._float(inputs["x"]), cfg.activation, d_out) if cfg.moe is None
+                          else backward.experts_ffn_vjp(cfg, under, self._float(inputs["x"]), d_out))
         elif forward == "norm":
             d_x, grads = backward.norm_vjp(cfg, under, self._float(inputs["x"]), d_out)
         elif forward == "ffn_block":

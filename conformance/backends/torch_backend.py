@@ -50,6 +50,10 @@ class TorchRunner(ModuleRunner):
     def _ids(self, x):
         return torch.as_tensor(np.asarray(x), dtype=torch.long, device=self.device)
 
+    def routing_log(self, forced=None):
+        """The model's mixture-of-experts routing, logged, or the golden's replayed (SPEC §5.14)."""
+        return self.model.routing_log(forced)
+
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.cfg.score_scale,

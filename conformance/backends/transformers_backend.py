@@ -1,7 +1,8 @@
 """The ``transformers`` column: Hugging Face's own implementation of an imported checkpoint.
 
 The runner loads the model from its Hugging Face directory with transformers (GPT2LMHeadModel,
-MarianMTModel, BartForConditionalGeneration, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+MarianMTModel, BartForConditionalGeneration, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, and the
+others of importers.huggingface.FAMILIES, MixtralForCausalLM and Qwen3MoeForCausalLM among them)
 and runs the whole-model cases through Hugging Face's API: forward logits, the encoder, cached
 decoding (past_key_values) and greedy generation (generate). The weights under test must be that
 directory's import (checked by digest), so the column says whether Hugging Face and the spec
@@ -22,7 +23,9 @@ Where the two conventions differ, the runner states the spec's in Hugging Face's
   frequencies and the angles in float32 before casting cos and sin to the model's dtype. The
   spec allows both (SPEC §5.6, §5.11) up to float32; at float64 they are downcasts that leave
   float32 errors (about 1e-6 in the logits) in a float64 column, so a float64 run evaluates the same formulas
-  in float64. Every other dtype runs the modules as transformers wrote them;
+  in float64 (and so the MoE router's softmax, which both Mixtral and Qwen3-MoE take in float32).
+  Every other dtype runs the modules as transformers wrote them; MoE models with the eager experts
+  loop, since the default (grouped_mm) has no float64 kernel;
 - generation settings: the model's generation_config (bad words, forced tokens, penalties) is
   replaced by plain greedy decoding, which is what the spec defines.
 The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
@@ -68,19 +71,25 @@ class TransformersRunner:
         self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation=attention)
         self.model = self.model.to(self.device).eval()
         self.model.generation_config = GenerationConfig()  # plain greedy: no bad words, forced or suppressed tokens
+        if cfg.moe is not None:
+            # transformers 5's default experts implementation, grouped_mm, has no float64 kernel ("Expected
+            # mat_a to be Float32, BFloat16 or Float16 matrix, got Double"): every dtype runs the eager loop
+            self.model.set_experts_implementation("eager")
         self._rebuild_sinusoids(torch_dtype)
         if dtype == "float64":
             self._float64_throughout()
 
     def _float64_throughout(self) -> None:
-        """At float64, the Llama-family RMSNorm and rotary embedding by their own formulas in float64
-        (transformers computes both in float32 whatever the model's dtype)."""
+        """At float64, the Llama-family RMSNorm, rotary embedding and MoE router by their own formulas
+        in float64 (transformers computes them in float32 whatever the model's dtype)."""
         import types
 
         for module in self.model.modules():
             kind = type(module).__name__
             if kind.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_float64, module)
+            elif kind.endswith("TopKRouter"):
+                module.forward = types.MethodType(_router_float64, module)
             elif kind.endswith("RotaryEmbedding"):
                 rope_types = module.rope_type.values() if isinstance(module.rope_type, dict) else [module.rope_type]
                 if any(rope_type not in ("default", *ROPE_SCALINGS) for rope_type in rope_types):
@@ -182,6 +191,17 @@ class TransformersRunner:
         if tokens.shape[1] < count:  # generate stops once every row has finished; the spec pads
             tokens = self.torch.nn.functional.pad(tokens, (0, count - tokens.shape[1]), value=cfg.pad_id)
         return tokens
+
+
+def _router_float64(module, hidden):
+    """transformers' MoE router (Mixtral's, Qwen3-MoE's): p = softmax(x Rᵀ), its k largest,
+    renormalised where the class says (Mixtral always, Qwen3-MoE with norm_topk_prob), without its
+    softmax in float32 (a float64 run). Returns its (logits, weights, chosen)."""
+    logits = hidden.reshape(-1, module.hidden_dim) @ module.weight.T
+    weights, chosen = logits.softmax(dim=-1).topk(module.top_k, dim=-1)
+    if getattr(module, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights, chosen
 
 
 def _rms_norm_float64(module, hidden):

@@ -1,0 +1,213 @@
+"""The mixture of experts in the spec's model (SPEC §5.14): the golden's decoder with its experts,
+impl_torch's two forms of the block (the plain loop and the batched one), the routing each
+records, and replayed routing, which splits a failing cell into "the router chose differently"
+and "the experts computed differently".
+
+The tiny MoE presets' conformance weights leave some tokens of every long case within rounding
+of a routing tie at float16 and bfloat16 (thousands of tokens decide among 5 or 6 experts): those
+cells pass only with the golden's routing replayed, and say so; a router that chooses differently
+where the margin is clear fails, and so does an expert that computes differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import impl_jax
+import impl_jax.model as jax_model
+import impl_numpy as golden
+import impl_torch.model as torch_model
+from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
+from impl_numpy.model import recorded_routing
+from impl_torch import Transformer
+from spec import conformance_params, get_preset
+
+PRESETS = ("mixtral-tiny", "qwen3-moe-tiny")
+
+
+def _ids(cfg, shape=(3, 11), seed=0):
+    return np.random.default_rng(seed).integers(1, cfg.tgt_vocab_size, shape)
+
+
+def _golden_logits(cfg, params, ids):
+    return golden.model_logits(cfg, {name: value.astype(np.float64) for name, value in params.items()}, None, ids)
+
+
+def _torch_logits(model, ids):
+    with torch.inference_mode():
+        return model(None, torch.tensor(ids)).double().numpy()
+
+
+def _jax_logits(model, ids):
+    return np.asarray(model(None, ids), dtype=np.float64)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_jaxs_two_forms_equal_the_golden_at_float64_and_log_and_replay_its_routing(preset, attention):
+    import jax
+    cfg = get_preset(preset)
+    params = conformance_params(cfg, seed=3)
+    ids = _ids(cfg)
+    with jax.enable_x64(True):
+        model = impl_jax.Transformer.from_params(cfg, params, dtype="float64", attention=attention)
+        assert model.decoder.layers[0].ffn.batched == (attention == "sdpa")
+        with recorded_routing() as calls:
+            want = _golden_logits(cfg, params, ids)
+        assert np.abs(_jax_logits(model, ids) - want).max() <= 1e-12 * np.abs(want).max()
+        with model.routing_log() as log:  # compiled, the choices come back through a host callback
+            _jax_logits(model, ids)
+        assert all(np.array_equal(mine, call.chosen) for mine, call in zip(log.layers(), calls))
+        swapped = [call.chosen.copy() for call in calls]
+        swapped[0][0, 0] = [e for e in range(cfg.moe.n_experts) if e not in swapped[0][0, 0]][:2]
+        with model.routing_log(forced=swapped):
+            moved = _jax_logits(model, ids)
+        assert np.abs(moved[0] - want[0]).max() > 1e-3 and np.abs(moved[1:] - want[1:]).max() < 1e-12
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_both_forms_of_the_block_equal_the_golden_at_float64(preset, attention):
+    """The sdpa column's batched experts and the math column's loop, against the golden's."""
+    cfg = get_preset(preset)
+    params = conformance_params(cfg, seed=3)
+    ids = _ids(cfg)
+    model = Transformer.from_params(cfg, params, dtype=torch.float64, attention=attention)
+    assert model.decoder.layers[0].ffn.batched == (attention == "sdpa")
+    want = _golden_logits(cfg, params, ids)
+    assert np.abs(_torch_logits(model, ids) - want).max() <= 1e-12 * np.abs(want).max()
+    back = model.to_params()
+    assert all(np.array_equal(back[name], params[name]) for name in params)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_logged_routing_is_the_goldens_and_a_forced_one_is_obeyed(preset):
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    ids = _ids(cfg)
+    with recorded_routing() as calls:
+        want = _golden_logits(cfg, params, ids)
+    assert [call.chosen.shape for call in calls] == [(3, 11, 2)] * cfg.n_decoder_layers
+    model = Transformer.from_params(cfg, params, dtype=torch.float64)
+    with model.routing_log() as log:
+        free = _torch_logits(model, ids)
+    assert all(np.array_equal(mine, call.chosen) for mine, call in zip(log.layers(), calls))
+    with model.routing_log(forced=[call.chosen for call in calls]):
+        assert np.abs(_torch_logits(model, ids) - free).max() == 0.0
+    swapped = [call.chosen.copy() for call in calls]
+    swapped[0][0, 0] = [e for e in range(cfg.moe.n_experts) if e not in swapped[0][0, 0]][:2]
+    with model.routing_log(forced=swapped):
+        moved = _torch_logits(model, ids)
+    assert np.abs(moved[0] - want[0]).max() > 1e-3 and np.abs(moved[1:] - want[1:]).max() < 1e-12
+    with pytest.raises(Exception, match="replayed routing out of step"), model.routing_log(forced=swapped[:1]):
+        _torch_logits(model, ids)
+
+
+def test_the_routing_log_lines_a_prefill_and_its_steps_up_with_a_forward():
+    cfg = get_preset("mixtral-tiny")
+    model = Transformer.from_params(cfg, conformance_params(cfg), dtype=torch.float64)
+    ids = torch.tensor(_ids(cfg, (2, 7)))
+    with model.routing_log() as whole:
+        model(None, ids)
+    with model.routing_log() as stepped:
+        cache = model.start_cache(2, 7)
+        _, cache = model.decode_step(cache, ids[:, :4])
+        for t in range(4, 7):
+            _, cache = model.decode_step(cache, ids[:, t:t + 1])
+    assert [a.shape for a in stepped.layers()] == [(2, 7, 2)] * 2
+    assert all(np.array_equal(a, b) for a, b in zip(whole.layers(), stepped.layers()))
+
+
+def test_an_unchosen_experts_overflow_never_reaches_the_batched_output():
+    """The batched form gathers the chosen outputs: multiplying every expert's output by a weight of
+    0 would turn an unchosen expert's float16 overflow into 0 · inf = NaN."""
+    cfg = get_preset("mixtral-tiny")
+    params = conformance_params(cfg)
+    ids = _ids(cfg, (1, 2))  # 2 tokens choose at most 4 of the 5 experts of a layer
+    with recorded_routing() as calls:
+        _golden_logits(cfg, params, ids)
+    for layer, call in enumerate(calls):
+        unchosen = min(set(range(cfg.moe.n_experts)) - set(call.chosen.ravel().tolist()))
+        params[f"decoder.layers.{layer}.ffn.experts.{unchosen}.w2.weight"] *= np.float32(1e4)  # overflows float16
+    want = _golden_logits(cfg, params, ids)
+    for attention in ("sdpa", "math"):
+        got = _torch_logits(Transformer.from_params(cfg, params, dtype=torch.float16, attention=attention), ids)
+        assert np.isfinite(got).all() and np.abs(got - want).max() < 0.1, attention
+
+
+def _cells(monkeypatch, preset, dtype, pattern, plant=None, backend="torch"):
+    if plant:
+        monkeypatch.setattr(*plant)
+    cfg = get_preset(preset)
+    results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, [backend], [dtype], ["cpu"]), pattern=pattern)
+    return {f"{r.sublayer}-{r.mask_case}": r for r in results}
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_near_ties_at_bfloat16_pass_with_the_goldens_routing_replayed_and_say_so(monkeypatch, backend):
+    cells = _cells(monkeypatch, "qwen3-moe-tiny", "bfloat16", "forward-long*", backend=backend)
+    cell = cells["forward-long"]
+    assert cell.status == PASS and cell.reason.startswith("routing replayed: the router chose differently at")
+    assert "within rounding of a tie" in cell.reason
+
+
+def _route_smallest(self, tokens, batch=1):
+    """A router that takes the k *least* likely experts (an ascending sort)."""
+    probabilities = torch.softmax(self.router(tokens).float(), dim=-1)
+    chosen = torch.sort(probabilities, dim=-1, stable=True).indices[:, :self.k]
+    if self.log is not None:
+        chosen = self.log.choose(self, chosen, batch)
+    weights = probabilities.gather(-1, chosen)
+    return probabilities, chosen, (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
+
+
+def _gate_and_up_swapped(self, x):
+    """An expert whose gate and up projections trade places: act(x W3) ⊙ x W1."""
+    return self.w2(self.activation(self.w3(x)) * self.w1(x))
+
+
+def test_a_router_mistake_is_named_as_the_router_choosing_differently(monkeypatch):
+    cells = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+                   (torch_model.MixtureOfExperts, "route", _route_smallest))
+    cell = cells["forward-none"]
+    assert cell.status == FAIL and cell.reason.startswith("the router chose differently at")
+    assert "clear of a tie; first: MoE layer 0, row 0, position 0" in cell.reason
+    assert "with the golden's routing replayed the cell passes" in cell.reason
+
+
+def test_an_expert_mistake_fails_with_the_routing_agreeing(monkeypatch):
+    cells = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+                   (torch_model.FeedForward, "forward", _gate_and_up_swapped))
+    cell = cells["forward-none"]
+    assert cell.status == FAIL and cell.reason.startswith(
+        "with the golden's routing replayed the cell still fails, so the experts or the rest of the layer compute "
+        "differently (the router chose differently at")  # in layer 1, after layer 0's experts moved its input
+
+
+def _jax_route_smallest(self, tokens, batch=1):
+    """JAX's router taking the k *least* likely experts."""
+    import jax
+    import jax.numpy as jnp
+    probabilities = jax.nn.softmax(self.router(tokens).astype(jnp.float32), axis=-1)
+    chosen = jnp.argsort(probabilities, axis=-1, stable=True)[:, :self.k]
+    log = jax_model._ROUTING.get()
+    if log is not None:
+        chosen = log.choose(self, chosen, batch)
+    weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
+    return probabilities, chosen, (weights / weights.sum(-1, keepdims=True)).astype(tokens.dtype)
+
+
+def _jax_gate_and_up_swapped(self, x):
+    return self.w2(self.activation(self.w3(x)) * self.w1(x))
+
+
+def test_jaxs_router_and_expert_mistakes_are_told_apart(monkeypatch):
+    router = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+                    (jax_model.MixtureOfExperts, "route", _jax_route_smallest), backend="jax")["forward-none"]
+    assert router.status == FAIL and router.reason.startswith("the router chose differently at")
+    monkeypatch.undo()
+    expert = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+                    (jax_model.FeedForward, "__call__", _jax_gate_and_up_swapped), backend="jax")["forward-none"]
+    assert expert.status == FAIL and expert.reason.startswith("with the golden's routing replayed the cell still fails")
