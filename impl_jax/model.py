@@ -38,7 +38,6 @@ from jax import lax
 from jax.experimental import io_callback
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.errors import InputError
 from spec.inputs import (
     check_cache_capacity,
     check_cache_room,
@@ -51,6 +50,7 @@ from spec.inputs import (
 )
 from spec.dropout import check_dropout_masks, masks_under
 from spec.masks import real_tokens
+from spec.routing import RoutingLog
 
 ATTENTION_PATHS = ("sdpa", "math")
 PRECISIONS = ("highest", "default")
@@ -418,47 +418,6 @@ class FeedForward(nnx.Module):
         return self.w2(hidden)
 
 
-class RoutingLog:
-    """A model's routing across calls, per MoE layer (SPEC §5.14): what each layer chose at every
-    position, [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the
-    layers are first called), the choices are those instead: replayed routing. A layer reads its
-    positions in order from a cursor, so a forward, a prefill and its steps all line up."""
-
-    def __init__(self, forced: list[np.ndarray] | None = None):
-        self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
-        self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
-        self._layers: dict[int, int] = {}
-
-    def choose(self, layer: nnx.Module, free: jax.Array, batch: int) -> jax.Array:
-        """The choices [N, k] of `layer` for this call: its own (`free`), or the forced ones. Inside
-        compiled code a host callback does it, at every run of the compiled program."""
-        host = partial(self._choose, layer.index, batch)
-        # int32 across: the callback runs on a thread of its own, where x64 mode (thread-local) is off
-        chosen = io_callback(host, jax.ShapeDtypeStruct(free.shape, jnp.int32), free.astype(jnp.int32), ordered=True)
-        return chosen.astype(free.dtype)
-
-    def _choose(self, layer: int, batch: int, free: np.ndarray) -> np.ndarray:
-        index = self._layers.setdefault(layer, len(self._layers))
-        if index == len(self.chosen):
-            self.chosen.append([])
-        cursor = sum(call.shape[1] for call in self.chosen[index])
-        length = free.shape[0] // batch
-        if self.forced is not None:
-            if index >= len(self.forced) or self.forced[index].shape[0] != batch \
-                    or cursor + length > self.forced[index].shape[1]:
-                raise InputError(f"replayed routing out of step: MoE layer call {index} wants {batch} rows at positions "
-                                 f"{cursor}..{cursor + length - 1}; the forced choices hold "
-                                 f"{[list(f.shape[:2]) for f in self.forced]}")
-            free = self.forced[index][:, cursor:cursor + length].reshape(-1, free.shape[1])
-        free = np.asarray(free, dtype=np.int32)
-        self.chosen[index].append(free.reshape(batch, length, -1))
-        return free
-
-    def layers(self) -> list[np.ndarray]:
-        """What each layer chose, [B, T, k], its calls joined along the positions."""
-        return [np.concatenate([np.asarray(call) for call in calls], axis=1) for calls in self.chosen]
-
-
 # nnx.jit traverses a module's attributes as its graph: the log rides a context variable instead
 _ROUTING: contextvars.ContextVar[RoutingLog | None] = contextvars.ContextVar("routing", default=None)
 
@@ -487,8 +446,11 @@ class MixtureOfExperts(nnx.Module):
         # lax.top_k documents no order for ties; a stable sort of −p puts the lower index first
         chosen = jnp.argsort(-probabilities, axis=-1, stable=True)[:, :self.k]
         log = _ROUTING.get()
-        if log is not None:
-            chosen = log.choose(self, chosen, batch)
+        if log is not None:  # a routing log records the choices, or forces the golden's
+            # at every run of the compiled program, through a host callback; int32 across: the callback
+            # runs on a thread of its own, where x64 mode (thread-local) is off
+            chosen = io_callback(partial(log.choose, self.index, batch), jax.ShapeDtypeStruct(chosen.shape, jnp.int32),
+                                 chosen.astype(jnp.int32), ordered=True).astype(chosen.dtype)
         weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.errors import InputError
 from spec.inputs import (
     CacheWrites,
     check_cache_capacity,
@@ -38,6 +37,7 @@ from spec.inputs import (
 )
 from spec.dropout import check_dropout_masks, masks_under
 from spec.masks import start_is_real
+from spec.routing import RoutingLog
 
 ATTENTION_PATHS = ("sdpa", "math")
 _HALF = (torch.float16, torch.bfloat16)
@@ -355,40 +355,6 @@ class FeedForward(nn.Module):
         return self.w2(hidden)
 
 
-class RoutingLog:
-    """A model's routing across calls, per MoE layer (SPEC §5.14): what each layer chose at every
-    position, [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the
-    layers are first called), the choices are those instead: replayed routing. A layer reads its
-    positions in order from a cursor, so a forward, a prefill and its steps all line up."""
-
-    def __init__(self, forced: list[np.ndarray] | None = None):
-        self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
-        self.chosen: list[list[torch.Tensor]] = []  # per layer, in first-call order: its calls' [B, T, k]
-        self._layers: dict[int, int] = {}
-
-    def choose(self, layer: nn.Module, free: torch.Tensor, batch: int) -> torch.Tensor:
-        """The choices [N, k] of `layer` for this call: its own (`free`), or the forced ones."""
-        index = self._layers.setdefault(layer.index, len(self._layers))
-        if index == len(self.chosen):
-            self.chosen.append([])
-        cursor = sum(call.shape[1] for call in self.chosen[index])
-        length = free.shape[0] // batch
-        if self.forced is not None:
-            if index >= len(self.forced) or self.forced[index].shape[0] != batch \
-                    or cursor + length > self.forced[index].shape[1]:
-                raise InputError(f"replayed routing out of step: MoE layer call {index} wants {batch} rows at positions "
-                                 f"{cursor}..{cursor + length - 1}; the forced choices hold "
-                                 f"{[list(f.shape[:2]) for f in self.forced]}")
-            free = torch.as_tensor(self.forced[index][:, cursor:cursor + length].reshape(-1, free.shape[1]),
-                                   device=free.device)
-        self.chosen[index].append(free.reshape(batch, length, -1))
-        return free
-
-    def layers(self) -> list[np.ndarray]:
-        """What each layer chose, [B, T, k], its calls joined along the positions."""
-        return [torch.cat(calls, dim=1).cpu().numpy() for calls in self.chosen]
-
-
 class MixtureOfExperts(nn.Module):
     """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
     token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
@@ -415,8 +381,8 @@ class MixtureOfExperts(nn.Module):
         else:
             # torch.topk documents no order for ties; a stable descending sort puts the lower index first
             chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
-        if self.log is not None:
-            chosen = self.log.choose(self, chosen, batch)
+        if self.log is not None:  # a routing log records the choices, or forces the golden's
+            chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.cpu().numpy()), device=chosen.device).long()
         weights = probabilities.gather(-1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -147,7 +147,42 @@ def _modern_numbers() -> dict[str, dict]:
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
             "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch(),
-            "softcap": _softcap_conventions()}
+            "softcap": _softcap_conventions(), "top_k": _top_k_ties()}
+
+
+def _top_k_ties() -> dict[str, tuple[float, float]]:
+    """What each framework's top-k returns on ties (SPEC §5.14: the lower index first), on 2000 rows
+    of 8 probabilities drawn from {0.1, 0.2, 0.3} (most rows tie), k = 2: the share of rows whose
+    chosen experts equal the golden's in order, and as sets."""
+    import jax
+    import jax.numpy as jnp
+    import onnxruntime
+    import torch
+    from onnx import TensorProto, helper
+
+    import impl_numpy as golden
+
+    k, rng = 2, np.random.default_rng(0)
+    p = rng.choice(np.array([0.1, 0.2, 0.3], np.float32), size=(2000, 8))
+    want = golden.top_experts(p.astype(np.float64), k)
+    node = helper.make_node("TopK", ["p", "k"], ["values", "indices"], axis=-1, largest=1, sorted=1)
+    graph = helper.make_graph([node], "top_k", [helper.make_tensor_value_info("p", TensorProto.FLOAT, list(p.shape)),
+                                                helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("values", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("indices", TensorProto.INT64, None)])
+    top_k_model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+    session = onnxruntime.InferenceSession(top_k_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    found = {
+        "torch.topk": torch.topk(torch.from_numpy(p), k).indices.numpy(),
+        "torch.topk(sorted=False)": torch.topk(torch.from_numpy(p), k, sorted=False).indices.numpy(),
+        "torch.sort(stable=True)": torch.sort(torch.from_numpy(p), descending=True, stable=True).indices[:, :k].numpy(),
+        "jax.lax.top_k": np.asarray(jax.lax.top_k(jnp.asarray(p), k)[1]),
+        "jnp.argsort(stable=True)": np.asarray(jnp.argsort(-jnp.asarray(p), axis=-1, stable=True)[:, :k]),
+        "onnxruntime TopK": session.run(None, {"p": p, "k": np.array([k], np.int64)})[1],
+    }
+    return {name: (float((got == want).all(axis=-1).mean()),
+                   float((np.sort(got, axis=-1) == np.sort(want, axis=-1)).all(axis=-1).mean()))
+            for name, got in found.items()}
 
 
 CAP = 2.0  # the softcap c of the softcap measurement: c·tanh(s / c)
@@ -667,6 +702,21 @@ def _softcaps(measurements: Measurements) -> list[tuple[str, str]]:
     ]
 
 
+def _top_k_routing(measurements: Measurements) -> list[tuple[str, str]]:
+    """What each framework's top-k returns on ties, measured."""
+    rows = "; ".join(f"`{name}` {ordered:.1%} in order, {as_set:.1%} as sets"
+                     for name, (ordered, as_set) in measurements.modern["top_k"].items())
+    return [
+        (MEASURED, f"2000 rows of 8 router probabilities drawn from {{0.1, 0.2, 0.3}} (most rows tie), k = 2, "
+                   f"against the golden's choice (a stable sort of −p: ties to the lower index): {rows}."),
+        (EXPLAINED, "`torch.topk` and `jax.lax.top_k` document no order for ties; ONNX's TopK does (the lower index "
+                    "first, operator spec). So impl_torch and impl_jax take a stable descending sort, and impl_torch's "
+                    "export writes TopK, whose ties the spec's rule already is (the exporter has no stable sort). With "
+                    "the experts' outputs summed in slot order, `topk(sorted=False)` also changes the order of that "
+                    "sum, which rounding can see in bfloat16."),
+    ]
+
+
 def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
     """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
     nn.Linear at float16."""
@@ -823,6 +873,12 @@ SECTIONS = [
             {"NumPy (golden)": ("softcap", "scaled_dot_product_attention"),
              "PyTorch": ("softcap", "scaled_dot_product_attention"), "JAX / Flax": ("softcap", "attention_path")},
             _softcaps),
+    Section("Top-k routing: ties",
+            "A mixture of experts chooses the k largest router probabilities per token, a tie going to the lower "
+            "expert index (SPEC.md §5.14).",
+            {"NumPy (golden)": "top_experts", "PyTorch": "MixtureOfExperts.route",
+             "JAX / Flax": "MixtureOfExperts.route"},
+            _top_k_routing),
     Section("Linear layers: where x W + b is rounded",
             "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
             "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "

@@ -374,6 +374,37 @@ def _global_scaling_on_local_layers(cfg, length=None):
     return _original("rope_frequencies")(cfg, length)
 
 
+# ---- the mixture of experts' (SPEC §5.14; run on mixtral-tiny and qwen3-moe-tiny) ----
+
+def _softmax_after_top_k(probabilities, chosen, renormalize):
+    # a softmax over the k chosen logits, whatever norm_topk_prob says: the weights always renormalised
+    return _original("routing_weights")(probabilities, chosen, True)
+
+
+def _norm_topk_prob_ignored(probabilities, chosen, renormalize):
+    return _original("routing_weights")(probabilities, chosen, False)  # Mixtral's weights left as p[top]
+
+
+def _router_softmax_over_tokens(x, router):
+    return model.softmax(model.linear(x, router).T).T  # softmax(dim=0): each expert's distribution over the tokens
+
+
+def _bfloat16(x):
+    """x rounded to bfloat16 (to nearest, ties to even) and back to its dtype."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32).astype(np.asarray(x).dtype)
+
+
+def _router_in_bfloat16(x, router):
+    return model.softmax(_bfloat16(model.linear(_bfloat16(x), _bfloat16(router))))  # the config says float32
+
+
+def _one_experts_gate_and_up_swapped(x, router, experts, k, renormalize, activation):
+    first = {**experts[0], "w1.weight": experts[0]["w3.weight"], "w3.weight": experts[0]["w1.weight"]}
+    return _original("mixture_of_experts")(x, router, [first, *experts[1:]], k, renormalize, activation)
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -541,6 +572,23 @@ MUTATIONS += [  # Gemma's (SPEC §5.13)
     Mutation("local_layers_rescaled", "Gemma 3's linear rope scaling applied to the sliding layers too (their own θ "
              "is unrescaled)", "rope_frequencies", _global_scaling_on_local_layers, "mha", "decoder.layers.0",
              preset="gemma3-tiny"),
+]
+
+MUTATIONS += [  # the mixture of experts' (SPEC §5.14)
+    Mutation("softmax_after_top_k", "the router's softmax taken over the k chosen logits (Mixtral's form) in a model "
+             "whose weights are not renormalised (Qwen3-MoE's norm_topk_prob false)", "routing_weights",
+             _softmax_after_top_k, "ffn", "decoder.layers.0", preset="qwen3-moe-tiny"),
+    Mutation("norm_topk_prob_ignored", "the k routing weights left unrenormalised where the config renormalises "
+             "them (Mixtral)", "routing_weights", _norm_topk_prob_ignored, "ffn", "decoder.layers.0",
+             preset="mixtral-tiny"),
+    Mutation("router_softmax_over_tokens", "the router's softmax over the tokens instead of the experts "
+             "(softmax(dim=0))", "router_probabilities", _router_softmax_over_tokens, "ffn", "decoder.layers.0",
+             preset="mixtral-tiny"),
+    Mutation("router_in_bfloat16", "the router computed in bfloat16 where the config says float32", "router_probabilities",
+             _router_in_bfloat16, "ffn", "decoder.layers.0", preset="mixtral-tiny"),
+    Mutation("expert_gate_and_up_swapped", "one expert's gate and up projections swapped (a fused gate_up_proj split "
+             "the wrong way round for expert 0)", "mixture_of_experts", _one_experts_gate_and_up_swapped, "ffn",
+             "decoder.layers.0", preset="mixtral-tiny"),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.

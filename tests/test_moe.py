@@ -11,6 +11,8 @@ where the margin is clear fails, and so does an expert that computes differently
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -158,7 +160,7 @@ def _route_smallest(self, tokens, batch=1):
     probabilities = torch.softmax(self.router(tokens).float(), dim=-1)
     chosen = torch.sort(probabilities, dim=-1, stable=True).indices[:, :self.k]
     if self.log is not None:
-        chosen = self.log.choose(self, chosen, batch)
+        chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.numpy())).long()
     weights = probabilities.gather(-1, chosen)
     return probabilities, chosen, (weights / weights.sum(-1, keepdim=True)).to(tokens.dtype)
 
@@ -189,12 +191,14 @@ def test_an_expert_mistake_fails_with_the_routing_agreeing(monkeypatch):
 def _jax_route_smallest(self, tokens, batch=1):
     """JAX's router taking the k *least* likely experts."""
     import jax
+    import jax.experimental
     import jax.numpy as jnp
     probabilities = jax.nn.softmax(self.router(tokens).astype(jnp.float32), axis=-1)
     chosen = jnp.argsort(probabilities, axis=-1, stable=True)[:, :self.k]
-    log = jax_model._ROUTING.get()
-    if log is not None:
-        chosen = log.choose(self, chosen, batch)
+    if jax_model._ROUTING.get() is not None:  # the cell's routing log, as impl_jax's own route reaches it
+        chosen = jax.experimental.io_callback(functools.partial(jax_model._ROUTING.get().choose, self.index, batch),
+                                              jax.ShapeDtypeStruct(chosen.shape, jnp.int32), chosen.astype(jnp.int32),
+                                              ordered=True)
     weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
     return probabilities, chosen, (weights / weights.sum(-1, keepdims=True)).astype(tokens.dtype)
 
@@ -211,3 +215,23 @@ def test_jaxs_router_and_expert_mistakes_are_told_apart(monkeypatch):
     expert = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
                     (jax_model.FeedForward, "__call__", _jax_gate_and_up_swapped), backend="jax")["forward-none"]
     assert expert.status == FAIL and expert.reason.startswith("with the golden's routing replayed the cell still fails")
+
+
+def test_a_routing_log_walks_each_layers_positions_and_refuses_what_is_out_of_step():
+    from spec.errors import InputError
+    from spec.routing import RoutingLog
+
+    forced = [np.arange(2 * 5 * 2).reshape(2, 5, 2) % 7, np.zeros((2, 5, 2), np.int64)]
+    log = RoutingLog(forced)
+    free = np.full((8, 2), 6)
+    assert np.array_equal(log.choose(3, 2, free), forced[0][:, :4].reshape(-1, 2))  # layer 3, first called: forced[0]
+    assert log.choose(3, 2, free[:2]).tolist() == forced[0][:, 4].tolist()  # its next position
+    assert log.choose(4, 2, free[:2]).dtype == np.int32
+    assert [chosen.shape for chosen in log.layers()] == [(2, 5, 2), (2, 1, 2)]
+    with pytest.raises(InputError, match=r"out of step: MoE layer call 0 wants 2 rows at positions 5\.\.5"):
+        log.choose(3, 2, free[:2])
+    with pytest.raises(InputError, match="MoE layer call 2"):
+        log.choose(5, 2, free[:2])
+    recorded = RoutingLog()
+    recorded.choose(0, 1, np.array([[1, 0], [2, 3]]))
+    assert recorded.layers()[0].tolist() == [[[1, 0], [2, 3]]]

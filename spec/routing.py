@@ -1,0 +1,43 @@
+"""Replayed routing (SPEC §5.14): a record of what a model's mixture-of-experts layers chose, or
+the choices forced on them, kept the same way by every framework."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spec.errors import InputError
+
+
+class RoutingLog:
+    """A model's routing across calls, per MoE layer: what each layer chose at every position,
+    [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the layers are
+    first called), the choices are those instead. A layer reads its positions in order from a
+    cursor, so a forward, a prefill and its steps, and a generation's steps all line up."""
+
+    def __init__(self, forced: list[np.ndarray] | None = None):
+        self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
+        self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
+        self._layers: dict[int, int] = {}
+
+    def choose(self, layer: int, batch: int, free: np.ndarray) -> np.ndarray:
+        """The choices [N, k] of decoder layer `layer` for a call on `batch` rows: its own (`free`),
+        or the forced ones. int32, as every framework can take them."""
+        index = self._layers.setdefault(layer, len(self._layers))
+        if index == len(self.chosen):
+            self.chosen.append([])
+        cursor = sum(call.shape[1] for call in self.chosen[index])
+        length = free.shape[0] // batch
+        if self.forced is not None:
+            if index >= len(self.forced) or self.forced[index].shape[0] != batch \
+                    or cursor + length > self.forced[index].shape[1]:
+                raise InputError(f"replayed routing out of step: MoE layer call {index} wants {batch} rows at positions "
+                                 f"{cursor}..{cursor + length - 1}; the forced choices hold "
+                                 f"{[list(f.shape[:2]) for f in self.forced]}")
+            free = self.forced[index][:, cursor:cursor + length].reshape(-1, free.shape[1])
+        free = np.asarray(free, dtype=np.int32)
+        self.chosen[index].append(free.reshape(batch, length, -1))
+        return free
+
+    def layers(self) -> list[np.ndarray]:
+        """What each layer chose, [B, T, k], its calls joined along the positions."""
+        return [np.concatenate(calls, axis=1) for calls in self.chosen]
