@@ -139,12 +139,10 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     relative = case.tolerance(cfg, dtype)
     if case.sublayer == "generate" and case.mask_case in TEXT_CASES:
         base["tokens"], base["golden_tokens"] = _rows(output), _rows(reference[0])
+    # each kind's comparison, kept to judge a mixture of experts' replayed run by the same rule
     if case.sublayer == "generate":
         def judge(tokens):
             return compare_generation(tokens, *reference, relative, case.inputs["eos_id"], compared)
-        result = judge(output)
-        if not result.passed and cfg.moe is not None:
-            result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     elif is_gradient(case.sublayer):
         # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
         kink_width = case.tolerance(cfg, dtype, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
@@ -152,18 +150,17 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         def judge(gradients):
             return compare_gradients(gradients, reference.gradients, reference.terms, relative,
                                      reference.kink_allowance(kink_width))
-        result = judge(output)
-        if not result.passed and cfg.moe is not None:
-            result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     elif is_training(case.sublayer):
         # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
         # stored value's own rounding for the update
         result = compare_training(output, reference, dtype, relative,
                                   case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)), relative,
                                   tolerance(dtype, 1, 1))
+        judge = None  # a training step's routing is not replayed
     else:
         def judge(values):
             return compare(values, reference, relative, case.floor, compared)
+    if judge is not None:
         result = judge(output)
         if not result.passed and cfg.moe is not None:
             result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
@@ -179,9 +176,10 @@ def _routing_verdict(cfg, params, case: Case, runner, dtype: str, judge, failed)
     return near_ties(cfg, params, case, dtype, failed)
 
 
-def golden_routing(cfg, params, case: Case) -> list[list[np.ndarray]]:
-    """The golden's routing of a case, per MoE layer in call order: [chosen [B, T, k], margins
-    [B, T], router logits' size [B, T]]."""
+def golden_routing(cfg, params, case: Case, dtype: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The golden's routing of a case, per MoE layer in call order: the chosen experts [B, T, k],
+    their margins [B, T], and the most rounding at the dtype can move a margin there [B, T]:
+    2ρ·max|z|, ρ the tolerance at the layer's depth, z the router logits (SPEC §5.14)."""
     from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
 
     with recorded_routing() as calls:  # a gradient case's routing is its forward's
@@ -189,21 +187,24 @@ def golden_routing(cfg, params, case: Case) -> list[list[np.ndarray]]:
                       case.inputs)
     # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
     count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
-    return [[np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
-             for field in ("chosen", "margins", "logit_scale")] for layer in range(count)]
+    layers = []
+    for layer in range(count):
+        chosen, margins, scale = (np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
+                                  for field in ("chosen", "margins", "logit_scale"))
+        layers.append((chosen, margins, 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale))
+    return layers
 
 
 def near_ties(cfg, params, case: Case, dtype: str, failed):
     """A failing cell of a column that cannot replay routing (an exported graph): how many of the
     case's routing decisions sit within rounding of a tie at its dtype, said beside the verdict."""
-    bounds = [(margins, 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale)
-              for layer, (_, margins, scale) in enumerate(golden_routing(cfg, params, case))]
-    near = sum(int((margins < bound).sum()) for margins, bound in bounds)
+    layers = golden_routing(cfg, params, case, dtype)
+    near = sum(int((margins < bound).sum()) for _, margins, bound in layers)
     if not near:
         return replace(failed, reason=f"{failed.reason}; no routing decision of the case is within rounding of a tie")
     return replace(failed, reason=(
         f"{failed.reason}; {near} routing decision(s) of the case are within rounding of a tie at {dtype} (smallest "
-        f"margin {min(float(margins.min()) for margins, _ in bounds):.2g}), and this column cannot replay the "
+        f"margin {min(float(margins.min()) for _, margins, _ in layers):.2g}), and this column cannot replay the "
         "golden's routing: a flip there may explain the failure"))
 
 
@@ -212,11 +213,10 @@ def replayed_routing(cfg, params, case: Case, runner, dtype: str, judge, failed)
     the golden's routing forced. If that run fails too, the experts or the rest of the layer
     compute differently, and the cell fails saying so. If it passes, the routing made the
     difference: in the first layer whose choices differ from the golden's, a token whose margin is
-    clear of rounding (2ρ·max|z|: ρ the tolerance at the layer's depth, z its router logits) fails
-    the cell as "the router chose differently"; where every such token sits within rounding of a
-    tie, the replayed run's verdict stands, saying so (a later layer's differences follow from the
-    first's)."""
-    golden = golden_routing(cfg, params, case)
+    clear of rounding (golden_routing's bound) fails the cell as "the router chose differently";
+    where every such token sits within rounding of a tie, the replayed run's verdict stands, saying
+    so (a later layer's differences follow from the first's)."""
+    golden = golden_routing(cfg, params, case, dtype)
     try:
         with runner.routing_log() as log:
             _output(runner, case)
@@ -237,8 +237,7 @@ def replayed_routing(cfg, params, case: Case, runner, dtype: str, judge, failed)
     if not any(f.any() for f in flips):
         return failed
     layer = next(index for index, f in enumerate(flips) if f.any())
-    chosen, margins, scale = golden[layer]
-    bound = 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale
+    chosen, margins, bound = golden[layer]
     clear = flips[layer] & (margins >= bound)
     if clear.any():
         row, position = (int(i) for i in np.argwhere(clear)[0])

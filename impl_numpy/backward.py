@@ -468,7 +468,8 @@ def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> 
 
 def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
                   dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
-    """The FFN's residual block, back: one FFN's, or the mixture of experts' (§5.14). p: the layer's parameters."""
+    """The FFN's residual block, back: one FFN's, or the mixture of experts' (§5.14). p: the layer's
+    parameters."""
     ffn_p = params_under(p, "ffn")
     if cfg.moe is None:
         return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn_p, h, cfg.activation),

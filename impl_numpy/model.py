@@ -374,7 +374,8 @@ def block(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Calla
 
 
 def ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
-    """A layer's FFN: one FFN (§5.5), or the mixture of experts (§5.14). p: its "ffn" parameters. [B, T, d] -> [B, T, d]"""
+    """A layer's FFN: one FFN (§5.5), or the mixture of experts (§5.14). p: its "ffn" parameters.
+    [B, T, d] -> [B, T, d]"""
     return feed_forward(p, x, cfg.activation) if cfg.moe is None else experts_ffn(cfg, p, x)
 
 

@@ -382,7 +382,8 @@ class MixtureOfExperts(nn.Module):
             # torch.topk documents no order for ties; a stable descending sort puts the lower index first
             chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
         if self.log is not None:  # a routing log records the choices, or forces the golden's
-            chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.cpu().numpy()), device=chosen.device).long()
+            chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.cpu().numpy()),
+                                     device=chosen.device).long()
         weights = probabilities.gather(-1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -16,8 +16,8 @@ NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # SPEC §5.12
-LAYER_TYPES = ("full", "sliding")
-ROUTER_SOFTMAXES = ("float32", "activation")  # SPEC §5.14: the dtype of the router's softmax  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
+LAYER_TYPES = ("full", "sliding")  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
+ROUTER_SOFTMAXES = ("float32", "activation")  # SPEC §5.14: the dtype of the router's softmax
 
 _CHOICES = {
     "arch": ARCHS,

@@ -145,8 +145,9 @@ class NumpyRunner:
                 cfg, under, x, context, self._mask(inputs["mask"], x, context), d_out, inputs.get("offset", 0))
             return {"x": d_x, "context": d_context, **_every(under, grads)}
         if forward == "ffn":
-            d_x, grads = (backward.feed_forward_vjp(under, self._float(inputs["x"]), cfg.activation, d_out) if cfg.moe is None
-                          else backward.experts_ffn_vjp(cfg, under, self._float(inputs["x"]), d_out))
+            x = self._float(inputs["x"])
+            d_x, grads = (backward.feed_forward_vjp(under, x, cfg.activation, d_out) if cfg.moe is None
+                          else backward.experts_ffn_vjp(cfg, under, x, d_out))
         elif forward == "norm":
             d_x, grads = backward.norm_vjp(cfg, under, self._float(inputs["x"]), d_out)
         elif forward == "ffn_block":
