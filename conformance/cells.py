@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
 from conformance.field_metrics import field_metrics
 from conformance.memory import golden_budget
+from conformance.routing import near_ties, replayed_routing
 from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
 from conformance.training_cells import TrainingReference, compare_training
 from spec import ModelConfig
@@ -172,84 +173,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
 
 def _routing_verdict(cfg, params, case: Case, runner, dtype: str, judge, failed):
     if hasattr(runner, "routing_log"):
-        return replayed_routing(cfg, params, case, runner, dtype, judge, failed)
+        return replayed_routing(cfg, params, case, runner, dtype, judge, failed, _output)
     return near_ties(cfg, params, case, dtype, failed)
-
-
-def golden_routing(cfg, params, case: Case, dtype: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The golden's routing of a case, per MoE layer in call order: the chosen experts [B, T, k],
-    their margins [B, T], and the most rounding at the dtype can move a margin there [B, T]:
-    2ρ·max|z|, ρ the tolerance at the layer's depth, z the router logits (SPEC §5.14)."""
-    from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
-
-    with recorded_routing() as calls:  # a gradient case's routing is its forward's
-        golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
-                      case.inputs)
-    # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
-    count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
-    layers = []
-    for layer in range(count):
-        chosen, margins, scale = (np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
-                                  for field in ("chosen", "margins", "logit_scale"))
-        layers.append((chosen, margins, 2 * tolerance(dtype, cfg.d_model, 2 * (layer + 1)) * scale))
-    return layers
-
-
-def near_ties(cfg, params, case: Case, dtype: str, failed):
-    """A failing cell of a column that cannot replay routing (an exported graph): how many of the
-    case's routing decisions sit within rounding of a tie at its dtype, said beside the verdict."""
-    layers = golden_routing(cfg, params, case, dtype)
-    near = sum(int((margins < bound).sum()) for _, margins, bound in layers)
-    if not near:
-        return replace(failed, reason=f"{failed.reason}; no routing decision of the case is within rounding of a tie")
-    return replace(failed, reason=(
-        f"{failed.reason}; {near} routing decision(s) of the case are within rounding of a tie at {dtype} (smallest "
-        f"margin {min(float(margins.min()) for _, margins, _ in layers):.2g}), and this column cannot replay the "
-        "golden's routing: a flip there may explain the failure"))
-
-
-def replayed_routing(cfg, params, case: Case, runner, dtype: str, judge, failed):
-    """A mixture-of-experts model's failing cell, split (SPEC §5.14). The backend runs again with
-    the golden's routing forced. If that run fails too, the experts or the rest of the layer
-    compute differently, and the cell fails saying so. If it passes, the routing made the
-    difference: in the first layer whose choices differ from the golden's, a token whose margin is
-    clear of rounding (golden_routing's bound) fails the cell as "the router chose differently";
-    where every such token sits within rounding of a tie, the replayed run's verdict stands, saying
-    so (a later layer's differences follow from the first's)."""
-    golden = golden_routing(cfg, params, case, dtype)
-    try:
-        with runner.routing_log() as log:
-            _output(runner, case)
-        layers = log.layers()
-        with runner.routing_log(forced=[chosen for chosen, _, _ in golden]):
-            replayed = judge(_output(runner, case))
-    except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
-        return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
-    if [chosen.shape for chosen in layers] != [chosen.shape for chosen, _, _ in golden]:
-        return failed
-    flips = [(np.sort(mine, axis=-1) != np.sort(chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
-             for mine, (chosen, _, _) in zip(layers, golden)]
-    agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
-                 f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
-    if not replayed.passed:
-        return replace(replayed, reason=f"with the golden's routing replayed the cell still fails, so the experts or "
-                                        f"the rest of the layer compute differently ({agreement}): {replayed.reason}")
-    if not any(f.any() for f in flips):
-        return failed
-    layer = next(index for index, f in enumerate(flips) if f.any())
-    chosen, margins, bound = golden[layer]
-    clear = flips[layer] & (margins >= bound)
-    if clear.any():
-        row, position = (int(i) for i in np.argwhere(clear)[0])
-        return replace(failed, reason=(
-            f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {layer}, "
-            f"row {row}, position {position} (margin {margins[row, position]:.3g} >= rounding bound "
-            f"{bound[row, position]:.3g}): golden experts {chosen[row, position].tolist()}, here "
-            f"{layers[layer][row, position].tolist()}; with the golden's routing replayed the cell passes; "
-            f"{failed.reason}"))
-    note = (f"routing replayed: {agreement}, those of MoE layer {layer} each within rounding of a tie (smallest "
-            f"margin there {float(margins[flips[layer]].min()):.2g}, bound {float(bound[flips[layer]].min()):.2g})")
-    return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)
 
 
 def _field_metrics(case: Case, output, reference, compared, dtype: str) -> dict | None:

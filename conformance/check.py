@@ -33,6 +33,7 @@ from conformance.memory import MemoryLedger, references_here
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
 from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
+from conformance.routing import routing_margins
 from conformance.shards import shard_plan
 from conformance.text import Prompts, decode_rows, prompts_for
 from spec import InputError, ModelConfig
@@ -52,6 +53,7 @@ class CheckRun:
     text: list[dict] = field(default_factory=list)  # the text generate case's continuations (report.generated_text)
     plan: BudgetPlan | None = None  # where a budget chose the cells
     explanations: dict = field(default_factory=dict)  # whole-model columns' failures by omissions (conformance.explain)
+    routing: list[dict] = field(default_factory=list)  # a mixture of experts' margins per case (conformance.routing)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -75,7 +77,7 @@ class CheckRun:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
-                            explanations=self.explanations,
+                            explanations=self.explanations, routing=self.routing,
                             placements=self.placements, text=self.text, plan=self.plan_figures)
 
     @property
@@ -140,7 +142,8 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
     continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),
                     getattr(executor, "placements", None), continuations, budgeted,
-                    explanations=explain_failures(cfg, params, results))
+                    explanations=explain_failures(cfg, params, results),
+                    routing=routing_margins(cfg, params, results))
 
 
 def _cold(cfg: ModelConfig, params, plan: Plan) -> set:

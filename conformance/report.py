@@ -35,6 +35,9 @@ report.json (schema_version 1):
                     passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path, graph,
                     skip (a skipped cell's kind: absent, sublayer or refused), left_out (rows not compared)
                     (infinite errors are written as the string "inf")
+    routing_margins (a mixture of experts) [{"case", "decisions", "smallest_margin", "at": {"layer", "row",
+                    "position"}, "near_ties": {dtype: decisions within rounding of a tie}}] for each routed
+                    case that ran (conformance.routing.routing_margins)
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from conformance.adapter import get_backend
 from conformance.cells import ERROR, FAIL, PASS, REFUSED, SKIP, CellResult
 from conformance.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
+from conformance.routing import format_routing_margins
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
 
@@ -307,14 +311,15 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
                  merged: dict | None = None, placements: dict | None = None,
                  text: list[dict] | None = None, plan: dict | None = None,
-                 explanations: dict | None = None) -> list[Path]:
+                 explanations: dict | None = None, routing: list[dict] | None = None) -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
     column ran, from an executor that spreads them over nodes (the Ray executor's); text: the
     text generate case's continuations, decoded (generated_text); plan: a budgeted plan's
     figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken;
-    explanations: the failing whole-model columns' omissions (conformance.explain)."""
+    explanations: the failing whole-model columns' omissions (conformance.explain); routing: a
+    mixture of experts' routing margins per case (conformance.routing.routing_margins)."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     empty = empty_columns(results)
@@ -341,6 +346,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         **({"placements": placements} if placements else {}),
         **({"generated_text": text} if text else {}),
         **({"plan": plan} if plan else {}),
+        **({"routing_margins": routing} if routing else {}),
         "cells": [r.to_dict() for r in results],
         **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
@@ -370,6 +376,12 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         markdown += ["", "## Where each column ran", "", "```", format_placements(placements), "```"]
     if text:
         markdown += ["", "## Generated text (generate-text)", "", "```", format_generated_text(text), "```"]
+    if routing:
+        markdown += ["", "## Routing margins", "",
+                     "Per routed case, the golden's decisions (tokens × MoE layers), the smallest margin p_(k) − p_(k+1) "
+                     "and where, and per dtype the decisions within rounding of a tie (margin < 2ρ·max|z|, SPEC §5.14): "
+                     "a flip there is the dtype's, and a failing cell replays the golden's routing to tell.", "",
+                     "```", format_routing_margins(routing), "```"]
     if field := field_metrics_table(results):
         markdown += ["", "## The field's metrics (whole-model cells)", "",
                      f"Per-token KL(golden ‖ backend), top-1 agreement and top-{TOP_K} containment, and whether each "

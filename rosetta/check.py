@@ -25,6 +25,7 @@ from conformance.machine import NVIDIA_DRIVER
 from conformance.report import (attention_paths, empty_columns, field_metrics_table, format_attention_paths,
                                 format_empty_columns, format_generated_text, format_graphs_served, format_placements,
                                 format_problems, format_table, graphs_served, summary_counts)
+from conformance.routing import format_routing_margins
 from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.text import LONG_TEXT, load_tokenizer, read_prompts_file
 from conformance.tolerance import DTYPES
@@ -167,6 +168,9 @@ def cmd_check(args: argparse.Namespace) -> int:
               "(--full runs them)")
     if "hf" in source and (field := field_metrics_table(results)):
         print(f"\nthe field's metrics (whole-model cells; our verdict is the tolerance policy's):\n{field}")
+    if run.routing:
+        print(f"\nrouting margins (decisions within rounding of a tie, per dtype; SPEC §5.14):\n"
+              f"{format_routing_margins(run.routing)}")
     if run.text:
         print(f"\ngenerated text (generate-text):\n{format_generated_text(run.text)}")
     for column, localization in run.localizations.items():

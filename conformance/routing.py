@@ -1,0 +1,146 @@
+"""A mixture of experts' routing, checked (SPEC §5.14): the golden's choices and their margins
+per case (golden_routing), the report's table of each case's smallest margin and near ties
+(routing_margins), and the split of a failing cell, by replaying the golden's choices in the
+column (replayed_routing) or, where the column cannot, by counting the case's near ties (near_ties)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from conformance.backends.numpy_backend import golden_output
+from conformance.cases import TEXT_CASES, Case, build_case, forward_of, is_gradient
+from conformance.tolerance import tolerance
+from spec import ModelConfig
+
+# the cases whose routing the report states: between them every position of the model's inputs
+ROUTED_SUBLAYERS = ("forward", "decode", "generate")
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer's routing of a case, every position of every call joined along the positions."""
+
+    layer: int
+    chosen: np.ndarray  # [B, T, k], largest first
+    margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
+    logit_scale: np.ndarray  # [B, T]: max_e |z_e|
+
+    def bound(self, cfg: ModelConfig, dtype: str) -> np.ndarray:
+        """2ρ·max|z| [B, T]: the most rounding at dtype can move a margin here, ρ the tolerance
+        at the layer's depth (SPEC §8)."""
+        return 2 * tolerance(dtype, cfg.d_model, 2 * (self.layer + 1)) * self.logit_scale
+
+    def near_ties(self, cfg: ModelConfig, dtype: str) -> np.ndarray:
+        """[B, T]: the decisions rounding at dtype could flip."""
+        return self.margins < self.bound(cfg, dtype)
+
+
+def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case) -> list[LayerRouting]:
+    """The golden's routing of a case, per MoE layer (a gradient case's is its forward's; a
+    generation's steps joined along the positions)."""
+    from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
+
+    with recorded_routing() as calls:
+        golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
+                      case.inputs)
+    # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
+    count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
+    return [LayerRouting(layer, *(np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
+                                  for field in ("chosen", "margins", "logit_scale")))
+            for layer in range(count)]
+
+
+def routing_margins(cfg: ModelConfig, params: Mapping[str, np.ndarray], results: Sequence) -> list[dict]:
+    """What the report states of a mixture of experts' routing: for each routed case that ran
+    (ROUTED_SUBLAYERS; not the text cases, whose inputs are a tokenizer's), its decisions (tokens
+    × layers), the smallest margin and where, and per dtype that ran it how many decisions sit
+    within rounding of a tie. [] without experts."""
+    if cfg.moe is None:
+        return []
+    dtypes_of: dict[tuple[str, str], set[str]] = {}
+    for result in results:
+        if (result.sublayer in ROUTED_SUBLAYERS and result.mask_case not in TEXT_CASES
+                and result.status in ("pass", "fail", "error")):
+            dtypes_of.setdefault((result.sublayer, result.mask_case), set()).add(result.dtype)
+    rows = []
+    for (sublayer, mask_case), dtypes in sorted(dtypes_of.items()):
+        layers = golden_routing(cfg, params, build_case(cfg, params, sublayer, mask_case))
+        closest = min(layers, key=lambda layer: layer.margins.min())
+        row, position = np.unravel_index(np.argmin(closest.margins), closest.margins.shape)
+        rows.append({"case": f"{sublayer}-{mask_case}", "decisions": sum(layer.margins.size for layer in layers),
+                     "smallest_margin": float(closest.margins[row, position]),
+                     "at": {"layer": closest.layer, "row": int(row), "position": int(position)},
+                     "near_ties": {dtype: sum(int(layer.near_ties(cfg, dtype).sum()) for layer in layers)
+                                   for dtype in sorted(dtypes)}})
+    return rows
+
+
+def format_routing_margins(rows: Sequence[dict]) -> str:
+    """The routing_margins rows as a text table."""
+    head = ("case", "decisions", "smallest margin", "at (layer, row, position)", "within rounding of a tie")
+    lines = [(row["case"], str(row["decisions"]), f"{row['smallest_margin']:.3g}",
+              f"({row['at']['layer']}, {row['at']['row']}, {row['at']['position']})",
+              ", ".join(f"{dtype} {count}" for dtype, count in row["near_ties"].items())) for row in rows]
+    widths = [max(len(text) for text in column) for column in zip(head, *lines)]
+    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip()
+                     for line in (head, *lines))
+
+
+def near_ties(cfg: ModelConfig, params, case: Case, dtype: str, failed):
+    """A failing cell of a column that cannot replay routing (an exported graph): how many of the
+    case's routing decisions sit within rounding of a tie at its dtype, said beside the verdict."""
+    layers = golden_routing(cfg, params, case)
+    near = sum(int(layer.near_ties(cfg, dtype).sum()) for layer in layers)
+    if not near:
+        return replace(failed, reason=f"{failed.reason}; no routing decision of the case is within rounding of a tie")
+    return replace(failed, reason=(
+        f"{failed.reason}; {near} routing decision(s) of the case are within rounding of a tie at {dtype} (smallest "
+        f"margin {min(float(layer.margins.min()) for layer in layers):.2g}), and this column cannot replay the "
+        "golden's routing: a flip there may explain the failure"))
+
+
+def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, judge, failed, output):
+    """A mixture-of-experts model's failing cell, split (SPEC §5.14). The backend runs again with
+    the golden's routing forced. If that run fails too, the experts or the rest of the layer
+    compute differently, and the cell fails saying so. If it passes, the routing made the
+    difference: in the first layer whose choices differ from the golden's, a token whose margin is
+    clear of rounding (LayerRouting.bound) fails the cell as "the router chose differently";
+    where every such token sits within rounding of a tie, the replayed run's verdict stands, saying
+    so (a later layer's differences follow from the first's). output(runner, case) runs the case."""
+    golden = golden_routing(cfg, params, case)
+    try:
+        with runner.routing_log() as log:
+            output(runner, case)
+        layers = log.layers()
+        with runner.routing_log(forced=[layer.chosen for layer in golden]):
+            replayed = judge(output(runner, case))
+    except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
+        return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
+    if [chosen.shape for chosen in layers] != [layer.chosen.shape for layer in golden]:
+        return failed
+    flips = [(np.sort(mine, axis=-1) != np.sort(layer.chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
+             for mine, layer in zip(layers, golden)]
+    agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
+                 f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
+    if not replayed.passed:
+        return replace(replayed, reason=f"with the golden's routing replayed the cell still fails, so the experts or "
+                                        f"the rest of the layer compute differently ({agreement}): {replayed.reason}")
+    if not any(f.any() for f in flips):
+        return failed
+    first = next(index for index, f in enumerate(flips) if f.any())
+    routing, bound = golden[first], golden[first].bound(cfg, dtype)
+    clear = flips[first] & (routing.margins >= bound)
+    if clear.any():
+        row, position = (int(i) for i in np.argwhere(clear)[0])
+        return replace(failed, reason=(
+            f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {first}, "
+            f"row {row}, position {position} (margin {routing.margins[row, position]:.3g} >= rounding bound "
+            f"{bound[row, position]:.3g}): golden experts {routing.chosen[row, position].tolist()}, here "
+            f"{layers[first][row, position].tolist()}; with the golden's routing replayed the cell passes; "
+            f"{failed.reason}"))
+    note = (f"routing replayed: {agreement}, those of MoE layer {first} each within rounding of a tie (smallest "
+            f"margin there {float(routing.margins[flips[first]].min()):.2g}, bound {float(bound[flips[first]].min()):.2g})")
+    return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)

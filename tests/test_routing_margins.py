@@ -1,0 +1,86 @@
+"""The routing margins a check reports for a mixture of experts (SPEC §5.14,
+conformance.routing.routing_margins): each routed case's decisions, its smallest margin and
+where, and per dtype how many decisions sit within rounding of a tie, in report.json and
+report.md."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conformance.cases import build_case
+from conformance.check import check_model
+from conformance.routing import format_routing_margins, golden_routing, routing_margins
+from spec import conformance_params, get_preset, save_weights
+
+
+def _results(sublayer, mask_case, dtypes):
+    from conformance.cells import PASS, CellResult
+    return [CellResult("torch", "cpu", dtype, sublayer, mask_case, PASS) for dtype in dtypes]
+
+
+def test_the_smallest_margin_and_the_near_ties_are_the_goldens_own():
+    """Counted here from the golden's probabilities directly (not through golden_routing)."""
+    import impl_numpy as golden
+    from impl_numpy.model import routing_margins as margins_of
+
+    cfg = get_preset("qwen3-moe-tiny")
+    params = conformance_params(cfg)
+    [row] = routing_margins(cfg, params, _results("forward", "long", ["float32", "bfloat16"]))
+    case = build_case(cfg, params, "forward", "long")
+    recorded = []
+    original = golden.model.router_probabilities
+
+    def recording(x, router):
+        recorded.append(original(x, router))
+        return recorded[-1]
+
+    try:
+        golden.model.router_probabilities = recording
+        golden.model_logits(cfg, {k: v.astype(np.float64) for k, v in params.items()}, None, case.inputs["tgt_ids"])
+    finally:
+        golden.model.router_probabilities = original
+    margins = [margins_of(p, cfg.moe.experts_per_token) for p in recorded]
+    assert row["case"] == "forward-long"
+    assert row["decisions"] == sum(m.size for m in margins) == cfg.n_decoder_layers * case.inputs["tgt_ids"].size
+    assert row["smallest_margin"] == min(float(m.min()) for m in margins)
+    layers = golden_routing(cfg, params, case)
+    assert row["near_ties"]["bfloat16"] == sum(int(layer.near_ties(cfg, "bfloat16").sum()) for layer in layers) > 0
+    assert row["near_ties"]["bfloat16"] > row["near_ties"]["float32"]
+
+
+def test_a_router_that_can_hardly_choose_puts_every_decision_near_a_tie():
+    """Every router column the same up to 1e-7: each margin far inside float16's rounding, none
+    inside float64's."""
+    cfg = get_preset("mixtral-tiny")
+    params = dict(conformance_params(cfg))
+    rng = np.random.default_rng(0)
+    for name in [name for name in params if name.endswith("router.weight")]:
+        column = params[name][:, :1]
+        params[name] = (column + 1e-7 * rng.standard_normal(params[name].shape) * np.abs(column)).astype(np.float32)
+    rows = routing_margins(cfg, params, _results("decode", "incremental", ["float64", "float16"]))
+    [row] = rows
+    assert row["smallest_margin"] < 1e-6
+    assert row["near_ties"] == {"float16": row["decisions"], "float64": 0}
+    assert "decode-incremental" in format_routing_margins(rows)
+
+
+def test_no_experts_no_rows():
+    cfg = get_preset("llama-tiny")
+    assert routing_margins(cfg, conformance_params(cfg), _results("forward", "long", ["float32"])) == []
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny"])
+def test_the_report_states_the_routing_margins(tmp_path, preset):
+    cfg = get_preset(preset)
+    weights = tmp_path / "weights.safetensors"
+    save_weights(weights, cfg, conformance_params(cfg))
+    run = check_model(weights=weights, backends=["torch"], dtypes=["float32"], pattern="forward-pad_right*", jobs=1)
+    run.write_report(tmp_path / "report")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    [row] = report["routing_margins"]
+    assert row["case"] == "forward-pad_right" and set(row["near_ties"]) == {"float32"}
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## Routing margins" in markdown and "forward-pad_right" in markdown.split("## Routing margins")[1]
