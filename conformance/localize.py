@@ -13,6 +13,7 @@ names. Each stage runs twice on the backend:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -129,21 +130,25 @@ def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_referenc
     for name, sublayer, golden_function, inputs in plan:
         relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, length), SUBLAYERS[sublayer].depth(cfg),
                              rotary_angle(cfg, length - 1))
+        routing = {}  # a mixture of experts' stage: the golden's choices on each input, replayed in the runner
         if golden_function is None:  # embedding: inputs are ids, isolated and chained coincide
             expected, next_reference, isolated_inputs, chained_inputs = reference, reference, inputs, None
         else:
             isolated_input = _f32(reference)
-            expected = golden_function(isolated_input.astype(np.float64))
-            next_reference = golden_function(reference)  # the golden chain, never rounded
+            expected, routing["isolated"] = _routed(golden_function, isolated_input.astype(np.float64))
+            next_reference, routing["chained"] = _routed(golden_function, reference)  # the golden chain, never rounded
             isolated_inputs = inputs(isolated_input)
             chained_inputs = None if chained is None else inputs(_f32(chained))
+        replays = hasattr(runner, "routing_log") and any(routing.values())
         try:
-            isolated = runner.run(sublayer, isolated_inputs)
+            with _replayed(runner, routing.get("isolated")):
+                isolated = runner.run(sublayer, isolated_inputs)
             isolated_ratio = compare(isolated, expected, relative).ratio
             if chained_inputs is None:
                 chained_output, chained_ratio = isolated, isolated_ratio
             else:
-                chained_output = runner.run(sublayer, chained_inputs)
+                with _replayed(runner, routing.get("chained")):
+                    chained_output = runner.run(sublayer, chained_inputs)
                 chained_ratio = compare(chained_output, next_reference, relative).ratio
         except NotSupported as reason:
             stages.append(Stage(name, sublayer, None, None, f"  (not supported: {reason})"))
@@ -151,9 +156,27 @@ def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_referenc
         except Exception as error:  # noqa: BLE001 - a crashing stage is itself the localization
             stages.append(Stage(name, sublayer, math.inf, math.inf, f"  ({type(error).__name__}: {error})"))
             return stages
-        stages.append(Stage(name, sublayer, isolated_ratio, chained_ratio))
+        stages.append(Stage(name, sublayer, isolated_ratio, chained_ratio,
+                            "  (the golden's routing replayed)" if replays else ""))
         reference, chained = next_reference, chained_output
     return stages
+
+
+def _routed(golden_function, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The golden stage's output on x and its MoE layers' choices, [B, T, k] each ([] without experts)."""
+    from impl_numpy.model import recorded_routing
+
+    with recorded_routing() as calls:
+        output = golden_function(x)
+    return output, [call.chosen for call in calls]
+
+
+def _replayed(runner, chosen: list[np.ndarray] | None):
+    """The runner with the golden's choices forced (SPEC §5.14), where it can take them: a stage of
+    a mixture of experts is judged on what its experts compute, a flip near a tie left out."""
+    if not chosen or not hasattr(runner, "routing_log"):
+        return contextlib.nullcontext()
+    return runner.routing_log(forced=chosen)
 
 
 WHOLE_MODEL = ("encoder", "decoder", "forward", "decode", "generate")

@@ -410,3 +410,25 @@ def test_the_mapping_tables_in_the_docs_are_the_code():
     assert "| `model.layers.{i}.mlp.gate.weight` | `decoder.layers.{i}.ffn.router.weight` | transposed" in qwen3_moe
     for family, table in (("mixtral", mixtral), ("qwen3_moe", qwen3_moe)):
         assert table in page, f"regenerate the {family} table of docs/huggingface.md"
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_the_peers_that_lack_the_family_say_so_before_anything_runs(checkpoints, kind):
+    """CTranslate2's converter and onnxruntime-genai's builder have no mixture of experts: their
+    columns are declared unable up front (the plan's skip), so a check of the directory does not
+    fail for columns that ran nothing."""
+    from conformance.backends.ctranslate2_backend import CTranslate2Backend
+    from conformance.backends.genai_backend import GenaiBackend
+    from conformance.cells import ABSENT
+    from conformance.harness import plan_matrix, run_matrix
+    from conformance.models import load_model, register_model_directory
+    from conformance.report import empty_columns
+
+    directory = checkpoints[kind]
+    assert f"{kind}: CTranslate2's converter and the spec share" in CTranslate2Backend(directory).supports("float32", "cpu")
+    assert f"{kind}: onnxruntime-genai's builder and the spec share" in GenaiBackend(directory).supports("float32", "cpu")
+    register_model_directory(directory)
+    cfg, params, _ = load_model(hf=directory)
+    results = run_matrix(cfg, params, plan_matrix(cfg, ["ctranslate2", "onnxruntime-genai"], ["float32"], ["cpu"]),
+                         pattern="forward-none")
+    assert results and all(r.skip == ABSENT for r in results) and not empty_columns(results)

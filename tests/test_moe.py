@@ -11,6 +11,7 @@ where the margin is clear fails, and so does an expert that computes differently
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -235,3 +236,27 @@ def test_a_routing_log_walks_each_layers_positions_and_refuses_what_is_out_of_st
     recorded = RoutingLog()
     recorded.choose(0, 1, np.array([[1, 0], [2, 3]]))
     assert recorded.layers()[0].tolist() == [[[1, 0], [2, 3]]]
+
+
+def _localized(preset, backend, dtype, mask_case):
+    from conformance.localize import localize_column
+    cfg = get_preset(preset)
+    return localize_column(cfg, conformance_params(cfg), backend, dtype, "cpu", mask_case)
+
+
+def test_localization_replays_the_goldens_routing_in_each_moe_stage(monkeypatch):
+    """forward-long at bfloat16 flips choices near ties in every layer; with the golden's routing
+    replayed stage by stage no stage fails alone, and each MoE stage says it replayed. Without
+    the replay, the same walk blames a layer (the flips)."""
+    found = _localized("qwen3-moe-tiny", "torch", "bfloat16", "long")
+    layers = [stage for stage in found.stages if stage.sublayer == "decoder_layer"]
+    assert found.first_failure is None, found.table()
+    assert layers and all("routing replayed" in stage.note for stage in layers)
+    monkeypatch.setattr("conformance.localize._replayed", lambda runner, chosen: contextlib.nullcontext())
+    assert _localized("qwen3-moe-tiny", "torch", "bfloat16", "long").first_failure is not None
+
+
+def test_an_expert_mistake_is_localized_to_its_layer_with_the_routing_replayed(monkeypatch):
+    monkeypatch.setattr(torch_model.FeedForward, "forward", _gate_and_up_swapped)
+    found = _localized("mixtral-tiny", "torch", "float32", "pad_right")
+    assert found.first_failure.name == "decoder.layers.0" and "routing replayed" in found.first_failure.note

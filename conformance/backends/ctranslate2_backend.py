@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported, Partial
-from conformance.backends.staging import staged_directory, token_name
+from conformance.backends.staging import model_type, staged_directory, token_name
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
@@ -201,7 +201,8 @@ class CTranslate2Backend:
     def supports(self, dtype: str, device: str) -> str | None:
         if dtype != "float32":
             return f"dtype {dtype}: the column runs CTranslate2's float32 compute type (its int8 is issue 41's)"
-        return None
+        family = model_type(self.directory)  # a family its converter lacks is known before anything runs
+        return None if family is None else ctranslate2_unsupported_reason(family)
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:

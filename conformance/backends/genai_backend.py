@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported, Partial
-from conformance.backends.staging import staged_directory
+from conformance.backends.staging import model_type, staged_directory
 from spec import ModelConfig
 
 MODEL_CASES = ("forward", "decode", "generate")
@@ -227,6 +227,10 @@ GEMMA3_ROPE = ("the builder (onnxruntime-genai 0.18.0) fails on a Gemma 3 direct
                "holds one entry per layer type (KeyError: 'rope_type'; tests/test_genai.py measures it)")
 
 
+def family_refusal(family: str) -> str:
+    return f"{family}: onnxruntime-genai's builder and the spec share the {', '.join(FAMILIES)} families"
+
+
 def genai_unsupported_reason(cfg: ModelConfig, family: str | None = None) -> str | None:
     """Why the builder's CPU model cannot be made for this config (of this family, where known), or None."""
     if family == "gemma3_text":
@@ -273,7 +277,8 @@ class GenaiBackend:
     def supports(self, dtype: str, device: str) -> str | None:
         if dtype != "float32":
             return f"dtype {dtype}: the builder's CPU model is float32 (its float16 and bfloat16 models are CUDA's)"
-        return None
+        family = model_type(self.directory)  # a family its builder lacks is known before anything runs
+        return None if family is None or family in FAMILIES else family_refusal(family)
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:
@@ -286,8 +291,7 @@ class GenaiBackend:
 
         imported = require_import_of(self.directory, cfg, params, "onnxruntime-genai")
         if imported.family not in FAMILIES:
-            raise NotSupported(f"{imported.family}: onnxruntime-genai's builder and the spec share the "
-                               f"{', '.join(FAMILIES)} families")
+            raise NotSupported(family_refusal(imported.family))
         reason = genai_unsupported_reason(cfg, imported.family)
         if reason:
             raise NotSupported(reason)

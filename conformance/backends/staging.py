@@ -28,6 +28,15 @@ def longrope_spelled_both_ways(config: dict) -> dict:
     return config
 
 
+def model_type(directory: Path) -> str | None:
+    """config.json's model_type, read before anything loads (a peer's column refuses a family it
+    lacks up front); None where the file or the field is missing (the load says why)."""
+    try:
+        return json.loads((Path(directory) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def staged_directory(directory: Path, cfg: ModelConfig, into: Path,
                      config_for_peer: Callable[[dict], dict] = longrope_spelled_both_ways) -> Path:
     """`into`/huggingface: the directory's files linked, its config.json as `config_for_peer`
