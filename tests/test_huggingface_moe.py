@@ -432,3 +432,37 @@ def test_the_peers_that_lack_the_family_say_so_before_anything_runs(checkpoints,
     results = run_matrix(cfg, params, plan_matrix(cfg, ["ctranslate2", "onnxruntime-genai"], ["float32"], ["cpu"]),
                          pattern="forward-none")
     assert results and all(r.skip == ABSENT for r in results) and not empty_columns(results)
+
+
+def _transformers_cells(directory, dtype, pattern):
+    from conformance.harness import plan_matrix, run_matrix
+    from conformance.models import load_model, register_model_directory
+
+    register_model_directory(directory)
+    cfg, params, _ = load_model(hf=directory)
+    return {f"{r.sublayer}-{r.mask_case}": r
+            for r in run_matrix(cfg, params, plan_matrix(cfg, ["transformers"], [dtype], ["cpu"]), pattern=pattern)}
+
+
+def test_the_transformers_column_replays_the_goldens_routing(checkpoints):
+    """forward-long at bfloat16 flips choices near ties (it failed 6.7x its tolerance before
+    its routers could be replayed); with the golden's choices replayed through each TopKRouter
+    it passes, saying so."""
+    cell = _transformers_cells(checkpoints["qwen3_moe"], "bfloat16", "forward-long")["forward-long"]
+    assert cell.status == "pass" and cell.reason.startswith("routing replayed: the router chose differently at")
+
+
+def _route_least_likely(self, hidden):
+    """A TopKRouter that takes the k least likely experts."""
+    logits = hidden.reshape(-1, self.hidden_dim) @ self.weight.T
+    probabilities = logits.float().softmax(dim=-1)
+    chosen = (-probabilities).topk(self.top_k, dim=-1).indices
+    weights = probabilities.gather(-1, chosen)
+    return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), chosen
+
+
+def test_a_transformers_router_that_chooses_wrong_is_named(monkeypatch, checkpoints):
+    monkeypatch.setattr(transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter, "forward", _route_least_likely)
+    cell = _transformers_cells(checkpoints["mixtral"], "float32", "forward-none")["forward-none"]
+    assert cell.status == "fail" and cell.reason.startswith("the router chose differently at")
+    assert "with the golden's routing replayed the cell passes" in cell.reason

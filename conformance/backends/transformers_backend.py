@@ -26,6 +26,8 @@ Where the two conventions differ, the runner states the spec's in Hugging Face's
   in float64 (and so the MoE router's softmax, which both Mixtral and Qwen3-MoE take in float32).
   Every other dtype runs the modules as transformers wrote them; MoE models with the eager experts
   loop, since the default (grouped_mm) has no float64 kernel;
+- a mixture of experts' routing can be replayed (`routing_log`, SPEC §5.14): each TopKRouter's
+  choices go through a routing log, and its weights are its own probabilities at those choices;
 - generation settings: the model's generation_config (bad words, forced tokens, penalties) is
   replaced by plain greedy decoding, which is what the spec defines.
 The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
@@ -40,8 +42,9 @@ as the spec says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ import numpy as np
 from conformance.adapter import NotSupported
 from spec import ROPE_SCALINGS, ModelConfig
 from spec.masks import real_tokens
+from spec.routing import RoutingLog
 
 MODEL_CASES = ("forward", "encoder", "decode", "generate")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -96,6 +100,34 @@ class TransformersRunner:
                     raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
                                        f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
                 module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
+
+    @contextlib.contextmanager
+    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, each MoE layer's router (its TopKRouter) logs its choices or takes the forced
+        ones (replayed routing, SPEC §5.14), its weights taken from its own probabilities at those
+        choices, as it takes them at its own."""
+        import types
+
+        log = RoutingLog(forced)
+        blocks = [module for module in self.model.modules() if hasattr(module, "gate")
+                  and type(module.gate).__name__.endswith("TopKRouter")]
+        if not blocks:
+            raise NotSupported("this model has no TopKRouter to replay routing through")
+        hooks, routers = [], []
+        for index, block in enumerate(blocks):
+            # the router sees [B·T, d]: the block's input says how many rows a call has
+            hooks.append(block.register_forward_pre_hook(lambda block, args: setattr(block, "_rows", args[0].shape[0])))
+            router, own = block.gate, block.gate.forward
+            router.forward = types.MethodType(functools.partial(_logged_router, own=own, log=log, index=index,
+                                                                block=block), router)
+            routers.append((router, own))
+        try:
+            yield log
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for router, own in routers:
+                router.forward = own
 
     def _rebuild_sinusoids(self, dtype) -> None:
         """Marian's table by its own formula, evaluated in float64 and rounded to the run's dtype."""
@@ -191,6 +223,22 @@ class TransformersRunner:
         if tokens.shape[1] < count:  # generate stops once every row has finished; the spec pads
             tokens = self.torch.nn.functional.pad(tokens, (0, count - tokens.shape[1]), value=cfg.pad_id)
         return tokens
+
+
+def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
+    """A TopKRouter's forward with its choices through a routing log: its own (logits, weights,
+    chosen), the chosen replaced by the log's, the weights those choices' probabilities,
+    renormalised where the class renormalises, in the dtype it gives them."""
+    import torch
+
+    logits, weights, chosen = own(hidden)
+    chosen = torch.as_tensor(log.choose(index, block._rows, chosen.cpu().numpy()), device=chosen.device).long()
+    # at least float32, as both classes take their softmax (float64 in a float64 run)
+    probabilities = (logits if logits.dtype == torch.float64 else logits.float()).softmax(dim=-1)
+    picked = probabilities.gather(-1, chosen)
+    if getattr(module, "norm_topk_prob", True):
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+    return logits, picked.to(weights.dtype), chosen
 
 
 def _router_float64(module, hidden):
