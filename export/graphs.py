@@ -13,6 +13,11 @@ a real token, SPEC.md §6), every float is the export's dtype (float32 or float1
                   past_keep [B,C], past.{i}.key / .value [B,H,C,d_k] (+ src_keep, cross.{i}.*)
                     -> logits [B,T,V], present.{i}.key / .value [B,H,C,d_k], present_keep [B,C]
 
+    forward_routed  (a mixture of experts) tgt_ids [B,T], tgt_keep [B,T], forced_experts [L,B,T,k]
+                  (int64), replay [] (bool)
+                    -> logits [B,T,V], chosen_experts [L,B,T,k]   (the forward, each MoE layer's
+                       choices its own, or forced_experts where replay: replayed routing, SPEC §5.14)
+
 decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7): it writes the
 new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
 over all C positions under the causal mask, so every step of a generation has the same shapes,
@@ -35,6 +40,8 @@ from spec import ModelConfig
 
 FORWARD, ENCODER, DECODER_STEP = "forward", "encoder", "decoder_step"
 ROLES = (FORWARD, ENCODER, DECODER_STEP)
+# the forward of a mixture of experts whose routing can be forced: for conformance only
+FORWARD_ROUTED = "forward_routed"
 # decoder_step's interface, its cache written in place by onnxruntime's GroupQueryAttention
 # (export/in_place_step.py): torch exports at float32 add it, and the runner serves it on the CPU
 DECODER_STEP_IN_PLACE = "decoder_step_in_place"
@@ -60,7 +67,8 @@ def in_place_unsupported_reason(dtype: str) -> str | None:
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    kind: str  # "ids" (int64), "keep" (bool), "position" (an int64 scalar) or "float" (the export's dtype)
+    kind: str  # "ids" (int64), "keep" (bool), "position" (an int64 scalar), "experts" (int64 expert
+    #            indices), "flag" (a bool scalar) or "float" (the export's dtype)
     dims: tuple[str | int, ...]  # symbolic names for dynamic axes
 
 
@@ -83,7 +91,7 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
     """The graphs a model exports: the full forward plus the deployment layout."""
     if cfg.has_encoder:
         return ROLES
-    return (FORWARD, DECODER_STEP)
+    return (FORWARD, DECODER_STEP) + ((FORWARD_ROUTED,) if cfg.moe is not None else ())
 
 
 def _kv(prefix: str, cfg: ModelConfig, length: str, head_size: int | None = None) -> tuple[Tensor, ...]:
@@ -107,6 +115,10 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     cross = (Tensor("src_keep", "keep", ("batch", "src_len")),) + _kv("cross", cfg, "src_len") if cfg.has_encoder else ()
     if role == FORWARD:
         return GraphSignature(role, (src if cfg.has_encoder else ()) + tgt, (logits,))
+    if role == FORWARD_ROUTED:
+        experts = (cfg.n_decoder_layers, "batch", "tgt_len", cfg.moe.experts_per_token)
+        return GraphSignature(role, tgt + (Tensor("forced_experts", "experts", experts), Tensor("replay", "flag", ())),
+                              (logits, Tensor("chosen_experts", "experts", experts)))
     if role == ENCODER:
         memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
         return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))
@@ -139,6 +151,10 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
             inputs[tensor.name] = np.array(0 if role == DECODER_STEP_IN_PLACE else EXAMPLE_START, dtype=np.int64)
         elif tensor.kind == "keep":
             inputs[tensor.name] = np.ones(shape, dtype=bool)
+        elif tensor.kind == "experts":
+            inputs[tensor.name] = rng.integers(0, cfg.moe.n_experts, shape).astype(np.int64)
+        elif tensor.kind == "flag":
+            inputs[tensor.name] = np.array(True)  # traced with the forced choices taken
         else:
             inputs[tensor.name] = rng.standard_normal(shape).astype(dtype)
     return inputs

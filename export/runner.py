@@ -33,8 +33,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, cache_head_size, example_inputs,
-                           in_place_unsupported_reason)
+from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, FORWARD_ROUTED, cache_head_size,
+                           example_inputs, in_place_unsupported_reason)
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
@@ -370,6 +370,21 @@ class OnnxTransformer:
             self._check_length(src_ids.shape[1], "src_ids")
             feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src"), **feeds}
         return self._run(FORWARD, feeds)[0]
+
+    def forward_routed(self, tgt_ids, tgt_keep=None, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A mixture of experts' forward (the forward_routed graph): the logits [B, T, V] and each MoE
+        layer's choices [L, B, T, k], its own, or `forced` [L, B, T, k] where given (SPEC §5.14)."""
+        cfg = self.cfg
+        check_model_inputs(cfg, None, tgt_ids)
+        tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
+        shape = (cfg.n_decoder_layers, *tgt_ids.shape, cfg.moe.experts_per_token)
+        if forced is not None and np.shape(forced) != shape:
+            raise InputError(f"forced experts of shape {list(np.shape(forced))}: this model and tgt_ids take {list(shape)}")
+        logits, chosen = self._run(FORWARD_ROUTED, {
+            "tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt"),
+            "forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
+            "replay": np.array(forced is not None)})
+        return logits.numpy(), chosen.numpy()
 
     def encode(self, src_ids, src_keep=None) -> tuple[np.ndarray, list[np.ndarray]]:
         """memory [B, S, d] and each decoder layer's cross-attention key and value [B, H, S, d_k]."""

@@ -8,6 +8,7 @@ exported graph is the checked model and not a re-implementation of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from collections.abc import Mapping
@@ -18,8 +19,8 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, GraphSignature, cache_head_size,
-                           example_inputs, in_place_unsupported_reason, roles, signature)
+from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, FORWARD_ROUTED, GraphSignature,
+                           cache_head_size, example_inputs, in_place_unsupported_reason, roles, signature)
 from export.in_place_step import InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import KVCache, Transformer, _decode_step_body
@@ -41,6 +42,36 @@ class ForwardGraph(nn.Module):
             return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep))
         tgt_ids, tgt_keep = tensors
         return model.output_logits(model.decode(tgt_ids, tgt_keep))
+
+
+class RoutedForwardGraph(nn.Module):
+    """The forward of a mixture of experts with its routing as tensors (SPEC §5.14): each MoE
+    layer's choices are forced_experts[i] where replay is true, else its own, and either way they
+    are an output, so the conformance harness can replay the golden's routing in the exported
+    graph and see where its own choices differ."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tgt_ids, tgt_keep, forced, replay = tensors
+        model, taken = self.model, []
+        mixtures = [layer.ffn for layer in model.decoder.layers]
+
+        def choices(free: torch.Tensor, layer: int) -> torch.Tensor:
+            chosen = torch.where(replay, forced[layer].reshape(free.shape), free)
+            taken.append(chosen.reshape(forced.shape[1:]))
+            return chosen
+
+        for index, mixture in enumerate(mixtures):
+            mixture.choices = functools.partial(choices, layer=index)
+        try:
+            logits = model.output_logits(model.decode(tgt_ids, tgt_keep))
+        finally:
+            for mixture in mixtures:
+                mixture.choices = None
+        return logits, torch.stack(taken)
 
 
 class EncoderGraph(nn.Module):
@@ -91,6 +122,8 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
         return EncoderGraph(model)
     if role == DECODER_STEP_IN_PLACE:
         return InPlaceDecoderStepGraph(model)
+    if role == FORWARD_ROUTED:
+        return RoutedForwardGraph(model)
     return DecoderStepGraph(model)
 
 

@@ -368,6 +368,9 @@ class MixtureOfExperts(nn.Module):
         self.k, self.renormalize, self.batched = cfg.moe.experts_per_token, cfg.moe.renormalize, batched
         self.router_float32 = cfg.moe.router_softmax == "float32"  # at least float32: half activations widened
         self.log: RoutingLog | None = None  # set by Transformer.routing_log
+        # an exported graph's routing (export/torch_export.RoutedForwardGraph): the free choices in,
+        # the choices to take out, as tensors, since a graph's forced choices are one of its inputs
+        self.choices: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.index = 0  # which decoder layer this is, for a routing log (Stack sets it)
 
     def route(self, tokens: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -381,6 +384,8 @@ class MixtureOfExperts(nn.Module):
         else:
             # torch.topk documents no order for ties; a stable descending sort puts the lower index first
             chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
+        if self.choices is not None:
+            chosen = self.choices(chosen)
         if self.log is not None:  # a routing log records the choices, or forces the golden's
             chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.cpu().numpy()),
                                      device=chosen.device).long()

@@ -300,3 +300,50 @@ def test_the_k_outputs_summed_in_another_order_at_bfloat16_stay_inside_the_deriv
     assert difference.max() > 0 and bool((difference <= bound).all())
     results = run_matrix(cfg, params, plan_matrix(cfg, ["torch-math"], ["bfloat16"], ["cpu"]), pattern="forward-*")
     assert len(results) == 7 and all(r.status == PASS for r in results), [r.reason for r in results if r.status != PASS]
+
+
+# ---- the exported graphs: routing as tensors (export/torch_export.RoutedForwardGraph) ----
+
+def _routed_export(tmp_path, preset, dtype="float32"):
+    from export.runner import OnnxTransformer
+    from export.torch_export import export_torch
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    export_torch(cfg, params, tmp_path, dtype=dtype)
+    return cfg, params, OnnxTransformer(tmp_path, device="cpu")
+
+
+@pytest.mark.slow
+def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_path):
+    cfg, params, model = _routed_export(tmp_path, "qwen3-moe-tiny")
+    ids = _ids(cfg)
+    with recorded_routing() as calls:
+        want = _golden_logits(cfg, params, ids)
+    logits, chosen = model.forward_routed(ids)
+    assert np.array_equal(chosen, np.stack([call.chosen for call in calls]))  # its own choices: the golden's here
+    assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(model.forward(None, ids) - logits).max() == 0  # the same forward as the deployed graph's
+    forced = np.broadcast_to(np.array([5, 0]), chosen.shape).copy()
+    logits, taken = model.forward_routed(ids, forced=forced)
+    torch_model_forced = Transformer.from_params(cfg, params, dtype=torch.float32)
+    with torch_model_forced.routing_log(forced=list(forced)):
+        expected = _torch_logits(torch_model_forced, ids)
+    assert np.array_equal(taken, forced) and np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
+    from spec.errors import InputError
+    with pytest.raises(InputError, match=r"forced experts of shape \[2, 3, 11\]: this model and tgt_ids take"):
+        model.forward_routed(ids, forced=forced[..., 0])
+
+
+@pytest.mark.slow
+def test_the_onnx_column_replays_the_forward_and_names_an_expert_mistake(monkeypatch):
+    """qwen3-moe-tiny's forward-long at float16 flips a choice near a tie: it passes with the
+    golden's routing replayed in the routed graph; an expert mistake exported into the graphs still
+    fails with the routing replayed. Decoding's step graphs take no forced choices: their failing
+    cells count the near ties instead."""
+    cell = _cells(monkeypatch, "qwen3-moe-tiny", "float16", "forward-long", backend="onnx")["forward-long"]
+    assert cell.status == PASS and cell.reason.startswith("routing replayed:")
+    monkeypatch.setenv("ROSETTA_ONNX_CACHE", "0")  # the mistake's export is not the cached one
+    cells = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+                   (torch_model.FeedForward, "forward", _gate_and_up_swapped), backend="onnx")
+    assert cells["forward-none"].status == FAIL and cells["forward-none"].reason.startswith(
+        "with the golden's routing replayed the cell still fails")

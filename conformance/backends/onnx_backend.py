@@ -8,7 +8,8 @@ are exported on first use and cached on disk (export/cache.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,11 @@ import numpy as np
 from conformance.adapter import NotSupported
 from conformance.cases import decode_steps, is_backward
 from export.cache import exported, is_exported
-from export.graphs import DECODER_STEP, ENCODER, FORWARD
+from export.graphs import DECODER_STEP, ENCODER, FORWARD, FORWARD_ROUTED
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
+from spec.routing import RoutingLog
 
 WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
 
@@ -27,6 +29,27 @@ WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
 class OnnxRunner:
     def __init__(self, model: OnnxTransformer, source: str):
         self.model, self.cfg, self.source = model, model.cfg, source
+        self._log: RoutingLog | None = None
+        if model.has(FORWARD_ROUTED):  # a mixture of experts whose export can take forced choices
+            self.routing_log = self._routing_log
+
+    @contextlib.contextmanager
+    def _routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, a forward runs the forward_routed graph: each MoE layer's choices logged, or the
+        forced ones taken (replayed routing, SPEC §5.14). The step graphs take no forced choices."""
+        self._log = RoutingLog(forced)
+        try:
+            yield self._log
+        finally:
+            self._log = None
+
+    def _forward_routed(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        log, tgt_ids = self._log, np.asarray(inputs["tgt_ids"])
+        forced = None if log.forced is None else np.stack(log.forced)
+        logits, chosen = self.model.forward_routed(tgt_ids, forced=forced)
+        for layer, layer_chosen in enumerate(chosen):  # the log checks forced choices' shapes and records
+            log.choose(layer, len(tgt_ids), layer_chosen.reshape(-1, layer_chosen.shape[-1]))
+        return logits
 
     def graph_served(self, sublayer: str) -> str:
         """The graph that serves a case: forward, encoder, or the decode step (export.runner's
@@ -37,8 +60,12 @@ class OnnxRunner:
         model = self.model
         if sublayer not in WHOLE_MODEL or (sublayer in ("decode", "generate") and not model.has(DECODER_STEP)):
             raise NotSupported(f"the {self.source} export has no graph for {sublayer}")
+        if self._log is not None and sublayer != "forward":
+            raise NotSupported(f"the {self.source} export takes forced expert choices in its forward_routed graph only; "
+                               f"its step graphs route as they do ({sublayer} is not replayed)")
         if sublayer == "forward":
-            out = model.forward(inputs["src_ids"], inputs["tgt_ids"])
+            out = self._forward_routed(inputs) if self._log is not None else model.forward(inputs["src_ids"],
+                                                                                        inputs["tgt_ids"])
         elif sublayer == "encoder":
             out, _cross = model.encode(inputs["src_ids"])
         elif sublayer == "decode":
