@@ -21,7 +21,7 @@ def _results(sublayer, mask_case, dtypes):
     return [CellResult("torch", "cpu", dtype, sublayer, mask_case, PASS) for dtype in dtypes]
 
 
-def test_the_smallest_margin_and_the_near_ties_are_the_goldens_own():
+def test_the_smallest_margin_and_the_near_ties_are_the_goldens_own(monkeypatch):
     """Counted here from the golden's probabilities directly (not through golden_routing)."""
     import impl_numpy as golden
     from impl_numpy.model import routing_margins as margins_of
@@ -30,18 +30,11 @@ def test_the_smallest_margin_and_the_near_ties_are_the_goldens_own():
     params = conformance_params(cfg)
     [row] = routing_margins(cfg, params, _results("forward", "long", ["float32", "bfloat16"]))
     case = build_case(cfg, params, "forward", "long")
-    recorded = []
-    original = golden.model.router_probabilities
-
-    def recording(x, router):
-        recorded.append(original(x, router))
-        return recorded[-1]
-
-    try:
-        golden.model.router_probabilities = recording
-        golden.model_logits(cfg, {k: v.astype(np.float64) for k, v in params.items()}, None, case.inputs["tgt_ids"])
-    finally:
-        golden.model.router_probabilities = original
+    recorded, original = [], golden.model.router_probabilities
+    monkeypatch.setattr(golden.model, "router_probabilities",
+                        lambda x, router: recorded.append(original(x, router)) or recorded[-1])
+    golden.model_logits(cfg, {k: v.astype(np.float64) for k, v in params.items()}, None, case.inputs["tgt_ids"])
+    monkeypatch.undo()
     margins = [margins_of(p, cfg.moe.experts_per_token) for p in recorded]
     assert row["case"] == "forward-long"
     assert row["decisions"] == sum(m.size for m in margins) == cfg.n_decoder_layers * case.inputs["tgt_ids"].size
