@@ -279,6 +279,31 @@ class OnnxRuntime(Contender):
         return self._cached_step(src, past_len)
 
 
+class OnnxRuntimeCudaGraph(OnnxRuntime):
+    """The same export's generation on fixed device buffers, each step a replayed CUDA graph and
+    the argmax on the device (export.fixed_greedy); its forward and single step are
+    onnxruntime-cuda-<dtype>'s."""
+
+    def __init__(self, dtype: str):
+        super().__init__(dtype, "cuda")
+        self.name = f"onnxruntime-cuda-graph-{dtype}"
+
+    def prepare(self, cfg, params):
+        super().prepare(cfg, params)
+        from export.fixed_greedy import FixedBufferGreedy
+
+        self.loop = FixedBufferGreedy(self.model)
+
+    def forward(self, src, tgt):
+        raise Skip("the forward graph is onnxruntime-cuda's, timed there")
+
+    def generate(self, src, max_new_tokens):
+        return self.loop.generate(**self._generation_arguments(src), eos_id=EOS_ID, max_new_tokens=max_new_tokens)
+
+    def step(self, src, past_len):
+        raise Skip("one step is timed in onnxruntime-cuda; the replayed step inside generation")
+
+
 def _written_as_huggingface(contender: Contender, cfg: ModelConfig, params: Mapping[str, np.ndarray], prefix: str,
                             unsupported: Callable[[str], str | None], no_family: str) -> Path:
     """The weights written as a Hugging Face directory (folder/source) in the contender's own
@@ -396,5 +421,5 @@ def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
         chosen += [TorchEager("float16", "cuda"), TorchEager("bfloat16", "cuda"), TorchEager("float32", "cuda"),
                    TorchCompiled("float16", "cuda"), TorchCompiled("float16", "cuda", mode="reduce-overhead"),
                    JaxJit("float16", "cuda"), JaxJit("bfloat16", "cuda"), JaxJit("float32", "cuda"),
-                   OnnxRuntime("float16", "cuda"), OnnxRuntime("float32", "cuda")]
+                   OnnxRuntime("float16", "cuda"), OnnxRuntimeCudaGraph("float16"), OnnxRuntime("float32", "cuda")]
     return chosen

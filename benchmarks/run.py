@@ -423,7 +423,8 @@ def gpu_targets(results: Results) -> list[dict]:
                                     "measured float16 matmul peak",
                           "measured": f"{100 * row['fraction_of_matmul_limit']:.0f}%",
                           "met": row["fraction_of_matmul_limit"] >= share})
-    for name, rate in ((ort, 30_000), (eager, 15_000), ("jax-cuda-float16", 15_000)):
+    for name, rate in ((ort, 30_000), ("onnxruntime-cuda-graph-float16", 30_000), (eager, 15_000),
+                       ("jax-cuda-float16", 15_000)):
         row = _find(results.generate, contender=name)
         if row is None:
             continue

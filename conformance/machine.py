@@ -5,6 +5,7 @@ project and the frameworks. Read by the reports and by the executors that run co
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import platform
 import re
 import socket
@@ -50,14 +51,25 @@ _FRAMEWORKS = ("numpy", "safetensors", "torch", "jax", "jaxlib", "flax", "onnx",
 
 
 def framework_versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata (no framework is imported)."""
+    """Installed versions, read from package metadata (no framework is imported); onnxruntime-gpu's
+    from the module that would be imported where its metadata is absent (a GPU machine's staged
+    copy: its package folder alone, beside the image's CPU onnxruntime)."""
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in _FRAMEWORKS:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            versions[name] = None
+            versions[name] = module_version("onnxruntime") if name == "onnxruntime-gpu" else None
     return versions
+
+
+def module_version(module: str) -> str | None:
+    """The `__version__ = "..."` line of the package that `import module` would load, unimported."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
+        return None
+    found = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", Path(spec.origin).read_text(), flags=re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def project_version() -> str | None:

@@ -7,6 +7,7 @@
 - export.exporters: export_model, either exporter chosen by framework name.
 - export.onnx_model: what every graph gets (IR version, metadata, the full checker).
 - export.runner: OnnxTransformer, onnxruntime sessions (CUDA then CPU) with greedy generation.
+- export.fixed_greedy: greedy generation on fixed buffers, each step a CUDA graph's replay on CUDA.
 - export.cache: exports kept on disk between runs.
 - export.triton: a Triton Inference Server model repository for the graphs.
 """

@@ -114,13 +114,13 @@ def cuda_available() -> bool:
     return CUDA in session.get_providers()
 
 
-def profiled_session(path: str | Path, options: Mapping[str, Any], providers: list,
+def profiled_session(path: str | Path | bytes, options: Mapping[str, Any], providers: list,
                      feeds: Mapping[str, np.ndarray]) -> tuple[ort.InferenceSession, list[PlacedNode]]:
-    """A session and where each of its nodes ran in one run on feeds, read from onnxruntime's
-    profile (the only record of the real placement). Profiling ends with that run: the session
-    goes on serving without it."""
+    """A session (of a graph file, or a serialized graph) and where each of its nodes ran in one
+    run on feeds, read from onnxruntime's profile (the only record of the real placement).
+    Profiling ends with that run: the session goes on serving without it."""
     with tempfile.TemporaryDirectory() as directory:
-        session = ort.InferenceSession(str(path), session_options(**options, profile_prefix=os.path.join(directory, "profile")),
+        session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), session_options(**options, profile_prefix=os.path.join(directory, "profile")),
                                        providers=providers)
         session.run(None, dict(feeds))
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -391,14 +391,17 @@ class OnnxTransformer:
         _keep, memory, *cross = self._encode(src_ids, src_keep)
         return memory.numpy(), [value.numpy() for value in cross]
 
-    def _encode(self, src_ids, src_keep, batch: int | None = None) -> list:
+    def _encode(self, src_ids, src_keep, batch: int | None = None,
+                into: tuple[ort.OrtValue, ...] | None = None) -> list:
+        """[keep, memory, *cross]; the cross keys and values written into `into`'s buffers where given."""
         if not self.cfg.has_encoder:
             raise InputError("a decoder-only model has no encoder")
         check_source(self.cfg, src_ids, batch)
         src_ids = np.asarray(src_ids, dtype=np.int64)
         self._check_length(src_ids.shape[1], "src_ids")
         keep = self._keep(src_ids, src_keep, "src")
-        return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep})]
+        cross = dict(zip(_names("cross", self.cfg), into)) if into is not None else None
+        return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep}, into=cross)]
 
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> OnnxCache:
         """An empty cache of `capacity` positions on the session's device; for an

@@ -2,7 +2,7 @@
 is present. It runs, each into one folder named after the device:
 
 - the conformance matrix of every GPU backend (torch, torch-math, jax, jax-math, onnx, onnx-jax)
-  on tiny, char-lm and the modern presets at every dtype each runs, with the gradient and
+  on tiny, char-lm, the modern and the mixture-of-experts presets at every dtype each runs, with the gradient and
   training cells of the framework columns (--backward): check-<preset>/report.{json,md},
   heatmap.png;
 - the probe of every framework's own primitives on every device present: probe.md;
@@ -32,7 +32,7 @@ from conformance.machine import NVIDIA_DRIVER, device_facts, framework_versions
 from rosetta.arguments import CommandLine, UsageError, comma_list, writable_folder
 
 MATRIX_BACKENDS = ("torch", "torch-math", "jax", "jax-math", "onnx", "onnx-jax")
-MATRIX_PRESETS = ("tiny", "char-lm", "llama-tiny", "qwen2-tiny", "qwen3-tiny")
+MATRIX_PRESETS = ("tiny", "char-lm", "llama-tiny", "qwen2-tiny", "qwen3-tiny", "mixtral-tiny", "qwen3-moe-tiny")
 BENCH_PRESET = "paper-base"
 
 

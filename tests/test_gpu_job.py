@@ -15,7 +15,8 @@ from rosetta.main import main
 def test_the_default_plan(tmp_path):
     steps = plan_steps(tmp_path, "cuda")
     assert [s.name for s in steps] == ["check-tiny", "check-char-lm", "check-llama-tiny", "check-qwen2-tiny",
-                                       "check-qwen3-tiny", "probe", "bench"]
+                                       "check-qwen3-tiny", "check-mixtral-tiny", "check-qwen3-moe-tiny", "probe",
+                                       "bench"]
     check = steps[0].argv
     assert "--backward" in check and "--jobs" not in check  # the gradient and training cells too; the check's own jobs
     assert check[check.index("--backends") + 1] == "torch,torch-math,jax,jax-math,onnx,onnx-jax"
@@ -74,3 +75,29 @@ def test_the_job_end_to_end_on_the_cpu(tmp_path, capsys):
     assert {cell["backend"] for cell in report["cells"]} == {"torch"}
     assert "| check-tiny | 0 |" in printed and printed == (folder / "summary.md").read_text().split("\n\n", 1)[1] + \
         f"\nwritten: {folder}\n"
+
+
+def test_onnxruntime_gpus_version_without_its_metadata(tmp_path, monkeypatch):
+    """On a GPU machine onnxruntime-gpu is staged as its package folder alone (no metadata), beside
+    the image's CPU onnxruntime: the version recorded is the one of the module that imports."""
+    from importlib import metadata
+
+    from conformance import machine
+
+    package = tmp_path / "staged_runtime"
+    package.mkdir()
+    (package / "__init__.py").write_text('"""staged"""\n__version__ = "9.8.7"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert machine.module_version("staged_runtime") == "9.8.7"
+    assert machine.module_version("no_such_module_here") is None
+
+    real = metadata.version
+
+    def without_gpu_metadata(name):
+        if name == "onnxruntime-gpu":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(machine.metadata, "version", without_gpu_metadata)
+    monkeypatch.setattr(machine, "module_version", lambda module: {"onnxruntime": "1.31.1"}.get(module))
+    assert machine.framework_versions()["onnxruntime-gpu"] == "1.31.1"
