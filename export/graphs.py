@@ -17,6 +17,8 @@ a real token, SPEC.md §6), every float is the export's dtype (float32 or float1
                   (int64), replay [] (bool)
                     -> logits [B,T,V], chosen_experts [L,B,T,k]   (the forward, each MoE layer's
                        choices its own, or forced_experts where replay: replayed routing, SPEC §5.14)
+    decoder_step_routed  (a mixture of experts) decoder_step's inputs, forced_experts [L,B,T,k], replay []
+                    -> decoder_step's outputs, chosen_experts [L,B,T,k]   (the step, routed as forward_routed)
 
 decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7): it writes the
 new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
@@ -40,8 +42,10 @@ from spec import ModelConfig
 
 FORWARD, ENCODER, DECODER_STEP = "forward", "encoder", "decoder_step"
 ROLES = (FORWARD, ENCODER, DECODER_STEP)
-# the forward of a mixture of experts whose routing can be forced: for conformance only
-FORWARD_ROUTED = "forward_routed"
+# the forward and the copying decode step of a mixture of experts whose routing can be forced:
+# for conformance only
+FORWARD_ROUTED, DECODER_STEP_ROUTED = "forward_routed", "decoder_step_routed"
+ROUTED = (FORWARD_ROUTED, DECODER_STEP_ROUTED)
 # decoder_step's interface, its cache written in place by onnxruntime's GroupQueryAttention
 # (export/in_place_step.py): torch exports at float32 add it, and the runner serves it on the CPU
 DECODER_STEP_IN_PLACE = "decoder_step_in_place"
@@ -91,7 +95,7 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
     """The graphs a model exports: the full forward plus the deployment layout."""
     if cfg.has_encoder:
         return ROLES
-    return (FORWARD, DECODER_STEP) + ((FORWARD_ROUTED,) if cfg.moe is not None else ())
+    return (FORWARD, DECODER_STEP) + (ROUTED if cfg.moe is not None else ())
 
 
 def _kv(prefix: str, cfg: ModelConfig, length: str, head_size: int | None = None) -> tuple[Tensor, ...]:
@@ -115,10 +119,12 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     cross = (Tensor("src_keep", "keep", ("batch", "src_len")),) + _kv("cross", cfg, "src_len") if cfg.has_encoder else ()
     if role == FORWARD:
         return GraphSignature(role, (src if cfg.has_encoder else ()) + tgt, (logits,))
-    if role == FORWARD_ROUTED:
+    if role in ROUTED:
         experts = (cfg.n_decoder_layers, "batch", "tgt_len", cfg.moe.experts_per_token)
-        return GraphSignature(role, tgt + (Tensor("forced_experts", "experts", experts), Tensor("replay", "flag", ())),
-                              (logits, Tensor("chosen_experts", "experts", experts)))
+        unrouted = signature(cfg, FORWARD if role == FORWARD_ROUTED else DECODER_STEP)
+        return GraphSignature(role, unrouted.inputs + (Tensor("forced_experts", "experts", experts),
+                                                       Tensor("replay", "flag", ())),
+                              unrouted.outputs + (Tensor("chosen_experts", "experts", experts),))
     if role == ENCODER:
         memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
         return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))

@@ -33,7 +33,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, ENCODER, FORWARD, FORWARD_ROUTED, cache_head_size,
+from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, DECODER_STEP_ROUTED, ENCODER, FORWARD, FORWARD_ROUTED,
+                           cache_head_size,
                            example_inputs, in_place_unsupported_reason)
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
@@ -403,10 +404,13 @@ class OnnxTransformer:
         cross = dict(zip(_names("cross", self.cfg), into)) if into is not None else None
         return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep}, into=cross)]
 
-    def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> OnnxCache:
+    def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None,
+                    in_place: bool | None = None) -> OnnxCache:
         """An empty cache of `capacity` positions on the session's device; for an
-        encoder-decoder the encoder graph runs once here."""
+        encoder-decoder the encoder graph runs once here. in_place=False: decoder_step's layout
+        where the in-place step would serve (what decode_step_routed writes)."""
         cfg = self.cfg
+        in_place = self.in_place if in_place is None else in_place and self.in_place
         capacity = check_cache_capacity(cfg, capacity)
         if not cfg.has_encoder and src_ids is not None:
             raise InputError("a decoder-only model takes no source: src_ids must be None")
@@ -415,45 +419,70 @@ class OnnxTransformer:
             keep, _memory, *cross = self._encode(src_ids, src_keep, batch)
             keep = _buffer(keep, self.device)
         # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
-        head_size = cache_head_size(cfg, DECODER_STEP_IN_PLACE if self.in_place else DECODER_STEP)
+        head_size = cache_head_size(cfg, DECODER_STEP_IN_PLACE if in_place else DECODER_STEP)
         kv = np.zeros((batch, cfg.kv_heads, capacity, head_size), dtype=np.float16 if self.dtype == "float16" else np.float32)
 
         past = (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
                 _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
-        return OnnxCache(batch, 0, past, _spare(past, self.in_place), tuple(cross), keep, in_place=self.in_place)
+        return OnnxCache(batch, 0, past, _spare(past, in_place), tuple(cross), keep, in_place=in_place)
 
     def decode_step(self, cache: OnnxCache, tgt_ids, tgt_keep=None) -> tuple[np.ndarray, OnnxCache]:
         """Feed the next tokens [B, n] after the cached ones: logits [B, n, V] and the new cache."""
+        tgt_ids, keep = self._step_inputs(cache, tgt_ids, tgt_keep)
+        logits = []
+        for begin, end in step_chunks(cache.length, tgt_ids.shape[1], cache.batch, cache.in_place):
+            outputs, cache = self._step(cache, tgt_ids[:, begin:end], keep[:, begin:end])
+            logits.append(outputs[0].numpy())
+        return (logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)), cache
+
+    def decode_step_routed(self, cache: OnnxCache, tgt_ids, tgt_keep=None,
+                           forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, OnnxCache]:
+        """A mixture of experts' decode_step through decoder_step_routed: the logits [B, n, V], each
+        MoE layer's choices [L, B, n, k], its own or `forced` [L, B, n, k] where given (SPEC §5.14),
+        and the new cache (decoder_step's layout: start_cache(..., in_place=False))."""
         cfg = self.cfg
-        check_decode_step(cfg, tgt_ids, cache.length, cache.batch)
+        if cache.in_place:
+            raise InputError("decode_step_routed writes decoder_step's cache; this one is the in-place step's: "
+                             "start_cache(..., in_place=False)")
+        tgt_ids, keep = self._step_inputs(cache, tgt_ids, tgt_keep)
+        shape = (cfg.n_decoder_layers, *tgt_ids.shape, cfg.moe.experts_per_token)
+        if forced is not None and np.shape(forced) != shape:
+            raise InputError(f"forced experts of shape {list(np.shape(forced))}: this model and tgt_ids take {list(shape)}")
+        outputs, cache = self._step(cache, tgt_ids, keep, {
+            "forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
+            "replay": np.array(forced is not None)})
+        return outputs[0].numpy(), outputs[-1].numpy(), cache
+
+    def _step_inputs(self, cache: OnnxCache, tgt_ids, tgt_keep) -> tuple[np.ndarray, np.ndarray]:
+        check_decode_step(self.cfg, tgt_ids, cache.length, cache.batch)
         check_cache_room(cache.capacity, cache.length, np.shape(tgt_ids)[1])
         cache.writes.check(cache.version)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
-        keep = self._keep(tgt_ids, tgt_keep, "tgt", cache.length)
-        logits = []
-        for begin, end in step_chunks(cache.length, tgt_ids.shape[1], cache.batch, cache.in_place):
-            chunk_logits, cache = self._step(cache, tgt_ids[:, begin:end], keep[:, begin:end])
-            logits.append(chunk_logits.numpy())
-        return (logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)), cache
+        return tgt_ids, self._keep(tgt_ids, tgt_keep, "tgt", cache.length)
 
-    def _step(self, cache: OnnxCache, tgt_ids: np.ndarray, tgt_keep: np.ndarray) -> tuple[ort.OrtValue, OnnxCache]:
-        """One run of the step graph: reads past, writes spare (in place: keys and values into past)."""
+    def _step(self, cache: OnnxCache, tgt_ids: np.ndarray, tgt_keep: np.ndarray,
+              routing: Mapping[str, np.ndarray] | None = None) -> tuple[list, OnnxCache]:
+        """One run of the step graph (with routing: decoder_step_routed), reading past and writing
+        spare (in place: keys and values into past); every output, the logits first."""
         cfg = self.cfg
         feeds: dict[str, Any] = {"tgt_ids": tgt_ids, "tgt_keep": tgt_keep,
                                  "start": np.array(cache.length, dtype=np.int64), "past_keep": cache.past[-1],
-                                 **dict(zip(_names("past", cfg), cache.past))}
+                                 **dict(zip(_names("past", cfg), cache.past)), **(routing or {})}
         if cfg.has_encoder:
             feeds["src_keep"] = cache.src_keep
             feeds.update(zip(_names("cross", cfg), cache.cross))
         present = dict(zip(_names("present", cfg) + ["present_keep"], cache.spare))
-        logits = self._run(DECODER_STEP_IN_PLACE if cache.in_place else DECODER_STEP, feeds, into=present)[0]
-        return logits, replace(cache, length=cache.length + tgt_ids.shape[1], past=cache.spare, spare=cache.past,
-                               version=cache.writes.advance(cache.version))
+        role = DECODER_STEP_ROUTED if routing is not None else DECODER_STEP_IN_PLACE if cache.in_place else DECODER_STEP
+        outputs = self._run(role, feeds, into=present)
+        return outputs, replace(cache, length=cache.length + tgt_ids.shape[1], past=cache.spare, spare=cache.past,
+                                version=cache.writes.advance(cache.version))
 
     def greedy_generate(self, src_ids=None, *, prompt_ids=None, bos_id: int | None = None,
-                        eos_id: int | None = None, max_new_tokens: int) -> np.ndarray:
+                        eos_id: int | None = None, max_new_tokens: int, step=None) -> np.ndarray:
         """Greedy decoding with the KV cache on the device -> new tokens [B, max_new_tokens]
-        (SPEC.md §7: finished rows are filled with pad_id; argmax ties go to the lowest id)."""
+        (SPEC.md §7: finished rows are filled with pad_id; argmax ties go to the lowest id).
+        step(cache, ids, keep) -> (logits, cache): another step than decode_step over decoder_step's
+        cache layout (the conformance harness's routed step)."""
         cfg = self.cfg
         batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
         if cfg.has_encoder:
@@ -463,11 +492,13 @@ class OnnxTransformer:
             step_ids = np.asarray(prompt_ids, dtype=np.int64)
             step_keep = step_ids != cfg.pad_id
         # room for the first tokens and every generated one but the last, which is never fed back
-        cache = self.start_cache(batch, step_ids.shape[1] + max_new_tokens - 1, src_ids)
+        cache = self.start_cache(batch, step_ids.shape[1] + max_new_tokens - 1, src_ids,
+                                 in_place=None if step is None else False)
+        step = step or self.decode_step
         tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
         finished = np.zeros(batch, dtype=bool)
         for t in range(max_new_tokens):
-            logits, cache = self.decode_step(cache, step_ids, step_keep)
+            logits, cache = step(cache, step_ids, step_keep)
             next_token = np.where(finished, cfg.pad_id, logits[:, -1].astype(np.float32).argmax(axis=-1))
             tokens[:, t] = next_token
             if eos_id is not None:

@@ -19,8 +19,8 @@ import onnx
 import torch
 from torch import nn
 
-from export.graphs import (DECODER_STEP_IN_PLACE, ENCODER, EXAMPLE_SIZES, FORWARD, FORWARD_ROUTED, GraphSignature,
-                           cache_head_size, example_inputs, in_place_unsupported_reason, roles, signature)
+from export.graphs import (DECODER_STEP_IN_PLACE, DECODER_STEP_ROUTED, ENCODER, EXAMPLE_SIZES, FORWARD, FORWARD_ROUTED,
+                           GraphSignature, cache_head_size, example_inputs, in_place_unsupported_reason, roles, signature)
 from export.in_place_step import InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx
 from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import KVCache, Transformer, _decode_step_body
@@ -44,6 +44,26 @@ class ForwardGraph(nn.Module):
         return model.output_logits(model.decode(tgt_ids, tgt_keep))
 
 
+@contextlib.contextmanager
+def _routing(model: Transformer, forced: torch.Tensor, replay: torch.Tensor, taken: list):
+    """Inside, each MoE layer i of model takes forced[i] where replay is true, else its own
+    choices, and appends what it took [B, T, k] to taken (SPEC §5.14)."""
+    mixtures = [layer.ffn for layer in model.decoder.layers]
+
+    def choices(free: torch.Tensor, layer: int) -> torch.Tensor:
+        chosen = torch.where(replay, forced[layer].reshape(free.shape), free)
+        taken.append(chosen.reshape(forced.shape[1:]))
+        return chosen
+
+    for index, mixture in enumerate(mixtures):
+        mixture.choices = functools.partial(choices, layer=index)
+    try:
+        yield
+    finally:
+        for mixture in mixtures:
+            mixture.choices = None
+
+
 class RoutedForwardGraph(nn.Module):
     """The forward of a mixture of experts with its routing as tensors (SPEC §5.14): each MoE
     layer's choices are forced_experts[i] where replay is true, else its own, and either way they
@@ -56,21 +76,9 @@ class RoutedForwardGraph(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tgt_ids, tgt_keep, forced, replay = tensors
-        model, taken = self.model, []
-        mixtures = [layer.ffn for layer in model.decoder.layers]
-
-        def choices(free: torch.Tensor, layer: int) -> torch.Tensor:
-            chosen = torch.where(replay, forced[layer].reshape(free.shape), free)
-            taken.append(chosen.reshape(forced.shape[1:]))
-            return chosen
-
-        for index, mixture in enumerate(mixtures):
-            mixture.choices = functools.partial(choices, layer=index)
-        try:
-            logits = model.output_logits(model.decode(tgt_ids, tgt_keep))
-        finally:
-            for mixture in mixtures:
-                mixture.choices = None
+        taken: list = []
+        with _routing(self.model, forced, replay, taken):
+            logits = self.model.output_logits(self.model.decode(tgt_ids, tgt_keep))
         return logits, torch.stack(taken)
 
 
@@ -115,6 +123,18 @@ class DecoderStepGraph(nn.Module):
         return (logits, *present, cache.tgt_keep)
 
 
+class RoutedDecoderStepGraph(DecoderStepGraph):
+    """decoder_step with its routing as tensors, as RoutedForwardGraph's: the decode case and
+    generation replay the golden's routing step by step."""
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        *step, forced, replay = tensors
+        taken: list = []
+        with _routing(self.model, forced, replay, taken):
+            outputs = super().forward(*step)
+        return (*outputs, torch.stack(taken))
+
+
 def _wrapper(model: Transformer, role: str) -> nn.Module:
     if role == FORWARD:
         return ForwardGraph(model)
@@ -124,6 +144,8 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
         return InPlaceDecoderStepGraph(model)
     if role == FORWARD_ROUTED:
         return RoutedForwardGraph(model)
+    if role == DECODER_STEP_ROUTED:
+        return RoutedDecoderStepGraph(model)
     return DecoderStepGraph(model)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import onnx
 
-from export.graphs import DECODER_STEP_IN_PLACE, FORWARD_ROUTED
+from export.graphs import DECODER_STEP_IN_PLACE, ROUTED
 from export.onnx_model import ExportError
 
 TRITON_TYPES = {
@@ -90,8 +90,8 @@ def write_repository(export_dir: str | Path, repository: str | Path, *, prefix: 
     for role, file in manifest["graphs"].items():
         if role == DECODER_STEP_IN_PLACE:
             continue  # it writes in place only into buffers its caller binds as both input and output
-        if role == FORWARD_ROUTED:
-            continue  # the conformance harness's: it replays routing, a server has nothing to force
+        if role in ROUTED:
+            continue  # the conformance harness's: they replay routing, a server has nothing to force
         name = f"{prefix}_{role}"
         model = onnx.load(str(export_dir / file), load_external_data=False)
         directory = repository / name

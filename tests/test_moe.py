@@ -333,17 +333,36 @@ def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_pa
     with pytest.raises(InputError, match=r"forced experts of shape \[2, 3, 11\]: this model and tgt_ids take"):
         model.forward_routed(ids, forced=forced[..., 0])
 
+    # decoder_step_routed: a prefill and then one token a step line up with the forward's routing
+    chunks = [(0, 4)] + [(t, t + 1) for t in range(4, ids.shape[1])]
+    for replayed in (None, forced):
+        cache = model.start_cache(len(ids), ids.shape[1], in_place=False)
+        steps, choices = [], []
+        for begin, end in chunks:
+            step_logits, step_chosen, cache = model.decode_step_routed(
+                cache, ids[:, begin:end], forced=None if replayed is None else replayed[:, :, begin:end])
+            steps.append(step_logits)
+            choices.append(step_chosen)
+        want_logits, want_chosen = model.forward_routed(ids, forced=replayed)
+        assert np.array_equal(np.concatenate(choices, axis=2), want_chosen)
+        assert np.abs(np.concatenate(steps, axis=1) - want_logits).max() <= 1e-5 * np.abs(want_logits).max()
+    with pytest.raises(InputError, match="decode_step_routed writes decoder_step's cache; this one is the in-place"):
+        model.decode_step_routed(model.start_cache(len(ids), ids.shape[1]), ids[:, :2])
+
 
 @pytest.mark.slow
 def test_the_onnx_column_replays_the_forward_and_names_an_expert_mistake(monkeypatch):
     """qwen3-moe-tiny's forward-long at float16 flips a choice near a tie: it passes with the
     golden's routing replayed in the routed graph; an expert mistake exported into the graphs still
-    fails with the routing replayed. Decoding's step graphs take no forced choices: their failing
-    cells count the near ties instead."""
-    cell = _cells(monkeypatch, "qwen3-moe-tiny", "float16", "forward-long", backend="onnx")["forward-long"]
-    assert cell.status == PASS and cell.reason.startswith("routing replayed:")
+    fails with the routing replayed. decode-incremental the same, through decoder_step_routed."""
+    # forward-long and decode-incremental (and the decoder sublayer's cells, which onnx skips)
+    both = "[fd]*-[li][on]*"
+    cells = _cells(monkeypatch, "qwen3-moe-tiny", "float16", both, backend="onnx")
+    for name in ("forward-long", "decode-incremental"):
+        assert cells[name].status == PASS and cells[name].reason.startswith("routing replayed:"), cells[name].reason
     monkeypatch.setenv("ROSETTA_ONNX_CACHE", "0")  # the mistake's export is not the cached one
-    cells = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
+    cells = _cells(monkeypatch, "mixtral-tiny", "float32", both,
                    (torch_model.FeedForward, "forward", _gate_and_up_swapped), backend="onnx")
-    assert cells["forward-none"].status == FAIL and cells["forward-none"].reason.startswith(
-        "with the golden's routing replayed the cell still fails")
+    for name in ("forward-long", "decode-incremental"):
+        assert cells[name].status == FAIL and cells[name].reason.startswith(
+            "with the golden's routing replayed the cell still fails"), cells[name].reason

@@ -17,7 +17,7 @@ import numpy as np
 from conformance.adapter import NotSupported
 from conformance.cases import decode_steps, is_backward
 from export.cache import exported, is_exported
-from export.graphs import DECODER_STEP, ENCODER, FORWARD, FORWARD_ROUTED
+from export.graphs import DECODER_STEP, DECODER_STEP_ROUTED, ENCODER, FORWARD, FORWARD_ROUTED
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
@@ -35,8 +35,9 @@ class OnnxRunner:
 
     @contextlib.contextmanager
     def _routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
-        """Inside, a forward runs the forward_routed graph: each MoE layer's choices logged, or the
-        forced ones taken (replayed routing, SPEC §5.14). The step graphs take no forced choices."""
+        """Inside, a forward runs the forward_routed graph and a decode or generation steps of
+        decoder_step_routed (an export without it refuses those cases): each MoE layer's choices
+        logged, or the forced ones taken (replayed routing, SPEC §5.14)."""
         self._log = RoutingLog(forced)
         try:
             yield self._log
@@ -51,6 +52,21 @@ class OnnxRunner:
             log.choose(layer, len(tgt_ids), layer_chosen.reshape(-1, layer_chosen.shape[-1]))
         return logits
 
+    def _routed_step(self, cache, tgt_ids, tgt_keep=None):
+        """decode_step's interface over decoder_step_routed: the log's forced choices for these
+        positions taken (read from its cursor before the run), or the graph's own recorded."""
+        log, (batch, length) = self._log, np.shape(tgt_ids)
+        layers, k = self.cfg.n_decoder_layers, self.cfg.moe.experts_per_token
+        if log.forced is None:
+            logits, chosen, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep)
+            for layer, layer_chosen in enumerate(chosen):
+                log.choose(layer, batch, layer_chosen.reshape(-1, k))
+            return logits, cache
+        forced = np.stack([log.choose(layer, batch, np.zeros((batch * length, k), np.int32)).reshape(batch, length, k)
+                           for layer in range(layers)])
+        logits, _chosen, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep, forced=forced)
+        return logits, cache
+
     def graph_served(self, sublayer: str) -> str:
         """The graph that serves a case: forward, encoder, or the decode step (export.runner's
         step_graph: the in-place one, or the copying one with why)."""
@@ -60,9 +76,10 @@ class OnnxRunner:
         model = self.model
         if sublayer not in WHOLE_MODEL or (sublayer in ("decode", "generate") and not model.has(DECODER_STEP)):
             raise NotSupported(f"the {self.source} export has no graph for {sublayer}")
-        if self._log is not None and sublayer != "forward":
+        routed = self._log is not None
+        if routed and sublayer in ("decode", "generate") and not model.has(DECODER_STEP_ROUTED):
             raise NotSupported(f"the {self.source} export takes forced expert choices in its forward_routed graph only; "
-                               f"its step graphs route as they do ({sublayer} is not replayed)")
+                               f"it has no decoder_step_routed ({sublayer} is not replayed)")
         if sublayer == "forward":
             out = self._forward_routed(inputs) if self._log is not None else model.forward(inputs["src_ids"],
                                                                                         inputs["tgt_ids"])
@@ -72,12 +89,16 @@ class OnnxRunner:
             out = self._decode(inputs)
         else:
             out = model.greedy_generate(inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
-                                        eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
+                                        eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"],
+                                        step=self._routed_step if routed else None)
         return out.astype(np.float64) if np.issubdtype(out.dtype, np.floating) else out
 
     def _decode(self, inputs: Mapping[str, Any]) -> np.ndarray:
         batch, length = np.shape(inputs["tgt_ids"])
         # preallocated as the framework columns' caches are: room for exactly the case's positions
+        if self._log is not None:
+            cache = self.model.start_cache(batch, length, inputs["src_ids"], in_place=False)
+            return np.concatenate(decode_steps(inputs, cache, self._routed_step), axis=1)
         cache = self.model.start_cache(batch, length, inputs["src_ids"])
         return np.concatenate(decode_steps(inputs, cache, self.model.decode_step), axis=1)
 
