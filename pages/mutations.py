@@ -385,6 +385,12 @@ def _norm_topk_prob_ignored(probabilities, chosen, renormalize):
     return _original("routing_weights")(probabilities, chosen, False)  # Mixtral's weights left as p[top]
 
 
+def _top_k_over_the_tokens(probabilities, k):
+    # the token axis reduced before the top k: every token sent to the batch's k most probable experts
+    popular = _original("top_experts")(probabilities.sum(axis=0, keepdims=True), k)  # [1, k]
+    return np.broadcast_to(popular, (probabilities.shape[0], k)).copy()
+
+
 def _router_softmax_over_tokens(x, router):
     return model.softmax(model.linear(x, router).T).T  # softmax(dim=0): each expert's distribution over the tokens
 
@@ -584,6 +590,9 @@ MUTATIONS += [  # the mixture of experts' (SPEC §5.14)
     Mutation("router_softmax_over_tokens", "the router's softmax over the tokens instead of the experts "
              "(softmax(dim=0))", "router_probabilities", _router_softmax_over_tokens, "ffn", "decoder.layers.0",
              preset="mixtral-tiny"),
+    Mutation("top_k_over_the_tokens", "the top k taken over the token axis (the probabilities summed over the "
+             "tokens first): every token sent to the batch's k most probable experts", "top_experts",
+             _top_k_over_the_tokens, "ffn", "decoder.layers.0", preset="mixtral-tiny"),
     Mutation("router_in_bfloat16", "the router computed in bfloat16 where the config says float32", "router_probabilities",
              _router_in_bfloat16, "ffn", "decoder.layers.0", preset="mixtral-tiny"),
     Mutation("expert_gate_and_up_swapped", "one expert's gate and up projections swapped (a fused gate_up_proj split "
