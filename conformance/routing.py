@@ -12,7 +12,7 @@ import numpy as np
 
 from conformance.adapter import NotSupported
 from conformance.backends.numpy_backend import golden_output
-from conformance.cases import TEXT_CASES, Case, build_case, forward_of, is_gradient
+from conformance.cases import TEXT_CASES, Case, build_case, forward_of, is_gradient, is_training
 from conformance.tolerance import tolerance
 from spec import ModelConfig
 
@@ -40,13 +40,18 @@ class LayerRouting:
 
 
 def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case) -> list[LayerRouting]:
-    """The golden's routing of a case, per MoE layer (a gradient case's is its forward's; a
-    generation's steps joined along the positions)."""
+    """The golden's routing of a case, per MoE layer (a gradient case's is its forward's, a
+    training step's its batch's forward's; a generation's steps joined along the positions)."""
     from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
 
     with recorded_routing() as calls:
-        golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
-                      case.inputs)
+        if is_training(case.sublayer):  # one step: its batch's forward, at the parameters it starts from
+            source = case.inputs["src_ids"]
+            golden_output(cfg, params, "forward", {"src_ids": None if source is None else source[0],
+                                                   "tgt_ids": case.inputs["tgt_ids"][0]})
+        else:
+            golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
+                          case.inputs)
     # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
     count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
     return [LayerRouting(layer, *(np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)

@@ -82,7 +82,9 @@ class TorchRunner(ModuleRunner):
         """A training case (conformance/cases.py): torch.optim's steps (impl_torch.training) on a
         copy of the model, its parameters, gradients and moments read back by canonical name."""
         cfg, training = self.cfg, inputs["training"]
-        model = copy.deepcopy(self.model)
+        # the copy's MoE layers keep the caller's routing log (replayed routing), not a copy of it
+        logs = {id(module.log): module.log for module in self.model.modules() if getattr(module, "log", None) is not None}
+        model = copy.deepcopy(self.model, memo=logs)
         optimizer, schedule = torch_training.make_optimizer(model, training)
         transposed = _linear_weight_names(model)
 
