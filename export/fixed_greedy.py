@@ -37,7 +37,8 @@ import onnxruntime as ort
 from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE
 from export.onnx_model import ExportError
 from export.placement import cpu_fallbacks, fallback_message
-from export.runner import CPU, CUDA, OnnxCache, OnnxTransformer, _buffer, _names, profiled_session, session_options
+from export.runner import (CPU, CUDA, OnnxCache, OnnxTransformer, _buffer, _names, first_tokens, profiled_session,
+                           session_options)
 from spec.inputs import CacheWrites, check_generation
 
 
@@ -157,12 +158,7 @@ class FixedBufferGreedy:
         with pad_id; argmax ties go to the lowest id)."""
         cfg = self.cfg
         batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
-        if cfg.has_encoder:
-            first = np.full((batch, 1), bos_id, dtype=np.int64)
-            first_keep = np.ones((batch, 1), dtype=bool)
-        else:
-            first = np.asarray(prompt_ids, dtype=np.int64)
-            first_keep = first != cfg.pad_id
+        first, first_keep = first_tokens(cfg, batch, prompt_ids, bos_id)
         # room for the first tokens and every generated one but the last, which is never fed back
         cache = self._prepare(batch, first.shape[1] + max_new_tokens - 1, src_ids, src_keep)
         self._used = True

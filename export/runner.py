@@ -485,12 +485,7 @@ class OnnxTransformer:
         cache layout (the conformance harness's routed step)."""
         cfg = self.cfg
         batch, _ = check_generation(cfg, src_ids, prompt_ids, bos_id, max_new_tokens)
-        if cfg.has_encoder:
-            step_ids = np.full((batch, 1), bos_id, dtype=np.int64)
-            step_keep = np.ones((batch, 1), dtype=bool)
-        else:
-            step_ids = np.asarray(prompt_ids, dtype=np.int64)
-            step_keep = step_ids != cfg.pad_id
+        step_ids, step_keep = first_tokens(cfg, batch, prompt_ids, bos_id)
         # room for the first tokens and every generated one but the last, which is never fed back
         cache = self.start_cache(batch, step_ids.shape[1] + max_new_tokens - 1, src_ids,
                                  in_place=None if step is None else False)
@@ -515,6 +510,15 @@ class OnnxTransformer:
         return {role: self._placements.get(role) or profiled_session(
                     self.directory / file, self.options, self.providers, example_inputs(self.cfg, role, self.dtype))[1]
                 for role, file in self.graphs.items()}
+
+
+def first_tokens(cfg: ModelConfig, batch: int, prompt_ids, bos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """What a generation feeds first, and its keep-vector: the start token (an encoder-decoder), or
+    the prompt, its padding not kept."""
+    if cfg.has_encoder:
+        return np.full((batch, 1), bos_id, dtype=np.int64), np.ones((batch, 1), dtype=bool)
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    return ids, ids != cfg.pad_id
 
 
 def _names(prefix: str, cfg: ModelConfig) -> list[str]:
