@@ -81,8 +81,7 @@ class OnnxRunner:
             raise NotSupported(f"the {self.source} export takes forced expert choices in its forward_routed graph only; "
                                f"it has no decoder_step_routed ({sublayer} is not replayed)")
         if sublayer == "forward":
-            out = self._forward_routed(inputs) if self._log is not None else model.forward(inputs["src_ids"],
-                                                                                        inputs["tgt_ids"])
+            out = self._forward_routed(inputs) if routed else model.forward(inputs["src_ids"], inputs["tgt_ids"])
         elif sublayer == "encoder":
             out, _cross = model.encode(inputs["src_ids"])
         elif sublayer == "decode":
