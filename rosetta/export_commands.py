@@ -4,6 +4,7 @@ repository), and `rosetta generate`, greedy generation with onnxruntime from an 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -66,9 +67,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("a decoder-only model generates from --prompt (one per sequence)")
     src = _token_rows(args.src, cfg.pad_id, "--src") if cfg.has_encoder else None
     prompt = None if cfg.has_encoder else _token_rows(args.prompt, cfg.pad_id, "--prompt")
+    if args.cuda_graph:
+        from export.fixed_greedy import FixedBufferGreedy
+
+        if model.device != "cuda":
+            raise UsageError(f"--cuda-graph captures CUDA graphs; this model runs on {model.device} (--device cuda)")
+        generate = functools.partial(FixedBufferGreedy(model).generate, src)
+    else:
+        generate = functools.partial(model.greedy_generate, src)
     start = time.perf_counter()
-    tokens = model.greedy_generate(src, prompt_ids=prompt, bos_id=args.bos if cfg.has_encoder else None,
-                                   eos_id=args.eos, max_new_tokens=args.max_new_tokens)
+    tokens = generate(prompt_ids=prompt, bos_id=args.bos if cfg.has_encoder else None, eos_id=args.eos,
+                      max_new_tokens=args.max_new_tokens)
     seconds = time.perf_counter() - start
     for row in tokens:
         print(" ".join(map(str, row)))
@@ -115,4 +124,6 @@ def add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--allow-cpu-fallback", action="store_true",
                           help="warn instead of refusing when a CUDA session would run nodes on the CPU")
     generate.add_argument("--placement", action="store_true", help="show which provider ran each graph's nodes")
+    generate.add_argument("--cuda-graph", action="store_true",
+                          help="on CUDA: each step a replayed CUDA graph, the argmax on the device (export.fixed_greedy)")
     generate.set_defaults(handler=cmd_generate)

@@ -557,6 +557,8 @@ def test_cli_export_and_generate(tmp_path, capsys):
     (["generate", "{export}", "--prompt", "5 6"], "generates from --src"),
     (["generate", "{export}", "--src", "5 999"], "outside the vocabulary"),
     (["generate", "{export}", "--src", "5", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
+    (["generate", "{export}", "--src", "5", "--device", "cpu", "--cuda-graph"],
+     "--cuda-graph captures CUDA graphs; this model runs on cpu (--device cuda)"),
     (["export", "--preset", "tiny", "--out", "{tmp}/x", "--graphs", "decoder"], "cannot write graph role(s) decoder"),
     (["export", "--preset", "tiny", "--out", "{tmp}/x", "--framework", "jax", "--graphs", "decoder_step"],
      "cannot write graph role(s) decoder_step"),
