@@ -73,7 +73,6 @@ class FixedBufferGreedy:
         self.role = DECODER_STEP_IN_PLACE if model.in_place else DECODER_STEP
         self.choice = self._choice_session()
         self._shape: tuple | None = None  # (batch, capacity, source length) of the buffers
-        self._used = False  # the buffers hold an earlier generation's cache
 
     def _choice_session(self) -> ort.InferenceSession:
         model = self.model
@@ -98,19 +97,18 @@ class FixedBufferGreedy:
 
     def _prepare(self, batch: int, capacity: int, src_ids, src_keep) -> OnnxCache:
         """The fixed buffers as an empty cache of this shape: made on the first generation of a
-        shape, zeroed on later ones (a masked position gets weight 0, and 0 × NaN is NaN), the
+        shape, zeroed on later ones, which find an earlier generation's cache there (a masked position gets weight 0, and 0 × NaN is NaN), the
         encoder run into the same cross buffers."""
         model, cfg = self.model, self.cfg
         shape = (batch, capacity, None if src_ids is None else np.shape(src_ids)[1])
         if shape != self._shape:
             cache = model.start_cache(batch, capacity, src_ids, src_keep)
             self._bind(cache)
-            self._shape, self._used = shape, False
+            self._shape = shape
             return cache
         cache = self._empty
-        if self._used:
-            for value, zeros in self._zeros:
-                value.update_inplace(zeros)
+        for value, shape, dtype in self._buffers:
+            value.update_inplace(np.zeros(shape, dtype))
         if cfg.has_encoder:
             keep, _memory, *_cross = model._encode(src_ids, src_keep, batch, into=cache.cross)
             cache.src_keep.update_inplace(keep)
@@ -122,8 +120,10 @@ class FixedBufferGreedy:
         so parity 0 reads spare and writes past, parity 1 the reverse."""
         cfg, device = self.cfg, self.model.device
         self._empty = cache
-        buffers = {id(value): value for value in (*cache.past, *cache.spare)}.values()  # in place: shared K, V
-        self._zeros = [(value, np.zeros_like(value.numpy())) for value in buffers]
+        self._buffers = []  # each buffer once (in place, past and spare share K and V), its shape and dtype
+        for value in {id(value): value for value in (*cache.past, *cache.spare)}.values():
+            array = value.numpy()
+            self._buffers.append((value, array.shape, array.dtype))
         self.session = self._step_session()
         batch = cache.batch
         self.ids = _buffer(np.zeros((batch, 1), dtype=np.int64), device)
@@ -161,7 +161,6 @@ class FixedBufferGreedy:
         first, first_keep = first_tokens(cfg, batch, prompt_ids, bos_id)
         # room for the first tokens and every generated one but the last, which is never fed back
         cache = self._prepare(batch, first.shape[1] + max_new_tokens - 1, src_ids, src_keep)
-        self._used = True
         logits, _cache = self.model.decode_step(cache, first, first_keep)  # writes the spare set
         token = logits[:, -1].astype(np.float32).argmax(axis=-1)
         tokens = np.full((batch, max_new_tokens), cfg.pad_id, dtype=np.int64)
