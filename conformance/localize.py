@@ -130,7 +130,7 @@ def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_referenc
     for name, sublayer, golden_function, inputs in plan:
         relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, length), SUBLAYERS[sublayer].depth(cfg),
                              rotary_angle(cfg, length - 1))
-        routing = {}  # a mixture of experts' stage: the golden's choices on each input, replayed in the runner
+        routing = {}  # a mixture of experts' stage: the golden's routing on each input, replayed in the runner
         if golden_function is None:  # embedding: inputs are ids, isolated and chained coincide
             expected, next_reference, isolated_inputs, chained_inputs = reference, reference, inputs, None
         else:
@@ -162,21 +162,22 @@ def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_referenc
     return stages
 
 
-def _routed(golden_function, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The golden stage's output on x and its MoE layers' choices, [B, T, k] each ([] without experts)."""
+def _routed(golden_function, x: np.ndarray) -> tuple[np.ndarray, list]:
+    """The golden stage's output on x and its MoE layers' routing ([] without experts)."""
     from impl_numpy.model import recorded_routing
 
     with recorded_routing() as calls:
         output = golden_function(x)
-    return output, [call.chosen for call in calls]
+    return output, list(calls)
 
 
-def _replayed(runner, chosen: list[np.ndarray] | None):
-    """The runner with the golden's choices forced (SPEC §5.14), where it can take them: a stage of
-    a mixture of experts is judged on what its experts compute, a flip near a tie left out."""
-    if not chosen or not hasattr(runner, "routing_log"):
+def _replayed(runner, calls: list | None):
+    """The runner with the golden's routing forced, its choices and their weights (SPEC §5.14),
+    where it can take them: a stage of a mixture of experts is judged on what its experts compute,
+    a flip near a tie and the gate's carrying of its input's rounding left out."""
+    if not calls or not hasattr(runner, "routing_log"):
         return contextlib.nullcontext()
-    return runner.routing_log(forced=chosen)
+    return runner.routing_log(forced=[call.chosen for call in calls], forced_weights=[call.weights for call in calls])
 
 
 WHOLE_MODEL = ("encoder", "decoder", "forward", "decode", "generate")

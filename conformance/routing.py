@@ -26,12 +26,14 @@ class LayerRouting:
 
     layer: int
     chosen: np.ndarray  # [B, T, k], largest first
+    weights: np.ndarray  # [B, T, k]: the chosen experts' weights
     margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
     logit_scale: np.ndarray  # [B, T]: max_e |z_e|
 
     def bound(self, cfg: ModelConfig, dtype: str) -> np.ndarray:
-        """2ρ·max|z| [B, T]: the most rounding at dtype can move a margin here, ρ the tolerance
-        at the layer's depth (SPEC §8)."""
+        """2ρ·max|z| [B, T]: the most rounding at dtype can move a margin, or a weight, here, ρ
+        the tolerance at the layer's depth (SPEC §8): logits off by δ = ρ·max|z| move each
+        probability, and each renormalised weight, by at most 2δ of itself."""
         return 2 * tolerance(dtype, cfg.d_model, 2 * (self.layer + 1)) * self.logit_scale
 
     def near_ties(self, cfg: ModelConfig, dtype: str) -> np.ndarray:
@@ -55,7 +57,7 @@ def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Cas
     # a generation calls every layer once a step: its calls, grouped by layer, joined along the positions
     count = cfg.n_decoder_layers if case.sublayer == "generate" else len(calls)
     return [LayerRouting(layer, *(np.concatenate([getattr(call, field) for call in calls[layer::count]], axis=1)
-                                  for field in ("chosen", "margins", "logit_scale")))
+                                  for field in ("chosen", "weights", "margins", "logit_scale")))
             for layer in range(count)]
 
 
@@ -110,45 +112,77 @@ def near_ties(cfg: ModelConfig, params, case: Case, dtype: str, failed):
 
 def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, judge, failed, output):
     """A mixture-of-experts model's failing cell, split (SPEC §5.14). The backend runs again with
-    the golden's routing forced. If that run fails too, the experts or the rest of the layer
-    compute differently, and the cell fails saying so. If it passes, the routing made the
+    the golden's routing forced: its choices and their weights (a column whose graphs take choices
+    only, the onnx one, gets the choices). If that run fails too, the experts or the rest of the
+    layer compute differently, and the cell fails saying so. If it passes, the routing made the
     difference: in the first layer whose choices differ from the golden's, a token whose margin is
-    clear of rounding (LayerRouting.bound) fails the cell as "the router chose differently";
-    where every such token sits within rounding of a tie, the replayed run's verdict stands, saying
-    so (a later layer's differences follow from the first's). output(runner, case) runs the case."""
+    clear of rounding (LayerRouting.bound) fails the cell as "the router chose differently"; then
+    a token whose own weights, computed in the replayed run, are further from the golden's than
+    that bound fails it as "the router weighted differently". Otherwise the replayed run's verdict
+    stands, saying so: the free run's difference is rounding in the router (near a tie, or in its
+    weights) carried through the gate (a later layer's differences follow from the first's).
+    output(runner, case) runs the case."""
     golden = golden_routing(cfg, params, case)
     try:
         with runner.routing_log() as log:
             output(runner, case)
         layers = log.layers()
-        with runner.routing_log(forced=[layer.chosen for layer in golden]):
+        with runner.routing_log(forced=[layer.chosen for layer in golden],
+                                forced_weights=[layer.weights for layer in golden]) as replay:
             replayed = judge(output(runner, case))
+        own = replay.own_weights()
     except NotSupported:  # a column that replays some cases only (an export's forward graph)
         return near_ties(cfg, params, case, dtype, failed)
     except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
         return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
     if [chosen.shape for chosen in layers] != [layer.chosen.shape for layer in golden]:
         return failed
+    weighed = bool(own) and [w.shape for w in own] == [layer.weights.shape for layer in golden]
+    what = "routing" if weighed else "expert choices"  # the onnx graphs take no weights
     flips = [(np.sort(mine, axis=-1) != np.sort(layer.chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
              for mine, layer in zip(layers, golden)]
     agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
                  f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
     if not replayed.passed:
-        return replace(replayed, reason=f"with the golden's routing replayed the cell still fails, so the experts or "
+        return replace(replayed, reason=f"with the golden's {what} replayed the cell still fails, so the experts or "
                                         f"the rest of the layer compute differently ({agreement}): {replayed.reason}")
-    if not any(f.any() for f in flips):
+    # layer by layer, the first whose router chose or weighed differently beyond rounding is named
+    # (a later layer's differences may follow from it): the choices of the free run, where they
+    # first differ, and the weights each layer computed itself in the replayed run
+    first = next((index for index, f in enumerate(flips) if f.any()), None)
+    worst = 0.0
+    for index, routing in enumerate(golden):
+        bound = routing.bound(cfg, dtype)  # [B, T]
+        clear = flips[index] & (routing.margins >= bound) if index == first else None
+        if clear is not None and clear.any():
+            row, position = (int(i) for i in np.argwhere(clear)[0])
+            return replace(failed, reason=(
+                f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {index}, "
+                f"row {row}, position {position} (margin {routing.margins[row, position]:.3g} >= rounding bound "
+                f"{bound[row, position]:.3g}): golden experts {routing.chosen[row, position].tolist()}, here "
+                f"{layers[index][row, position].tolist()}; with the golden's {what} replayed the cell passes; "
+                f"{failed.reason}"))
+        if weighed:
+            difference = np.abs(own[index] - routing.weights).max(axis=-1)  # [B, T]
+            beyond = difference > bound
+            if beyond.any():
+                row, position = (int(i) for i in np.argwhere(beyond)[0])
+                return replace(failed, reason=(
+                    f"the router weighted differently at {int(beyond.sum())} token(s) beyond rounding; first: MoE "
+                    f"layer {index}, row {row}, position {position}: golden weights "
+                    f"{np.round(routing.weights[row, position], 4).tolist()}, here "
+                    f"{np.round(own[index][row, position], 4).tolist()} for experts "
+                    f"{routing.chosen[row, position].tolist()} (|Δw| {difference[row, position]:.3g} > rounding bound "
+                    f"{bound[row, position]:.3g}); with the golden's {what} replayed the cell passes; {failed.reason}"))
+            worst = max(worst, float((difference / np.maximum(bound, np.finfo(float).tiny)).max(initial=0.0)))
+    notes = []
+    if first is not None:
+        bound = golden[first].bound(cfg, dtype)[flips[first]]
+        notes.append(f"{agreement}, those of MoE layer {first} each within rounding of a tie (smallest margin there "
+                     f"{float(golden[first].margins[flips[first]].min()):.2g}, bound {float(bound.min()):.2g})")
+    if weighed:
+        notes.append(f"the router's own weights within rounding of the golden's (largest |Δw| {worst:.2g} of its bound)")
+    if not notes:  # the same choices, and no weights to tell: nothing explains the failure
         return failed
-    first = next(index for index, f in enumerate(flips) if f.any())
-    routing, bound = golden[first], golden[first].bound(cfg, dtype)
-    clear = flips[first] & (routing.margins >= bound)
-    if clear.any():
-        row, position = (int(i) for i in np.argwhere(clear)[0])
-        return replace(failed, reason=(
-            f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {first}, "
-            f"row {row}, position {position} (margin {routing.margins[row, position]:.3g} >= rounding bound "
-            f"{bound[row, position]:.3g}): golden experts {routing.chosen[row, position].tolist()}, here "
-            f"{layers[first][row, position].tolist()}; with the golden's routing replayed the cell passes; "
-            f"{failed.reason}"))
-    note = (f"routing replayed: {agreement}, those of MoE layer {first} each within rounding of a tie (smallest "
-            f"margin there {float(routing.margins[flips[first]].min()):.2g}, bound {float(bound[flips[first]].min()):.2g})")
+    note = f"{what} replayed: {'; '.join(notes)}"
     return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from export.graphs import ENCODER, FORWARD, GraphSignature, signature
+from export.graphs import ENCODER, FORWARD, FORWARD_ROUTED, GraphSignature, signature
 from export.onnx_model import OPSETS, ExportError, check_options, finish, quiet_loggers, save, write_manifest
-from impl_jax.model import Transformer
+from impl_jax.model import Transformer, graph_routing
 from spec import ModelConfig
 
-JAX_ROLES = (FORWARD, ENCODER)
+JAX_ROLES = (FORWARD, ENCODER, FORWARD_ROUTED)
 
 
 def _version() -> str:
@@ -59,7 +59,15 @@ def _function(model: Transformer, role: str):
 
     def forward_decoder_only(tgt_ids, tgt_keep):
         return model.output_logits(model.decode(tgt_ids, tgt_keep))
-    return forward_decoder_only
+    if role != FORWARD_ROUTED:
+        return forward_decoder_only
+
+    def forward_routed(tgt_ids, tgt_keep, forced_experts, replay):
+        taken = []  # each MoE layer's choices [B·T, k], in layer order
+        with graph_routing(forced_experts, replay, taken):
+            logits = forward_decoder_only(tgt_ids, tgt_keep)
+        return logits, jnp.stack(taken).reshape(forced_experts.shape)
+    return forward_routed
 
 
 def _symbolic_inputs(cfg: ModelConfig, sig: GraphSignature) -> list[jax.ShapeDtypeStruct]:
@@ -67,13 +75,14 @@ def _symbolic_inputs(cfg: ModelConfig, sig: GraphSignature) -> list[jax.ShapeDty
     names = ("batch", "src_len", "tgt_len")
     dims = dict(zip(names, jax.export.symbolic_shape(
         ", ".join(names), constraints=[f"src_len <= {cfg.max_len}", f"tgt_len <= {cfg.max_len}"])))
-    kinds = {"ids": jnp.int32, "keep": jnp.bool_}
+    kinds = {"ids": jnp.int32, "keep": jnp.bool_, "experts": jnp.int32, "flag": jnp.bool_}
     return [jax.ShapeDtypeStruct(tuple(dims[d] if isinstance(d, str) else d for d in t.dims), kinds[t.kind])
             for t in sig.inputs]
 
 
 def _int64_ids(model: onnx.ModelProto) -> None:
-    """Make each int32 graph input int64, cast to int32 on entry (JAX's ids are int32)."""
+    """Make each int32 graph input int64, cast to int32 on entry (JAX's ids are int32), and each
+    int32 output int64, cast on the way out."""
     graph = model.graph
     casts = []
     for graph_input in graph.input:
@@ -88,6 +97,17 @@ def _int64_ids(model: onnx.ModelProto) -> None:
                                            name=f"{graph_input.name}_to_int32"))
     for position, cast in enumerate(casts):
         graph.node.insert(position, cast)
+    for graph_output in graph.output:  # forward_routed's chosen_experts: int64 out, as the torch export's
+        tensor_type = graph_output.type.tensor_type
+        if tensor_type.elem_type != onnx.TensorProto.INT32:
+            continue
+        inner = f"{graph_output.name}__int32"
+        for node in graph.node:
+            node.output[:] = [inner if name == graph_output.name else name for name in node.output]
+            node.input[:] = [inner if name == graph_output.name else name for name in node.input]
+        tensor_type.elem_type = onnx.TensorProto.INT64
+        graph.node.append(onnx.helper.make_node("Cast", [inner], [graph_output.name], to=onnx.TensorProto.INT64,
+                                                name=f"{graph_output.name}_to_int64"))
 
 
 def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str, *, dtype: str = "float32",
@@ -120,7 +140,7 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
 def export_jax(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: str | Path, *,
                dtype: str = "float32", opset: int = OPSETS[0], graph_roles: tuple[str, ...] | None = None) -> dict[str, Path]:
     """Export the forward (and, for an encoder-decoder, the encoder) graph into directory."""
-    available = tuple(r for r in JAX_ROLES if r != ENCODER or cfg.has_encoder)
+    available = tuple(r for r in JAX_ROLES if (r != ENCODER or cfg.has_encoder) and (r != FORWARD_ROUTED or cfg.moe))
     wanted = check_options(dtype, opset, graph_roles, available, "JAX")
     model = Transformer.from_params(cfg, params, dtype=dtype)
     directory = Path(directory)

@@ -420,6 +420,45 @@ class FeedForward(nnx.Module):
 
 # nnx.jit traverses a module's attributes as its graph: the log rides a context variable instead
 _ROUTING: contextvars.ContextVar[RoutingLog | None] = contextvars.ContextVar("routing", default=None)
+# an exported graph's routing (export/jax_export's forward_routed): its forced choices [L, B, T, k] and
+# replay flag are graph inputs, traced values, and each layer's choices go into the list, as outputs
+_GRAPH_ROUTING: contextvars.ContextVar[tuple[jax.Array, jax.Array, list] | None] = contextvars.ContextVar(
+    "graph_routing", default=None)
+
+
+@contextlib.contextmanager
+def graph_routing(forced: jax.Array, replay: jax.Array, taken: list) -> Iterator[None]:
+    """While a graph is traced inside, MoE layer i takes forced[i] where replay is true, else its own
+    choices, and appends what it took [N, k] to taken (SPEC §5.14)."""
+    token = _GRAPH_ROUTING.set((forced, replay, taken))
+    try:
+        yield
+    finally:
+        _GRAPH_ROUTING.reset(token)
+
+
+def _weighed(log: RoutingLog, layer: int, weights: jax.Array) -> jax.Array:
+    """RoutingLog.weigh at every run of the compiled program, through a host callback: the forced
+    weights, else the layer's own. The callback runs on a thread of its own, where x64 mode
+    (thread-local) is off, so float64 weights cross it as their bits, two uint32 words each."""
+    if weights.dtype != jnp.float64:
+        return io_callback(partial(_weigh, log, layer), jax.ShapeDtypeStruct(weights.shape, weights.dtype), weights,
+                           ordered=True)
+    bits = jax.lax.bitcast_convert_type(weights, jnp.uint32)  # [N, k, 2]
+    bits = io_callback(partial(_weigh_bits, log, layer), jax.ShapeDtypeStruct(bits.shape, jnp.uint32), bits,
+                       ordered=True)
+    return jax.lax.bitcast_convert_type(bits, jnp.float64)
+
+
+def _weigh(log: RoutingLog, layer: int, own: np.ndarray) -> np.ndarray:
+    forced = log.weigh(layer, own)
+    return np.asarray(own if forced is None else forced, dtype=own.dtype)  # the dtype the program declared
+
+
+def _weigh_bits(log: RoutingLog, layer: int, bits: np.ndarray) -> np.ndarray:
+    own = np.ascontiguousarray(bits).view(np.float64)[..., 0]  # [N, k]
+    forced = log.weigh(layer, own)
+    return np.ascontiguousarray(own if forced is None else forced, dtype=np.float64)[..., None].view(np.uint32)
 
 
 class MixtureOfExperts(nnx.Module):
@@ -445,6 +484,11 @@ class MixtureOfExperts(nnx.Module):
         probabilities = jax.nn.softmax(logits.astype(jnp.float32) if widen else logits, axis=-1)
         # lax.top_k documents no order for ties; a stable sort of −p puts the lower index first
         chosen = jnp.argsort(-probabilities, axis=-1, stable=True)[:, :self.k]
+        graph = _GRAPH_ROUTING.get()
+        if graph is not None:
+            forced, replay, taken = graph
+            chosen = jnp.where(replay, forced[self.index].reshape(chosen.shape).astype(chosen.dtype), chosen)
+            taken.append(chosen)
         log = _ROUTING.get()
         if log is not None:  # a routing log records the choices, or forces the golden's
             # at every run of the compiled program, through a host callback; int32 across: the callback
@@ -454,6 +498,11 @@ class MixtureOfExperts(nnx.Module):
         weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if log is not None:  # the weights logged too, or the golden's taken
+            golden = _weighed(log, self.index, weights)
+            # the golden's values with this router's gradient (log.weigh hands back the router's own
+            # where nothing is forced): a replayed gradient or training case still reaches the router
+            weights = weights + jax.lax.stop_gradient(golden - weights)
         return probabilities, chosen, weights.astype(tokens.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -738,11 +787,12 @@ class Transformer(nnx.Module):
         return {name: np.asarray(_variable(self, name)[...], dtype=np.float32) for name in param_shapes(self.cfg)}
 
     @contextlib.contextmanager
-    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+    def routing_log(self, forced: list[np.ndarray] | None = None,
+                    forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
         """Inside, every MoE layer logs its choices, or takes the forced ones (replayed routing).
         The layers see the log when they are traced: the compiled programs are traced again inside
         (with the host callbacks) and after (without them)."""
-        log = RoutingLog(forced)
+        log = RoutingLog(forced, forced_weights)
         jax.clear_caches()
         token = _ROUTING.set(log)
         try:

@@ -434,10 +434,11 @@ def mixture_of_experts(x: np.ndarray, router: np.ndarray, experts: Sequence[Para
 
 @dataclass(frozen=True)
 class RoutedCall:
-    """One call of a layer's mixture of experts on x [B, T, d]: what its router chose and how far
-    each choice is from a tie."""
+    """One call of a layer's mixture of experts on x [B, T, d]: what its router chose, with what
+    weights, and how far each choice is from a tie."""
 
     chosen: np.ndarray  # [B, T, k], largest first
+    weights: np.ndarray  # [B, T, k]: the chosen experts' weights w_j
     margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
     logit_scale: np.ndarray  # [B, T]: max_e |z_e|, the router logits' size
 
@@ -469,7 +470,9 @@ def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     if calls is not None:
         logits = linear(tokens, p["router.weight"])
         probabilities = softmax(logits)
-        calls.append(RoutedCall(top_experts(probabilities, moe.experts_per_token).reshape(*x.shape[:-1], -1),
+        chosen = top_experts(probabilities, moe.experts_per_token)
+        calls.append(RoutedCall(chosen.reshape(*x.shape[:-1], -1),
+                                routing_weights(probabilities, chosen, moe.renormalize).reshape(*x.shape[:-1], -1),
                                 routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
                                 np.abs(logits).max(axis=-1).reshape(x.shape[:-1])))
     return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,

@@ -392,6 +392,13 @@ class MixtureOfExperts(nn.Module):
         weights = probabilities.gather(-1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.log is not None:  # the weights logged too, or the golden's taken
+            forced = self.log.weigh(self.index, weights.detach().cpu().double().numpy())
+            if forced is not None:
+                # the golden's values with this router's gradient: a replayed gradient or training
+                # case still differentiates through the router
+                golden = torch.as_tensor(forced, dtype=weights.dtype, device=weights.device)
+                weights = weights + (golden - weights).detach()
         return probabilities, chosen, weights.to(tokens.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -681,9 +688,11 @@ class Transformer(nn.Module):
         return {name: params[name] for name in param_shapes(self.cfg)}
 
     @contextlib.contextmanager
-    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
-        """Inside, every MoE layer logs its choices, or takes the forced ones (replayed routing)."""
-        log = RoutingLog(forced)
+    def routing_log(self, forced: list[np.ndarray] | None = None,
+                    forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, every MoE layer logs its choices and weights, or takes the forced ones (replayed
+        routing)."""
+        log = RoutingLog(forced, forced_weights)
         layers = [module for module in self.modules() if isinstance(module, MixtureOfExperts)]
         for layer in layers:
             layer.log = log

@@ -10,13 +10,19 @@ from spec.errors import InputError
 
 class RoutingLog:
     """A model's routing across calls, per MoE layer: what each layer chose at every position,
-    [B, T, k]; given `forced` (the golden's choices, one array per layer in the order the layers are
-    first called), the choices are those instead. A layer reads its positions in order from a
-    cursor, so a forward, a prefill and its steps, and a generation's steps all line up."""
+    [B, T, k], and the weights it gave its choices; given `forced` (the golden's choices, one array
+    per layer in the order the layers are first called), the choices are those instead, and given
+    `forced_weights` (the golden's weights of those choices, [B, T, k] per layer) the weights too.
+    A layer reads its positions in order from a cursor, so a forward, a prefill and its steps, and
+    a generation's steps all line up."""
 
-    def __init__(self, forced: list[np.ndarray] | None = None):
+    def __init__(self, forced: list[np.ndarray] | None = None, forced_weights: list[np.ndarray] | None = None):
+        if forced_weights is not None and forced is None:
+            raise InputError("replayed routing weights need the choices they weigh: forced_weights without forced")
         self.forced = None if forced is None else [np.asarray(choices) for choices in forced]
+        self.forced_weights = None if forced_weights is None else [np.asarray(w, np.float64) for w in forced_weights]
         self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
+        self.weights: list[list[np.ndarray]] = []  # per layer: the weights it computed itself, [B, T, k]
         self._layers: dict[int, int] = {}
 
     def choose(self, layer: int, batch: int, free: np.ndarray) -> np.ndarray:
@@ -38,6 +44,26 @@ class RoutingLog:
         self.chosen[index].append(free.reshape(batch, length, -1))
         return free
 
+    def weigh(self, layer: int, own: np.ndarray) -> np.ndarray | None:
+        """Decoder layer `layer`'s own weights [N, k] of the choices its last `choose` returned,
+        recorded; returns the golden's for the same positions where they are forced, else None
+        (keep your own). float64: the caller casts them to its dtype."""
+        index = self._layers[layer]
+        call = self.chosen[index][-1]  # [B, T, k]: the call these weights belong to
+        batch, length = call.shape[:2]
+        while len(self.weights) <= index:
+            self.weights.append([])
+        self.weights[index].append(np.asarray(own, dtype=np.float64).reshape(call.shape))
+        if self.forced_weights is None:
+            return None
+        cursor = sum(c.shape[1] for c in self.chosen[index][:-1])
+        return self.forced_weights[index][:, cursor:cursor + length].reshape(batch * length, -1)
+
     def layers(self) -> list[np.ndarray]:
         """What each layer chose, [B, T, k], its calls joined along the positions."""
         return [np.concatenate(calls, axis=1) for calls in self.chosen]
+
+    def own_weights(self) -> list[np.ndarray]:
+        """The weights each layer computed itself, [B, T, k] (a forced run's: at the forced choices,
+        from the inputs the forced weights led to); [] where the framework does not report them."""
+        return [np.concatenate(calls, axis=1) for calls in self.weights]

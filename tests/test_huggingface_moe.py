@@ -434,14 +434,25 @@ def test_the_peers_that_lack_the_family_say_so_before_anything_runs(checkpoints,
     assert results and all(r.skip == ABSENT for r in results) and not empty_columns(results)
 
 
-def _transformers_cells(directory, dtype, pattern):
+def _transformers_cells(directory, dtype, pattern, backend="transformers"):
     from conformance.harness import plan_matrix, run_matrix
     from conformance.models import load_model, register_model_directory
 
     register_model_directory(directory)
     cfg, params, _ = load_model(hf=directory)
     return {f"{r.sublayer}-{r.mask_case}": r
-            for r in run_matrix(cfg, params, plan_matrix(cfg, ["transformers"], [dtype], ["cpu"]), pattern=pattern)}
+            for r in run_matrix(cfg, params, plan_matrix(cfg, [backend], [dtype], ["cpu"]), pattern=pattern)}
+
+
+@pytest.mark.parametrize("backend", ["torch", "transformers"])
+def test_the_gates_carried_rounding_passes_with_the_goldens_weights_replayed(checkpoints, backend):
+    """The random Mixtral's forward-long at bfloat16 failed 1.41 (torch) and 1.48 (transformers)
+    times its tolerance with the golden's choices replayed: at [1, 371, 96], the second layer's
+    gate turned its input's rounding (0.09 of it) into 0.41 of its output. With the golden's
+    weights replayed too it passes, the router's own weights there within rounding of the golden's."""
+    cell = _transformers_cells(checkpoints["mixtral"], "bfloat16", "forward-long", backend)["forward-long"]
+    assert cell.status == "pass" and cell.reason.startswith("routing replayed:"), cell.reason
+    assert "the router's own weights within rounding of the golden's" in cell.reason
 
 
 def test_the_transformers_column_replays_the_goldens_routing(checkpoints):

@@ -65,9 +65,9 @@ class JaxRunner(ModuleRunner):
         self.dtype, self.precision = self.model.dtype, self.model.precision  # half dtypes use 'default'
         self._splits: dict[str, tuple] = {}  # gradient cases' owners, split once (_vjp)
 
-    def routing_log(self, forced=None):
+    def routing_log(self, forced=None, forced_weights=None):
         """The model's mixture-of-experts routing, logged, or the golden's replayed (SPEC §5.14)."""
-        return self.model.routing_log(forced)
+        return self.model.routing_log(forced, forced_weights)
 
     # converted on the host and put on the device (impl_jax.on_device): jnp.asarray compiles a
     # program per shape

@@ -34,10 +34,12 @@ class OnnxRunner:
             self.routing_log = self._routing_log
 
     @contextlib.contextmanager
-    def _routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+    def _routing_log(self, forced: list[np.ndarray] | None = None,
+                     forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
         """Inside, a forward runs the forward_routed graph and a decode or generation steps of
         decoder_step_routed (an export without it refuses those cases): each MoE layer's choices
-        logged, or the forced ones taken (replayed routing, SPEC §5.14)."""
+        logged, or the forced ones taken (replayed routing, SPEC §5.14). The graphs take choices,
+        not weights: forced_weights are not taken, and the log records no weights of its own."""
         self._log = RoutingLog(forced)
         try:
             yield self._log

@@ -50,9 +50,9 @@ class TorchRunner(ModuleRunner):
     def _ids(self, x):
         return torch.as_tensor(np.asarray(x), dtype=torch.long, device=self.device)
 
-    def routing_log(self, forced=None):
+    def routing_log(self, forced=None, forced_weights=None):
         """The model's mixture-of-experts routing, logged, or the golden's replayed (SPEC §5.14)."""
-        return self.model.routing_log(forced)
+        return self.model.routing_log(forced, forced_weights)
 
     def _attention(self, q, k, v, mask):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -102,13 +102,14 @@ class TransformersRunner:
                 module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
 
     @contextlib.contextmanager
-    def routing_log(self, forced: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
-        """Inside, each MoE layer's router (its TopKRouter) logs its choices or takes the forced
-        ones (replayed routing, SPEC §5.14), its weights taken from its own probabilities at those
-        choices, as it takes them at its own."""
+    def routing_log(self, forced: list[np.ndarray] | None = None,
+                    forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, each MoE layer's router (its TopKRouter) logs its choices and weights or takes the
+        forced ones (replayed routing, SPEC §5.14), its own weights taken from its probabilities at
+        the choices, as it takes them at its own."""
         import types
 
-        log = RoutingLog(forced)
+        log = RoutingLog(forced, forced_weights)
         blocks = [module for module in self.model.modules() if hasattr(module, "gate")
                   and type(module.gate).__name__.endswith("TopKRouter")]
         if not blocks:
@@ -228,7 +229,7 @@ class TransformersRunner:
 def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
     """A TopKRouter's forward with its choices through a routing log: its own (logits, weights,
     chosen), the chosen replaced by the log's, the weights those choices' probabilities,
-    renormalised where the class renormalises, in the dtype it gives them."""
+    renormalised where the class renormalises (or the log's forced ones), in the dtype it gives them."""
     import torch
 
     logits, weights, chosen = own(hidden)
@@ -238,6 +239,9 @@ def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
     picked = probabilities.gather(-1, chosen)
     if getattr(module, "norm_topk_prob", True):
         picked = picked / picked.sum(dim=-1, keepdim=True)
+    forced = log.weigh(index, picked.detach().cpu().double().numpy())
+    if forced is not None:  # the golden's weights (this column computes no gradients)
+        picked = torch.as_tensor(forced, dtype=picked.dtype, device=picked.device)
     return logits, picked.to(weights.dtype), chosen
 
 
