@@ -13,6 +13,9 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
                    keys at positions offset.., the queries the last Q of them; offset with RoPE only)
     mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
     ffn            module, x [B,T,d]                                  -> [B,T,d]
+    router         module (a mixture of experts), x [B,T,d]           -> every expert's probability [B,T,E]
+    experts        module, x [B,T,d], chosen [B,T,k], weights [B,T,k] -> [B,T,d]   (the block on the given
+                   routing, the golden's: forced through the runner's routing log)
     norm           module, x [B,T,d]                                  -> [B,T,d]
     ffn_block      layer, x [B,T,d]        (residual/norm around the FFN)  -> [B,T,d]
     encoder_layer  index, x [B,S,d], mask                             -> [B,S,d]
@@ -58,7 +61,7 @@ import impl_numpy as golden
 from impl_numpy import backward as golden_backward
 from conformance.text import LONG_TEXT, NEW_TOKENS, Prompts
 from conformance.tolerance import rotary_angle, tolerance
-from spec import ModelConfig
+from spec import ModelConfig, params_under
 from spec.dropout import draw_dropout_masks
 from spec.masks import causal_mask, combine_masks, key_mask
 from spec.training import TrainingConfig
@@ -185,6 +188,10 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              _SELF_ATTENTION_CASES, lambda c: 1),
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
+    Sublayer("router", "a mixture of experts' router: every expert's probability, softmax(x R)", ("none",),
+             lambda c: 1),
+    Sublayer("experts", "a mixture of experts' chosen experts, weighted, on the golden's routing (unchosen: "
+             "one expert chosen by no token)", ("none", "unchosen"), lambda c: 1),
     Sublayer("norm", "the config's norm (layernorm, std or rmsnorm), each of its norms at both sizes",
              ("none", *_SCALED), lambda c: 1),
     Sublayer("ffn_block", "residual + norm block around the FFN (post or pre)", ("none",), lambda c: 2),
@@ -272,8 +279,10 @@ def output_shape(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> 
         return (*np.shape(inputs["ids"]), cfg.d_model)
     if sublayer == "attention":
         return np.shape(inputs["q"])
-    if sublayer in ("mha", "mha_cross", "ffn", "norm", "ffn_block", "encoder_layer"):
+    if sublayer in ("mha", "mha_cross", "ffn", "experts", "norm", "ffn_block", "encoder_layer"):
         return np.shape(inputs["x"])
+    if sublayer == "router":
+        return (*np.shape(inputs["x"])[:-1], cfg.moe.n_experts)
     if sublayer == "decoder_layer":
         return np.shape(inputs["y"])
     if sublayer == "encoder":
@@ -405,6 +414,24 @@ def layer_of(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     return round(index * (stack - 1) / (len(cases) - 1))
 
 
+_MOE_SUBLAYERS = ("router", "experts")
+
+
+def _golden_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarray,
+                    leave_one_out: bool) -> tuple[np.ndarray, np.ndarray]:
+    """An experts case's routing, [B, T, k] each: the golden router's choices on x and their weights
+    (float32-representable, as every input), or, leaving one out, the k most probable of the other
+    experts, so the least probable expert overall is chosen by no token (it must add nothing)."""
+    moe = cfg.moe
+    probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]).astype(np.float64), p["router.weight"])
+    candidates = probabilities.copy()
+    if leave_one_out:
+        candidates[:, np.argmin(probabilities.sum(axis=0))] = -1.0
+    chosen = golden.top_experts(candidates, moe.experts_per_token)
+    weights = golden.routing_weights(probabilities, chosen, moe.renormalize).astype(np.float32)
+    return chosen.reshape(*x.shape[:-1], -1), weights.reshape(*x.shape[:-1], -1)
+
+
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
     """(src_ids, tgt_ids) for a model-level case; lengths capped at max_len."""
     src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
@@ -470,6 +497,13 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
     if sublayer in ("ffn", "ffn_block"):
         key, module = ("module", f"{stack}.layers.0.ffn") if sublayer == "ffn" else ("layer", f"{stack}.layers.0")
         return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, max(d, d_ff)
+    if sublayer in _MOE_SUBLAYERS:
+        module = f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.ffn"
+        x = _normal(rng, BATCH, TGT_LEN, d)
+        if sublayer == "router":
+            return {"module": module, "x": x}, d
+        chosen, weights = _golden_routing(cfg, params_under(golden_params(), module), x, mask_case == "unchosen")
+        return {"module": module, "x": x, "chosen": chosen, "weights": weights}, max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN
         return {"index": layer_of(cfg, sublayer, mask_case), "x": _normal(rng, BATCH, length, d),
@@ -693,7 +727,7 @@ def applicable_cases(cfg: ModelConfig, sublayer: str, text: bool = False) -> tup
     """The mask cases of a sublayer that make sense for this config; the text cases too where the
     check has prompts (`text`: decoder-only models)."""
     spec_ = SUBLAYERS[sublayer]
-    if spec_.needs_encoder and not cfg.has_encoder:
+    if spec_.needs_encoder and not cfg.has_encoder or sublayer in _MOE_SUBLAYERS and cfg.moe is None:
         return ()
     cases = tuple(c for c in spec_.mask_cases if c not in TEXT_CASES or text and not cfg.has_encoder)
     if cfg.positional == "rope":

@@ -104,8 +104,10 @@ def case_work(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Seq
         return Work(2 * BATCH * attention_scores(cfg, TGT_LEN, TGT_LEN + PAST_KEYS), 1)
     if sublayer in ("mha", "mha_cross"):
         return Work(2 * tokens * attention_weights(cfg) + 2 * BATCH * attention_scores(cfg, TGT_LEN, SRC_LEN + 3), 1)
-    if sublayer in ("ffn", "ffn_block"):
+    if sublayer in ("ffn", "ffn_block", "experts"):
         return Work(2 * tokens * ffn_weights(cfg), 1)
+    if sublayer == "router":
+        return Work(2 * tokens * d * cfg.moe.n_experts, 1)
     if sublayer in ("encoder_layer", "decoder_layer"):
         return Work(BATCH * layer_flops(cfg, TGT_LEN, SRC_LEN + 3, SRC_LEN * cfg.has_encoder), 4)
     if sublayer in ("logits", "log_probs"):

@@ -112,8 +112,7 @@ def near_ties(cfg: ModelConfig, params, case: Case, dtype: str, failed):
 
 def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, judge, failed, output):
     """A mixture-of-experts model's failing cell, split (SPEC §5.14). The backend runs again with
-    the golden's routing forced: its choices and their weights (a column whose graphs take choices
-    only, the onnx one, gets the choices). If that run fails too, the experts or the rest of the
+    the golden's routing forced: its choices and their weights. If that run fails too, the experts or the rest of the
     layer compute differently, and the cell fails saying so. If it passes, the routing made the
     difference: in the first layer whose choices differ from the golden's, a token whose margin is
     clear of rounding (LayerRouting.bound) fails the cell as "the router chose differently"; then
@@ -138,7 +137,7 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
     if [chosen.shape for chosen in layers] != [layer.chosen.shape for layer in golden]:
         return failed
     weighed = bool(own) and [w.shape for w in own] == [layer.weights.shape for layer in golden]
-    what = "routing" if weighed else "expert choices"  # the onnx graphs take no weights
+    what = "routing" if weighed else "expert choices"  # a runner whose log records no weights of its own
     flips = [(np.sort(mine, axis=-1) != np.sort(layer.chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
              for mine, layer in zip(layers, golden)]
     agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
@@ -155,25 +154,20 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
         bound = routing.bound(cfg, dtype)  # [B, T]
         clear = flips[index] & (routing.margins >= bound) if index == first else None
         if clear is not None and clear.any():
-            row, position = (int(i) for i in np.argwhere(clear)[0])
-            return replace(failed, reason=(
-                f"the router chose differently at {int(clear.sum())} token(s) clear of a tie; first: MoE layer {index}, "
-                f"row {row}, position {position} (margin {routing.margins[row, position]:.3g} >= rounding bound "
-                f"{bound[row, position]:.3g}): golden experts {routing.chosen[row, position].tolist()}, here "
-                f"{layers[index][row, position].tolist()}; with the golden's {what} replayed the cell passes; "
-                f"{failed.reason}"))
+            return _router_differs(failed, what, "chose differently", "clear of a tie", clear, index,
+                                   lambda row, position: (
+                f" (margin {routing.margins[row, position]:.3g} >= rounding bound {bound[row, position]:.3g}): golden "
+                f"experts {routing.chosen[row, position].tolist()}, here {layers[index][row, position].tolist()}"))
         if weighed:
             difference = np.abs(own[index] - routing.weights).max(axis=-1)  # [B, T]
             beyond = difference > bound
             if beyond.any():
-                row, position = (int(i) for i in np.argwhere(beyond)[0])
-                return replace(failed, reason=(
-                    f"the router weighted differently at {int(beyond.sum())} token(s) beyond rounding; first: MoE "
-                    f"layer {index}, row {row}, position {position}: golden weights "
-                    f"{np.round(routing.weights[row, position], 4).tolist()}, here "
+                return _router_differs(failed, what, "weighted differently", "beyond rounding", beyond, index,
+                                       lambda row, position: (
+                    f": golden weights {np.round(routing.weights[row, position], 4).tolist()}, here "
                     f"{np.round(own[index][row, position], 4).tolist()} for experts "
-                    f"{routing.chosen[row, position].tolist()} (|Δw| {difference[row, position]:.3g} > rounding bound "
-                    f"{bound[row, position]:.3g}); with the golden's {what} replayed the cell passes; {failed.reason}"))
+                    f"{routing.chosen[row, position].tolist()} (|Δw| {difference[row, position]:.3g} > rounding "
+                    f"bound {bound[row, position]:.3g})"))
             worst = max(worst, float((difference / np.maximum(bound, np.finfo(float).tiny)).max(initial=0.0)))
     notes = []
     if first is not None:
@@ -186,3 +180,11 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
         return failed
     note = f"{what} replayed: {'; '.join(notes)}"
     return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)
+
+
+def _router_differs(failed, what: str, verb: str, beyond: str, where: np.ndarray, layer: int, describe):
+    """The cell failed, naming the router: how many tokens `where` marks [B, T], and the first."""
+    row, position = (int(i) for i in np.argwhere(where)[0])
+    return replace(failed, reason=(
+        f"the router {verb} at {int(where.sum())} token(s) {beyond}; first: MoE layer {layer}, row {row}, position "
+        f"{position}{describe(row, position)}; with the golden's {what} replayed the cell passes; {failed.reason}"))

@@ -14,11 +14,14 @@ a real token, SPEC.md §6), every float is the export's dtype (float32 or float1
                     -> logits [B,T,V], present.{i}.key / .value [B,H,C,d_k], present_keep [B,C]
 
     forward_routed  (a mixture of experts) tgt_ids [B,T], tgt_keep [B,T], forced_experts [L,B,T,k]
-                  (int64), replay [] (bool)
-                    -> logits [B,T,V], chosen_experts [L,B,T,k]   (the forward, each MoE layer's
-                       choices its own, or forced_experts where replay: replayed routing, SPEC §5.14)
-    decoder_step_routed  (a mixture of experts) decoder_step's inputs, forced_experts [L,B,T,k], replay []
-                    -> decoder_step's outputs, chosen_experts [L,B,T,k]   (the step, routed as forward_routed)
+                  (int64), forced_weights [L,B,T,k], replay [] (bool)
+                    -> logits [B,T,V], chosen_experts [L,B,T,k], routing_weights [L,B,T,k]   (the
+                       forward, each MoE layer's choices and their weights its own, or the forced
+                       ones where replay: replayed routing, SPEC §5.14; the weights out are always
+                       the layer's own, computed at the choices it took)
+    decoder_step_routed  (a mixture of experts) decoder_step's inputs, forced_experts, forced_weights, replay
+                    -> decoder_step's outputs, chosen_experts, routing_weights   (the step, routed as
+                       forward_routed)
 
 decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7): it writes the
 new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
@@ -123,8 +126,10 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
         experts = (cfg.n_decoder_layers, "batch", "tgt_len", cfg.moe.experts_per_token)
         unrouted = signature(cfg, FORWARD if role == FORWARD_ROUTED else DECODER_STEP)
         return GraphSignature(role, unrouted.inputs + (Tensor("forced_experts", "experts", experts),
+                                                       Tensor("forced_weights", "float", experts),
                                                        Tensor("replay", "flag", ())),
-                              unrouted.outputs + (Tensor("chosen_experts", "experts", experts),))
+                              unrouted.outputs + (Tensor("chosen_experts", "experts", experts),
+                                                  Tensor("routing_weights", "float", experts)))
     if role == ENCODER:
         memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
         return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))

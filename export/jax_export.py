@@ -62,20 +62,21 @@ def _function(model: Transformer, role: str):
     if role != FORWARD_ROUTED:
         return forward_decoder_only
 
-    def forward_routed(tgt_ids, tgt_keep, forced_experts, replay):
-        taken = []  # each MoE layer's choices [B·T, k], in layer order
-        with graph_routing(forced_experts, replay, taken):
+    def forward_routed(tgt_ids, tgt_keep, forced_experts, forced_weights, replay):
+        taken, weighed = [], []  # each MoE layer's choices and own weights [B·T, k], in layer order
+        with graph_routing(forced_experts, forced_weights, replay, taken, weighed):
             logits = forward_decoder_only(tgt_ids, tgt_keep)
-        return logits, jnp.stack(taken).reshape(forced_experts.shape)
+        return (logits, jnp.stack(taken).reshape(forced_experts.shape),
+                jnp.stack(weighed).reshape(forced_weights.shape).astype(forced_weights.dtype))
     return forward_routed
 
 
-def _symbolic_inputs(cfg: ModelConfig, sig: GraphSignature) -> list[jax.ShapeDtypeStruct]:
+def _symbolic_inputs(cfg: ModelConfig, sig: GraphSignature, dtype: str) -> list[jax.ShapeDtypeStruct]:
     """Symbolic shapes for the dynamic axes; lengths are bounded by the position table."""
     names = ("batch", "src_len", "tgt_len")
     dims = dict(zip(names, jax.export.symbolic_shape(
         ", ".join(names), constraints=[f"src_len <= {cfg.max_len}", f"tgt_len <= {cfg.max_len}"])))
-    kinds = {"ids": jnp.int32, "keep": jnp.bool_, "experts": jnp.int32, "flag": jnp.bool_}
+    kinds = {"ids": jnp.int32, "keep": jnp.bool_, "experts": jnp.int32, "flag": jnp.bool_, "float": jnp.dtype(dtype)}
     return [jax.ShapeDtypeStruct(tuple(dims[d] if isinstance(d, str) else d for d in t.dims), kinds[t.kind])
             for t in sig.inputs]
 
@@ -130,7 +131,7 @@ def export_graph(model: Transformer, params: Mapping[str, np.ndarray], role: str
     with (warnings.catch_warnings(), quiet_loggers("onnx_ir.serde", "jax2onnx.plugins.plugin_system"),
           jax.default_matmul_precision("highest"), jax.default_device(jax.devices("cpu")[0])):
         warnings.simplefilter("ignore")
-        proto = to_onnx(_function(model, role), _symbolic_inputs(cfg, sig), opset=opset,
+        proto = to_onnx(_function(model, role), _symbolic_inputs(cfg, sig, dtype), opset=opset,
                         model_name=f"rosetta_{role}", input_names=sig.input_names, output_names=sig.output_names)
     _int64_ids(proto)
     return finish(proto, cfg, params, sig, dtype=dtype, opset=opset, exporter=_version(),

@@ -372,20 +372,37 @@ class OnnxTransformer:
             feeds = {"src_ids": src_ids, "src_keep": self._keep(src_ids, src_keep, "src"), **feeds}
         return self._run(FORWARD, feeds)[0]
 
-    def forward_routed(self, tgt_ids, tgt_keep=None, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """A mixture of experts' forward (the forward_routed graph): the logits [B, T, V] and each MoE
-        layer's choices [L, B, T, k], its own, or `forced` [L, B, T, k] where given (SPEC §5.14)."""
+    def forward_routed(self, tgt_ids, tgt_keep=None, forced: np.ndarray | None = None,
+                       forced_weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A mixture of experts' forward (the forward_routed graph): the logits [B, T, V], each MoE
+        layer's choices [L, B, T, k], its own, or `forced` [L, B, T, k] where given, and its own
+        weights of those choices [L, B, T, k]; where given, `forced_weights` are the weights it
+        takes (SPEC §5.14)."""
         cfg = self.cfg
         check_model_inputs(cfg, None, tgt_ids)
         tgt_ids = np.asarray(tgt_ids, dtype=np.int64)
-        shape = (cfg.n_decoder_layers, *tgt_ids.shape, cfg.moe.experts_per_token)
-        if forced is not None and np.shape(forced) != shape:
-            raise InputError(f"forced experts of shape {list(np.shape(forced))}: this model and tgt_ids take {list(shape)}")
-        logits, chosen = self._run(FORWARD_ROUTED, {
+        logits, chosen, weights = self._run(FORWARD_ROUTED, {
             "tgt_ids": tgt_ids, "tgt_keep": self._keep(tgt_ids, tgt_keep, "tgt"),
-            "forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
-            "replay": np.array(forced is not None)})
-        return logits.numpy(), chosen.numpy()
+            **self._routing_feeds(tgt_ids.shape, forced, forced_weights)})
+        return logits.numpy(), chosen.numpy(), weights.numpy()
+
+    def _routing_feeds(self, shape: tuple[int, int], forced, forced_weights) -> dict[str, np.ndarray]:
+        """The routed graphs' routing inputs for ids of `shape`: the forced choices and weights
+        (zeros where not given), and replay, true where choices are forced."""
+        cfg = self.cfg
+        shape = (cfg.n_decoder_layers, *shape, cfg.moe.experts_per_token)
+        for name, given in (("forced experts", forced), ("forced weights", forced_weights)):
+            if given is not None and np.shape(given) != shape:
+                raise InputError(f"{name} of shape {list(np.shape(given))}: this model and tgt_ids take {list(shape)}")
+        if forced_weights is not None and forced is None:
+            raise InputError("forced weights need the choices they weigh: give forced too")
+        if forced is not None and forced_weights is None:
+            raise InputError("forced choices need their weights: give forced_weights too (the golden's)")
+        float_type = np.float16 if self.dtype == "float16" else np.float32
+        return {"forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
+                "forced_weights": np.zeros(shape, float_type) if forced_weights is None
+                else np.asarray(forced_weights, float_type),
+                "replay": np.array(forced is not None)}
 
     def encode(self, src_ids, src_keep=None) -> tuple[np.ndarray, list[np.ndarray]]:
         """memory [B, S, d] and each decoder layer's cross-attention key and value [B, H, S, d_k]."""
@@ -435,23 +452,18 @@ class OnnxTransformer:
             logits.append(outputs[0].numpy())
         return (logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)), cache
 
-    def decode_step_routed(self, cache: OnnxCache, tgt_ids, tgt_keep=None,
-                           forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, OnnxCache]:
+    def decode_step_routed(self, cache: OnnxCache, tgt_ids, tgt_keep=None, forced: np.ndarray | None = None,
+                           forced_weights: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, OnnxCache]:
         """A mixture of experts' decode_step through decoder_step_routed: the logits [B, n, V], each
-        MoE layer's choices [L, B, n, k], its own or `forced` [L, B, n, k] where given (SPEC §5.14),
-        and the new cache (decoder_step's layout: start_cache(..., in_place=False))."""
-        cfg = self.cfg
+        MoE layer's choices [L, B, n, k] and its own weights of them, as forward_routed's, and the new
+        cache (decoder_step's layout: start_cache(..., in_place=False))."""
         if cache.in_place:
             raise InputError("decode_step_routed writes decoder_step's cache; this one is the in-place step's: "
                              "start_cache(..., in_place=False)")
         tgt_ids, keep = self._step_inputs(cache, tgt_ids, tgt_keep)
-        shape = (cfg.n_decoder_layers, *tgt_ids.shape, cfg.moe.experts_per_token)
-        if forced is not None and np.shape(forced) != shape:
-            raise InputError(f"forced experts of shape {list(np.shape(forced))}: this model and tgt_ids take {list(shape)}")
-        outputs, cache = self._step(cache, tgt_ids, keep, {
-            "forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
-            "replay": np.array(forced is not None)})
-        return outputs[0].numpy(), outputs[-1].numpy(), cache
+        outputs, cache = self._step(cache, tgt_ids, keep, self._routing_feeds(tgt_ids.shape, forced, forced_weights))
+        return outputs[0].numpy(), outputs[-2].numpy(), outputs[-1].numpy(), cache
 
     def _step_inputs(self, cache: OnnxCache, tgt_ids, tgt_keep) -> tuple[np.ndarray, np.ndarray]:
         check_decode_step(self.cfg, tgt_ids, cache.length, cache.batch)

@@ -45,9 +45,11 @@ class ForwardGraph(nn.Module):
 
 
 @contextlib.contextmanager
-def _routing(model: Transformer, forced: torch.Tensor, replay: torch.Tensor, taken: list):
-    """Inside, each MoE layer i of model takes forced[i] where replay is true, else its own
-    choices, and appends what it took [B, T, k] to taken (SPEC §5.14)."""
+def _routing(model: Transformer, forced: torch.Tensor, forced_weights: torch.Tensor, replay: torch.Tensor,
+             taken: list, weighed: list):
+    """Inside, each MoE layer i of model takes forced[i] and forced_weights[i] where replay is
+    true, else its own choices and weights, and appends what it took [B, T, k] to taken and its own
+    weights (at the choices it took) to weighed (SPEC §5.14)."""
     mixtures = [layer.ffn for layer in model.decoder.layers]
 
     def choices(free: torch.Tensor, layer: int) -> torch.Tensor:
@@ -55,31 +57,38 @@ def _routing(model: Transformer, forced: torch.Tensor, replay: torch.Tensor, tak
         taken.append(chosen.reshape(forced.shape[1:]))
         return chosen
 
+    def weighting(own: torch.Tensor, layer: int) -> torch.Tensor:
+        weighed.append(own.reshape(forced.shape[1:]).to(forced_weights.dtype))
+        return torch.where(replay, forced_weights[layer].reshape(own.shape).to(own.dtype), own)
+
     for index, mixture in enumerate(mixtures):
         mixture.choices = functools.partial(choices, layer=index)
+        mixture.weighting = functools.partial(weighting, layer=index)
     try:
         yield
     finally:
         for mixture in mixtures:
-            mixture.choices = None
+            mixture.choices = mixture.weighting = None
 
 
 class RoutedForwardGraph(nn.Module):
     """The forward of a mixture of experts with its routing as tensors (SPEC §5.14): each MoE
-    layer's choices are forced_experts[i] where replay is true, else its own, and either way they
-    are an output, so the conformance harness can replay the golden's routing in the exported
-    graph and see where its own choices differ."""
+    layer's choices and weights are forced_experts[i] and forced_weights[i] where replay is true,
+    else its own; its choices and its own weights are outputs either way, so the conformance
+    harness can replay the golden's routing in the exported graph and see where the graph's own
+    router differs."""
 
     def __init__(self, model: Transformer):
         super().__init__()
         self.model = model
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tgt_ids, tgt_keep, forced, replay = tensors
+        tgt_ids, tgt_keep, forced, forced_weights, replay = tensors
         taken: list = []
-        with _routing(self.model, forced, replay, taken):
+        weighed: list = []
+        with _routing(self.model, forced, forced_weights, replay, taken, weighed):
             logits = self.model.output_logits(self.model.decode(tgt_ids, tgt_keep))
-        return logits, torch.stack(taken)
+        return logits, torch.stack(taken), torch.stack(weighed)
 
 
 class EncoderGraph(nn.Module):
@@ -128,11 +137,12 @@ class RoutedDecoderStepGraph(DecoderStepGraph):
     generation replay the golden's routing step by step."""
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        *step, forced, replay = tensors
+        *step, forced, forced_weights, replay = tensors
         taken: list = []
-        with _routing(self.model, forced, replay, taken):
+        weighed: list = []
+        with _routing(self.model, forced, forced_weights, replay, taken, weighed):
             outputs = super().forward(*step)
-        return (*outputs, torch.stack(taken))
+        return (*outputs, torch.stack(taken), torch.stack(weighed))
 
 
 def _wrapper(model: Transformer, role: str) -> nn.Module:

@@ -420,17 +420,19 @@ class FeedForward(nnx.Module):
 
 # nnx.jit traverses a module's attributes as its graph: the log rides a context variable instead
 _ROUTING: contextvars.ContextVar[RoutingLog | None] = contextvars.ContextVar("routing", default=None)
-# an exported graph's routing (export/jax_export's forward_routed): its forced choices [L, B, T, k] and
-# replay flag are graph inputs, traced values, and each layer's choices go into the list, as outputs
-_GRAPH_ROUTING: contextvars.ContextVar[tuple[jax.Array, jax.Array, list] | None] = contextvars.ContextVar(
-    "graph_routing", default=None)
+# an exported graph's routing (export/jax_export's forward_routed): its forced choices and weights
+# [L, B, T, k] and replay flag are graph inputs, traced values, and each layer's choices and own
+# weights go into the lists, as outputs
+_GRAPH_ROUTING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("graph_routing", default=None)
 
 
 @contextlib.contextmanager
-def graph_routing(forced: jax.Array, replay: jax.Array, taken: list) -> Iterator[None]:
-    """While a graph is traced inside, MoE layer i takes forced[i] where replay is true, else its own
-    choices, and appends what it took [N, k] to taken (SPEC §5.14)."""
-    token = _GRAPH_ROUTING.set((forced, replay, taken))
+def graph_routing(forced: jax.Array, forced_weights: jax.Array, replay: jax.Array, taken: list,
+                  weighed: list) -> Iterator[None]:
+    """While a graph is traced inside, MoE layer i takes forced[i] and forced_weights[i] where replay
+    is true, else its own choices and weights, and appends what it took [N, k] to taken and its
+    own weights (at the choices it took) to weighed (SPEC §5.14)."""
+    token = _GRAPH_ROUTING.set((forced, forced_weights, replay, taken, weighed))
     try:
         yield
     finally:
@@ -486,7 +488,7 @@ class MixtureOfExperts(nnx.Module):
         chosen = jnp.argsort(-probabilities, axis=-1, stable=True)[:, :self.k]
         graph = _GRAPH_ROUTING.get()
         if graph is not None:
-            forced, replay, taken = graph
+            forced, forced_weights, replay, taken, weighed = graph
             chosen = jnp.where(replay, forced[self.index].reshape(chosen.shape).astype(chosen.dtype), chosen)
             taken.append(chosen)
         log = _ROUTING.get()
@@ -498,11 +500,15 @@ class MixtureOfExperts(nnx.Module):
         weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if graph is not None:
+            weighed.append(weights)
+            weights = jnp.where(replay, forced_weights[self.index].reshape(weights.shape).astype(weights.dtype), weights)
         if log is not None:  # the weights logged too, or the golden's taken
-            golden = _weighed(log, self.index, weights)
-            # the golden's values with this router's gradient (log.weigh hands back the router's own
-            # where nothing is forced): a replayed gradient or training case still reaches the router
-            weights = weights + jax.lax.stop_gradient(golden - weights)
+            own = jax.lax.stop_gradient(weights)  # a host callback has no derivative
+            # the golden's values (w − w is exactly 0) with this router's gradient (log.weigh hands back
+            # the router's own where nothing is forced): a replayed gradient or training case still
+            # reaches the router
+            weights = _weighed(log, self.index, own) + (weights - own)
         return probabilities, chosen, weights.astype(tokens.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -423,7 +423,13 @@ def mixture_of_experts(x: np.ndarray, router: np.ndarray, experts: Sequence[Para
         raise ValueError(f"the router scores {router.shape[-1]} experts; {len(experts)} are given")
     probabilities = router_probabilities(x, router)
     chosen = top_experts(probabilities, k)  # [N, k]
-    weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
+    return weighted_experts(x, experts, chosen, routing_weights(probabilities, chosen, renormalize), activation)
+
+
+def weighted_experts(x: np.ndarray, experts: Sequence[Params], chosen: np.ndarray, weights: np.ndarray,
+                     activation: str) -> np.ndarray:
+    """Σ_j w_j · FFN_chosen_j(x) for the given choices [N, k] and weights [N, k]; an expert no
+    token chose computes nothing. [N, d] -> [N, d]"""
     out = np.zeros_like(x)
     for expert, p in enumerate(experts):
         tokens, slot = np.nonzero(chosen == expert)  # the tokens that chose it, and in which of their k places

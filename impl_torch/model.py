@@ -371,6 +371,7 @@ class MixtureOfExperts(nn.Module):
         # an exported graph's routing (export/torch_export.RoutedForwardGraph): the free choices in,
         # the choices to take out, as tensors, since a graph's forced choices are one of its inputs
         self.choices: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.weighting: Callable[[torch.Tensor], torch.Tensor] | None = None  # the same for the weights
         self.index = 0  # which decoder layer this is, for a routing log (Stack sets it)
 
     def route(self, tokens: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -392,13 +393,15 @@ class MixtureOfExperts(nn.Module):
         weights = probabilities.gather(-1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weighting is not None:
+            weights = self.weighting(weights)
         if self.log is not None:  # the weights logged too, or the golden's taken
             forced = self.log.weigh(self.index, weights.detach().cpu().double().numpy())
             if forced is not None:
                 # the golden's values with this router's gradient: a replayed gradient or training
                 # case still differentiates through the router
                 golden = torch.as_tensor(forced, dtype=weights.dtype, device=weights.device)
-                weights = weights + (golden - weights).detach()
+                weights = golden + (weights - weights.detach())  # w − w is exactly 0: the values are the golden's
         return probabilities, chosen, weights.to(tokens.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

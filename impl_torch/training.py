@@ -45,8 +45,13 @@ def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, o
     logits = model(src_ids, tgt_ids, dropout_masks=dropout_masks)
     loss = token_cross_entropy(cfg, logits, torch.as_tensor(targets, device=model.tgt_embed.weight.device))
     loss.backward()
+    for p in model.parameters():
+        if p.grad is None:  # an expert no token chose (the loop form runs it on nothing): its gradient
+            # is 0, and torch.optim skips a parameter without one, where the spec's step still decays
+            # its moments and weights
+            p.grad = torch.zeros_like(p)
     # copies: clipping and the next step's zero_grad work on .grad in place
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     if training.clip_norm is not None:
         clip_by_global_norm(list(model.parameters()), training.clip_norm)
     optimizer.step()

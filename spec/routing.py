@@ -46,17 +46,21 @@ class RoutingLog:
 
     def weigh(self, layer: int, own: np.ndarray) -> np.ndarray | None:
         """Decoder layer `layer`'s own weights [N, k] of the choices its last `choose` returned,
-        recorded; returns the golden's for the same positions where they are forced, else None
-        (keep your own). float64: the caller casts them to its dtype."""
+        recorded; returns forced_weights_at(layer)."""
         index = self._layers[layer]
-        call = self.chosen[index][-1]  # [B, T, k]: the call these weights belong to
-        batch, length = call.shape[:2]
         while len(self.weights) <= index:
             self.weights.append([])
-        self.weights[index].append(np.asarray(own, dtype=np.float64).reshape(call.shape))
+        self.weights[index].append(np.asarray(own, dtype=np.float64).reshape(self.chosen[index][-1].shape))
+        return self.forced_weights_at(layer)
+
+    def forced_weights_at(self, layer: int) -> np.ndarray | None:
+        """The forced weights [N, k] of the positions of decoder layer `layer`'s last `choose`, or
+        None where weights are not forced (keep your own). float64: the caller casts them."""
         if self.forced_weights is None:
             return None
-        cursor = sum(c.shape[1] for c in self.chosen[index][:-1])
+        index = self._layers[layer]
+        batch, length = self.chosen[index][-1].shape[:2]
+        cursor = sum(call.shape[1] for call in self.chosen[index][:-1])
         return self.forced_weights[index][:, cursor:cursor + length].reshape(batch * length, -1)
 
     def layers(self) -> list[np.ndarray]:

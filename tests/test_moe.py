@@ -177,6 +177,53 @@ def _gate_and_up_swapped(self, x):
     return self.w2(self.activation(self.w3(x)) * self.w1(x))
 
 
+def _route_in_bfloat16(self, tokens, batch=1):
+    """A router whose logits are computed in bfloat16 where the config says float32."""
+    logits = torch.nn.functional.linear(tokens.bfloat16(), self.router.weight.bfloat16()).to(tokens.dtype)
+    probabilities = torch.softmax(logits, dim=-1)
+    chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
+    if self.log is not None:  # the routing log, as impl_torch's route reads it
+        chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.numpy())).long()
+    weights = probabilities.gather(-1, chosen)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if self.log is not None:
+        forced = self.log.weigh(self.index, weights.detach().double().numpy())
+        weights = weights if forced is None else torch.as_tensor(forced, dtype=weights.dtype)
+    return probabilities, chosen, weights.to(tokens.dtype)
+
+
+def test_the_router_and_experts_cells_tell_a_router_mistake_from_an_expert_mistake(monkeypatch):
+    """The router cell judges the probabilities, the experts cells the chosen experts on the
+    golden's routing: a router in bfloat16 fails the first only, an expert's gate and up swapped
+    the second only."""
+    router = _cells(monkeypatch, "mixtral-tiny", "float32", "[re][ox]*-*",
+                    (torch_model.MixtureOfExperts, "route", _route_in_bfloat16))
+    assert router["router-none"].status == FAIL and router["router-none"].max_abs_err > 100 * router["router-none"].tol
+    assert router["experts-none"].status == PASS and router["experts-unchosen"].status == PASS
+    monkeypatch.undo()
+    expert = _cells(monkeypatch, "mixtral-tiny", "float32", "[re][ox]*-*",
+                    (torch_model.FeedForward, "forward", _gate_and_up_swapped))
+    assert expert["router-none"].status == PASS
+    assert all(expert[name].status == FAIL and expert[name].max_abs_err > 100 * expert[name].tol
+               for name in ("experts-none", "experts-unchosen"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_unchosen_case_leaves_one_expert_to_no_token(preset):
+    """experts-unchosen: the least probable expert is chosen by no token, so a backend must run an
+    expert with nothing to compute (SPEC §5.14: it adds nothing); experts-none is the router's own."""
+    from conformance.cases import build_case
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    case = build_case(cfg, params, "experts", "unchosen")
+    assert len(set(range(cfg.moe.n_experts)) - set(case.inputs["chosen"].ravel().tolist())) == 1
+    case = build_case(cfg, params, "experts", "none")
+    x = case.inputs["x"].reshape(-1, cfg.d_model).astype(np.float64)
+    router = params[f"{case.inputs['module']}.router.weight"].astype(np.float64)
+    want = golden.top_experts(golden.router_probabilities(x, router), cfg.moe.experts_per_token)
+    assert np.array_equal(case.inputs["chosen"].reshape(want.shape), want)
+
+
 def test_a_router_mistake_is_named_as_the_router_choosing_differently(monkeypatch):
     cells = _cells(monkeypatch, "mixtral-tiny", "float32", "forward-none",
                    (torch_model.MixtureOfExperts, "route", _route_smallest))
@@ -386,32 +433,41 @@ def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_pa
     ids = _ids(cfg)
     with recorded_routing() as calls:
         want = _golden_logits(cfg, params, ids)
-    logits, chosen = model.forward_routed(ids)
+    logits, chosen, weights = model.forward_routed(ids)
     assert np.array_equal(chosen, np.stack([call.chosen for call in calls]))  # its own choices: the golden's here
+    assert np.abs(weights - np.stack([call.weights for call in calls])).max() < 1e-6  # and its own weights
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(model.forward(None, ids) - logits).max() == 0  # the same forward as the deployed graph's
     forced = np.broadcast_to(np.array([5, 0]), chosen.shape).copy()
-    logits, taken = model.forward_routed(ids, forced=forced)
+    forced_weights = np.broadcast_to(np.array([0.75, 0.5], np.float32), chosen.shape).copy()
+    logits, taken, own = model.forward_routed(ids, forced=forced, forced_weights=forced_weights)
     torch_model_forced = Transformer.from_params(cfg, params, dtype=torch.float32)
-    with torch_model_forced.routing_log(forced=list(forced)):
+    with torch_model_forced.routing_log(forced=list(forced), forced_weights=list(forced_weights)) as log:
         expected = _torch_logits(torch_model_forced, ids)
     assert np.array_equal(taken, forced) and np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert np.abs(own - np.stack(log.own_weights())).max() < 1e-6  # its own weights at the forced choices
     from spec.errors import InputError
     with pytest.raises(InputError, match=r"forced experts of shape \[2, 3, 11\]: this model and tgt_ids take"):
-        model.forward_routed(ids, forced=forced[..., 0])
+        model.forward_routed(ids, forced=forced[..., 0], forced_weights=forced_weights)
+    with pytest.raises(InputError, match="forced choices need their weights"):
+        model.forward_routed(ids, forced=forced)
 
     # decoder_step_routed: a prefill and then one token a step line up with the forward's routing
     chunks = [(0, 4)] + [(t, t + 1) for t in range(4, ids.shape[1])]
-    for replayed in (None, forced):
+    for replayed, replayed_weights in ((None, None), (forced, forced_weights)):
         cache = model.start_cache(len(ids), ids.shape[1], in_place=False)
-        steps, choices = [], []
+        steps, choices, weighed = [], [], []
         for begin, end in chunks:
-            step_logits, step_chosen, cache = model.decode_step_routed(
-                cache, ids[:, begin:end], forced=None if replayed is None else replayed[:, :, begin:end])
+            step_logits, step_chosen, step_weights, cache = model.decode_step_routed(
+                cache, ids[:, begin:end], forced=None if replayed is None else replayed[:, :, begin:end],
+                forced_weights=None if replayed is None else replayed_weights[:, :, begin:end])
             steps.append(step_logits)
             choices.append(step_chosen)
-        want_logits, want_chosen = model.forward_routed(ids, forced=replayed)
+            weighed.append(step_weights)
+        want_logits, want_chosen, want_weights = model.forward_routed(ids, forced=replayed,
+                                                                      forced_weights=replayed_weights)
         assert np.array_equal(np.concatenate(choices, axis=2), want_chosen)
+        assert np.abs(np.concatenate(weighed, axis=2) - want_weights).max() < 1e-6
         assert np.abs(np.concatenate(steps, axis=1) - want_logits).max() <= 1e-5 * np.abs(want_logits).max()
     with pytest.raises(InputError, match="decode_step_routed writes decoder_step's cache; this one is the in-place"):
         model.decode_step_routed(model.start_cache(len(ids), ids.shape[1]), ids[:, :2])
@@ -419,9 +475,9 @@ def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_pa
 
 @pytest.mark.slow
 def test_the_jax_exports_routed_forward_gives_its_choices_and_takes_forced_ones(tmp_path):
-    """onnx-jax's forward_routed: jax2onnx's graph of impl_jax's routing, the choices its own (the
-    golden's here) or the forced ones, int64 out as the torch export's, the logits impl_jax's with
-    the same choices forced."""
+    """onnx-jax's forward_routed: jax2onnx's graph of impl_jax's routing, the choices and weights its
+    own (the golden's here) or the forced ones, int64 choices out as the torch export's, the logits
+    impl_jax's with the same routing forced, its own weights at the forced choices impl_jax's."""
     from export.jax_export import export_jax
     from export.runner import OnnxTransformer
     cfg = get_preset("mixtral-tiny")
@@ -431,15 +487,18 @@ def test_the_jax_exports_routed_forward_gives_its_choices_and_takes_forced_ones(
     ids = _ids(cfg)
     with recorded_routing() as calls:
         want = _golden_logits(cfg, params, ids)
-    logits, chosen = model.forward_routed(ids)
+    logits, chosen, weights = model.forward_routed(ids)
     assert chosen.dtype == np.int64 and np.array_equal(chosen, np.stack([call.chosen for call in calls]))
+    assert np.abs(weights - np.stack([call.weights for call in calls])).max() < 1e-6
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
     forced = np.broadcast_to(np.array([4, 1]), chosen.shape).copy()
-    logits, taken = model.forward_routed(ids, forced=forced)
+    forced_weights = np.broadcast_to(np.array([0.25, 0.5], np.float32), chosen.shape).copy()
+    logits, taken, own = model.forward_routed(ids, forced=forced, forced_weights=forced_weights)
     jax_model_forced = impl_jax.Transformer.from_params(cfg, params, dtype="float32")
-    with jax_model_forced.routing_log(forced=list(forced)):
+    with jax_model_forced.routing_log(forced=list(forced), forced_weights=list(forced_weights)) as log:
         expected = np.asarray(jax_model_forced(None, ids))
     assert np.array_equal(taken, forced) and np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert np.abs(own - np.stack(log.own_weights())).max() < 1e-6
 
 
 @pytest.mark.slow
@@ -447,7 +506,7 @@ def test_the_onnx_jax_column_replays_the_forward(monkeypatch):
     """qwen3-moe-tiny's forward-long at float16 flips a choice near a tie in jax2onnx's graph too:
     it passes with the golden's choices replayed in its forward_routed graph, saying so."""
     cell = _cells(monkeypatch, "qwen3-moe-tiny", "float16", "forward-long*", backend="onnx-jax")["forward-long"]
-    assert cell.status == PASS and cell.reason.startswith("expert choices replayed: the router chose differently at"), \
+    assert cell.status == PASS and cell.reason.startswith("routing replayed: the router chose differently at"), \
         cell.reason
 
 
@@ -460,11 +519,46 @@ def test_the_onnx_column_replays_the_forward_and_names_an_expert_mistake(monkeyp
     both = "[fd]*-[li][on]*"
     cells = _cells(monkeypatch, "qwen3-moe-tiny", "float16", both, backend="onnx")
     for name in ("forward-long", "decode-incremental"):
-        # the graphs take expert choices, not weights
-        assert cells[name].status == PASS and cells[name].reason.startswith("expert choices replayed:"), cells[name].reason
+        assert cells[name].status == PASS and cells[name].reason.startswith("routing replayed:"), cells[name].reason
     monkeypatch.setenv("ROSETTA_ONNX_CACHE", "0")  # the mistake's export is not the cached one
     cells = _cells(monkeypatch, "mixtral-tiny", "float32", both,
                    (torch_model.FeedForward, "forward", _gate_and_up_swapped), backend="onnx")
     for name in ("forward-long", "decode-incremental"):
         assert cells[name].status == FAIL and cells[name].reason.startswith(
-            "with the golden's expert choices replayed the cell still fails"), cells[name].reason
+            "with the golden's routing replayed the cell still fails"), cells[name].reason
+
+
+def test_an_expert_no_token_chose_still_takes_the_optimizers_step():
+    """One token chooses 2 of mixtral-tiny's 5 experts per layer. torch.optim skips a parameter
+    without a .grad, and the loop form's unchosen experts have none (they ran on nothing), where
+    the spec's AdamW step gives them a zero gradient and still decays their weights. impl_torch's
+    step gives them that zero gradient: two steps agree with the golden's on every expert."""
+    import impl_torch.training as torch_training
+    from impl_numpy import training as golden_training
+    from impl_torch.model import _linear_weight_names
+    from spec.training import TrainingConfig
+
+    cfg = get_preset("mixtral-tiny")
+    params = conformance_params(cfg)
+    training = TrainingConfig(optimizer="adamw", weight_decay=0.3, warmup_steps=2, learning_rate_scale=20.0)
+    batch = (None, np.array([[5]]), np.array([[7]]))
+    with recorded_routing() as calls:
+        golden.model_logits(cfg, golden.cast_params(cfg, params), None, batch[1])
+    unchosen = [f"decoder.layers.{layer}.ffn.experts.{expert}.w1.weight" for layer, call in enumerate(calls)
+                for expert in sorted(set(range(cfg.moe.n_experts)) - set(call.chosen.ravel().tolist()))]
+    p, state = golden.cast_params(cfg, params), golden_training.start_adam(golden.cast_params(cfg, params))
+    model = Transformer.from_params(cfg, params, dtype=torch.float64, attention="math")  # the loop form
+    optimizer, schedule = torch_training.make_optimizer(model, training)
+    transposed = _linear_weight_names(model)
+    for step in range(2):
+        _, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, *batch)
+        _, _, p, state = golden_training.train_step(cfg, training, p, state, *batch)
+        if step == 0:
+            assert len(unchosen) == 3 * cfg.n_decoder_layers and all(not grads[name].any() for name in unchosen)
+    assert all(not np.array_equal(p[name], params[name]) for name in unchosen)  # decayed
+    # the experts' parameters (the router's unchosen columns have an identically zero gradient that
+    # is rounding in torch, which Adam turns into a step: tests/test_training.py's b^K)
+    for name, value in ((n, v) for n, v in model.named_parameters() if ".experts." in n):
+        theirs = value.detach().numpy()
+        np.testing.assert_allclose(theirs.T if name in transposed else theirs, p[name], rtol=1e-9, atol=1e-12,
+                                   err_msg=name)

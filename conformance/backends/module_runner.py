@@ -99,6 +99,13 @@ class ModuleRunner:
                                                          offset=inputs.get("offset", 0))
         if sublayer in ("ffn", "norm"):
             return self._module(inputs["module"], model)(self._float(inputs["x"]))
+        if sublayer == "router":
+            x = self._float(inputs["x"])
+            probabilities, _, _ = self._module(inputs["module"], model).route(x.reshape(-1, x.shape[-1]))
+            return probabilities.reshape(*x.shape[:-1], -1)
+        if sublayer == "experts":  # the block itself, its routing the case's (the golden's), forced
+            with self.routing_log(forced=[np.asarray(inputs["chosen"])], forced_weights=[np.asarray(inputs["weights"])]):
+                return self._module(inputs["module"], model)(self._float(inputs["x"]))
         if sublayer == "ffn_block":
             return self._module(inputs["layer"], model).ffn_block(self._float(inputs["x"]))
         if sublayer == "encoder_layer":

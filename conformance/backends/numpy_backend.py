@@ -84,6 +84,15 @@ class NumpyRunner:
                                                inputs.get("offset", 0))
         if sublayer == "ffn":
             return golden.ffn(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
+        if sublayer == "router":
+            x = self._float(inputs["x"])
+            router = p[f"{inputs['module']}.router.weight"]
+            return golden.router_probabilities(x.reshape(-1, x.shape[-1]), router).reshape(*x.shape[:-1], -1)
+        if sublayer == "experts":
+            x, k = self._float(inputs["x"]), cfg.moe.experts_per_token
+            experts = golden.layer_experts(cfg, params_under(p, inputs["module"]))
+            return golden.weighted_experts(x.reshape(-1, x.shape[-1]), experts, np.reshape(inputs["chosen"], (-1, k)),
+                                           self._float(inputs["weights"]).reshape(-1, k), cfg.activation).reshape(x.shape)
         if sublayer == "norm":
             return golden.norm(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
         if sublayer == "ffn_block":

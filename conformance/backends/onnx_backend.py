@@ -22,6 +22,7 @@ from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
 from spec.routing import RoutingLog
+from spec.errors import InputError
 
 WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
 
@@ -38,9 +39,10 @@ class OnnxRunner:
                      forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
         """Inside, a forward runs the forward_routed graph and a decode or generation steps of
         decoder_step_routed (an export without it refuses those cases): each MoE layer's choices
-        logged, or the forced ones taken (replayed routing, SPEC §5.14). The graphs take choices,
-        not weights: forced_weights are not taken, and the log records no weights of its own."""
-        self._log = RoutingLog(forced)
+        and own weights logged, or the forced ones taken (replayed routing, SPEC §5.14)."""
+        if forced is not None and forced_weights is None:
+            raise InputError("the routed graphs take forced choices with their weights: give forced_weights too")
+        self._log = RoutingLog(forced, forced_weights)
         try:
             yield self._log
         finally:
@@ -49,9 +51,11 @@ class OnnxRunner:
     def _forward_routed(self, inputs: Mapping[str, Any]) -> np.ndarray:
         log, tgt_ids = self._log, np.asarray(inputs["tgt_ids"])
         forced = None if log.forced is None else np.stack(log.forced)
-        logits, chosen = self.model.forward_routed(tgt_ids, forced=forced)
-        for layer, layer_chosen in enumerate(chosen):  # the log checks forced choices' shapes and records
+        weights = None if log.forced_weights is None else np.stack(log.forced_weights)
+        logits, chosen, own = self.model.forward_routed(tgt_ids, forced=forced, forced_weights=weights)
+        for layer, (layer_chosen, layer_own) in enumerate(zip(chosen, own)):  # checked against the forced, recorded
             log.choose(layer, len(tgt_ids), layer_chosen.reshape(-1, layer_chosen.shape[-1]))
+            log.weigh(layer, layer_own.reshape(-1, layer_own.shape[-1]))
         return logits
 
     def _routed_step(self, cache, tgt_ids, tgt_keep=None):
@@ -60,13 +64,18 @@ class OnnxRunner:
         log, (batch, length) = self._log, np.shape(tgt_ids)
         layers, k = self.cfg.n_decoder_layers, self.cfg.moe.experts_per_token
         if log.forced is None:
-            logits, chosen, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep)
-            for layer, layer_chosen in enumerate(chosen):
+            logits, chosen, own, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep)
+            for layer, (layer_chosen, layer_own) in enumerate(zip(chosen, own)):
                 log.choose(layer, batch, layer_chosen.reshape(-1, k))
+                log.weigh(layer, layer_own.reshape(-1, k))
             return logits, cache
         forced = np.stack([log.choose(layer, batch, np.zeros((batch * length, k), np.int32)).reshape(batch, length, k)
                            for layer in range(layers)])
-        logits, _chosen, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep, forced=forced)
+        weights = np.stack([log.forced_weights_at(layer).reshape(batch, length, k) for layer in range(layers)])
+        logits, _chosen, own, cache = self.model.decode_step_routed(cache, tgt_ids, tgt_keep, forced=forced,
+                                                                    forced_weights=weights)
+        for layer, layer_own in enumerate(own):
+            log.weigh(layer, layer_own.reshape(-1, k))
         return logits, cache
 
     def graph_served(self, sublayer: str) -> str:
