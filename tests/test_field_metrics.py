@@ -20,7 +20,12 @@ from spec import conformance_params, get_preset
 LOGITS = arrays(np.float64, (2, 3, 11), elements=st.floats(-20, 20))
 
 
-@given(LOGITS, arrays(np.float64, (2, 3, 1), elements=st.floats(-50, 50)))
+# multiples of 1/16: a shift adds exactly, so no gap between two logits rounds away (a gap of 2e-16
+# does at a shift of 2, and turns a lead into a tie: hypothesis found it)
+GRID = st.integers(-320, 320).map(lambda sixteenths: sixteenths / 16)
+
+
+@given(arrays(np.float64, (2, 3, 11), elements=GRID), arrays(np.float64, (2, 3, 1), elements=GRID))
 @settings(max_examples=50, deadline=None)
 def test_a_shift_of_every_logit_changes_no_distribution(logits, shift):
     metrics = logit_metrics(logits, logits + shift)
