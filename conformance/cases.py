@@ -417,7 +417,7 @@ def layer_of(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
 _MOE_SUBLAYERS = ("router", "experts")
 
 
-def _golden_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarray,
+def _experts_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarray,
                     leave_one_out: bool) -> tuple[np.ndarray, np.ndarray]:
     """An experts case's routing, [B, T, k] each: the golden router's choices on x and their weights
     (float32-representable, as every input), or, leaving one out, the k most probable of the other
@@ -502,7 +502,7 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         x = _normal(rng, BATCH, TGT_LEN, d)
         if sublayer == "router":
             return {"module": module, "x": x}, d
-        chosen, weights = _golden_routing(cfg, params_under(golden_params(), module), x, mask_case == "unchosen")
+        chosen, weights = _experts_routing(cfg, params_under(golden_params(), module), x, mask_case == "unchosen")
         return {"module": module, "x": x, "chosen": chosen, "weights": weights}, max(d, d_ff)
     if sublayer == "encoder_layer":
         length = 1 if mask_case == "single_token" else SRC_LEN

@@ -149,9 +149,9 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
     # (a later layer's differences may follow from it): the choices of the free run, where they
     # first differ, and the weights each layer computed itself in the replayed run
     first = next((index for index, f in enumerate(flips) if f.any()), None)
+    bounds = [routing.bound(cfg, dtype) for routing in golden]  # [B, T] per layer
     worst = 0.0
-    for index, routing in enumerate(golden):
-        bound = routing.bound(cfg, dtype)  # [B, T]
+    for index, (routing, bound) in enumerate(zip(golden, bounds)):
         clear = flips[index] & (routing.margins >= bound) if index == first else None
         if clear is not None and clear.any():
             return _router_differs(failed, what, "chose differently", "clear of a tie", clear, index,
@@ -171,9 +171,9 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
             worst = max(worst, float((difference / np.maximum(bound, np.finfo(float).tiny)).max(initial=0.0)))
     notes = []
     if first is not None:
-        bound = golden[first].bound(cfg, dtype)[flips[first]]
         notes.append(f"{agreement}, those of MoE layer {first} each within rounding of a tie (smallest margin there "
-                     f"{float(golden[first].margins[flips[first]].min()):.2g}, bound {float(bound.min()):.2g})")
+                     f"{float(golden[first].margins[flips[first]].min()):.2g}, bound "
+                     f"{float(bounds[first][flips[first]].min()):.2g})")
     if weighed:
         notes.append(f"the router's own weights within rounding of the golden's (largest |Δw| {worst:.2g} of its bound)")
     if not notes:  # the same choices, and no weights to tell: nothing explains the failure

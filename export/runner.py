@@ -398,7 +398,7 @@ class OnnxTransformer:
             raise InputError("forced weights need the choices they weigh: give forced too")
         if forced is not None and forced_weights is None:
             raise InputError("forced choices need their weights: give forced_weights too (the golden's)")
-        float_type = np.float16 if self.dtype == "float16" else np.float32
+        float_type = np.dtype(self.dtype)  # the export's float32 or float16
         return {"forced_experts": np.zeros(shape, np.int64) if forced is None else np.asarray(forced, np.int64),
                 "forced_weights": np.zeros(shape, float_type) if forced_weights is None
                 else np.asarray(forced_weights, float_type),

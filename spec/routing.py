@@ -31,6 +31,7 @@ class RoutingLog:
         index = self._layers.setdefault(layer, len(self._layers))
         if index == len(self.chosen):
             self.chosen.append([])
+            self.weights.append([])
         cursor = sum(call.shape[1] for call in self.chosen[index])
         length = free.shape[0] // batch
         if self.forced is not None:
@@ -48,8 +49,6 @@ class RoutingLog:
         """Decoder layer `layer`'s own weights [N, k] of the choices its last `choose` returned,
         recorded; returns forced_weights_at(layer)."""
         index = self._layers[layer]
-        while len(self.weights) <= index:
-            self.weights.append([])
         self.weights[index].append(np.asarray(own, dtype=np.float64).reshape(self.chosen[index][-1].shape))
         return self.forced_weights_at(layer)
 
@@ -70,4 +69,4 @@ class RoutingLog:
     def own_weights(self) -> list[np.ndarray]:
         """The weights each layer computed itself, [B, T, k] (a forced run's: at the forced choices,
         from the inputs the forced weights led to); [] where the framework does not report them."""
-        return [np.concatenate(calls, axis=1) for calls in self.weights]
+        return [np.concatenate(calls, axis=1) for calls in self.weights] if all(self.weights) else []

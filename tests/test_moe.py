@@ -158,17 +158,24 @@ def test_near_ties_at_bfloat16_pass_with_the_goldens_routing_replayed_and_say_so
     assert "within rounding of a tie" in cell.reason
 
 
-def _route_smallest(self, tokens, batch=1):
-    """A router that takes the k *least* likely experts (an ascending sort)."""
-    probabilities = torch.softmax(self.router(tokens).float(), dim=-1)
-    chosen = torch.sort(probabilities, dim=-1, stable=True).indices[:, :self.k]
+def _through_the_log(self, probabilities, chosen, batch):
+    """A mocked router's choices and renormalised weights through the cell's routing log, as
+    impl_torch's route takes them: (probabilities, chosen, weights)."""
     if self.log is not None:
         chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.numpy())).long()
     weights = probabilities.gather(-1, chosen)
     weights = weights / weights.sum(-1, keepdim=True)
-    if self.log is not None:  # the weights logged, or the golden's taken, as impl_torch's route does
+    if self.log is not None:
         forced = self.log.weigh(self.index, weights.detach().double().numpy())
         weights = weights if forced is None else torch.as_tensor(forced, dtype=weights.dtype)
+    return probabilities, chosen, weights
+
+
+def _route_smallest(self, tokens, batch=1):
+    """A router that takes the k *least* likely experts (an ascending sort)."""
+    probabilities = torch.softmax(self.router(tokens).float(), dim=-1)
+    chosen = torch.sort(probabilities, dim=-1, stable=True).indices[:, :self.k]
+    probabilities, chosen, weights = _through_the_log(self, probabilities, chosen, batch)
     return probabilities, chosen, weights.to(tokens.dtype)
 
 
@@ -182,13 +189,7 @@ def _route_in_bfloat16(self, tokens, batch=1):
     logits = torch.nn.functional.linear(tokens.bfloat16(), self.router.weight.bfloat16()).to(tokens.dtype)
     probabilities = torch.softmax(logits, dim=-1)
     chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :self.k]
-    if self.log is not None:  # the routing log, as impl_torch's route reads it
-        chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.numpy())).long()
-    weights = probabilities.gather(-1, chosen)
-    weights = weights / weights.sum(-1, keepdim=True)
-    if self.log is not None:
-        forced = self.log.weigh(self.index, weights.detach().double().numpy())
-        weights = weights if forced is None else torch.as_tensor(forced, dtype=weights.dtype)
+    probabilities, chosen, weights = _through_the_log(self, probabilities, chosen, batch)
     return probabilities, chosen, weights.to(tokens.dtype)
 
 

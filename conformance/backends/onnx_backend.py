@@ -22,7 +22,6 @@ from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
 from spec.routing import RoutingLog
-from spec.errors import InputError
 
 WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
 
@@ -40,8 +39,6 @@ class OnnxRunner:
         """Inside, a forward runs the forward_routed graph and a decode or generation steps of
         decoder_step_routed (an export without it refuses those cases): each MoE layer's choices
         and own weights logged, or the forced ones taken (replayed routing, SPEC §5.14)."""
-        if forced is not None and forced_weights is None:
-            raise InputError("the routed graphs take forced choices with their weights: give forced_weights too")
         self._log = RoutingLog(forced, forced_weights)
         try:
             yield self._log
