@@ -38,7 +38,8 @@ def test_workers_give_the_sequential_results():
     plan = _plan(["numpy-float32", "torch"])
     one = run_matrix(CFG, PARAMS, plan, jobs=1)
     two = run_matrix(CFG, PARAMS, plan, jobs=2)
-    assert [(r.test_id, r.status) for r in one] == [(r.test_id, r.status) for r in two]
+    assert [(r.test_id, r.status) for r in one] == [(r.test_id, r.status) for r in two], \
+        [(a.test_id, a.status, b.status, a.reason or b.reason) for a, b in zip(one, two) if a.status != b.status][:3]
     assert sum(r.status == PASS for r in two) == 3 * CASES  # numpy f32, torch f32 and f16
     for a, b in zip(one, two):  # torch's thread count differs in a worker: sums may round apart,
         assert (a.max_abs_err is None) == (b.max_abs_err is None)  # by a small part of the tolerance
@@ -183,3 +184,17 @@ def test_workers_are_started_early_only_where_the_run_will_use_them(monkeypatch,
     assert cli._early_workers(None, None, None, ["cpu"]) == "pool"
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert cli._early_workers(None, None, None, ["cpu"]) is None
+
+
+def test_a_case_a_worker_cannot_make_is_an_error_cell_and_the_column_goes_on():
+    """Before, an exception while a worker made a case or its reference ended the process, and
+    every cell left in its column read only that 'the worker process died'."""
+    from conformance.executors.local_pool import run_in_workers
+
+    results = {}
+    column = ("numpy-float32", "float32", "cpu")
+    work = [(0, "grad-attention-no_such_case", column), (1, "attention-none", column)]
+    run_in_workers(CFG, PARAMS, work, 1, lambda index, result: results.__setitem__(index, result))
+    assert (results[0].status, results[0].sublayer, results[0].mask_case) == (ERROR, "grad-attention", "no_such_case")
+    assert "could not be made" in results[0].reason and "no_such_case" in results[0].reason, results[0].reason
+    assert results[1].status == PASS

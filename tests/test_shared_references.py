@@ -118,3 +118,30 @@ def test_the_harness_computes_every_shareable_reference_for_its_workers(monkeypa
     ran = {f"{r.sublayer}-{r.mask_case}" for r in results if r.status == PASS}
     assert ran and len(results) == 2 * len(ran)
     assert sorted(computed) == sorted(ran)  # each case once, here
+
+
+def test_a_reference_stored_between_the_look_and_the_lock_is_read_not_computed_again(tmp_path, monkeypatch):
+    """A process looks (nothing stored), and before it takes the lock the holder stores the
+    reference and lets go: it must read that one, not compute and store a second (renaming onto
+    the stored folder raised, and the worker process died with the column's cells; CI saw it)."""
+    shared = SharedReferences(tmp_path)
+    shared.get("forward-none", lambda: np.arange(3.0))  # the other process's
+    looks = iter([None])
+    original = SharedReferences._read
+    monkeypatch.setattr(SharedReferences, "_read",
+                        lambda self, name: next(looks, "again") and original(self, name))
+
+    def never():
+        raise AssertionError("computed a reference stored already")
+
+    np.testing.assert_array_equal(shared.get("forward-none", never), np.arange(3.0))
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_second_store_of_one_reference_keeps_the_first(tmp_path):
+    """A process that took over a lock it wrongly thought left by the dead stores what is there already."""
+    shared = SharedReferences(tmp_path)
+    shared.put("decode-far", np.ones(2))
+    shared.put("decode-far", np.ones(2))
+    np.testing.assert_array_equal(shared.get("decode-far", lambda: 1 / 0), np.ones(2))
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -92,6 +92,12 @@ def _result_from(message: dict) -> CellResult:
     return CellResult(**message, worst_index=None if worst is None else tuple(worst))
 
 
+def _cell_error(column: tuple[str, str, str], case_name: str, reason: str) -> CellResult:
+    name, dtype, device = column
+    sublayer, mask_case = case_name.rsplit("-", 1)  # a mask case has no '-'; a backward sublayer has ('grad-mha')
+    return CellResult(name, device, dtype, sublayer, mask_case, ERROR, reason=reason)
+
+
 def auto_jobs(columns: Sequence[tuple[str, str, str]]) -> int:
     """Workers for a plan: one per core and column on the CPU; none where a column runs on a GPU
     (several processes would each hold a CUDA context, and JAX takes most of the GPU's memory
@@ -331,14 +337,12 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                     memory.release(worker)
                     wake_waiting()
                 if worker.column is not None:  # died inside a column: its unfinished cells are errors
-                    name, dtype, device = worker.column
                     words = worker.last_words()
                     for index, case_name in by_column[worker.column]:
                         if index in unfinished:
                             unfinished.discard(index)
-                            sublayer, _, mask_case = case_name.partition("-")
-                            if on_result(index, CellResult(name, device, dtype, sublayer, mask_case, ERROR,
-                                                           reason=f"the worker process running this column died ({words})")):
+                            if on_result(index, _cell_error(worker.column, case_name,
+                                                            f"the worker process running this column died ({words})")):
                                 return
                     if worker.group:  # its group's columns not started go first to the next worker
                         groups.insert(0, worker.group)
@@ -380,15 +384,19 @@ def _serve() -> None:
     while (task := _receive(requests)) is not None:
         (name, dtype, device), items = task
         for index, case_name in items:
-            if case_name not in cases:
-                cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1),  # mask cases have no '-'
-                                              lambda: golden.p)
-            case = cases[case_name]
-            if case_name not in references:
-                references[case_name] = shared_reference(shared, case_name,
-                                                         lambda: reference_for(cfg, params, case, golden, {}))
-            reference = references[case_name]
-            result = run_cell(cfg, params, case, name, dtype, device, reference, runners)
+            try:
+                if case_name not in cases:
+                    cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1),  # mask cases have no '-'
+                                                  lambda: golden.p)
+                case = cases[case_name]
+                if case_name not in references:
+                    references[case_name] = shared_reference(shared, case_name,
+                                                             lambda: reference_for(cfg, params, case, golden, {}))
+            except Exception as error:  # noqa: BLE001 - the cell says why; the worker goes on with the column
+                result = _cell_error((name, dtype, device), case_name, "its case or the golden's reference could not "
+                                     f"be made: {type(error).__name__}: {error}")
+            else:
+                result = run_cell(cfg, params, case, name, dtype, device, references[case_name], runners)
             give_back_freed()  # what the cell freed, so the memory measured after the column is what it keeps
             _send(answers, ["cell", [index, _result_message(result)]])
         runners.clear()  # its weights' copies go now, not when the next column loads

@@ -15,6 +15,7 @@ the golden's float64 weights (1 GB at SmolLM2-135M's size, 4 GB at Qwen2.5-0.5B'
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,9 @@ class SharedReferences:
                 time.sleep(POLL_SECONDS)
                 continue
             try:
+                # another process may have stored it and let go between the look above and the lock
+                if (stored := self._read(case_name)) is not None:
+                    return stored
                 reference = compute()
                 self.put(case_name, reference)
             finally:
@@ -74,7 +78,12 @@ class SharedReferences:
         for i, array in enumerate(arrays):
             np.save(part / f"{i}.npy", array)
         (part / ("tuple" if isinstance(reference, tuple) else "array")).touch()
-        os.rename(part, self.folder / case_name)  # whole or absent, to a reader
+        try:
+            os.rename(part, self.folder / case_name)  # whole or absent, to a reader
+        except OSError:  # stored already, by a process that took over a lock it thought left by the dead
+            if not (self.folder / case_name).is_dir():
+                raise
+            shutil.rmtree(part)
 
     def let_go(self, case_name: str) -> None:
         (self.folder / f"{case_name}.lock").unlink(missing_ok=True)
@@ -148,7 +157,10 @@ def _alive(lock: Path) -> bool:
     except FileNotFoundError:
         return True  # gone already: the caller looks again
     if not text:  # its holder may have died between making it and writing its pid
-        return time.time() - lock.stat().st_mtime < EMPTY_LOCK_SECONDS if lock.exists() else True
+        try:
+            return time.time() - lock.stat().st_mtime < EMPTY_LOCK_SECONDS
+        except FileNotFoundError:
+            return True  # let go meanwhile: the caller looks again
     try:
         os.kill(int(text), 0)
     except ProcessLookupError:
