@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from conformance.adapter import NotSupported
-from conformance.backends.numpy_backend import golden_output
+from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import TEXT_CASES, Case, build_case, forward_of, is_gradient, is_training
 from conformance.tolerance import tolerance
+from conformance.training_cells import OPTIMIZER_QUANTITIES, failing_step
 from spec import ModelConfig
 
 # the cases whose routing the report states: between them every position of the model's inputs
@@ -41,16 +42,18 @@ class LayerRouting:
         return self.margins < self.bound(cfg, dtype)
 
 
-def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case) -> list[LayerRouting]:
+def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case, step: int = 0) -> list[LayerRouting]:
     """The golden's routing of a case, per MoE layer (a gradient case's is its forward's, a
-    training step's its batch's forward's; a generation's steps joined along the positions)."""
+    training case's its step's batch's forward's, at `params`; a generation's steps joined along
+    the positions)."""
     from impl_numpy.model import recorded_routing  # the golden's own routing, recorded as it runs
 
     with recorded_routing() as calls:
         if is_training(case.sublayer):  # one step: its batch's forward, at the parameters it starts from
             source = case.inputs["src_ids"]
-            golden_output(cfg, params, "forward", {"src_ids": None if source is None else source[0],
-                                                   "tgt_ids": case.inputs["tgt_ids"][0]})
+            at = NumpyRunner.at(cfg, {name: np.asarray(value, np.float64) for name, value in params.items()})
+            golden_output(cfg, params, "forward", {"src_ids": None if source is None else source[step],
+                                                   "tgt_ids": case.inputs["tgt_ids"][step]}, at)
         else:
             golden_output(cfg, params, forward_of(case.sublayer) if is_gradient(case.sublayer) else case.sublayer,
                           case.inputs)
@@ -125,24 +128,77 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
     try:
         with runner.routing_log() as log:
             output(runner, case)
-        layers = log.layers()
         with runner.routing_log(forced=[layer.chosen for layer in golden],
                                 forced_weights=[layer.weights for layer in golden]) as replay:
             replayed = judge(output(runner, case))
-        own = replay.own_weights()
     except NotSupported:  # a column that replays some cases only (an export's forward graph)
         return near_ties(cfg, params, case, dtype, failed)
     except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
         return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
+    return _split(cfg, dtype, failed, replayed, log.layers(), golden, replay.own_weights(), golden)
+
+
+def replayed_training(cfg: ModelConfig, params, case: Case, runner, dtype: str, judge, failed, output):
+    """replayed_routing for a run of training steps. Each step after the first routes on
+    parameters only the backend's run reaches, so the golden's routing is taken there, step by
+    step: the replayed run is given, before each step, the golden's choices and weights at the
+    parameters it starts that step from (RoutingLog.replay_each_step), and the free run's choices
+    are judged against the golden's at the free run's own parameters, step by step."""
+    given: list[list[LayerRouting]] = []  # per step of the replayed run: the routing it was given
+
+    def routing_at(step: int, at: Mapping[str, np.ndarray]):
+        # the first step is judged from the case's parameters, not the backend's copy of them (rounded to
+        # its dtype), and so routed; a later step from the parameters the backend's run reached
+        given.append(golden_routing(cfg, params if step == 0 else at, case, step))
+        return [layer.chosen for layer in given[-1]], [layer.weights for layer in given[-1]]
+
+    try:
+        with runner.routing_log() as log:
+            trace = output(runner, case)
+        with runner.routing_log() as replay:
+            replay.replay_each_step(routing_at)
+            replayed = judge(output(runner, case))
+        # the golden's routing of each step the free run took, at the parameters it started from
+        starts = [params] + [record["params"] for record in trace[:-1]]
+        free = [golden_routing(cfg, at, case, step)
+                for step, (at, record) in enumerate(zip(starts, trace)) if "stopped" not in record]
+    except NotSupported:
+        return near_ties(cfg, params, case, dtype, failed)
+    except Exception as error:  # noqa: BLE001 - the free run's own verdict stands
+        return replace(failed, reason=f"{failed.reason}; replaying the golden's routing failed: {error}")
+    positions = case.inputs["tgt_ids"].shape[-1]
+    chosen = [layer[:, :len(free) * positions] for layer in log.layers()]  # not a step that stopped the run
+    return _split(cfg, dtype, failed, replayed, chosen, _joined(free), replay.own_weights(), _joined(given),
+                  lambda row, position: f"step {position // positions + 1}, row {row}, position {position % positions}")
+
+
+def _joined(steps: Sequence[Sequence[LayerRouting]]) -> list[LayerRouting]:
+    """Each layer's routing of several steps, joined along the positions in step order."""
+    return [LayerRouting(layers[0].layer, *(np.concatenate([getattr(layer, field) for layer in layers], axis=1)
+                                            for field in ("chosen", "weights", "margins", "logit_scale")))
+            for layers in zip(*steps)]
+
+
+def _split(cfg: ModelConfig, dtype: str, failed, replayed, layers: Sequence[np.ndarray], golden: Sequence[LayerRouting],
+           own: Sequence[np.ndarray], given: Sequence[LayerRouting],
+           place=lambda row, position: f"row {row}, position {position}"):
+    """The verdict of replayed_routing: `layers` the free run's choices and `golden` the golden's
+    routing where the free run was; `replayed` the replayed run's verdict, `own` the weights its
+    layers computed themselves and `given` the golden's routing it was given. place(row, position)
+    names a token."""
     if [chosen.shape for chosen in layers] != [layer.chosen.shape for layer in golden]:
         return failed
-    weighed = bool(own) and [w.shape for w in own] == [layer.weights.shape for layer in golden]
+    weighed = bool(own) and [w.shape for w in own] == [layer.weights.shape for layer in given]
     what = "routing" if weighed else "expert choices"  # a runner whose log records no weights of its own
     flips = [(np.sort(mine, axis=-1) != np.sort(layer.chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
              for mine, layer in zip(layers, golden)]
     agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
                  f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
     if not replayed.passed:
+        step = failing_step(replayed.reason or "")
+        if step is not None and step.split()[-1] in OPTIMIZER_QUANTITIES:  # the model's part of the step agreed
+            return replace(replayed, reason=f"with the golden's {what} replayed the run still fails, at {step}: in "
+                                            f"the optimizer's update, past the model ({agreement}): {replayed.reason}")
         return replace(replayed, reason=f"with the golden's {what} replayed the cell still fails, so the experts or "
                                         f"the rest of the layer compute differently ({agreement}): {replayed.reason}")
     # layer by layer, the first whose router chose or weighed differently beyond rounding is named
@@ -154,19 +210,20 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
     for index, (routing, bound) in enumerate(zip(golden, bounds)):
         clear = flips[index] & (routing.margins >= bound) if index == first else None
         if clear is not None and clear.any():
-            return _router_differs(failed, what, "chose differently", "clear of a tie", clear, index,
+            return _router_differs(failed, what, "chose differently", "clear of a tie", clear, index, place,
                                    lambda row, position: (
                 f" (margin {routing.margins[row, position]:.3g} >= rounding bound {bound[row, position]:.3g}): golden "
                 f"experts {routing.chosen[row, position].tolist()}, here {layers[index][row, position].tolist()}"))
         if weighed:
-            difference = np.abs(own[index] - routing.weights).max(axis=-1)  # [B, T]
+            weights, bound = given[index].weights, given[index].bound(cfg, dtype)
+            difference = np.abs(own[index] - weights).max(axis=-1)  # [B, T]
             beyond = difference > bound
             if beyond.any():
-                return _router_differs(failed, what, "weighted differently", "beyond rounding", beyond, index,
+                return _router_differs(failed, what, "weighted differently", "beyond rounding", beyond, index, place,
                                        lambda row, position: (
-                    f": golden weights {np.round(routing.weights[row, position], 4).tolist()}, here "
+                    f": golden weights {np.round(weights[row, position], 4).tolist()}, here "
                     f"{np.round(own[index][row, position], 4).tolist()} for experts "
-                    f"{routing.chosen[row, position].tolist()} (|Δw| {difference[row, position]:.3g} > rounding "
+                    f"{given[index].chosen[row, position].tolist()} (|Δw| {difference[row, position]:.3g} > rounding "
                     f"bound {bound[row, position]:.3g})"))
             worst = max(worst, float((difference / np.maximum(bound, np.finfo(float).tiny)).max(initial=0.0)))
     notes = []
@@ -182,9 +239,10 @@ def replayed_routing(cfg: ModelConfig, params, case: Case, runner, dtype: str, j
     return replace(replayed, reason=f"{note}; {replayed.reason}" if replayed.reason else note)
 
 
-def _router_differs(failed, what: str, verb: str, beyond: str, where: np.ndarray, layer: int, describe):
-    """The cell failed, naming the router: how many tokens `where` marks [B, T], and the first."""
-    row, position = (int(i) for i in np.argwhere(where)[0])
+def _router_differs(failed, what: str, verb: str, beyond: str, where: np.ndarray, layer: int, place, describe):
+    """The cell failed, naming the router: how many tokens `where` marks [B, T], and the first
+    (in position order: a training run's earliest step)."""
+    position, row = (int(i) for i in np.argwhere(where.T)[0])
     return replace(failed, reason=(
-        f"the router {verb} at {int(where.sum())} token(s) {beyond}; first: MoE layer {layer}, row {row}, position "
-        f"{position}{describe(row, position)}; with the golden's {what} replayed the cell passes; {failed.reason}"))
+        f"the router {verb} at {int(where.sum())} token(s) {beyond}; first: MoE layer {layer}, {place(row, position)}"
+        f"{describe(row, position)}; with the golden's {what} replayed the cell passes; {failed.reason}"))

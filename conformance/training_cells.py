@@ -37,6 +37,9 @@ from spec import ModelConfig
 from spec.training import TrainingConfig, decays, learning_rate
 
 
+OPTIMIZER_QUANTITIES = ("first_moment", "second_moment", "params")  # a step's quantities after the gradients
+
+
 @dataclass(frozen=True)
 class StepCheck:
     """The worst quantity of one step: error and bound as fractions of the golden's norm."""

@@ -807,6 +807,10 @@ class Transformer(nnx.Module):
             _ROUTING.reset(token)
             jax.clear_caches()
 
+    def routing_log_in_use(self) -> RoutingLog | None:
+        """The routing log the MoE layers write to now, if any (a trainer tells it of each step)."""
+        return _ROUTING.get()
+
     # ---- pieces the harness drives one by one ----
     def _table(self, side: str) -> nnx.Embed:
         return self.src_embed if side == "src" and self.src_embed is not None else self.tgt_embed

@@ -705,6 +705,10 @@ class Transformer(nn.Module):
             for layer in layers:
                 layer.log = None
 
+    def routing_log_in_use(self) -> RoutingLog | None:
+        """The routing log the MoE layers write to now, if any (a trainer tells it of each step)."""
+        return next((module.log for module in self.modules() if isinstance(module, MixtureOfExperts)), None)
+
     # ---- pieces the harness drives one by one ----
     def _table(self, side: str) -> nn.Embedding:
         return self.src_embed if side == "src" and hasattr(self, "src_embed") else self.tgt_embed

@@ -3,6 +3,8 @@ the choices forced on them, kept the same way by every framework."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import numpy as np
 
 from spec.errors import InputError
@@ -24,6 +26,28 @@ class RoutingLog:
         self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
         self.weights: list[list[np.ndarray]] = []  # per layer: the weights it computed itself, [B, T, k]
         self._layers: dict[int, int] = {}
+        self.routing_at: Callable[[int, Mapping[str, np.ndarray]], tuple[list, list]] | None = None
+        self.steps = 0
+
+    def replay_each_step(self, routing_at: Callable[[int, Mapping[str, np.ndarray]], tuple[list, list]]) -> None:
+        """A run of training steps replayed: before step s (from 0) the trainer calls before_step
+        with its parameters, and routing_at(s, parameters) gives that step's forced choices and
+        weights, one [B, T, k] array of each per layer, appended along the positions (a later
+        step routes on parameters only the run itself reaches)."""
+        self.routing_at = routing_at
+
+    def before_step(self, params: Callable[[], Mapping[str, np.ndarray]]) -> None:
+        """Called by a trainer before each step with its parameters by canonical name (a function
+        giving them, read only when the step is replayed)."""
+        if self.routing_at is None:
+            return
+        chosen, weights = self.routing_at(self.steps, params())
+        self.steps += 1
+        self.forced = [np.asarray(c) for c in chosen] if self.forced is None else \
+            [np.concatenate([old, new], axis=1) for old, new in zip(self.forced, chosen)]
+        weights = [np.asarray(w, np.float64) for w in weights]
+        self.forced_weights = weights if self.forced_weights is None else \
+            [np.concatenate([old, new], axis=1) for old, new in zip(self.forced_weights, weights)]
 
     def choose(self, layer: int, batch: int, free: np.ndarray) -> np.ndarray:
         """The choices [N, k] of decoder layer `layer` for a call on `batch` rows: its own (`free`),

@@ -23,6 +23,7 @@ import impl_jax
 import impl_jax.model as jax_model
 import impl_numpy as golden
 import impl_torch.model as torch_model
+from conformance import cells
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
 from impl_numpy.model import recorded_routing
 from impl_torch import Transformer
@@ -167,7 +168,7 @@ def _through_the_log(self, probabilities, chosen, batch):
     weights = weights / weights.sum(-1, keepdim=True)
     if self.log is not None:
         forced = self.log.weigh(self.index, weights.detach().double().numpy())
-        weights = weights if forced is None else torch.as_tensor(forced, dtype=weights.dtype)
+        weights = weights if forced is None else torch.as_tensor(forced, dtype=weights.dtype) + (weights - weights.detach())
     return probabilities, chosen, weights
 
 
@@ -288,8 +289,7 @@ def test_an_expert_mistake_still_fails_with_the_goldens_routing_replayed(monkeyp
 def test_a_training_steps_flips_are_replayed_and_an_expert_mistake_still_fails_it(monkeypatch):
     """mixtral-tiny's train_step-none at bfloat16 flips a choice near a tie (its gradients 3.76 times
     their tolerance with torch's own routing): replayed from the golden's forward of the batch, it
-    passes and says so; an expert mistake fails it with the routing replayed. A run of steps
-    routes on parameters the golden never had: its failure says it is not replayed."""
+    passes and says so; an expert mistake fails it with the routing replayed."""
     cfg = get_preset("mixtral-tiny")
     plan = plan_matrix(cfg, ["torch"], ["bfloat16"], ["cpu"])
     cell, = run_matrix(cfg, conformance_params(cfg), plan, pattern="train_step-none*", backward=True)
@@ -297,9 +297,42 @@ def test_a_training_steps_flips_are_replayed_and_an_expert_mistake_still_fails_i
     monkeypatch.setattr(torch_model.FeedForward, "forward", _gate_and_up_swapped)
     cell, = run_matrix(cfg, conformance_params(cfg), plan, pattern="train_step-none*", backward=True)
     assert cell.status == FAIL and cell.reason.startswith("with the golden's routing replayed the cell still fails")
-    cell, = run_matrix(cfg, conformance_params(cfg), plan, pattern="train_steps-*", backward=True)
-    assert cell.status == FAIL and cell.reason.endswith("(a mixture of experts: the routing of a run of training "
-                                                        "steps is not replayed)")
+
+
+def test_a_run_of_training_steps_is_replayed_step_by_step(monkeypatch):
+    """Each step after the first routes on parameters only the backend's run reaches: the replayed
+    run is given, before each step, the golden's routing at the parameters it starts from. With
+    mixtral-tiny's router rows 4 times larger (sharper gates), torch's free run of steps at bfloat16
+    flips a choice at a margin of 6e-5 and fails at step 5's gradients (0.47 against 0.117);
+    replayed, it passes and says so. A router taking the least likely experts is named at the step
+    and token it first chose differently; an expert mistake still fails with the routing replayed;
+    and a float16 run that the optimizer's update breaks (Adam's ε is 0 there, SPEC §14.1) is said
+    to fail past the model, not in the experts."""
+    cfg = get_preset("mixtral-tiny")
+    params = conformance_params(cfg)
+    sharp = {name: (value * 4).astype(np.float32) if name.endswith("router.weight") else value
+             for name, value in params.items()}
+    plan = plan_matrix(cfg, ["torch"], ["bfloat16"], ["cpu"])
+    cell, = run_matrix(cfg, sharp, plan, pattern="train_steps-*", backward=True)
+    assert cell.status == PASS and cell.reason.startswith("routing replayed: the router chose differently"), cell.reason
+    monkeypatch.setattr(cells, "_routing_verdict", lambda cfg, params, case, runner, dtype, judge, failed: failed)
+    free, = run_matrix(cfg, sharp, plan, pattern="train_steps-*", backward=True)
+    assert free.status == FAIL and free.reason.startswith("step 5 gradients"), free.reason  # what the replay explained
+    monkeypatch.undo()
+    plan = plan_matrix(cfg, ["torch"], ["bfloat16", "float16"], ["cpu"])
+    monkeypatch.setattr(torch_model.MixtureOfExperts, "route", _route_smallest)
+    router, _ = run_matrix(cfg, params, plan, pattern="train_steps-*", backward=True)
+    assert router.status == FAIL and router.reason.startswith("the router chose differently at"), router.reason
+    assert "first: MoE layer 0, step 1, row " in router.reason
+    monkeypatch.undo()
+    monkeypatch.setattr(torch_model.FeedForward, "forward", _gate_and_up_swapped)
+    expert, _ = run_matrix(cfg, params, plan, pattern="train_steps-*", backward=True)
+    assert expert.status == FAIL and expert.reason.startswith(
+        "with the golden's routing replayed the cell still fails, so the experts"), expert.reason
+    monkeypatch.undo()
+    _, half = run_matrix(cfg, params, plan, pattern="train_steps-*", backward=True)
+    assert half.status == FAIL and half.reason.startswith(
+        "with the golden's routing replayed the run still fails, at step 1 params: in the optimizer's update"), half.reason
 
 
 def _jax_route_smallest(self, tokens, batch=1):
@@ -352,6 +385,30 @@ def test_a_routing_log_walks_each_layers_positions_and_refuses_what_is_out_of_st
     recorded = RoutingLog()
     recorded.choose(0, 1, np.array([[1, 0], [2, 3]]))
     assert recorded.layers()[0].tolist() == [[[1, 0], [2, 3]]]
+
+
+def test_a_routing_log_replayed_step_by_step_takes_each_steps_routing_before_it():
+    """RoutingLog.replay_each_step: before each step the trainer's parameters go to routing_at, and
+    the routing it gives is appended along the positions, so each step's forward reads its own;
+    a log not replayed so never reads the parameters."""
+    from spec.routing import RoutingLog
+
+    asked = []
+
+    def routing_at(step, params):
+        asked.append((step, params["w"]))
+        return [np.full((1, 2, 2), step)], [np.full((1, 2, 2), 0.5 + step)]
+
+    log = RoutingLog()
+    log.replay_each_step(routing_at)
+    for step in range(2):
+        log.before_step(lambda: {"w": 10 + step})
+        assert log.choose(0, 1, np.zeros((2, 2))).tolist() == [[step, step]] * 2
+        assert log.weigh(0, np.zeros((2, 2))).tolist() == [[0.5 + step] * 2] * 2
+    assert asked == [(0, 10), (1, 11)] and log.layers()[0].shape == (1, 4, 2)
+    plain = RoutingLog()
+    plain.before_step(lambda: 1 / 0)
+    assert plain.forced is None
 
 
 def _localized(preset, backend, dtype, mask_case):

@@ -135,6 +135,8 @@ class JaxRunner(ModuleRunner):
             return {name: self._to_numpy(value) for name, value in _by_name(tree).items()}
 
         def step(src_ids, tgt_ids, targets, dropout_masks):
+            if (log := model.routing_log_in_use()) is not None:  # a replayed run takes each step's routing at
+                log.before_step(lambda: canonical(nnx.state(model, nnx.Param)))  # the parameters it starts from
             loss, grads, run["state"] = jax_training.train_step(self.cfg, model, optimizer, run["state"], src_ids,
                                                                 tgt_ids, targets, dropout_masks)
             adam = jax_training.adam_moments(run["state"])

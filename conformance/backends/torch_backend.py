@@ -93,7 +93,11 @@ class TorchRunner(ModuleRunner):
             # tensor's numpy() is a view of it
             return {name: self._to_numpy((t.T if name in transposed else t).detach()).copy() for name, t in tensors.items()}
 
+        log = model.routing_log_in_use()
+
         def step(src_ids, tgt_ids, targets, dropout_masks):
+            if log is not None:  # a replayed run takes each step's routing at the parameters it starts from
+                log.before_step(lambda: canonical(dict(model.named_parameters())))
             loss, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, src_ids, tgt_ids, targets,
                                                     dropout_masks)
             named = dict(model.named_parameters())
