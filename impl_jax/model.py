@@ -50,7 +50,7 @@ from spec.inputs import (
 )
 from spec.dropout import check_dropout_masks, masks_under
 from spec.masks import real_tokens
-from spec.routing import RoutingLog
+from spec.routing import RoutingLog, check_recorded_routing
 
 ATTENTION_PATHS = ("sdpa", "math")
 PRECISIONS = ("highest", "default")
@@ -463,6 +463,23 @@ def _weigh_bits(log: RoutingLog, layer: int, bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(own if forced is None else forced, dtype=np.float64)[..., None].view(np.uint32)
 
 
+# what the load-balancing loss reads: every MoE layer's (probabilities [N, E], chosen [N, k]) while a
+# training loss's forward is traced (recorded_routers). Set inside a trace only (_forward_routed, or
+# an eager forward): a compiled program whose trace is cached would not run `route` again.
+_ROUTERS: contextvars.ContextVar[list | None] = contextvars.ContextVar("routers", default=None)
+
+
+@contextlib.contextmanager
+def recorded_routers() -> Iterator[list[tuple[jax.Array, jax.Array]]]:
+    """Every MoE layer's (probabilities [N, E], chosen [N, k]) while inside, in call order."""
+    routed: list[tuple[jax.Array, jax.Array]] = []
+    token = _ROUTERS.set(routed)
+    try:
+        yield routed
+    finally:
+        _ROUTERS.reset(token)
+
+
 class MixtureOfExperts(nnx.Module):
     """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
     token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
@@ -497,6 +514,8 @@ class MixtureOfExperts(nnx.Module):
             # runs on a thread of its own, where x64 mode (thread-local) is off
             chosen = io_callback(partial(log.choose, self.index, batch), jax.ShapeDtypeStruct(chosen.shape, jnp.int32),
                                  chosen.astype(jnp.int32), ordered=True).astype(chosen.dtype)
+        if (routed := _ROUTERS.get()) is not None:
+            routed.append((probabilities, chosen))
         weights = jnp.take_along_axis(probabilities, chosen, axis=-1)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -732,6 +751,33 @@ def token_cross_entropy(cfg: ModelConfig, logits: jax.Array, targets: jax.Array)
     return (per_token * real).sum() / jnp.maximum(real.sum(), 1)
 
 
+def load_balancing_loss(probabilities: list[jax.Array], chosen: list[jax.Array], keep: jax.Array) -> jax.Array:
+    """aux = E · Σ_e f_e · P_e over the L layers and the N real tokens (keep [B, T]; 0 when N = 0):
+    f_e the share of their choices that went to e (constants), P_e their mean probability of e.
+    probabilities [N, E] and chosen [N, k] per layer."""
+    experts = probabilities[0].shape[-1]
+    # half-precision sums of probabilities are too coarse: the loss is taken in float32 at least
+    dtype = jnp.promote_types(probabilities[0].dtype, jnp.float32)
+    keep = keep.reshape(-1, 1).astype(dtype)  # [N, 1]
+    count = jnp.maximum(len(probabilities) * keep.sum(), 1)
+    shares = sum((jax.nn.one_hot(layer, experts, dtype=dtype).sum(axis=-2) * keep).sum(axis=0) for layer in chosen) / count
+    mean_probability = sum((layer.astype(dtype) * keep).sum(axis=0) for layer in probabilities) / count
+    return experts * (shares * mean_probability).sum()
+
+
+def training_loss(cfg: ModelConfig, logits: jax.Array, targets, tgt_ids,
+                  routed: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """The loss a training step minimises: token_cross_entropy of the teacher-forced logits, plus α
+    times a mixture of experts' load-balancing loss over the real target-side tokens of tgt_ids
+    (α = moe.load_balancing, SPEC §5.14), from the routing the forward recorded (recorded_routers)."""
+    loss = token_cross_entropy(cfg, logits, jnp.asarray(targets))
+    if cfg.moe is None or not cfg.moe.load_balancing:
+        return loss
+    check_recorded_routing(cfg, len(routed))
+    keep = on_device(real_tokens(cfg, np.asarray(tgt_ids), "tgt"))
+    return loss + cfg.moe.load_balancing * load_balancing_loss([p for p, _ in routed], [c for _, c in routed], keep)
+
+
 # ---- the whole model ------------------------------------------------------------------------
 
 class Transformer(nnx.Module):
@@ -881,6 +927,16 @@ class Transformer(nnx.Module):
     def __call__(self, src_ids, tgt_ids, src_keep=None, tgt_keep=None, dropout_masks=None) -> jax.Array:
         """Teacher-forced logits [B, T, V]; checked on the host, computed by one jitted function;
         in training mode when dropout keep-masks are given."""
+        with jax.default_matmul_precision(self.precision):
+            return _bound(self, _forward)(*self._forward_inputs(src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks))
+
+    def routed_call(self, src_ids, tgt_ids, dropout_masks=None) -> tuple[jax.Array, list]:
+        """__call__'s logits, and every MoE layer's (probabilities, chosen) as outputs of the
+        compiled program: what the load-balancing loss reads (recorded_routers)."""
+        with jax.default_matmul_precision(self.precision):
+            return _bound(self, _forward_routed)(*self._forward_inputs(src_ids, tgt_ids, None, None, dropout_masks))
+
+    def _forward_inputs(self, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks) -> tuple:
         check_model_inputs(self.cfg, src_ids, tgt_ids)
         check_dropout_masks(self.cfg, dropout_masks, np.shape(tgt_ids)[0],
                             None if src_ids is None else np.shape(src_ids)[1], np.shape(tgt_ids)[1])
@@ -888,8 +944,7 @@ class Transformer(nnx.Module):
         tgt_keep = self._keep(tgt_ids, tgt_keep, "tgt")
         src, src_keep = (None, None) if src_ids is None else (_as_ids(src_ids), self._keep(src_ids, src_keep, "src"))
         masks = None if dropout_masks is None else {site: on_device(keep) for site, keep in dropout_masks.items()}
-        with jax.default_matmul_precision(self.precision):
-            return _bound(self, _forward)(src, tgt, src_keep, tgt_keep, masks)
+        return src, tgt, src_keep, tgt_keep, masks
 
     # ---- incremental decoding ----
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None) -> "KVCache":
@@ -942,10 +997,19 @@ def _bound(model: Transformer, function: Callable) -> Callable:
     return per_model[function]
 
 
-@nnx.jit
-def _forward(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks=None) -> jax.Array:
+def _logits(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks=None) -> jax.Array:
     memory = None if src_ids is None else model.encode(src_ids, src_keep, dropout_masks)
     return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep, dropout_masks))
+
+
+_forward = nnx.jit(_logits)
+
+
+@nnx.jit
+def _forward_routed(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks=None) -> tuple:
+    with recorded_routers() as routed:  # set inside the trace: the routing leaves as the program's outputs
+        logits = _logits(model, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
+    return logits, routed
 
 
 # ---- incremental decoding with a preallocated KV cache --------------------------------------

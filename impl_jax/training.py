@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from impl_jax.model import Transformer, token_cross_entropy
+from impl_jax.model import Transformer, training_loss
 from spec import ModelConfig
 from spec.training import TrainingConfig, decays
 
@@ -54,8 +54,13 @@ def train_step(cfg: ModelConfig, model: Transformer, optimizer: optax.GradientTr
     """One step: the loss and its gradients, then the optimizer's update, written into the
     model's Params. -> (the loss before the update, the gradients (before clipping), the
     optimizer's new state)"""
-    loss, grads = nnx.value_and_grad(lambda m: token_cross_entropy(
-        cfg, m(src_ids, tgt_ids, dropout_masks=dropout_masks), jnp.asarray(targets)))(model)
+    def loss_of(m: Transformer) -> jax.Array:
+        if cfg.moe is None or not cfg.moe.load_balancing:  # the forward cells' compiled program, not one more
+            return training_loss(cfg, m(src_ids, tgt_ids, dropout_masks=dropout_masks), targets, tgt_ids, [])
+        logits, routed = m.routed_call(src_ids, tgt_ids, dropout_masks)
+        return training_loss(cfg, logits, targets, tgt_ids, routed)
+
+    loss, grads = nnx.value_and_grad(loss_of)(model)
     params = nnx.state(model, nnx.Param)
     updates, state = optimizer.update(grads, state, params)
     nnx.update(model, optax.apply_updates(params, updates))

@@ -15,6 +15,7 @@ from impl_numpy.model import (
     encoder,
     encoder_layer,
     experts_ffn,
+    expert_shares,
     feed_forward,
     ffn,
     ffn_block,
@@ -31,6 +32,7 @@ from impl_numpy.model import (
     layer_experts,
     layer_norm,
     linear,
+    load_balancing_loss,
     log_probs,
     log_softmax,
     merge_heads,
@@ -66,6 +68,7 @@ from impl_numpy.model import (
     token_embedding,
     token_keep,
     top_experts,
+    training_loss,
     weighted_experts,
 )
 

@@ -31,12 +31,14 @@ from impl_numpy.model import (
     block,
     decoder_self_masks,
     experts_ffn,
+    expert_shares,
     feed_forward,
     group_heads,
     head_norm,
     key_value_heads,
     layer_experts,
     linear,
+    load_balancing_loss,
     log_softmax,
     merge_heads,
     model_inputs,
@@ -45,6 +47,7 @@ from impl_numpy.model import (
     norm,
     norm_scale,
     positional_encoding,
+    recorded_routing,
     rope_tables,
     rotary,
     rotate_half,
@@ -194,13 +197,14 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
 
 
 def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict[str, np.ndarray]], k: int,
-                           renormalize: bool, activation: str,
-                           d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
+                           renormalize: bool, activation: str, d_y: np.ndarray, d_probabilities: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
     """y = Σ_j w_j FFN_top_j(x), the chosen experts constants (top-k is constant between ties):
     ∂w_j = ⟨∂y, FFN_top_j(x)⟩; renormalised, w = p_T / Σ p_T: ∂p_T = (∂w − Σ_j w_j ∂w_j) / Σ p_T;
     ∂z = softmax's VJP of ∂p (0 off the chosen), z = x R; ∂x = Σ_j w_j ∂x_FFN_j + ∂z Rᵀ.
-    x [N, d], d_y [N, d] -> d_x [N, d], d_router [d, E], each expert's {w1.*, w3.*, w2.*} (zeros
-    for an expert no token chose)"""
+    d_probabilities [N, E], where a loss reads the probabilities themselves (load balancing), adds
+    to ∂p. x [N, d], d_y [N, d] -> d_x [N, d], d_router [d, E], each expert's {w1.*, w3.*, w2.*}
+    (zeros for an expert no token chose)"""
     probabilities = router_probabilities(x, router)  # [N, E]
     chosen = top_experts(probabilities, k)  # [N, k]
     weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
@@ -221,8 +225,9 @@ def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict
             d_chosen = (d_weights - (weights * d_weights).sum(axis=-1, keepdims=True)) / total
         else:  # the terms' size: the shared term cancels between the chosen (exactly, for the router's gradient)
             d_chosen = (np.abs(d_weights) + np.abs(weights * d_weights).sum(axis=-1, keepdims=True)) / total
-    d_probabilities = np.zeros_like(probabilities)
-    np.put_along_axis(d_probabilities, chosen, d_chosen, axis=-1)
+    d_probabilities = np.zeros_like(probabilities) if d_probabilities is None else (
+        d_probabilities.copy() if _CANCELLING[0] else np.abs(d_probabilities))
+    np.put_along_axis(d_probabilities, chosen, np.take_along_axis(d_probabilities, chosen, axis=-1) + d_chosen, axis=-1)
     if _CANCELLING[0]:
         d_logits = softmax_vjp(probabilities, d_probabilities)
     else:
@@ -234,13 +239,15 @@ def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict
     return d_x + d_from_router, d_router, expert_grads
 
 
-def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray,
-                    d_y: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """experts_ffn, back: d_x [B, T, d] and {router.weight, experts.{e}.w1.weight, ...}."""
+def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
+                    d_probabilities: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """experts_ffn, back: d_x [B, T, d] and {router.weight, experts.{e}.w1.weight, ...};
+    d_probabilities [B, T, E]: a loss's gradient on the router's probabilities themselves."""
     moe, width = cfg.moe, x.shape[-1]
     d_x, d_router, expert_grads = mixture_of_experts_vjp(
         x.reshape(-1, width), p["router.weight"], layer_experts(cfg, p), moe.experts_per_token, moe.renormalize,
-        cfg.activation, d_y.reshape(-1, width))
+        cfg.activation, d_y.reshape(-1, width),
+        None if d_probabilities is None else d_probabilities.reshape(-1, moe.n_experts))
     grads = {"router.weight": d_router}
     for expert, expert_grad in enumerate(expert_grads):
         grads.update({f"experts.{expert}.{name}": value for name, value in expert_grad.items()})
@@ -467,15 +474,16 @@ def self_attention_vjp(cfg: ModelConfig, p: Params, mask: np.ndarray | None) -> 
 
 
 def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
-                  dropout_mask: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
-    """The FFN's residual block, back: one FFN's, or the mixture of experts' (§5.14). p: the layer's
-    parameters."""
+                  dropout_mask: np.ndarray | None = None,
+                  d_probabilities: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
+    """The FFN's residual block, back: one FFN's, or the mixture of experts' (§5.14; d_probabilities
+    [B, T, E] a loss's gradient on its router's probabilities). p: the layer's parameters."""
     ffn_p = params_under(p, "ffn")
     if cfg.moe is None:
         return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn_p, h, cfg.activation),
                          lambda h, d_out: feed_forward_vjp(ffn_p, h, cfg.activation, d_out), d_y, dropout_mask)
     return block_vjp(cfg, p, "ffn", x, lambda h: experts_ffn(cfg, ffn_p, h),
-                     lambda h, d_out: experts_ffn_vjp(cfg, ffn_p, h, d_out), d_y, dropout_mask)
+                     lambda h, d_out: experts_ffn_vjp(cfg, ffn_p, h, d_out, d_probabilities), d_y, dropout_mask)
 
 
 def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,
@@ -492,22 +500,23 @@ def encoder_layer_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarr
 
 def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray | None,
                       self_mask: np.ndarray | None, cross_mask: np.ndarray | None,
-                      d_out: np.ndarray, dropout_masks: Mapping[str, np.ndarray] | None = None
-                      ) -> tuple[np.ndarray, np.ndarray | None, Grads]:
+                      d_out: np.ndarray, dropout_masks: Mapping[str, np.ndarray] | None = None,
+                      d_probabilities: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, Grads]:
     """y1 = Block(y, masked SelfAttention), y2 = Block(y1, CrossAttention to memory), out =
-    Block(y2, FFN): back through the three blocks in reverse. -> d_y, d_memory, the layer's grads"""
+    Block(y2, FFN): back through the three blocks in reverse (d_probabilities: ffn_block_vjp's).
+    -> d_y, d_memory, the layer's grads"""
     drop = dropout_masks or {}
     attention, attention_vjp = self_attention_vjp(cfg, p, self_mask)
     y1 = block(cfg, p, "self_attn", y, attention, drop.get("self_attn"))
     grads: Grads = {}
     d_memory = None
     if memory is None:
-        d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out, drop.get("ffn"))
+        d_y1, grads = ffn_block_vjp(cfg, p, y1, d_out, drop.get("ffn"), d_probabilities)
     else:
         cross = params_under(p, "cross_attn")
         cross_attention = lambda h: multi_head_attention(cfg, cross, h, memory, cross_mask)  # noqa: E731
         y2 = block(cfg, p, "cross_attn", y1, cross_attention, drop.get("cross_attn"))
-        d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out, drop.get("ffn"))
+        d_y2, grads = ffn_block_vjp(cfg, p, y2, d_out, drop.get("ffn"), d_probabilities)
         d_memory_parts = []
 
         def cross_attention_vjp(h: np.ndarray, d_h_out: np.ndarray) -> tuple[np.ndarray, Grads]:
@@ -552,9 +561,12 @@ def encoder_vjp(cfg: ModelConfig, params: Params, src_ids: np.ndarray, src_keep:
 
 def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.ndarray, memory: np.ndarray | None,
                 src_keep: np.ndarray | None, d_h: np.ndarray,
-                dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[Grads, np.ndarray | None]:
+                dropout_masks: Mapping[str, np.ndarray] | None = None,
+                d_probabilities: np.ndarray | None = None) -> tuple[Grads, np.ndarray | None]:
     """h = Norm?(Layer_N(...Layer_1(Embed(tgt), memory))), back; the memory's gradient is the sum
-    over every layer's cross-attention. -> the decoder's grads, d_memory"""
+    over every layer's cross-attention; d_probabilities [B, T, E], a loss's gradient on every MoE
+    layer's router probabilities (the load-balancing loss's is the same in each). -> the decoder's
+    grads, d_memory"""
     self_masks = decoder_self_masks(cfg, tgt_keep)  # by window: [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)
     embed_mask = (dropout_masks or {}).get("decoder.embed")
@@ -570,7 +582,8 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
         layer = params_under(params, f"decoder.layers.{i}")
         d_y, d_layer_memory, layer_grads = decoder_layer_vjp(layer_cfgs[i], layer, inputs[i], memory,
                                                              self_masks[layer_cfgs[i].sliding_window], cross_mask, d_y,
-                                                             masks_under(dropout_masks, f"decoder.layers.{i}"))
+                                                             masks_under(dropout_masks, f"decoder.layers.{i}"),
+                                                             d_probabilities)
         grads.update(_named(f"decoder.layers.{i}", layer_grads))
         if d_memory is not None:
             d_memory += d_layer_memory
@@ -604,14 +617,17 @@ def token_cross_entropy_vjp(cfg: ModelConfig, logits: np.ndarray, targets: np.nd
 
 def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, d_logits: np.ndarray, *,
               src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None,
-              dropout_masks: Mapping[str, np.ndarray] | None = None) -> Grads:
+              dropout_masks: Mapping[str, np.ndarray] | None = None,
+              d_probabilities: np.ndarray | None = None) -> Grads:
     """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
-    in the computation dtype). Every canonical name is present; a row no token reached is 0."""
+    in the computation dtype), and ∂L/∂p on every MoE layer's router probabilities [B, T, E] where
+    the loss reads them (load balancing). Every canonical name is present; a row no token reached is 0."""
     src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
     memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep, dropout_masks)
     h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep, dropout_masks)
     d_h, grads = output_logits_vjp(cfg, p, h, d_logits)
-    decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h, dropout_masks)
+    decoder_grads, d_memory = decoder_vjp(cfg, p, tgt_ids, tgt_keep, memory, src_keep, d_h, dropout_masks,
+                                          d_probabilities)
     grads = _accumulate(grads, decoder_grads)
     if memory is not None:
         grads = _accumulate(grads, encoder_vjp(cfg, p, src_ids, src_keep, d_memory, dropout_masks))
@@ -623,16 +639,31 @@ def loss_and_gradients(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, 
                        targets: np.ndarray, *, src_keep: np.ndarray | None = None,
                        tgt_keep: np.ndarray | None = None,
                        dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[float, Grads]:
-    """The training loss (token_cross_entropy of the teacher-forced logits against targets [B, T])
-    and the gradient of every parameter. p: parameters in the computation dtype. With dropout
-    keep-masks (SPEC §5.10), the loss of the model in training mode."""
+    """The training loss (token_cross_entropy of the teacher-forced logits against targets [B, T],
+    plus α times a mixture of experts' load-balancing loss: training_loss) and the gradient of every
+    parameter. p: parameters in the computation dtype. With dropout keep-masks (SPEC §5.10), the
+    loss of the model in training mode."""
     check_targets(cfg, targets, tgt_ids)
     targets = np.asarray(targets)
-    logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep, dropout_masks=dropout_masks)
-    d_logits = token_cross_entropy_vjp(cfg, logits, targets)
+    with recorded_routing() as calls:
+        logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep,
+                              dropout_masks=dropout_masks)
+    loss, d_logits, d_probabilities = token_cross_entropy(cfg, logits, targets), token_cross_entropy_vjp(
+        cfg, logits, targets), None
+    weight = 0.0 if cfg.moe is None else cfg.moe.load_balancing
+    if weight:
+        keep, chosen = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)[3], [call.chosen for call in calls]
+        loss += weight * load_balancing_loss([call.probabilities for call in calls], chosen, keep)
+        d_probabilities = weight * load_balancing_loss_vjp(chosen, keep, cfg.moe.n_experts)
     grads = model_vjp(cfg, p, src_ids, tgt_ids, d_logits, src_keep=src_keep, tgt_keep=tgt_keep,
-                      dropout_masks=dropout_masks)
-    return token_cross_entropy(cfg, logits, targets), grads
+                      dropout_masks=dropout_masks, d_probabilities=d_probabilities)
+    return loss, grads
+
+
+def load_balancing_loss_vjp(chosen: list[np.ndarray], keep: np.ndarray, n_experts: int) -> np.ndarray:
+    """aux = E Σ_e f_e P_e with the choices (so f) constants: ∂p_lte = E · f_e / (L·N) at the N real
+    tokens, 0 at the others; the same in each of the L layers. chosen [B, T, k] per layer -> [B, T, E]"""
+    return n_experts * expert_shares(chosen, keep, n_experts) * keep[..., None] / max(len(chosen) * int(keep.sum()), 1)
 
 
 # ---- helpers --------------------------------------------------------------------------------

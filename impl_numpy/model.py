@@ -447,6 +447,7 @@ class RoutedCall:
     weights: np.ndarray  # [B, T, k]: the chosen experts' weights w_j
     margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
     logit_scale: np.ndarray  # [B, T]: max_e |z_e|, the router logits' size
+    probabilities: np.ndarray  # [B, T, E]: p = softmax(z)
 
 
 _RECORDING: contextvars.ContextVar[list[RoutedCall] | None] = contextvars.ContextVar("routing", default=None)
@@ -454,13 +455,16 @@ _RECORDING: contextvars.ContextVar[list[RoutedCall] | None] = contextvars.Contex
 
 @contextlib.contextmanager
 def recorded_routing() -> Iterator[list[RoutedCall]]:
-    """Every experts_ffn call's routing while inside, in call order (a forward: one per layer)."""
+    """Every experts_ffn call's routing while inside, in call order (a forward: one per layer);
+    an enclosing recording gets them too."""
     calls: list[RoutedCall] = []
     token = _RECORDING.set(calls)
     try:
         yield calls
     finally:
         _RECORDING.reset(token)
+        if (outer := _RECORDING.get()) is not None:
+            outer.extend(calls)
 
 
 def layer_experts(cfg: ModelConfig, p: Params) -> list[Params]:
@@ -480,9 +484,27 @@ def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
         calls.append(RoutedCall(chosen.reshape(*x.shape[:-1], -1),
                                 routing_weights(probabilities, chosen, moe.renormalize).reshape(*x.shape[:-1], -1),
                                 routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
-                                np.abs(logits).max(axis=-1).reshape(x.shape[:-1])))
+                                np.abs(logits).max(axis=-1).reshape(x.shape[:-1]),
+                                probabilities.reshape(*x.shape[:-1], -1)))
     return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,
                               moe.renormalize, cfg.activation).reshape(x.shape)
+
+
+def expert_shares(chosen: Sequence[np.ndarray], keep: np.ndarray, n_experts: int) -> np.ndarray:
+    """f_e = (1/(L·N)) Σ_l Σ_t Σ_j [chosen_ltj = e]: the share of the L layers' choices at the N real
+    tokens (keep [B, T]) that went to expert e (Σ_e f_e = k). chosen [B, T, k] per layer -> [E]"""
+    counts = sum((np.eye(n_experts)[layer].sum(axis=-2) * keep[..., None]).sum(axis=(0, 1)) for layer in chosen)
+    return counts / max(len(chosen) * int(keep.sum()), 1)
+
+
+def load_balancing_loss(probabilities: Sequence[np.ndarray], chosen: Sequence[np.ndarray], keep: np.ndarray) -> float:
+    """aux = E · Σ_e f_e · P_e, P_e = (1/(L·N)) Σ_l Σ_t p_lte the mean probability of expert e over
+    the L layers and N real tokens (0 when N = 0; Switch Transformer's, as Mixtral and Qwen3-MoE
+    train with it). probabilities [B, T, E] and chosen [B, T, k] per layer, keep [B, T]"""
+    experts = probabilities[0].shape[-1]
+    mean_probability = sum((layer * keep[..., None]).sum(axis=(0, 1)) for layer in probabilities) \
+        / max(len(probabilities) * int(keep.sum()), 1)
+    return float(experts * (expert_shares(chosen, keep, experts) * mean_probability).sum())
 
 
 # ---- layers and stacks ----------------------------------------------------------------------
@@ -629,6 +651,21 @@ def model_inputs(cfg: ModelConfig, src_ids, tgt_ids, src_keep=None, tgt_keep=Non
         return None, tgt_ids, None, tgt_keep
     src_ids = np.asarray(src_ids)
     return src_ids, tgt_ids, token_keep(cfg, src_ids, src_keep, "src"), tgt_keep
+
+
+def training_loss(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, targets: np.ndarray, *,
+                  dropout_masks: Mapping[str, np.ndarray] | None = None) -> float:
+    """The loss a training step minimises: token_cross_entropy of the teacher-forced logits, plus
+    α times a mixture of experts' load-balancing loss over the real target-side tokens
+    (α = moe.load_balancing, SPEC §5.14). p: parameters in the computation dtype."""
+    weight = 0.0 if cfg.moe is None else cfg.moe.load_balancing
+    with recorded_routing() as calls:
+        logits = model_logits(cfg, p, src_ids, tgt_ids, dropout_masks=dropout_masks)
+    loss = token_cross_entropy(cfg, logits, np.asarray(targets))
+    if weight:
+        keep = model_inputs(cfg, src_ids, tgt_ids)[3]
+        loss += weight * load_balancing_loss([call.probabilities for call in calls], [call.chosen for call in calls], keep)
+    return loss
 
 
 # ---- incremental decoding with a KV cache ---------------------------------------------------

@@ -19,8 +19,10 @@ from impl_torch.model import (
     greedy_generate,
     group_heads,
     layer_norm,
+    load_balancing_loss,
     merge_heads,
     residual,
+    recorded_routers,
     rms_norm,
     rope_attention_factor,
     rope_frequencies,
@@ -35,6 +37,7 @@ from impl_torch.model import (
     start_cache,
     std_norm,
     token_cross_entropy,
+    training_loss,
     token_embedding,
     view_mask,
 )

@@ -13,6 +13,7 @@ else changes: embeddings are [V, d] in both, norms are vectors.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -36,8 +37,8 @@ from spec.inputs import (
     mask_shape_4d,
 )
 from spec.dropout import check_dropout_masks, masks_under
-from spec.masks import start_is_real
-from spec.routing import RoutingLog
+from spec.masks import real_tokens, start_is_real
+from spec.routing import RoutingLog, check_recorded_routing
 
 ATTENTION_PATHS = ("sdpa", "math")
 _HALF = (torch.float16, torch.bfloat16)
@@ -355,6 +356,22 @@ class FeedForward(nn.Module):
         return self.w2(hidden)
 
 
+# what the load-balancing loss reads: every MoE layer's (probabilities [N, E], chosen [N, k]) while a
+# training loss is taken (recorded_routers)
+_ROUTERS: contextvars.ContextVar[list | None] = contextvars.ContextVar("routers", default=None)
+
+
+@contextlib.contextmanager
+def recorded_routers() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every MoE layer's (probabilities [N, E], chosen [N, k]) while inside, in call order."""
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    token = _ROUTERS.set(routed)
+    try:
+        yield routed
+    finally:
+        _ROUTERS.reset(token)
+
+
 class MixtureOfExperts(nn.Module):
     """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
     token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
@@ -390,6 +407,8 @@ class MixtureOfExperts(nn.Module):
         if self.log is not None:  # a routing log records the choices, or forces the golden's
             chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.cpu().numpy()),
                                      device=chosen.device).long()
+        if (routed := _ROUTERS.get()) is not None:
+            routed.append((probabilities, chosen))
         weights = probabilities.gather(-1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -631,6 +650,33 @@ def token_cross_entropy(cfg: ModelConfig, logits: torch.Tensor, targets: torch.T
     q = smoothed_targets(targets, cfg.tgt_vocab_size, cfg.pad_id, float(cfg.label_smoothing), logits.dtype)
     per_token = F.cross_entropy(logits.flatten(0, -2), q.flatten(0, -2), reduction="none").view(targets.shape)
     return (per_token * real).sum() / real.sum().clamp(min=1)
+
+
+def load_balancing_loss(probabilities: list[torch.Tensor], chosen: list[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    """aux = E · Σ_e f_e · P_e over the L layers and the N real tokens (keep [B, T]; 0 when N = 0):
+    f_e the share of their choices that went to e (constants), P_e their mean probability of e.
+    probabilities [N, E] and chosen [N, k] per layer."""
+    experts = probabilities[0].shape[-1]
+    # half-precision sums of probabilities are too coarse: the loss is taken in float32 at least
+    dtype = torch.promote_types(probabilities[0].dtype, torch.float32)
+    keep = keep.reshape(-1, 1).to(dtype)  # [N, 1]
+    count = (len(probabilities) * keep.sum()).clamp(min=1)
+    shares = sum((F.one_hot(layer, experts).sum(dim=-2) * keep).sum(dim=0) for layer in chosen) / count
+    mean_probability = sum((layer.to(dtype) * keep).sum(dim=0) for layer in probabilities) / count
+    return experts * (shares * mean_probability).sum()
+
+
+def training_loss(cfg: ModelConfig, logits: torch.Tensor, targets, tgt_ids,
+                  routed: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The loss a training step minimises: token_cross_entropy of the teacher-forced logits, plus α
+    times a mixture of experts' load-balancing loss over the real target-side tokens of tgt_ids
+    (α = moe.load_balancing, SPEC §5.14), from the routing the forward recorded (recorded_routers)."""
+    loss = token_cross_entropy(cfg, logits, torch.as_tensor(targets, device=logits.device))
+    if cfg.moe is None or not cfg.moe.load_balancing:
+        return loss
+    check_recorded_routing(cfg, len(routed))
+    keep = torch.as_tensor(real_tokens(cfg, np.asarray(tgt_ids), "tgt"), device=logits.device)
+    return loss + cfg.moe.load_balancing * load_balancing_loss([p for p, _ in routed], [c for _, c in routed], keep)
 
 
 # ---- the whole model ------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from impl_torch.model import Transformer, token_cross_entropy
+from impl_torch.model import Transformer, recorded_routers, training_loss
 from spec import ModelConfig
 from spec.training import TrainingConfig, decays, learning_rate
 
@@ -42,8 +42,9 @@ def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, o
     when training.clip_norm is set, then the optimizer's update at lr(step). -> the loss (before
     the update), the gradients by parameter name (before clipping)"""
     optimizer.zero_grad()
-    logits = model(src_ids, tgt_ids, dropout_masks=dropout_masks)
-    loss = token_cross_entropy(cfg, logits, torch.as_tensor(targets, device=model.tgt_embed.weight.device))
+    with recorded_routers() as routed:
+        logits = model(src_ids, tgt_ids, dropout_masks=dropout_masks)
+    loss = training_loss(cfg, logits, targets, tgt_ids, routed)
     loss.backward()
     for p in model.parameters():
         if p.grad is None:  # an expert no token chose (the loop form runs it on nothing): its gradient

@@ -47,6 +47,7 @@ Reads NumPy and safetensors only: transformers is never imported here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -696,14 +697,24 @@ def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: 
     k = _require(hf, "num_experts_per_tok", family)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
         raise ConfigError(f"num_experts_per_tok = {json.dumps(k)}: each token chooses 1 to {name} ({experts}) experts")
+    load_balancing = 0.0
     if hf.get("output_router_logits"):
-        notes.append(f"output_router_logits = true: transformers then adds router_aux_loss_coef "
-                     f"({hf.get('router_aux_loss_coef')}) times a load-balancing loss to the training loss; no logit "
-                     "changes, and the spec has no such loss")
+        load_balancing = hf.get("router_aux_loss_coef", 0.001)
+        if isinstance(load_balancing, bool) or not isinstance(load_balancing, (int, float)) \
+                or not math.isfinite(load_balancing) or load_balancing < 0:
+            raise ConfigError(f"router_aux_loss_coef = {json.dumps(load_balancing)}: the load-balancing loss's weight "
+                              "is a finite number >= 0")
+        notes.append(f"output_router_logits = true: transformers adds router_aux_loss_coef ({load_balancing}) times "
+                     "its load-balancing loss to the training loss, and so does the import (moe.load_balancing; "
+                     "SPEC §5.14); no logit changes")
+    elif hf.get("router_aux_loss_coef"):
+        notes.append(f"router_aux_loss_coef = {hf['router_aux_loss_coef']} with output_router_logits false: "
+                     "transformers adds no load-balancing loss then, nor does the import (moe.load_balancing 0)")
     if hf.get("router_jitter_noise"):
         notes.append(f"router_jitter_noise = {hf['router_jitter_noise']} multiplies the experts' input by noise in "
                      "training only; evaluation is unaffected and the import has none")
-    return MixtureOfExperts(n_experts=experts, experts_per_token=k, renormalize=renormalize, router_softmax="float32")
+    return MixtureOfExperts(n_experts=experts, experts_per_token=k, renormalize=renormalize, router_softmax="float32",
+                            load_balancing=float(load_balancing))
 
 
 def _mixtral_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:

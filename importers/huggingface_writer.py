@@ -169,7 +169,9 @@ def _moe_config_json(cfg: ModelConfig, family: str) -> dict:
     moe_intermediate_size wide, norm_topk_prob, every layer a mixture) and the window, in every
     layer, or none."""
     moe = cfg.moe
-    common = {"num_experts_per_tok": moe.experts_per_token, "output_router_logits": False}
+    # transformers adds its load-balancing loss only where output_router_logits is set
+    common = {"num_experts_per_tok": moe.experts_per_token, "output_router_logits": bool(moe.load_balancing),
+              "router_aux_loss_coef": moe.load_balancing}
     if family == "mixtral":
         return common | {"num_local_experts": moe.n_experts, "router_jitter_noise": 0.0,
                          "sliding_window": cfg.sliding_window}

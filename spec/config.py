@@ -78,6 +78,8 @@ class MixtureOfExperts:
     experts_per_token: int  # k
     renormalize: bool = True  # the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     router_softmax: str = "float32"  # the router's softmax at least in float32 (half activations widened), or theirs
+    # α: the training loss adds α times the load-balancing loss (SPEC §5.14); 0, the default: none
+    load_balancing: float = 0.0
 
     @classmethod
     def from_dict(cls, data: Any) -> "MixtureOfExperts":
@@ -439,6 +441,10 @@ def _validate_moe(cfg: ModelConfig) -> None:
         raise ConfigError(f"moe.renormalize must be true or false, got {moe.renormalize!r}")
     if moe.router_softmax not in ROUTER_SOFTMAXES:
         raise ConfigError(f"moe.router_softmax must be one of {', '.join(ROUTER_SOFTMAXES)}; got {moe.router_softmax!r}")
+    weight = moe.load_balancing
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"moe.load_balancing (the load-balancing loss's weight in the training loss) must be a "
+                          f"finite number >= 0, got {weight!r}")
     if cfg.has_encoder:
         raise ConfigError("moe is defined for decoder-only models here (Mixtral, Qwen3-MoE); use arch='decoder-only'")
     if not cfg.gated_ffn or cfg.bias:

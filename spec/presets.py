@@ -224,13 +224,15 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
         "A Mixtral-family decoder at odd sizes: llama-tiny's layer (pre-RMSNorm eps 1e-5, rotary "
         "positions with Mixtral's theta 1000000, grouped-query attention, no biases, untied head) whose "
         "FFN is a mixture of 5 SwiGLU experts of width 36, 2 chosen per token, their weights "
-        "renormalised over the 2, the router's softmax in float32: d 40, 4 heads of 10 over 2 "
-        "key/value heads, 2 layers, vocabulary 83.",
+        "renormalised over the 2, the router's softmax in float32, trained with Mixtral's load-balancing "
+        "loss at its published weight 0.02: d 40, 4 heads of 10 over 2 key/value heads, 2 layers, "
+        "vocabulary 83.",
         ModelConfig(
             arch="decoder-only", d_model=40, n_heads=4, n_kv_heads=2, d_ff=36, n_decoder_layers=2,
             tgt_vocab_size=83, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
             final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
-            gated_ffn=True, qkv_bias=False, bias=False, moe=MixtureOfExperts(n_experts=5, experts_per_token=2),
+            gated_ffn=True, qkv_bias=False, bias=False,
+            moe=MixtureOfExperts(n_experts=5, experts_per_token=2, load_balancing=0.02),
         ),
     ),
     "qwen3-moe-tiny": (

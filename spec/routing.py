@@ -94,3 +94,12 @@ class RoutingLog:
         """The weights each layer computed itself, [B, T, k] (a forced run's: at the forced choices,
         from the inputs the forced weights led to); [] where the framework does not report them."""
         return [np.concatenate(calls, axis=1) for calls in self.weights] if all(self.weights) else []
+
+
+def check_recorded_routing(cfg, layers: int) -> None:
+    """The load-balancing loss reads every MoE layer's routing of the forward (SPEC §5.14): refuse a
+    recording that holds another count (a compiled forward whose trace was cached routes without
+    recording)."""
+    if layers != cfg.n_decoder_layers:
+        raise ValueError(f"the load-balancing loss needs the routing of all {cfg.n_decoder_layers} MoE layers of the "
+                         f"forward; {layers} were recorded")

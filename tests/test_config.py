@@ -122,12 +122,15 @@ def test_experts_are_gated_ffns_without_biases(changes, message):
 def test_a_mixture_of_experts_reads_back_from_json_and_a_bad_one_is_named():
     cfg = get_preset("qwen3-moe-tiny")
     data = json.loads(cfg.to_json())
-    assert data["moe"] == {"n_experts": 6, "experts_per_token": 2, "renormalize": False, "router_softmax": "float32"}
+    assert data["moe"] == {"n_experts": 6, "experts_per_token": 2, "renormalize": False, "router_softmax": "float32",
+                           "load_balancing": 0.0}
     assert ModelConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(ConfigError, match="unknown moe field.*top_k"):
         ModelConfig.from_dict({**data, "moe": {**data["moe"], "top_k": 2}})
     with pytest.raises(ConfigError, match="moe must be a JSON object"):
         ModelConfig.from_dict({**data, "moe": 6})
+    written_before = {name: value for name, value in data["moe"].items() if name != "load_balancing"}
+    assert ModelConfig.from_dict({**data, "moe": written_before}) == cfg  # a config from before the field
 
 
 def test_head_dim_is_decoupled_and_key_value_heads_default_to_the_heads():

@@ -269,9 +269,16 @@ def test_training_only_fields_are_noted_not_refused(tmp_path, checkpoints):
     directory = _with_config(tmp_path, checkpoints["mixtral"], output_router_logits=True, router_aux_loss_coef=0.02,
                              router_jitter_noise=0.1)
     imported = import_huggingface(directory)
-    assert imported.config == import_huggingface(checkpoints["mixtral"]).config
+    plain = import_huggingface(checkpoints["mixtral"]).config
+    # transformers trains with the load-balancing loss where output_router_logits is set: so does the import
+    assert imported.config == dataclasses.replace(plain, moe=dataclasses.replace(plain.moe, load_balancing=0.02))
     assert any("output_router_logits = true" in note and "(0.02)" in note for note in imported.notes)
     assert any("router_jitter_noise = 0.1" in note and "training only" in note for note in imported.notes)
+    silent = import_huggingface(_with_config(tmp_path / "silent", checkpoints["mixtral"], router_aux_loss_coef=0.02))
+    assert silent.config == plain and any("output_router_logits false" in note for note in silent.notes)
+    with pytest.raises(ConfigError, match="router_aux_loss_coef = -1"):
+        import_huggingface(_with_config(tmp_path / "negative", checkpoints["mixtral"], output_router_logits=True,
+                                        router_aux_loss_coef=-1))
 
 
 # ---- refusals -----------------------------------------------------------------------------------------
@@ -364,6 +371,21 @@ def test_the_moe_presets_written_as_a_directory_run_in_transformers(tmp_path, pr
     assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
     result = _golden_against_transformers(directory, cfg, params)
     assert result.passed, result.reason
+
+
+def test_a_directory_trained_with_the_load_balancing_loss_decodes_in_the_transformers_column(tmp_path):
+    """mixtral-tiny trains with the load-balancing loss (0.02): written, its config sets
+    output_router_logits, where transformers takes that loss in every forward and a cached decode
+    step raised on it; the column turns it off for its inference cases."""
+    from importers.huggingface_writer import to_huggingface
+
+    cfg = get_preset("mixtral-tiny")
+    directory = to_huggingface(cfg, conformance_params(cfg), tmp_path / "mixtral-tiny")
+    written = json.loads((directory / "config.json").read_text())
+    assert written["output_router_logits"] is True and written["router_aux_loss_coef"] == 0.02
+    cells = _transformers_cells(directory, "float32", "*e-pad_right-*")
+    assert sorted(cells) == ["decode-pad_right", "generate-pad_right"]
+    assert {cell.status for cell in cells.values()} == {"pass"}, {name: c.reason for name, c in cells.items()}
 
 
 @pytest.mark.parametrize("preset, moe_changes, changes, message", [

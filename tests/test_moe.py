@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -164,6 +165,8 @@ def _through_the_log(self, probabilities, chosen, batch):
     impl_torch's route takes them: (probabilities, chosen, weights)."""
     if self.log is not None:
         chosen = torch.as_tensor(self.log.choose(self.index, batch, chosen.numpy())).long()
+    if (routed := torch_model._ROUTERS.get()) is not None:  # what a load-balancing loss reads
+        routed.append((probabilities, chosen))
     weights = probabilities.gather(-1, chosen)
     weights = weights / weights.sum(-1, keepdim=True)
     if self.log is not None:
@@ -303,7 +306,7 @@ def test_a_run_of_training_steps_is_replayed_step_by_step(monkeypatch):
     """Each step after the first routes on parameters only the backend's run reaches: the replayed
     run is given, before each step, the golden's routing at the parameters it starts from. With
     mixtral-tiny's router rows 4 times larger (sharper gates), torch's free run of steps at bfloat16
-    flips a choice at a margin of 6e-5 and fails at step 5's gradients (0.47 against 0.117);
+    flips a choice near a tie and fails at a later step's gradients (step 4: 0.173 against 0.117);
     replayed, it passes and says so. A router taking the least likely experts is named at the step
     and token it first chose differently; an expert mistake still fails with the routing replayed;
     and a float16 run that the optimizer's update breaks (Adam's ε is 0 there, SPEC §14.1) is said
@@ -317,7 +320,7 @@ def test_a_run_of_training_steps_is_replayed_step_by_step(monkeypatch):
     assert cell.status == PASS and cell.reason.startswith("routing replayed: the router chose differently"), cell.reason
     monkeypatch.setattr(cells, "_routing_verdict", lambda cfg, params, case, runner, dtype, judge, failed: failed)
     free, = run_matrix(cfg, sharp, plan, pattern="train_steps-*", backward=True)
-    assert free.status == FAIL and free.reason.startswith("step 5 gradients"), free.reason  # what the replay explained
+    assert free.status == FAIL and re.match(r"step [2-9] gradients", free.reason), free.reason  # the replay explained
     monkeypatch.undo()
     plan = plan_matrix(cfg, ["torch"], ["bfloat16", "float16"], ["cpu"])
     monkeypatch.setattr(torch_model.MixtureOfExperts, "route", _route_smallest)
@@ -597,6 +600,9 @@ def test_an_expert_no_token_chose_still_takes_the_optimizers_step():
     from spec.training import TrainingConfig
 
     cfg = get_preset("mixtral-tiny")
+    # without the load-balancing loss, whose gradient reaches every router column: Adam turns a column's
+    # rounding-sized gradient into a step (tests/test_training.py's b^K), and the next step routes on it
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balancing=0.0))
     params = conformance_params(cfg)
     training = TrainingConfig(optimizer="adamw", weight_decay=0.3, warmup_steps=2, learning_rate_scale=20.0)
     batch = (None, np.array([[5]]), np.array([[7]]))

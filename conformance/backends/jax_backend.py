@@ -19,7 +19,8 @@ from flax import nnx
 
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
 from conformance.cases import attention_queries, record_steps
-from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, token_cross_entropy, view_mask
+from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, view_mask
+from impl_jax.model import recorded_routers, training_loss
 from spec import ModelConfig
 
 NATIVE_PATH, EXPLICIT_PATH = "jax.nn.dot_product_attention", "explicit"
@@ -96,8 +97,13 @@ class JaxRunner(ModuleRunner):
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision, self.cfg.score_scale,
                                             self.cfg.attention_softcap)
 
-    def _token_cross_entropy(self, cfg, logits, targets):
-        return token_cross_entropy(cfg, logits, targets)
+    def _training_loss(self, model, inputs):
+        if model is self.model:  # its compiled program gives the routing as outputs
+            logits, routed = model.routed_call(inputs["src_ids"], inputs["tgt_ids"], inputs.get("dropout_masks"))
+        else:  # a gradient's copy runs op by op: its routing is recorded as it runs
+            with recorded_routers() as routed:
+                logits = self._logits(model, inputs)
+        return training_loss(self.cfg, logits, inputs["targets"], inputs["tgt_ids"], routed)
 
     def _vjp(self, forward, floats, d_out, owner):
         cotangent = None if np.ndim(d_out) == 0 else self._float(d_out)

@@ -129,7 +129,7 @@ class ModuleRunner:
         if sublayer == "forward":
             return self._logits(model, inputs)
         if sublayer == "loss":
-            return self._token_cross_entropy(cfg, self._logits(model, inputs), self._ids(inputs["targets"]))
+            return self._training_loss(model, inputs)
         if sublayer == "decode":
             return self._decode(inputs)
         if sublayer == "generate":

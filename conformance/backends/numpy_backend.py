@@ -127,9 +127,8 @@ class NumpyRunner:
                 cfg, p, inputs["src_ids"], prompt_ids=inputs["prompt_ids"], bos_id=inputs["bos_id"],
                 eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"])
         if sublayer == "loss":
-            logits = golden.model_logits(cfg, p, inputs["src_ids"], inputs["tgt_ids"],
-                                         dropout_masks=inputs.get("dropout_masks"))
-            return np.asarray(golden.token_cross_entropy(cfg, logits, np.asarray(inputs["targets"])))
+            return np.asarray(golden.training_loss(cfg, p, inputs["src_ids"], inputs["tgt_ids"], inputs["targets"],
+                                                   dropout_masks=inputs.get("dropout_masks")))
         raise KeyError(f"unknown sublayer {sublayer!r}")
 
     def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -12,7 +12,8 @@ import torch
 from conformance.backends.module_runner import FrameworkBackend, ModuleRunner
 from conformance.cases import record_steps
 from impl_torch import training as torch_training
-from impl_torch import Transformer, scaled_dot_product_attention, token_cross_entropy, view_mask
+from impl_torch import Transformer, scaled_dot_product_attention, view_mask
+from impl_torch.model import recorded_routers, training_loss
 from impl_torch.model import _linear_weight_names
 from spec import ModelConfig
 
@@ -59,8 +60,10 @@ class TorchRunner(ModuleRunner):
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.cfg.score_scale,
                                             self.cfg.attention_softcap)
 
-    def _token_cross_entropy(self, cfg, logits, targets):
-        return token_cross_entropy(cfg, logits, targets)
+    def _training_loss(self, model, inputs):
+        with recorded_routers() as routed:  # what a mixture of experts' load-balancing loss reads
+            logits = self._logits(model, inputs)
+        return training_loss(self.cfg, logits, inputs["targets"], inputs["tgt_ids"], routed)
 
     def _vjp(self, forward, floats, d_out, owner):
         leaves = {name: x.detach().requires_grad_() for name, x in floats.items()}

@@ -79,6 +79,11 @@ class TransformersRunner:
             # transformers 5's default experts implementation, grouped_mm, has no float64 kernel ("Expected
             # mat_a to be Float32, BFloat16 or Float16 matrix, got Double"): every dtype runs the eager loop
             self.model.set_experts_implementation("eager")
+            # where output_router_logits is set (a config trained with the load-balancing loss), transformers
+            # 5.23 takes that loss in every forward, with the whole attention mask against the routing of the
+            # call's own tokens: a cached decode step raises ("The size of tensor a (3) must match the size of
+            # tensor b (9)"). The column's cases are inference: the loss is never read
+            self.model.config.output_router_logits = False
         self._rebuild_sinusoids(torch_dtype)
         if dtype == "float64":
             self._float64_throughout()
