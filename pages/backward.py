@@ -66,6 +66,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "output_logits_vjp": ("Head.forward", "Head.__call__"),
     "token_cross_entropy_vjp": ("token_cross_entropy", "token_cross_entropy"),
     "model_vjp": ("Transformer.forward", "Transformer.__call__"),
+    "load_balancing_loss_vjp": ("load_balancing_loss", "load_balancing_loss"),
 }
 PRIMITIVES = {
     "linear_vjp": "`nn.Linear` / `nnx.Linear`: the frameworks' own matmul derivative",

@@ -98,11 +98,14 @@ class JaxRunner(ModuleRunner):
                                             self.cfg.attention_softcap)
 
     def _training_loss(self, model, inputs):
-        if model is self.model:  # its compiled program gives the routing as outputs
-            logits, routed = model.routed_call(inputs["src_ids"], inputs["tgt_ids"], inputs.get("dropout_masks"))
-        else:  # a gradient's copy runs op by op: its routing is recorded as it runs
+        routed: list = []
+        if model is not self.model:  # a gradient's copy runs op by op: its routing is recorded as it runs
             with recorded_routers() as routed:
                 logits = self._logits(model, inputs)
+        elif self.cfg.moe is not None and self.cfg.moe.load_balancing:  # the compiled program gives it as outputs
+            logits, routed = model.routed_call(inputs["src_ids"], inputs["tgt_ids"], inputs.get("dropout_masks"))
+        else:  # the forward cells' compiled program, not one more
+            logits = self._logits(model, inputs)
         return training_loss(self.cfg, logits, inputs["targets"], inputs["tgt_ids"], routed)
 
     def _vjp(self, forward, floats, d_out, owner):
