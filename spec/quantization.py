@@ -1,0 +1,95 @@
+"""Weight-only quantization as data (SPEC §15): the layouts the spec defines, read exactly, and
+dequantized so the golden can run on a quantized model's own stored tensors.
+
+One layout so far, onnxruntime's MatMulNBits (com.microsoft): Y = A · dequantize(B)ᵀ for a
+weight W [K, N] stored transposed, block-wise along the reduction axis K:
+
+    codes        uint8 [N, ⌈K/B⌉, B·bits/8]   column n's block b of K, `bits` per code, packed
+                                               from the low bits of each byte up (4 bits: element
+                                               2i in the low nibble, 2i+1 in the high one)
+    scales       [N, ⌈K/B⌉] (or flattened)     one per column and block, in the activations' dtype
+    zero_points  uint8 [N, ⌈⌈K/B⌉·bits/8⌉] packed the same way along the blocks (or flattened),
+                 or absent: 2^(bits−1) (symmetric)
+    W[k, n] = (code − zero_point) · scale      for k in block b = k // B, the padding past K dropped
+
+A layout the spec does not define (another bit width, a zero point in a float dtype, a scale
+missing or misshapen) is refused with the field named, never dequantized approximately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec.errors import WeightsError
+
+BITS = (4, 8)  # the code widths the spec reads; MatMulNBits has 2 too, which it refuses by name
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """One weight W [K, N] in MatMulNBits' layout (the module docstring): K and N, the code width,
+    the block size B along K, and the stored tensors as the graph holds them."""
+
+    k: int
+    n: int
+    bits: int
+    block_size: int
+    codes: np.ndarray  # uint8 [N, blocks, B·bits/8]
+    scales: np.ndarray  # [N, blocks] or [N·blocks]
+    zero_points: np.ndarray | None = None  # uint8 [N, ⌈blocks·bits/8⌉] or flattened; None: 2^(bits−1)
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.k // self.block_size)
+
+
+def check_block_quantized(weight: BlockQuantized, name: str = "weight") -> None:
+    """Every field of a MatMulNBits weight as SPEC §15 defines it, else WeightsError naming the field."""
+    if weight.bits not in BITS:
+        raise WeightsError(f"{name}: bits = {weight.bits}; the spec reads {' and '.join(map(str, BITS))}-bit codes "
+                           "(MatMulNBits' 2-bit layout is not defined here)")
+    if weight.k < 1 or weight.n < 1:
+        raise WeightsError(f"{name}: K = {weight.k}, N = {weight.n}; both must be positive")
+    if weight.block_size < 16 or weight.block_size & (weight.block_size - 1):
+        raise WeightsError(f"{name}: block_size = {weight.block_size}; MatMulNBits' blocks are a power of 2, at least 16")
+    per_byte = 8 // weight.bits
+    want = (weight.n, weight.blocks, weight.block_size // per_byte)
+    if weight.codes.dtype != np.uint8 or weight.codes.shape != want:
+        raise WeightsError(f"{name}: codes are {weight.codes.dtype} {list(weight.codes.shape)}; "
+                           f"K {weight.k}, N {weight.n}, {weight.bits} bits in blocks of {weight.block_size} "
+                           f"need uint8 {list(want)}")
+    if weight.scales.dtype.kind != "f" or weight.scales.size != weight.n * weight.blocks \
+            or weight.scales.shape not in ((weight.n, weight.blocks), (weight.n * weight.blocks,)):
+        raise WeightsError(f"{name}: scales are {weight.scales.dtype} {list(weight.scales.shape)}; one float per "
+                           f"column and block: [{weight.n}, {weight.blocks}] (or flattened)")
+    if weight.zero_points is not None:
+        packed = -(-weight.blocks // per_byte)
+        if weight.zero_points.dtype != np.uint8:
+            raise WeightsError(f"{name}: zero_points are {weight.zero_points.dtype}; the spec reads them packed in "
+                               "uint8 as the codes are (a zero point in the scales' float dtype is not defined here)")
+        if weight.zero_points.shape not in ((weight.n, packed), (weight.n * packed,)):
+            raise WeightsError(f"{name}: zero_points are {list(weight.zero_points.shape)}; {weight.blocks} block(s) of "
+                               f"{weight.bits} bits per column pack into [{weight.n}, {packed}] (or flattened)")
+
+
+def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [..., M] -> the codes [..., M·8/bits], each byte's low bits first."""
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits  # [per_byte]
+    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # [..., M, per_byte]
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def dequantize(weight: BlockQuantized) -> np.ndarray:
+    """W [K, N] in float64: (code − zero_point) · scale per column and block of K."""
+    check_block_quantized(weight)
+    codes = unpack(weight.codes, weight.bits).astype(np.float64)  # [N, blocks, B]
+    scales = np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks)
+    if weight.zero_points is None:
+        zero = np.full((weight.n, weight.blocks), 2.0 ** (weight.bits - 1))
+    else:
+        zero = unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.float64)
+    values = (codes - zero[..., None]) * scales[..., None]  # [N, blocks, B]
+    return values.reshape(weight.n, -1)[:, :weight.k].T  # the padding past K dropped -> [K, N]
