@@ -14,8 +14,9 @@ demo: $(STAMP)
 # The suite on every core (at most 4 workers: each imports torch and JAX, tests/conftest.py gives
 # each one thread), a test at a time to whichever worker is free, but the tests of a module's
 # once-made fixture (a matrix run, a Ray cluster) in one worker (tests/conftest.py groups them).
+# The slowest tests are listed at the end, so CI's log says where the suite's time goes.
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadgroup --durations=30
 
 install: $(TEST_STAMP)
 
