@@ -28,6 +28,7 @@ from impl_numpy.model import (
     encoder,
     encoder_layer,
     attention_positions,
+    balanced_model_logits,
     block,
     decoder_self_masks,
     experts_ffn,
@@ -42,12 +43,10 @@ from impl_numpy.model import (
     log_softmax,
     merge_heads,
     model_inputs,
-    model_logits,
     multi_head_attention,
     norm,
     norm_scale,
     positional_encoding,
-    recorded_routing,
     rope_tables,
     rotary,
     rotate_half,
@@ -645,14 +644,13 @@ def loss_and_gradients(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, 
     loss of the model in training mode."""
     check_targets(cfg, targets, tgt_ids)
     targets = np.asarray(targets)
-    with recorded_routing() as calls:
-        logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep,
-                              dropout_masks=dropout_masks)
+    logits, calls = balanced_model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep,
+                                          dropout_masks=dropout_masks)
     loss, d_logits, d_probabilities = token_cross_entropy(cfg, logits, targets), token_cross_entropy_vjp(
         cfg, logits, targets), None
-    weight = 0.0 if cfg.moe is None else cfg.moe.load_balancing
-    if weight:
-        keep, chosen = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)[3], [call.chosen for call in calls]
+    if calls:
+        weight, chosen = cfg.moe.load_balancing, [call.chosen for call in calls]
+        keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep)[3]
         loss += weight * load_balancing_loss([call.probabilities for call in calls], chosen, keep)
         d_probabilities = weight * load_balancing_loss_vjp(chosen, keep, cfg.moe.n_experts)
     grads = model_vjp(cfg, p, src_ids, tgt_ids, d_logits, src_keep=src_keep, tgt_keep=tgt_keep,

@@ -658,14 +658,27 @@ def training_loss(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_i
     """The loss a training step minimises: token_cross_entropy of the teacher-forced logits, plus
     α times a mixture of experts' load-balancing loss over the real target-side tokens
     (α = moe.load_balancing, SPEC §5.14). p: parameters in the computation dtype."""
-    weight = 0.0 if cfg.moe is None else cfg.moe.load_balancing
-    with recorded_routing() as calls:
-        logits = model_logits(cfg, p, src_ids, tgt_ids, dropout_masks=dropout_masks)
+    logits, calls = balanced_model_logits(cfg, p, src_ids, tgt_ids, dropout_masks=dropout_masks)
     loss = token_cross_entropy(cfg, logits, np.asarray(targets))
-    if weight:
+    if calls:
         keep = model_inputs(cfg, src_ids, tgt_ids)[3]
-        loss += weight * load_balancing_loss([call.probabilities for call in calls], [call.chosen for call in calls], keep)
+        loss += cfg.moe.load_balancing * load_balancing_loss([call.probabilities for call in calls],
+                                                             [call.chosen for call in calls], keep)
     return loss
+
+
+def balanced_model_logits(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: np.ndarray, *,
+                          src_keep: np.ndarray | None = None, tgt_keep: np.ndarray | None = None,
+                          dropout_masks: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray, list[RoutedCall]]:
+    """model_logits, and every MoE layer's routing where a load-balancing loss reads it (moe.load_balancing
+    not 0; else [], and the routing is not recorded)."""
+    if cfg.moe is None or not cfg.moe.load_balancing:
+        return model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep,
+                            dropout_masks=dropout_masks), []
+    with recorded_routing() as calls:
+        logits = model_logits(cfg, p, src_ids, tgt_ids, src_keep=src_keep, tgt_keep=tgt_keep,
+                              dropout_masks=dropout_masks)
+    return logits, calls
 
 
 # ---- incremental decoding with a KV cache ---------------------------------------------------
