@@ -36,6 +36,21 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                    bos_token_id=128000, eos_token_id=128001)),
+    # Isotonic/TinyMixtral-4x248M-MoE: four of TinyMistral-248M's FFNs as experts, two per token (~700M parameters)
+    "tinymixtral-4x248m": ("mixtral", dict(vocab_size=32005, hidden_size=1024, intermediate_size=4096,
+                                           num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=8,
+                                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32768,
+                                           rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                                           bos_token_id=1, eos_token_id=2)),
+    # one of Qwen3-30B-A3B's 48 layers (128 experts of 768, eight per token, renormalised; 32 query heads and 4
+    # key-value heads of 128), its vocabulary cut from 151,936 to 32,768 so the float64 golden fits 24 GB
+    "qwen3-30b-a3b-layer": ("qwen3_moe", dict(vocab_size=32768, hidden_size=2048, intermediate_size=6144,
+                                              moe_intermediate_size=768, num_hidden_layers=1, num_attention_heads=32,
+                                              num_key_value_heads=4, head_dim=128, num_experts=128,
+                                              num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                                              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                              tie_word_embeddings=False, bos_token_id=32766,
+                                              eos_token_id=32767)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),

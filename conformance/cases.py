@@ -128,6 +128,12 @@ MASK_CASES.update({
             "decode) or at the start (generate)",
     "text_long": f"real text of at least {LONG_TEXT} tokens: a prompt that long, or the prompts repeated until it is"})
 TEXT_CASES = ("text", "text_long")  # only a check given prompts runs them (conformance.text)
+MASK_CASES.update({
+    "unchosen": "the golden's routing but one expert, which no token chooses: it must add nothing (experts)",
+    "near_tie": "every token at a tie between its k-th and (k+1)-th expert, by construction: which of the two a "
+                "column chooses is rounding's to decide (ffn of a mixture of experts; SPEC §5.14)"})
+NEAR_TIE_CASES = ("near_tie",)  # cases meant to sit at a routing tie: the report says so
+_MOE_CASES = ("unchosen", *NEAR_TIE_CASES)  # only a mixture of experts' sublayers run them
 _SCALED = tuple(name for name in MASK_CASES if name.split("_")[0] in _SIZES)
 
 
@@ -187,7 +193,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("mha", "multi-head self-attention (the encoder's layers in turn, or the decoder's)",
              _SELF_ATTENTION_CASES, lambda c: 1),
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
-    Sublayer("ffn", "position-wise feed-forward network", ("none",), lambda c: 1),
+    Sublayer("ffn", "position-wise feed-forward network (near_tie: a mixture of experts' every token at a routing "
+             "tie)", ("none", "near_tie"), lambda c: 1),
     Sublayer("router", "a mixture of experts' router: every expert's probability, softmax(x R)", ("none",),
              lambda c: 1),
     Sublayer("experts", "a mixture of experts' chosen experts, weighted, on the golden's routing (unchosen: "
@@ -432,6 +439,20 @@ def _experts_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarra
     return chosen.reshape(*x.shape[:-1], -1), weights.reshape(*x.shape[:-1], -1)
 
 
+def _at_routing_ties(cfg: ModelConfig, router: np.ndarray, x: np.ndarray, rounds: int = 4) -> np.ndarray:
+    """x [B, T, d] moved, token by token, onto the plane where its k-th and (k+1)-th router logits
+    are equal: x − (x·r / r·r) r, r = R[:, a] − R[:, b] the difference of the two experts' router
+    columns. The move changes the other logits a little, so the pair is taken again for a few
+    rounds; rounded to float32, each token's margin is left at float32's rounding of its logits."""
+    k = cfg.moe.experts_per_token
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    for _ in range(rounds):
+        order = np.argsort(-golden.linear(rows, router), axis=-1, kind="stable")
+        r = (router[:, order[:, k - 1]] - router[:, order[:, k]]).T  # [N, d]
+        rows = rows - (np.sum(rows * r, axis=-1) / np.sum(r * r, axis=-1))[:, None] * r
+    return rows.reshape(x.shape).astype(np.float32)
+
+
 def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tuple[np.ndarray | None, np.ndarray]:
     """(src_ids, tgt_ids) for a model-level case; lengths capped at max_len."""
     src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
@@ -496,7 +517,10 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         return {"module": module, "x": _normal(rng, BATCH, TGT_LEN, d) * np.float32(activation_size(mask_case))}, d
     if sublayer in ("ffn", "ffn_block"):
         key, module = ("module", f"{stack}.layers.0.ffn") if sublayer == "ffn" else ("layer", f"{stack}.layers.0")
-        return {key: module, "x": _normal(rng, BATCH, TGT_LEN, d)}, max(d, d_ff)
+        x = _normal(rng, BATCH, TGT_LEN, d)
+        if mask_case == "near_tie":
+            x = _at_routing_ties(cfg, params_under(golden_params(), module)["router.weight"], x)
+        return {key: module, "x": x}, max(d, d_ff)
     if sublayer in _MOE_SUBLAYERS:
         module = f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.ffn"
         x = _normal(rng, BATCH, TGT_LEN, d)
@@ -730,6 +754,8 @@ def applicable_cases(cfg: ModelConfig, sublayer: str, text: bool = False) -> tup
     if spec_.needs_encoder and not cfg.has_encoder or sublayer in _MOE_SUBLAYERS and cfg.moe is None:
         return ()
     cases = tuple(c for c in spec_.mask_cases if c not in TEXT_CASES or text and not cfg.has_encoder)
+    if cfg.moe is None:
+        cases = tuple(c for c in cases if c not in _MOE_CASES)
     if cfg.positional == "rope":
         if forward_of(sublayer) == "positional":
             return ()

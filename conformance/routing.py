@@ -12,7 +12,7 @@ import numpy as np
 
 from conformance.adapter import NotSupported
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
-from conformance.cases import TEXT_CASES, Case, build_case, forward_of, is_gradient, is_training
+from conformance.cases import NEAR_TIE_CASES, TEXT_CASES, Case, build_case, forward_of, is_gradient, is_training
 from conformance.tolerance import tolerance
 from conformance.training_cells import OPTIMIZER_QUANTITIES, failing_step
 from spec import ModelConfig
@@ -66,14 +66,16 @@ def golden_routing(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Cas
 
 def routing_margins(cfg: ModelConfig, params: Mapping[str, np.ndarray], results: Sequence) -> list[dict]:
     """What the report states of a mixture of experts' routing: for each routed case that ran
-    (ROUTED_SUBLAYERS; not the text cases, whose inputs are a tokenizer's), its decisions (tokens
-    × layers), the smallest margin and where, and per dtype that ran it how many decisions sit
-    within rounding of a tie. [] without experts."""
+    (ROUTED_SUBLAYERS; not the text cases, whose inputs are a tokenizer's) and each case meant to
+    sit at a tie (NEAR_TIE_CASES, marked so), its decisions (tokens × layers), the smallest margin
+    and where, and per dtype that ran it how many decisions sit within rounding of a tie. [] without
+    experts."""
     if cfg.moe is None:
         return []
     dtypes_of: dict[tuple[str, str], set[str]] = {}
     for result in results:
-        if (result.sublayer in ROUTED_SUBLAYERS and result.mask_case not in TEXT_CASES
+        if ((result.sublayer in ROUTED_SUBLAYERS and result.mask_case not in TEXT_CASES
+             or result.mask_case in NEAR_TIE_CASES and not is_gradient(result.sublayer))
                 and result.status in ("pass", "fail", "error")):
             dtypes_of.setdefault((result.sublayer, result.mask_case), set()).add(result.dtype)
     rows = []
@@ -81,7 +83,8 @@ def routing_margins(cfg: ModelConfig, params: Mapping[str, np.ndarray], results:
         layers = golden_routing(cfg, params, build_case(cfg, params, sublayer, mask_case))
         closest = min(layers, key=lambda layer: layer.margins.min())
         row, position = np.unravel_index(np.argmin(closest.margins), closest.margins.shape)
-        rows.append({"case": f"{sublayer}-{mask_case}", "decisions": sum(layer.margins.size for layer in layers),
+        rows.append({"case": f"{sublayer}-{mask_case}", "at_a_tie_by_construction": mask_case in NEAR_TIE_CASES,
+                     "decisions": sum(layer.margins.size for layer in layers),
                      "smallest_margin": float(closest.margins[row, position]),
                      "at": {"layer": closest.layer, "row": int(row), "position": int(position)},
                      "near_ties": {dtype: sum(int(layer.near_ties(cfg, dtype).sum()) for layer in layers)
@@ -92,7 +95,8 @@ def routing_margins(cfg: ModelConfig, params: Mapping[str, np.ndarray], results:
 def format_routing_margins(rows: Sequence[dict]) -> str:
     """The routing_margins rows as a text table."""
     head = ("case", "decisions", "smallest margin", "at (layer, row, position)", "within rounding of a tie")
-    lines = [(row["case"], str(row["decisions"]), f"{row['smallest_margin']:.3g}",
+    lines = [(row["case"] + (" (at a tie by construction)" if row.get("at_a_tie_by_construction") else ""),
+              str(row["decisions"]), f"{row['smallest_margin']:.3g}",
               f"({row['at']['layer']}, {row['at']['row']}, {row['at']['position']})",
               ", ".join(f"{dtype} {count}" for dtype, count in row["near_ties"].items())) for row in rows]
     widths = [max(len(text) for text in column) for column in zip(head, *lines)]

@@ -317,7 +317,9 @@ def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
     from spec import RopeScaling, count_params
 
     published = {"smollm2-135m": (134_515_008, 30, 576, None), "qwen2.5-0.5b": (494_032_768, 24, 896, None),
-                 "llama-3.2-1b": (1_235_814_400, 16, 2048, RopeScaling(kind="llama3", factor=32.0, original_max_len=8192))}
+                 "llama-3.2-1b": (1_235_814_400, 16, 2048, RopeScaling(kind="llama3", factor=32.0, original_max_len=8192)),
+                 "tinymixtral-4x248m": (701_058_048, 12, 1024, None), "qwen3-30b-a3b-layer": (757_340_416, 1, 2048, None)}
+    experts = {"tinymixtral-4x248m": (4, 2, True), "qwen3-30b-a3b-layer": (128, 8, True)}
     for shape, (family, fields) in SHAPES.items():
         fields = dict(fields)
         theta, scaling = fields.pop("rope_theta"), fields.pop("rope_scaling", None) or {"rope_type": "default"}
@@ -325,7 +327,9 @@ def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
         hf = {**hf.to_dict(), "model_type": family}
         cfg = _CONFIGS[family](hf, [])
         assert (count_params(cfg), cfg.n_decoder_layers, cfg.d_model, cfg.rope_scaling) == published[shape]
-        assert cfg.rope_theta == theta and cfg.tie_head
+        assert cfg.rope_theta == theta and cfg.tie_head == (shape not in experts)
+        moe = cfg.moe and (cfg.moe.n_experts, cfg.moe.experts_per_token, cfg.moe.renormalize)
+        assert moe == experts.get(shape)
 
 
 def test_measure_sees_a_child_process_memory_and_stops_at_the_limit():

@@ -53,7 +53,7 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     rotary_only = {"far", "long"}
     norms_tiny_lacks = {"small_final", "large_final", "small_embed", "large_embed"}  # tiny has neither norm
     text_only = set(TEXT_CASES)  # a check given prompts runs them (tests/test_text_cases.py)
-    experts_only = {"unchosen"}
+    experts_only = {"unchosen", "near_tie"}
     assert {c.mask_case for c in cases} == set(MASK_CASES) - rotary_only - norms_tiny_lacks - text_only - experts_only
     llama = get_preset("llama-tiny")
     assert rotary_only <= {c.mask_case for c in catalogue(llama, conformance_params(llama))}
@@ -61,7 +61,7 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     assert norms_tiny_lacks <= {mask_case for mask_case in applicable_cases(embed_norm, "norm")}
     assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts"}  # a mixture of experts' only
     mixtral = get_preset("mixtral-tiny")
-    assert {("router", "none"), ("experts", "unchosen")} <= {(c.sublayer, c.mask_case)
+    assert {("router", "none"), ("experts", "unchosen"), ("ffn", "near_tie")} <= {(c.sublayer, c.mask_case)
                                                              for c in catalogue(mixtral, conformance_params(mixtral))}
     assert not any("-" in mask_case for mask_case in MASK_CASES)  # a worker splits "grad-mha-causal" at its last '-'
     decoder_only = catalogue(VARIANTS["char-lm"], conformance_params(VARIANTS["char-lm"]))

@@ -183,6 +183,32 @@ def _route_smallest(self, tokens, batch=1):
     return probabilities, chosen, weights.to(tokens.dtype)
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_the_case_at_a_tie_by_construction_passes_replayed_and_still_catches_an_expert_mistake(monkeypatch, backend):
+    """ffn-near_tie puts every token at a tie between its k-th and (k+1)-th expert: at float32 some
+    flip (rounding's choice, 7-10 of 18 on mixtral-tiny), the cell passes with the golden's routing
+    replayed and says the case sits at a tie; at float64 none flips. A column that cannot replay
+    (numpy-float32) is not judged on it."""
+    cfg = get_preset("mixtral-tiny")
+    plan = plan_matrix(cfg, [backend, "numpy-float32"], ["float64", "float32"], ["cpu"])
+    cells = {(r.backend, r.dtype): r for r in run_matrix(cfg, conformance_params(cfg), plan, pattern="ffn-near_tie")}
+    replayed = cells[backend, "float32"]
+    assert replayed.status == PASS and replayed.reason.startswith(
+        "every token of this case sits at a routing tie by construction; routing replayed: the router chose "
+        "differently at"), replayed.reason
+    assert cells[backend, "float64"].status == PASS and not cells[backend, "float64"].reason
+    unjudged = cells["numpy-float32", "float32"]
+    assert unjudged.status == "skip" and "routing tie by construction" in unjudged.reason
+
+
+def test_the_case_at_a_tie_by_construction_still_catches_an_expert_mistake(monkeypatch):
+    cell = _cells(monkeypatch, "mixtral-tiny", "float32", "ffn-near_tie",
+                  plant=(torch_model.FeedForward, "forward", _gate_and_up_swapped))["ffn-near_tie"]
+    assert cell.status == FAIL and cell.reason.startswith(
+        "every token of this case sits at a routing tie by construction; with the golden's routing replayed the "
+        "cell still fails"), cell.reason
+
+
 def _gate_and_up_swapped(self, x):
     """An expert whose gate and up projections trade places: act(x W3) ⊙ x W1."""
     return self.w2(self.activation(self.w3(x)) * self.w1(x))

@@ -77,3 +77,23 @@ def test_the_report_states_the_routing_margins(tmp_path, preset):
     assert row["case"] == "forward-pad_right" and set(row["near_ties"]) == {"float32"}
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "## Routing margins" in markdown and "forward-pad_right" in markdown.split("## Routing margins")[1]
+
+
+# ---- the case meant to sit at a tie (ffn-near_tie) ----------------------------------------------
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-moe-tiny"])
+def test_the_near_tie_case_puts_every_token_at_a_tie_and_says_so(preset):
+    """Every token's k-th and (k+1)-th experts tie up to float32's rounding of its input: inside
+    float32's rounding bound, clear of float64's; the report marks the row."""
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    [layer] = golden_routing(cfg, params, build_case(cfg, params, "ffn", "near_tie"))
+    [plain] = golden_routing(cfg, params, build_case(cfg, params, "ffn", "none"))
+    assert layer.near_ties(cfg, "float32").all() and not layer.near_ties(cfg, "float64").any()
+    assert not plain.near_ties(cfg, "float32").any()  # the same draw, before it is moved onto the ties
+    rows = routing_margins(cfg, params, _results("ffn", "near_tie", ["float32"]) + _results("ffn", "none", ["float32"]))
+    [row] = rows  # ffn-none is no routed case: only the one meant to sit at a tie is added
+    assert row["case"] == "ffn-near_tie" and row["at_a_tie_by_construction"]
+    assert row["near_ties"] == {"float32": row["decisions"]} and row["smallest_margin"] < 1e-7
+    assert "ffn-near_tie (at a tie by construction)" in format_routing_margins(rows)
+
