@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +33,12 @@ from conformance.memory import MemoryLedger, references_here
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
 from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
+from conformance.quantized import check_quantized, format_quantized, quantized_as_dict
 from conformance.routing import routing_margins
 from conformance.shards import shard_plan
 from conformance.text import Prompts, decode_rows, prompts_for
 from spec import InputError, ModelConfig
+from spec.quantization import QuantizationScheme
 
 
 @dataclass
@@ -54,6 +56,7 @@ class CheckRun:
     plan: BudgetPlan | None = None  # where a budget chose the cells
     explanations: dict = field(default_factory=dict)  # whole-model columns' failures by omissions (conformance.explain)
     routing: list[dict] = field(default_factory=list)  # a mixture of experts' margins per case (conformance.routing)
+    quantized: list = field(default_factory=list)  # the quantized deployments' columns (conformance.quantized)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -71,13 +74,15 @@ class CheckRun:
 
     @property
     def passed(self) -> bool:
-        return matrix_passed(self.results)
+        return matrix_passed(self.results) and all(column.passed for column in self.quantized)
 
     def write_report(self, directory: str | Path) -> list[Path]:
         """report.json, report.md and heatmap.png (conformance.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
                             explanations=self.explanations, routing=self.routing,
+                            quantized=[quantized_as_dict(column) for column in self.quantized],
+                            quantized_text=format_quantized(self.quantized),
                             placements=self.placements, text=self.text, plan=self.plan_figures)
 
     @property
@@ -97,7 +102,9 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 executor: Executor | None = None, pool: WorkerPool | None = None,
                 progress: Callable[[CellResult, int, int], None] | None = None,
                 prompts: Sequence[str] | None = None, budget: float | None = None, size_aware: bool = False,
-                on_plan: Callable[[BudgetPlan], None] | None = None, memory: int | None = None) -> CheckRun:
+                on_plan: Callable[[BudgetPlan], None] | None = None, memory: int | None = None,
+                quantized: Sequence[QuantizationScheme] = (), quant_budget: Mapping[str, float] | None = None,
+                ) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
     onnxruntime-genai and ctranslate2 columns join the backends), else the preset's conformance weights of seed.
     shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
@@ -109,7 +116,9 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
     one whole-model cell fits), the plan handed to on_plan before anything runs; size_aware:
     without a budget, DEFAULT_BUDGET where the model is larger than the presets (`rosetta
     check`'s default; --full runs everything). memory: bytes the whole check may hold, its
-    processes together (`--memory`; else COLUMNS_SHARE of the memory available goes to the columns)."""
+    processes together (`--memory`; else COLUMNS_SHARE of the memory available goes to the columns).
+    quantized: weight-only schemes whose deployments (our float32 export quantized by onnxruntime)
+    are checked after the matrix (conformance.quantized), quant_budget the cost they may take."""
     start = time.perf_counter()
     try:
         if hf:
@@ -138,12 +147,13 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
             pool.close()
         if executor is not None:
             executor.close()
+    columns = check_quantized(cfg, params, quantized, quant_budget) if quantized else []
     seconds = time.perf_counter() - start
     continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),
                     getattr(executor, "placements", None), continuations, budgeted,
                     explanations=explain_failures(cfg, params, results),
-                    routing=routing_margins(cfg, params, results))
+                    routing=routing_margins(cfg, params, results), quantized=columns)
 
 
 def _cold(cfg: ModelConfig, params, plan: Plan) -> set:

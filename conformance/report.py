@@ -35,9 +35,10 @@ report.json (schema_version 1):
                     passed, max_abs_err, rel_err, tol, worst_index, reason, seconds, path, graph,
                     skip (a skipped cell's kind: absent, sublayer or refused), left_out (rows not compared)
                     (infinite errors are written as the string "inf")
-    routing_margins (a mixture of experts) [{"case", "decisions", "smallest_margin", "at": {"layer", "row",
-                    "position"}, "near_ties": {dtype: decisions within rounding of a tie}}] for each routed
-                    case that ran (conformance.routing.routing_margins)
+    routing_margins (a mixture of experts) [{"case", "at_a_tie_by_construction", "decisions", "smallest_margin",
+                    "at": {"layer", "row", "position"}, "near_ties": {dtype: decisions within rounding of a
+                    tie}}] for each routed case, and each case meant to sit at a tie, that ran
+                    (conformance.routing.routing_margins)
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
                  seconds: float, table: str, problems: str, localizations: dict | None = None, *,
                  merged: dict | None = None, placements: dict | None = None,
                  text: list[dict] | None = None, plan: dict | None = None,
-                 explanations: dict | None = None, routing: list[dict] | None = None) -> list[Path]:
+                 explanations: dict | None = None, routing: list[dict] | None = None,
+                 quantized: Sequence[dict] = (), quantized_text: str = "") -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
     params: the weights, or (a merged report, conformance.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
@@ -319,13 +321,15 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
     text generate case's continuations, decoded (generated_text); plan: a budgeted plan's
     figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken;
     explanations: the failing whole-model columns' omissions (conformance.explain); routing: a
-    mixture of experts' routing margins per case (conformance.routing.routing_margins)."""
+    mixture of experts' routing margins per case (conformance.routing.routing_margins); quantized:
+    the quantized deployments' columns as dicts, quantized_text as text (conformance.quantized), a
+    failing column failing the report."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
     empty = empty_columns(results)
     report = {
         "schema_version": SCHEMA_VERSION,
-        "passed": matrix_passed(results, conflicts),
+        "passed": matrix_passed(results, conflicts) and all(column["passed"] for column in quantized),
         "counts": counts,
         "empty_columns": empty,
         "spec_version": SPEC_VERSION,
@@ -347,6 +351,7 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
         **({"generated_text": text} if text else {}),
         **({"plan": plan} if plan else {}),
         **({"routing_margins": routing} if routing else {}),
+        **({"quantized": list(quantized)} if quantized else {}),
         "cells": [r.to_dict() for r in results],
         **({"merged_from": merged["sources"], "columns": merged["columns"], "conflicts": conflicts} if merged else {}),
     }
@@ -382,6 +387,13 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
                      "and where, and per dtype the decisions within rounding of a tie (margin < 2ρ·max|z|, SPEC §5.14): "
                      "a flip there is the dtype's, and a failing cell replays the golden's routing to tell.", "",
                      "```", format_routing_margins(routing), "```"]
+    if quantized:
+        markdown += ["", "## Quantized deployments", "",
+                     "Each column judged twice (SPEC §15): the implementation, error / tolerance against the golden on "
+                     "the weights the deployment stores, dequantized (a failure is the kernel's, the exporter's or the "
+                     "dequantization's); and the cost, against the float golden on the original weights, measured per "
+                     "real token (KL in nats, top-1 agreement), judged only by a budget (--quant-budget).", "",
+                     "```", quantized_text, "```"]
     if field := field_metrics_table(results):
         markdown += ["", "## The field's metrics (whole-model cells)", "",
                      f"Per-token KL(golden ‖ backend), top-1 agreement and top-{TOP_K} containment, and whether each "

@@ -25,11 +25,14 @@ from conformance.machine import NVIDIA_DRIVER
 from conformance.report import (attention_paths, empty_columns, field_metrics_table, format_attention_paths,
                                 format_empty_columns, format_generated_text, format_graphs_served, format_placements,
                                 format_problems, format_table, graphs_served, summary_counts)
+from conformance.quantized import format_quantized, parse_budget as parse_quant_budget
 from conformance.routing import format_routing_margins
 from conformance.shards import MergeError, merge_into_report, parse_shard
 from conformance.text import LONG_TEXT, load_tokenizer, read_prompts_file
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
+from spec.errors import WeightsError
+from spec.quantization import parse_scheme
 
 
 def _early_workers(jobs: int | None, backends: list[str] | None, dtypes: list[str] | None,
@@ -103,8 +106,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         budget = parse_budget(args.budget) if args.budget else None
         memory = parse_memory(args.memory) if args.memory else None
-    except ValueError as error:
+        schemes = [parse_scheme(name) for name in comma_list(args.quantized)] if args.quantized else []
+        quant_budget = parse_quant_budget(args.quant_budget) if args.quant_budget else None
+    except (ValueError, WeightsError) as error:
         raise UsageError(str(error)) from None
+    if args.quant_budget and not schemes:
+        raise UsageError("--quant-budget is what the --quantized columns may cost: give --quantized SCHEMES")
     prompts = list(args.prompt or []) + (read_prompts_file(args.prompts) if args.prompts else [])
     if prompts:
         if not args.hf:
@@ -129,7 +136,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,
                           fail_fast=args.fail_fast, backward=args.backward, localize_every_column=args.localize,
                           jobs=jobs, executor=executor, pool=pool, progress=progress, prompts=prompts or None,
-                          budget=budget, size_aware=not args.full, on_plan=_print_plan, memory=memory)
+                          budget=budget, size_aware=not args.full, on_plan=_print_plan, memory=memory,
+                          quantized=schemes, quant_budget=quant_budget)
     results, source, seconds = run.results, run.source, run.seconds
     counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
@@ -171,6 +179,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if run.routing:
         print(f"\nrouting margins (decisions within rounding of a tie, per dtype; SPEC §5.14):\n"
               f"{format_routing_margins(run.routing)}")
+    if run.quantized:
+        print("\nquantized deployments (implementation: error / tolerance against the golden on the stored weights; "
+              f"cost against the float golden; SPEC §15):\n{format_quantized(run.quantized)}")
     if run.text:
         print(f"\ngenerated text (generate-text):\n{format_generated_text(run.text)}")
     for column, localization in run.localizations.items():
@@ -248,6 +259,16 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                        help="the most memory the check may take, its processes together (6G, 512M): columns that "
                             "do not fit beside each other run one after another, one that cannot fit at all is "
                             "skipped with its figures (default: the columns take up to 85%% of the memory available)")
+    check.add_argument("--quantized", metavar="SCHEMES",
+                       help="add weight-only quantized deployments: our float32 export quantized by onnxruntime's "
+                            "MatMulNBitsQuantizer, each judged against the golden on the weights it stores and "
+                            "measured against the float golden (SPEC §15); comma-separated schemes, e.g. "
+                            "int4,int8-b128,int4-b32-zp-head8 (int4|int8, -b<block size> default 32, -sym|-zp, "
+                            "-head<bits>: the head quantized too)")
+    check.add_argument("--quant-budget", metavar="BUDGET",
+                       help="what the --quantized columns may cost against the float golden, e.g. kl=1e-2,top1=0.99 "
+                            "(mean KL per token, share of tokens whose top-1 agrees); without it the cost is reported, "
+                            "not judged")
     check.add_argument("--quiet", action="store_true",
                        help="no progress (at a terminal the bar, piped a line per finished column)")
     check.add_argument("--jobs", default="auto",

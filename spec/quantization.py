@@ -93,3 +93,79 @@ def dequantize(weight: BlockQuantized) -> np.ndarray:
         zero = unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.float64)
     values = (codes - zero[..., None]) * scales[..., None]  # [N, blocks, B]
     return values.reshape(weight.n, -1)[:, :weight.k].T  # the padding past K dropped -> [K, N]
+
+
+ACCURACY_LEVELS = (0,)  # onnxruntime's MatMulNBits compute modes the tolerance policy covers (SPEC §15)
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """What a weight-only deployment quantizes, and how (SPEC §15): every linear layer's weight
+    [in, out] at `bits`, in blocks of `block_size` along its input axis, symmetric (zero point
+    2^(bits−1)) or with a zero point per block; the head at `head_bits` (None: left in float); the
+    embeddings stay float (a lookup, no matrix product). `accuracy_level`: onnxruntime's MatMulNBits
+    compute mode, 0 (the activations in their float dtype) the one the policy covers so far."""
+
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = True
+    head_bits: int | None = None
+    accuracy_level: int = 0
+
+    def __post_init__(self) -> None:
+        for field, value in (("bits", self.bits), ("head_bits", self.head_bits)):
+            if value is not None and (isinstance(value, bool) or value not in BITS):
+                raise WeightsError(f"quantization {field} = {value!r}; the spec reads "
+                                   f"{' and '.join(map(str, BITS))}-bit codes")
+        if self.bits is None:
+            raise WeightsError("quantization bits = None; every linear layer is quantized: give 4 or 8")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
+                or self.block_size & (self.block_size - 1):
+            raise WeightsError(f"quantization block_size = {self.block_size!r}; MatMulNBits' blocks are a power of 2, "
+                               "at least 16")
+        if not isinstance(self.symmetric, bool):
+            raise WeightsError(f"quantization symmetric = {self.symmetric!r}; true or false")
+        if self.accuracy_level not in ACCURACY_LEVELS or isinstance(self.accuracy_level, bool):
+            raise WeightsError(f"quantization accuracy_level = {self.accuracy_level!r}; the tolerance policy covers "
+                               f"level {', '.join(map(str, ACCURACY_LEVELS))} (its activations in their float dtype); "
+                               "level 4's int8 activations are not derived yet")
+
+    @property
+    def name(self) -> str:
+        """int4-b32-sym, int8-b128-zp-head8: the column's name."""
+        head = f"-head{self.head_bits}" if self.head_bits else ""
+        return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}"
+
+
+def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
+    """The parameters a scheme quantizes, with their code width: every linear layer's weight [in, out]
+    (2-D, not an embedding) at scheme.bits, and `head.weight` at head_bits where set (a tied head
+    too, stored then as a head of its own); the embeddings stay float."""
+    from spec.params import param_shapes
+
+    wanted = {name: scheme.bits for name, shape in param_shapes(cfg).items()
+              if len(shape) == 2 and not name.endswith("embed.weight") and name != "head.weight"}
+    if scheme.head_bits is not None:
+        wanted["head.weight"] = scheme.head_bits
+    return wanted
+
+
+def parse_scheme(text: str) -> QuantizationScheme:
+    """A scheme by its name (QuantizationScheme.name): int4 or int8, then any of -b<block size>
+    (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
+    'int4', 'int8-b128-zp', 'int4-b32-sym-head8'. An unknown part is refused by name."""
+    parts = text.strip().lower().split("-")
+    if not parts[0].startswith("int") or not parts[0][3:].isdigit():
+        raise WeightsError(f"quantization scheme {text!r}: it starts with int4 or int8 (the code width)")
+    fields: dict = {"bits": int(parts[0][3:])}
+    for part in parts[1:]:
+        if part in ("sym", "zp"):
+            fields["symmetric"] = part == "sym"
+        elif part.startswith("b") and part[1:].isdigit():
+            fields["block_size"] = int(part[1:])
+        elif part.startswith("head") and part[4:].isdigit():
+            fields["head_bits"] = int(part[4:])
+        else:
+            raise WeightsError(f"quantization scheme {text!r}: {part!r} is none of b<block size>, sym, zp, "
+                               "head<bits>")
+    return QuantizationScheme(**fields)

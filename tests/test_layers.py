@@ -34,6 +34,7 @@ CONFORMANCE_FLOORS = {
     "localize": 7, "report": 7,  # what is made of the results
     "shards": 8, "terminal": 8,
     "explain": 8,  # a whole-model column's failure explained by omissions, where localize has no layers to run
+    "quantized": 8,  # a quantized deployment held to the golden on its stored weights; its cost, stage by stage
     "check": 9,  # one whole check
 }
 

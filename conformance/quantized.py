@@ -1,0 +1,334 @@
+"""A weight-only quantized deployment, judged twice (SPEC §15).
+
+1. **implementation**: the quantized graphs against the golden (float64) run on the weights they
+   store, dequantized (export.quantize.deployed_weights), within the tolerance policy of their
+   float32 compute. A failure is the kernel's, the exporter's or the dequantization's, never
+   "quantization noise".
+2. **cost**: the same output against the float golden on the original weights, measured, not
+   judged by a tolerance: per real token the KL divergence of the quantized model's next-token
+   distribution from the float one's, the share of tokens whose top-1 agrees, the logits' relative
+   error. A budget (`kl=1e-2,top1=0.99`) turns the cost into a verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from conformance.backends.numpy_backend import golden_output
+from conformance.cases import applicable_cases, build_case
+from conformance.localize import Localization, localize
+from conformance.tolerance import Comparison, compare, compare_generation
+from spec import ModelConfig
+from spec.quantization import QuantizationScheme, quantized_parameters
+
+# the cases a quantized column runs: the whole model's teacher-forced logits and its cached decode
+QUANTIZED_CASES = ("forward-none", "forward-pad_right", "forward-long", "decode-incremental", "decode-pad_right",
+                   "generate-none", "generate-pad_left")
+BUDGET_KEYS = {"kl": "the most mean KL divergence (nats per token) from the float golden",
+               "top1": "the least share of tokens whose top-1 agrees with the float golden's"}
+
+
+def parse_budget(text: str) -> dict[str, float]:
+    """'kl=1e-2,top1=0.99' -> {'kl': 0.01, 'top1': 0.99}; an unknown key or a value out of range is
+    refused by name."""
+    budget = {}
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        key, equals, value = part.partition("=")
+        if not equals or key not in BUDGET_KEYS:
+            raise ValueError(f"quantization budget {part!r}: give KEY=VALUE with KEY one of "
+                             + "; ".join(f"{k} ({what})" for k, what in BUDGET_KEYS.items()))
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"quantization budget {key}={value!r}: not a number") from None
+        if not math.isfinite(number) or number < 0 or key == "top1" and number > 1:
+            wanted = "a share in [0, 1]" if key == "top1" else "a finite KL ≥ 0"
+            raise ValueError(f"quantization budget {key}={value}: {wanted}")
+        budget[key] = number
+    if not budget:
+        raise ValueError("quantization budget is empty: give kl=..., top1=... or both")
+    return budget
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What quantization cost on one case's logits, against the float golden, over its real tokens."""
+
+    tokens: int
+    kl_mean: float  # nats per token: Σ p_float (log p_float − log p_quantized)
+    kl_max: float
+    top1: float  # the share of tokens whose argmax agrees
+    relative_error: float  # ‖logits − float logits‖ / ‖float logits‖
+
+    def within(self, budget: Mapping[str, float]) -> list[str]:
+        """What the cost breaks of a budget (parse_budget), said with the figures; [] within it."""
+        broken = []
+        if "kl" in budget and self.kl_mean > budget["kl"]:
+            broken.append(f"mean KL {self.kl_mean:.3g} > {budget['kl']:.3g}")
+        if "top1" in budget and self.top1 < budget["top1"]:
+            broken.append(f"top-1 agreement {self.top1:.4g} < {budget['top1']:.4g}")
+        return broken
+
+
+def cost(logits: np.ndarray, float_logits: np.ndarray, real: np.ndarray) -> Cost:
+    """The Cost of logits [B, T, V] against the float golden's, over the tokens real [B, T] marks."""
+    quantized, reference = np.asarray(logits, np.float64)[real], np.asarray(float_logits, np.float64)[real]
+    log_q, log_p = _log_softmax(quantized), _log_softmax(reference)  # [N, V]
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)  # [N]
+    agree = np.argmax(quantized, axis=-1) == np.argmax(reference, axis=-1)
+    size = np.linalg.norm(reference)
+    return Cost(tokens=int(real.sum()), kl_mean=float(kl.mean()) if kl.size else 0.0,
+                kl_max=float(kl.max()) if kl.size else 0.0, top1=float(agree.mean()) if agree.size else 1.0,
+                relative_error=float(np.linalg.norm(quantized - reference) / size) if size else 0.0)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@dataclass(frozen=True)
+class GenerationCost:
+    """What quantization cost a greedy generation: where its tokens part from the float golden's."""
+
+    rows: int
+    rows_parted: int
+    first_parted: int | None  # the first step at which any row's token differs; None: every token the same
+
+    def within(self, budget: Mapping[str, float]) -> list[str]:
+        return []  # the budget bounds the logits' cost; a generation's parting is reported
+
+    def describe(self) -> str:
+        if self.first_parted is None:
+            return "the float golden's tokens"
+        return f"parts at step {self.first_parted} ({self.rows_parted} of {self.rows} rows)"
+
+
+def generation_cost(tokens: np.ndarray, float_tokens: np.ndarray) -> GenerationCost:
+    """Where greedy tokens [B, N] part from the float golden's."""
+    differ = np.asarray(tokens) != np.asarray(float_tokens)
+    parted = differ.any(axis=1)
+    steps = [int(np.flatnonzero(row)[0]) for row in differ if row.any()]
+    return GenerationCost(rows=len(differ), rows_parted=int(parted.sum()), first_parted=min(steps) if steps else None)
+
+
+@dataclass(frozen=True)
+class QuantizedCell:
+    """One case of one quantized column: the implementation verdict and the cost."""
+
+    column: str  # onnx-int4-b32-sym
+    case: str  # forward-pad_right
+    implementation: Comparison
+    cost: Cost | GenerationCost
+    over_budget: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.implementation.passed and not self.over_budget
+
+
+def real_tokens(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """[B, T'] the positions of a case's logits that are real tokens (a decode's after its prefix)."""
+    from impl_numpy.model import token_keep
+
+    keep = token_keep(cfg, np.asarray(inputs["tgt_ids"]), None, "tgt")
+    return keep[:, inputs["prefix"]:] if sublayer == "decode" else keep
+
+
+def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, runner,
+                    deployed, cases: Sequence[str] = QUANTIZED_CASES,
+                    budget: Mapping[str, float] | None = None) -> list[QuantizedCell]:
+    """Each case run by `runner` (a quantized export's, conformance.backends.onnx_backend.OnnxRunner)
+    judged against the golden on `deployed` (export.quantize.DeployedWeights) and measured against
+    the float golden on `params`."""
+    column = f"onnx-{scheme.name}"
+    cells = []
+    for name in cases:
+        sublayer, mask_case = name.split("-", 1)
+        if mask_case not in applicable_cases(cfg, sublayer):
+            continue  # forward-long: rotary configs only
+        case = build_case(cfg, params, sublayer, mask_case)
+        output = np.asarray(runner.run(sublayer, case.inputs))
+        expected = golden_output(deployed.cfg, deployed.params, sublayer, case.inputs)
+        relative = case.tolerance(cfg, "float32")
+        if sublayer == "generate":  # tokens: equal, or a near-tie of the golden's (SPEC §8)
+            implementation = compare_generation(output, *expected, relative, case.inputs["eos_id"])
+            spent = generation_cost(output, golden_output(cfg, params, sublayer, case.inputs)[0])
+        else:
+            implementation = compare(output, expected, relative, case.floor)
+            spent = cost(output, golden_output(cfg, params, sublayer, case.inputs),
+                         real_tokens(cfg, sublayer, case.inputs))
+        cells.append(QuantizedCell(column, name, implementation, spent, spent.within(budget or {})))
+    return cells
+
+
+def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> list[str]:
+    """What a deployment (export.quantize.DeployedWeights) stores otherwise than the scheme says, a
+    line per parameter: a linear layer left in float, a parameter quantized that the scheme leaves
+    float, another code width, block size or zero-point choice, a weight further than one step
+    from its parameter (round-to-nearest leaves half a step, a clipped block edge one: further is
+    not this parameter's quantization). [] where it stores what the scheme says."""
+    wanted = quantized_parameters(cfg, scheme)
+    problems = [f"{name}: quantized ({weight.bits} bits); the scheme leaves it in float"
+                for name, weight in deployed.stored.items() if name not in wanted]
+    for name, bits in wanted.items():
+        weight = deployed.stored.get(name)
+        if weight is None:
+            problems.append(f"{name}: left in float; the scheme quantizes it at {bits} bits")
+            continue
+        stored = (weight.bits, weight.block_size, weight.symmetric)
+        if stored != (bits, scheme.block_size, scheme.symmetric):
+            problems.append(f"{name}: stored at {_layout(*stored)}; the scheme says "
+                            f"{_layout(bits, scheme.block_size, scheme.symmetric)}")
+        if weight.steps_from_parameter > 1 + 1e-6:  # one step, and the rounding of its measure
+            problems.append(f"{name}: {weight.steps_from_parameter:.3g} quantization steps from the parameter at its "
+                            "worst element (round to nearest leaves at most one): not this parameter's quantization")
+    return problems
+
+
+def _layout(bits: int, block_size: int, symmetric: bool) -> str:
+    return f"{bits} bits in blocks of {block_size}, {'symmetric' if symmetric else 'with zero points'}"
+
+
+@dataclass(frozen=True)
+class QuantizedColumn:
+    """One quantized deployment's check: its scheme, what it stores otherwise than the scheme says,
+    its cells, or the error that stopped it (an export the quantizer or the reader refused)."""
+
+    name: str  # onnx-int4-b32-sym
+    scheme: QuantizationScheme
+    stored: list[str]
+    cells: list[QuantizedCell]
+    seconds: float
+    error: str = ""
+    stages: Localization | None = None  # where the cost arises (stage_costs)
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and not self.stored and all(cell.passed for cell in self.cells)
+
+
+def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes: Sequence[QuantizationScheme],
+                    budget: Mapping[str, float] | None = None, device: str = "cpu") -> list[QuantizedColumn]:
+    """Each scheme's column: our torch float32 export quantized by onnxruntime's own quantizer
+    (export.quantize.quantized_export), its stored weights read back and held to the scheme
+    (stored_as_scheme), its cells judged twice (judge_quantized)."""
+    import time
+
+    columns = []
+    for scheme in schemes:
+        start, name = time.perf_counter(), f"onnx-{scheme.name}"
+        try:
+            runner, deployed = _served(cfg, params, scheme, device)
+            cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
+            columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
+                                           time.perf_counter() - start, stages=stage_costs(cfg, params, deployed)))
+        except Exception as error:  # noqa: BLE001 - a column that cannot run is reported, the others still run
+            columns.append(QuantizedColumn(name, scheme, [], [], time.perf_counter() - start,
+                                           f"{type(error).__name__}: {error}"))
+    return columns
+
+
+def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) -> Localization:
+    """Where quantization's cost arises, stage by stage (conformance.localize on forward-pad_right):
+    the golden on the deployed weights held to the golden on the float ones, in float32 tolerances
+    of each stage: isolated, a stage's own quantization on the float model's input; chained, the cost
+    carried up to it. Both goldens run in float64, so every figure is quantization's, none rounding's."""
+    from conformance.backends.numpy_backend import NumpyRunner
+
+    case = build_case(cfg, params, "forward", "pad_right")
+    return localize(cfg, params, NumpyRunner(deployed.cfg, deployed.params), "float32", case.inputs["src_ids"],
+                    case.inputs["tgt_ids"])
+
+
+def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str):
+    """(the quantized export's runner, the weights it stores under the spec's names)."""
+    import json
+
+    import onnx
+
+    from conformance.backends.onnx_backend import OnnxRunner
+    from export.cache import exported
+    from export.quantize import deployed_weights, quantized_export
+    from export.runner import OnnxTransformer
+
+    directory, source = quantized_export(cfg, params, scheme), exported(cfg, params)
+    graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
+              for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
+    return OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}"), \
+        deployed_weights(cfg, params, graphs)
+
+
+def quantized_as_dict(column: QuantizedColumn) -> dict:
+    """A column as report.json writes it."""
+    return {"column": column.name, "scheme": column.scheme.name, "passed": column.passed, "error": column.error,
+            "seconds": round(column.seconds, 2), "stored": column.stored,
+            "stages": column.stages.to_dict()["stages"] if column.stages else [],
+            "cells": [{"case": cell.case, "passed": cell.passed,
+                       "implementation": {"passed": cell.implementation.passed,
+                                          "max_abs_err": cell.implementation.max_abs_err,
+                                          "tol": cell.implementation.tol, "ratio": cell.implementation.ratio,
+                                          "reason": cell.implementation.reason},
+                       "cost": dataclasses.asdict(cell.cost),
+                       "over_budget": cell.over_budget} for cell in column.cells]}
+
+
+def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
+    """The quantized columns as text: per column a line of verdict, then per case the implementation
+    error / tolerance and the cost figures."""
+    lines = []
+    for column in columns:
+        lines.append(f"{column.name}: {_verdict(column)}")
+        lines += [f"  stored otherwise than the scheme: {problem}" for problem in column.stored]
+        if column.cells:
+            head = ("case", "implementation (error / tolerance)", "mean KL", "max KL", "top-1", "relative error",
+                    "budget")
+            rows = [(cell.case, f"{'ok' if cell.implementation.passed else 'FAIL'} {cell.implementation.ratio:.3g}",
+                     *_cost_columns(cell.cost), "; ".join(cell.over_budget) or "-") for cell in column.cells]
+            widths = [max(len(text) for text in part) for part in zip(head, *rows)]
+            lines += ["  " + "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
+                      for row in (head, *rows)]
+        if column.stages:
+            lines += ["  the cost stage by stage, in float32 tolerances (the golden on the stored weights against the "
+                      "golden; isolated: the stage's own, chained: carried up to it):",
+                      *("    " + line for line in _stage_table(column.stages).splitlines())]
+    return "\n".join(lines)
+
+
+def _verdict(column: QuantizedColumn) -> str:
+    """'ok', or what failed: the column's error, the implementation, the stored weights, the budget."""
+    if column.error:
+        return f"ERROR ({column.error})"
+    wrong = [cell for cell in column.cells if not cell.implementation.passed]
+    over = [cell for cell in column.cells if cell.over_budget]
+    parts = [f"implementation fails in {len(wrong)} of {len(column.cells)} cases"] if wrong else []
+    parts += [f"{len(column.stored)} weight(s) stored otherwise than the scheme"] if column.stored else []
+    parts += [f"over the cost budget in {len(over)} of {len(column.cells)} cases"] if over else []
+    return "ok" if not parts else "FAIL: " + "; ".join(parts)
+
+
+def _cost_columns(spent: Cost | GenerationCost) -> tuple[str, str, str, str]:
+    """(mean KL, max KL, top-1, relative error) as text; a generation's parting in their place."""
+    if isinstance(spent, GenerationCost):
+        return "-", "-", "-", f"greedy tokens: {spent.describe()}"
+    return f"{spent.kl_mean:.3g}", f"{spent.kl_max:.3g}", f"{spent.top1:.4g}", f"{spent.relative_error:.3g}"
+
+
+def _stage_table(stages: Localization) -> str:
+    """The stages' cost, the stage whose own cost is largest marked."""
+    costliest = max((stage for stage in stages.stages if stage.isolated_ratio is not None),
+                    key=lambda stage: stage.isolated_ratio, default=None)
+    lines = [f"{'stage':<20} {'isolated':>10} {'chained':>10}"]
+    for stage in stages.stages:
+        flag = "  <- largest own cost" if stage is costliest and stage.isolated_ratio else ""
+        lines.append(f"{stage.name:<20} {_figure(stage.isolated_ratio):>10} {_figure(stage.chained_ratio):>10}{flag}")
+    return "\n".join(lines)
+
+
+def _figure(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3g}"

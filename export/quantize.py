@@ -1,0 +1,204 @@
+"""A float32 export made weight-only quantized by onnxruntime's own MatMulNBitsQuantizer (SPEC §15),
+and the weights the quantized graphs store read back under the spec's names, dequantized: the
+parameters the deployment really multiplies by, for the golden to run on.
+
+Which weight a MatMul multiplies by is found by content in the float graph (an exporter names its
+initializers as it likes: torch's folded transposes are `val_56`), and a MatMulNBits node is tied
+to the MatMul it replaced by the output it writes, which the quantizer keeps. The head, tied or
+not, is quantized at the scheme's head_bits or left float; a tied head quantized apart from the
+embedding it shares is read back as a head of its own (the deployment no longer ties them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from export.cache import cache_root, exported
+from export.onnx_model import external_data_file, save
+from spec import ModelConfig
+from spec.errors import WeightsError
+from spec.quantization import BlockQuantized, QuantizationScheme, dequantize
+
+QUANTIZED_OP = "MatMulNBits"
+QUANTIZED_ROLES = ("forward", "encoder", "decoder_step")  # the graphs a quantized export serves
+_HEAD = "head.weight"
+
+
+def weight_names(model: onnx.ModelProto, params: Mapping[str, np.ndarray]) -> dict[str, tuple[str, bool]]:
+    """Each MatMul's constant weight [in, out] in a float graph: its output -> (the spec's name of the
+    parameter it holds, whether it holds it transposed: a tied head's embedding). A MatMul on a
+    constant that is no parameter (none in our exports) is left out."""
+    stored = {tensor.name: tensor for tensor in model.graph.initializer}
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name, value in params.items():
+        if np.ndim(value) == 2:
+            by_shape.setdefault(np.shape(value), []).append(name)
+            by_shape.setdefault(np.shape(value)[::-1], []).append(name)
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in stored:
+            continue
+        weight = numpy_helper.to_array(stored[node.input[1]])
+        for name in by_shape.get(weight.shape, []):
+            value = np.asarray(params[name])
+            if value.shape == weight.shape and np.array_equal(value, weight):
+                found[node.output[0]] = (name, False)
+            elif value.T.shape == weight.shape and np.array_equal(value.T, weight):
+                found[node.output[0]] = (name, True)
+    return found
+
+
+def _is_head(name: str, transposed: bool) -> bool:
+    return name == _HEAD or transposed  # the only weight a graph multiplies by transposed is a tied embedding
+
+
+def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
+                   scheme: QuantizationScheme) -> onnx.ModelProto:
+    """A copy of a float32 graph whose MatMuls on the model's linear weights are MatMulNBits: the
+    head's at scheme.head_bits (or left a float MatMul), every other at scheme.bits."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    names = weight_names(model, params)
+    matmuls = {node.output[0]: node.name for node in model.graph.node if node.op_type == "MatMul"}
+    head = [matmuls[output] for output, (name, transposed) in names.items() if _is_head(name, transposed)]
+    other = [node for output, node in matmuls.items() if output not in names]  # not a parameter's product
+    quantized = copy.deepcopy(model)
+    for bits, leave in ((scheme.bits, head + other), (scheme.head_bits, other)):
+        if bits is None:
+            continue
+        quantizer = MatMulNBitsQuantizer(quantized, bits=bits, block_size=scheme.block_size,
+                                         is_symmetric=scheme.symmetric, accuracy_level=scheme.accuracy_level,
+                                         nodes_to_exclude=leave)
+        quantizer.process()
+        quantized = quantizer.model.model
+    return quantized
+
+
+def stored_weights(model: onnx.ModelProto) -> dict[str, BlockQuantized]:
+    """Each MatMulNBits node's weight as SPEC §15 reads it, by the output the node writes."""
+    stored = {tensor.name: tensor for tensor in model.graph.initializer}
+    weights = {}
+    for node in model.graph.node:
+        if node.op_type != QUANTIZED_OP:
+            continue
+        attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+        inputs = list(node.input) + [""] * 4
+        missing = [role for role, name in zip(("codes", "scales"), inputs[1:3]) if name not in stored]
+        if missing:
+            raise WeightsError(f"{node.name}: its {' and '.join(missing)} are not constants of the graph")
+        if inputs[3] and inputs[3] not in stored:
+            raise WeightsError(f"{node.name}: its zero points are not a constant of the graph")
+        weights[node.output[0]] = BlockQuantized(
+            k=attributes["K"], n=attributes["N"], bits=attributes["bits"], block_size=attributes["block_size"],
+            codes=numpy_helper.to_array(stored[inputs[1]]), scales=numpy_helper.to_array(stored[inputs[2]]),
+            zero_points=numpy_helper.to_array(stored[inputs[3]]) if inputs[3] else None)
+    return weights
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """How a deployment stores one parameter: its code width, block size, whether with zero points,
+    and how far its dequantization lies from the float parameter, in quantization steps (|scale|)
+    at the worst element: round-to-nearest leaves at most half a step, a clipped block edge one."""
+
+    bits: int
+    block_size: int
+    symmetric: bool
+    steps_from_parameter: float
+
+
+@dataclass(frozen=True)
+class DeployedWeights:
+    """What a quantized deployment multiplies by, under the spec's names: cfg (untied where the head
+    was quantized apart from its embedding), params (the quantized ones dequantized, in float64 and
+    rounded once to float32: (code − zero point)·scale, a float32 scale times an integer, as a float32
+    kernel forms it), and how each quantized parameter is stored."""
+
+    cfg: ModelConfig
+    params: dict[str, np.ndarray]
+    stored: dict[str, StoredWeight]
+
+
+def deployed_weights(cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                     graphs: Mapping[str, tuple[onnx.ModelProto, onnx.ModelProto]]) -> DeployedWeights:
+    """The parameters quantized graphs store, from {role: (float graph, its quantized copy)}: each
+    MatMulNBits weight dequantized (spec.quantization.dequantize) under the name of the parameter
+    that the float graph's MatMul writing the same output held. A weight tied to no parameter, or
+    one parameter stored two ways (the forward's and the decoder_step's), is refused by name."""
+    deployed = dict(params)
+    stored: dict[str, StoredWeight] = {}
+    tied = False
+    for role, (float_model, quantized_model) in graphs.items():
+        names = weight_names(float_model, params)
+        for output, weight in stored_weights(quantized_model).items():
+            if output not in names:
+                raise WeightsError(f"the {role} graph's {QUANTIZED_OP} writing {output!r} replaced no MatMul on a "
+                                   "parameter of the model")
+            name, transposed = names[output]
+            exact = dequantize(weight)  # [K, N] = [in, out], float64
+            target = _HEAD if transposed else name  # a tied head quantized: a head of its own now
+            tied |= transposed
+            value = exact.astype(np.float32)
+            if target in stored and not np.array_equal(deployed[target], value):
+                raise WeightsError(f"{target}: the {role} graph stores it quantized otherwise than another graph")
+            parameter = np.asarray(params[name], np.float64)
+            steps = np.abs(exact - (parameter.T if transposed else parameter)) / block_steps(weight)
+            deployed[target] = value
+            stored[target] = StoredWeight(weight.bits, weight.block_size, weight.zero_points is None,
+                                          float(steps.max(initial=0.0)))
+    return DeployedWeights(replace(cfg, tie_head=False) if tied else cfg, deployed, stored)
+
+
+def block_steps(weight: BlockQuantized) -> np.ndarray:
+    """[K, N]: each element's quantization step, |scale| of its column and block (the smallest
+    positive float where a scale is 0: a block of zeros)."""
+    scales = np.abs(np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks))  # [N, blocks]
+    steps = np.repeat(scales, weight.block_size, axis=1)[:, :weight.k].T  # [K, N]
+    return np.maximum(steps, np.finfo(np.float64).tiny)
+
+
+def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
+                     directory: str | Path | None = None) -> Path:
+    """The torch float32 export (export.cache) with its QUANTIZED_ROLES graphs quantized by
+    the scheme, written as a directory OnnxTransformer serves, its manifest naming the scheme.
+    directory None: kept beside the float export in the cache (made once)."""
+    source = exported(cfg, params, framework="torch", dtype="float32")
+    manifest = json.loads((source / "manifest.json").read_text())
+    if directory is None:
+        root = cache_root()
+        directory = (root / f"{source.name}-{scheme.name}") if root is not None else \
+            Path(tempfile.mkdtemp(prefix="rosetta-quantized-"))
+    directory = Path(directory)
+    if (directory / "manifest.json").is_file() and \
+            json.loads((directory / "manifest.json").read_text()).get("quantization") == scheme.name:
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
+    try:
+        graphs = {}
+        for role, file in manifest["graphs"].items():
+            if role not in QUANTIZED_ROLES:
+                continue  # the routed and in-place graphs stay with the float export
+            graphs[role] = file
+            save(quantize_graph(onnx.load(str(source / file)), params, scheme), staging / file)
+        data = {file: external_data_file(file) for file in graphs.values()
+                if (staging / external_data_file(file)).is_file()}
+        (staging / "manifest.json").write_text(json.dumps(
+            {**manifest, "graphs": graphs, "external_data": data, "quantization": scheme.name}, indent=2) + "\n")
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory

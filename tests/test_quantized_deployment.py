@@ -1,0 +1,308 @@
+"""A weight-only quantized deployment judged twice (SPEC §15, export/quantize.py,
+conformance/quantized.py): our float32 export quantized by onnxruntime's own MatMulNBitsQuantizer
+agrees with the golden run on the weights it stores (the implementation reference), and what the
+quantization cost against the float golden is measured; each planted mistake is caught by the
+check it belongs to: a wrong reading of the layout by the implementation reference, a deployment
+that stores otherwise than its scheme by the stored-weights check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, judge_quantized, parse_budget,
+                                  stored_as_scheme)
+from spec import conformance_params, get_preset
+from spec.errors import WeightsError
+from spec.quantization import QuantizationScheme
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("torch")
+
+import export.quantize as quantize  # noqa: E402
+from conformance.backends.onnx_backend import OnnxRunner  # noqa: E402
+from export.cache import exported  # noqa: E402
+from export.runner import OnnxTransformer  # noqa: E402
+
+SCHEMES = {"int4-b32-sym": QuantizationScheme(4, 32, True), "int4-b32-zp-head8": QuantizationScheme(4, 32, False, 8),
+           "int8-b128-sym": QuantizationScheme(8, 128, True)}
+
+
+def _deployment(preset, scheme, tmp_path, plant=None):
+    """(cfg, params, runner, deployed): the preset's quantized export (its quantized graphs passed
+    through plant(role, float graph, quantized graph) first), served and read back."""
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    directory = quantize.quantized_export(cfg, params, scheme, tmp_path / scheme.name)
+    source = exported(cfg, params)
+    graphs = {}
+    for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items():
+        float_graph, quantized = onnx.load(str(source / file)), onnx.load(str(directory / file))
+        if plant:
+            quantized = plant(role, float_graph, quantized)
+            onnx.save(quantized, str(directory / file))
+        graphs[role] = (float_graph, quantized)
+    deployed = quantize.deployed_weights(cfg, params, graphs)
+    return cfg, params, OnnxRunner(OnnxTransformer(directory, device="cpu"), scheme.name), deployed
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_the_quantized_export_computes_the_golden_on_the_weights_it_stores(tmp_path, name):
+    """llama-tiny at 4 bits (symmetric, and with zero points and an 8-bit head) and 8 bits: every
+    cell within float32's tolerance of the golden on the dequantized weights (measured at 0.03-0.08
+    of it), the stored weights as the scheme says, and the cost measured: 8 bits' KL far below 4's."""
+    scheme = SCHEMES[name]
+    cfg, params, runner, deployed = _deployment("llama-tiny", scheme, tmp_path)
+    cells = judge_quantized(cfg, params, scheme, runner, deployed)
+    assert [cell.case for cell in cells] == list(QUANTIZED_CASES)
+    for cell in cells:
+        assert cell.implementation.passed, (cell.case, cell.implementation)
+        assert cell.implementation.ratio < 0.5
+    assert stored_as_scheme(cfg, scheme, deployed) == []
+    assert set(deployed.stored) == {n for n in params if n.endswith(".weight") and params[n].ndim == 2
+                                    and "embed" not in n and (scheme.head_bits or n != "head.weight")}
+    logits = [cell.cost for cell in cells if isinstance(cell.cost, Cost)]
+    assert len(logits) == 5 and all(spent.tokens > 0 and 0 <= spent.top1 <= 1 for spent in logits)
+    kl = max(spent.kl_mean for spent in logits)
+    assert (kl < 1e-3) if scheme.bits == 8 else (1e-3 < kl < 0.1), kl
+    generations = [cell.cost for cell in cells if isinstance(cell.cost, GenerationCost)]
+    assert len(generations) == 2  # 8 bits keeps the float golden's greedy tokens here, 4 bits parts at once
+    assert all((spent.first_parted is None) == (scheme.bits == 8) for spent in generations), generations
+
+
+def test_a_tied_head_quantized_is_a_head_of_its_own(tmp_path):
+    """qwen2-tiny ties its head to the embedding: quantized at 8 bits, the head is read back as a
+    head.weight of its own (the embedding stays float) and the golden runs untied on it."""
+    scheme = QuantizationScheme(4, 32, True, head_bits=8)
+    cfg, params, runner, deployed = _deployment("qwen2-tiny", scheme, tmp_path)
+    assert cfg.tie_head and not deployed.cfg.tie_head
+    assert deployed.stored["head.weight"].bits == 8 and "tgt_embed.weight" not in deployed.stored
+    assert np.array_equal(deployed.params["tgt_embed.weight"], params["tgt_embed.weight"])
+    cells = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-pad_right",))
+    assert cells[0].implementation.passed and stored_as_scheme(cfg, scheme, deployed) == []
+
+
+def _swap_nibbles(weight):
+    return dataclasses.replace(weight, codes=((weight.codes & 0x0F) << 4) | (weight.codes >> 4))
+
+
+def _zero_point_off_by_one(weight):  # symmetric: the default zero point read as 9 rather than 8
+    return dataclasses.replace(weight, zero_points=np.full((weight.n, -(-weight.blocks // 2)), 0x99, np.uint8))
+
+
+def _scales_on_the_wrong_axis(weight):  # the [N, blocks] scales read as [blocks, N]
+    scales = np.asarray(weight.scales).reshape(-1, weight.n).T.reshape(weight.scales.shape).copy()
+    return dataclasses.replace(weight, scales=scales)
+
+
+@pytest.mark.parametrize("misreading", [_swap_nibbles, _zero_point_off_by_one, _scales_on_the_wrong_axis],
+                         ids=["nibbles swapped", "zero point off by one", "scales on the wrong axis"])
+def test_a_wrong_reading_of_the_layout_fails_the_implementation_reference(tmp_path, monkeypatch, misreading):
+    """The golden's reading of what the graph stores, planted wrong in every weight: the kernel's
+    logits are then many tolerances from the golden's (llama-tiny, int4 symmetric; blocks of 16 so
+    that each column holds several blocks, for the scales to have an axis to be read along wrongly)."""
+    dequantize = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(misreading(weight)))
+    scheme = QuantizationScheme(4, 16, True)
+    cfg, params, runner, deployed = _deployment("llama-tiny", scheme, tmp_path)
+    cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
+    assert not cell.implementation.passed and cell.implementation.ratio > 10, cell.implementation.ratio
+
+
+def _output_of(model, op_type):
+    return [node.output[0] for node in model.graph.node if node.op_type == op_type]
+
+
+def _left_in_float(output):
+    """A plant putting the float graph's MatMul writing `output` back in place of its MatMulNBits."""
+    def plant(role, float_graph, quantized):
+        matmul, = [node for node in float_graph.graph.node if node.op_type == "MatMul" and node.output[0] == output]
+        weight, = [tensor for tensor in float_graph.graph.initializer if tensor.name == matmul.input[1]]
+        nodes = [matmul if node.output[0] == output else node for node in quantized.graph.node]
+        quantized.graph.ClearField("node")
+        quantized.graph.node.extend(nodes)
+        quantized.graph.initializer.append(weight)
+        return quantized
+    return plant
+
+
+def _weights_swapped(first, second):
+    """A plant wiring two MatMulNBits nodes of one shape to each other's weights (an exporter that
+    mixes up w1 and w3): the kernel and the golden read the same swapped weights."""
+    def plant(role, float_graph, quantized):
+        nodes = {node.output[0]: node for node in quantized.graph.node}
+        codes = [nodes[first].input[1], nodes[second].input[1]]
+        scales = [nodes[first].input[2], nodes[second].input[2]]
+        nodes[first].input[1], nodes[second].input[1] = codes[1], codes[0]
+        nodes[first].input[2], nodes[second].input[2] = scales[1], scales[0]
+        return quantized
+    return plant
+
+
+def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
+    """A layer left in float, a head at 4 bits where the scheme says 8, and two layers' weights
+    swapped: each named by the stored-weights check (the swap is not the implementation reference's
+    to see: the kernel computes what the golden reads; the cost sees it)."""
+    scheme = QuantizationScheme(4, 32, True, head_bits=8)
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    names = quantize.weight_names(onnx.load(str(exported(cfg, params) / "forward.onnx")), params)
+    output_of = {name: output for output, (name, _) in names.items()}
+    w1, w3 = output_of["decoder.layers.1.ffn.w1.weight"], output_of["decoder.layers.1.ffn.w3.weight"]
+
+    _, _, _, deployed = _deployment("llama-tiny", scheme, tmp_path / "float", _left_in_float(w1))
+    assert stored_as_scheme(cfg, scheme, deployed) == [
+        "decoder.layers.1.ffn.w1.weight: left in float; the scheme quantizes it at 4 bits"]
+
+    _, _, _, deployed = _deployment("llama-tiny", QuantizationScheme(4, 32, True, head_bits=4), tmp_path / "head4")
+    assert stored_as_scheme(cfg, scheme, deployed) == [
+        "head.weight: stored at 4 bits in blocks of 32, symmetric; the scheme says 8 bits in blocks of 32, symmetric"]
+
+    _, _, runner, deployed = _deployment("llama-tiny", scheme, tmp_path / "swapped", _weights_swapped(w1, w3))
+    problems = stored_as_scheme(cfg, scheme, deployed)
+    assert [line.split(":")[0] for line in problems] == ["decoder.layers.1.ffn.w1.weight",
+                                                          "decoder.layers.1.ffn.w3.weight"]
+    assert all("quantization steps from the parameter" in line for line in problems)
+    cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
+    assert cell.implementation.passed and cell.cost.kl_mean > 0.05
+
+
+def test_a_block_size_the_codes_do_not_have_is_refused_by_name(tmp_path):
+    """The graph's block_size attribute made 64 where the codes were made in blocks of 32: the
+    codes' shape no longer matches, and the reading refuses, naming the weight's field."""
+    def plant(role, float_graph, quantized):
+        node = next(node for node in quantized.graph.node if node.op_type == "MatMulNBits")
+        next(a for a in node.attribute if a.name == "block_size").i = 64
+        return quantized
+    with pytest.raises(WeightsError, match=r"codes are uint8 \[\d+, 2, 16\]; .* need uint8 \[\d+, 1, 32\]"):
+        _deployment("llama-tiny", QuantizationScheme(4, 32, True), tmp_path, plant)
+
+
+def test_a_generation_s_cost_is_where_its_tokens_part():
+    from conformance.quantized import generation_cost
+
+    float_tokens = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]])
+    assert generation_cost(float_tokens, float_tokens) == GenerationCost(3, 0, None)
+    tokens = float_tokens.copy()
+    tokens[1, 2:] = 0
+    tokens[2, 3] = 0
+    assert generation_cost(tokens, float_tokens) == GenerationCost(3, 2, 2)
+    assert GenerationCost(3, 2, 2).describe() == "parts at step 2 (2 of 3 rows)"
+
+
+def test_the_cost_and_its_budget():
+    from conformance.quantized import cost
+
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((2, 3, 7))
+    same = cost(reference, reference, np.ones((2, 3), bool))
+    assert same.kl_mean == same.kl_max == same.relative_error == 0 and same.top1 == 1 and same.tokens == 6
+    flipped = reference.copy()
+    flipped[0, 0] = -flipped[0, 0]  # the first token's distribution turned over: its top-1 changes
+    real = np.array([[True, True, False], [True, False, False]])
+    spent = cost(flipped, reference, real)
+    assert spent.tokens == 3 and spent.top1 == pytest.approx(2 / 3) and spent.kl_max > 0.5
+    assert spent.kl_mean == pytest.approx(spent.kl_max / 3)
+    assert spent.within({"kl": 1.0, "top1": 0.5}) == []
+    assert spent.within({"kl": 1e-3, "top1": 0.99}) == [f"mean KL {spent.kl_mean:.3g} > 0.001",
+                                                         "top-1 agreement 0.6667 < 0.99"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kl=1e-2,top1=0.99", None), ("top1=1", None),
+    ("", "empty"), ("kl", "give KEY=VALUE"), ("ppl=3", "give KEY=VALUE with KEY one of kl"),
+    ("kl=abc", "not a number"), ("kl=-1", "a finite KL"), ("kl=nan", "a finite KL"),
+    ("top1=1.5", r"a share in \[0, 1\]"),
+])
+def test_the_budget_is_read_or_refused_by_name(text, message):
+    if message is None:
+        assert set(parse_budget(text)) <= {"kl", "top1"}
+    else:
+        with pytest.raises(ValueError, match=message):
+            parse_budget(text)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"bits": 2}, "bits = 2; the spec reads 4 and 8-bit codes"), ({"bits": True}, "bits = True"),
+    ({"head_bits": 3}, "head_bits = 3"), ({"block_size": 48}, "block_size = 48"), ({"block_size": 8}, "block_size = 8"),
+    ({"symmetric": "yes"}, "symmetric = 'yes'"), ({"accuracy_level": 4}, "level 4's int8 activations are not derived"),
+])
+def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
+    with pytest.raises(WeightsError, match=message):
+        QuantizationScheme(**fields)
+    assert QuantizationScheme().name == "int4-b32-sym"
+    assert QuantizationScheme(8, 128, False, 8).name == "int8-b128-zp-head8"
+
+
+@pytest.mark.parametrize("text, scheme", [
+    ("int4", QuantizationScheme(4, 32, True)), ("int8-b128-zp", QuantizationScheme(8, 128, False)),
+    ("INT4-b64-sym-head8", QuantizationScheme(4, 64, True, 8)), ("int4-b32-zp-head8", SCHEMES["int4-b32-zp-head8"]),
+])
+def test_a_scheme_is_read_by_its_name(text, scheme):
+    from spec.quantization import parse_scheme
+
+    assert parse_scheme(text) == scheme and parse_scheme(scheme.name) == scheme
+
+
+@pytest.mark.parametrize("text, message", [("fp8", "starts with int4 or int8"), ("int3", "bits = 3"),
+                                           ("int4-g32", "'g32' is none of"), ("int4-b24", "block_size = 24")])
+def test_a_scheme_name_the_spec_lacks_is_refused_by_name(text, message):
+    from spec.quantization import parse_scheme
+
+    with pytest.raises(WeightsError, match=message):
+        parse_scheme(text)
+
+
+def test_rosetta_check_quantized_reports_both_references_and_judges_the_budget(tmp_path, capsys):
+    """`rosetta check --quantized`: the columns in the terminal and report.json, the exit code 1 where
+    a budget is broken (int4's KL on llama-tiny, ~0.016 > 1e-3) and 0 where it is kept (int8's)."""
+    from rosetta.main import main
+
+    base = ["check", "--preset", "llama-tiny", "--jobs", "1", "--backends", "numpy-float32", "--dtypes", "float32",
+            "-k", "forward-none"]
+    assert main([*base, "--quantized", "int8-b128", "--quant-budget", "kl=1e-3,top1=0.9",
+                 "--report", str(tmp_path / "kept")]) == 0
+    report = json.loads((tmp_path / "kept" / "report.json").read_text())
+    column, = report["quantized"]
+    assert column["column"] == "onnx-int8-b128-sym" and column["passed"] and column["stored"] == []
+    assert [cell["case"] for cell in column["cells"]] == list(QUANTIZED_CASES)
+    assert all(cell["implementation"]["ratio"] < 1 for cell in column["cells"])
+    assert all(cell["cost"]["kl_mean"] < 1e-3 for cell in column["cells"] if not cell["case"].startswith("generate"))
+    assert [cell["cost"] for cell in column["cells"][-2:]] == [{"rows": 3, "rows_parted": 0, "first_parted": None}] * 2
+    assert "## Quantized deployments" in (tmp_path / "kept" / "report.md").read_text()
+    capsys.readouterr()
+    assert main([*base, "--quantized", "int4", "--quant-budget", "kl=1e-3"]) == 1
+    out = capsys.readouterr().out
+    assert "onnx-int4-b32-sym: FAIL: over the cost budget in 5 of 7 cases" in out
+    assert "implementation fails" not in out
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--quantized", "int3"], "bits = 3"), (["--quantized", "int4", "--quant-budget", "ppl=2"], "KEY=VALUE"),
+    (["--quant-budget", "kl=1"], "give --quantized SCHEMES"),
+])
+def test_rosetta_check_refuses_a_quantized_request_it_cannot_read(arguments, message, capsys):
+    from rosetta.main import main
+
+    assert main(["check", "--preset", "llama-tiny", "--jobs", "1", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_cost_is_placed_stage_by_stage(tmp_path):
+    """The golden on the stored weights against the golden, stage by stage: every quantized layer
+    costs on its own, the float embedding and norm nothing, the head only where the scheme
+    quantizes it; the chained cost grows up the stack."""
+    from conformance.quantized import stage_costs
+
+    for scheme, head_costs in ((QuantizationScheme(4, 32, True), False), (QuantizationScheme(8, 128, False, 8), True)):
+        cfg, params, _, deployed = _deployment("llama-tiny", scheme, tmp_path / scheme.name)
+        stages = {stage.name: stage for stage in stage_costs(cfg, params, deployed).stages}
+        assert list(stages) == ["tgt embedding", "decoder.layers.0", "decoder.layers.1", "decoder.norm", "head"]
+        assert stages["tgt embedding"].isolated_ratio == stages["decoder.norm"].isolated_ratio == 0
+        assert stages["decoder.layers.0"].isolated_ratio > 100 and stages["decoder.layers.1"].isolated_ratio > 100
+        assert (stages["head"].isolated_ratio > 100) == head_costs
+        assert stages["head"].chained_ratio > stages["decoder.layers.1"].chained_ratio
