@@ -123,13 +123,13 @@ class QuantizedCell:
 
     column: str  # onnx-int4-b32-sym
     case: str  # forward-pad_right
-    implementation: Comparison
+    implementation: Comparison | None  # None: a dynamic scheme's, whose int8 products the golden does not compute
     cost: Cost | GenerationCost
     over_budget: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return self.implementation.passed and not self.over_budget
+        return (self.implementation is None or self.implementation.passed) and not self.over_budget
 
 
 def real_tokens(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -144,8 +144,8 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
                     deployed, cases: Sequence[str] = QUANTIZED_CASES,
                     budget: Mapping[str, float] | None = None) -> list[QuantizedCell]:
     """Each case run by `runner` (a quantized export's, conformance.backends.onnx_backend.OnnxRunner)
-    judged against the golden on `deployed` (export.quantize.DeployedWeights) and measured against
-    the float golden on `params`."""
+    judged against the golden on `deployed` (export.quantize.DeployedWeights; None for a dynamic
+    scheme: no implementation reference) and measured against the float golden on `params`."""
     column = f"onnx-{scheme.name}"
     cells = []
     for name in cases:
@@ -154,13 +154,16 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
             continue  # forward-long: rotary configs only
         case = build_case(cfg, params, sublayer, mask_case)
         output = np.asarray(runner.run(sublayer, case.inputs))
-        expected = golden_output(deployed.cfg, deployed.params, sublayer, case.inputs)
-        relative = case.tolerance(cfg, "float32")
+        relative, implementation = case.tolerance(cfg, "float32"), None
         if sublayer == "generate":  # tokens: equal, or a near-tie of the golden's (SPEC §8)
-            implementation = compare_generation(output, *expected, relative, case.inputs["eos_id"])
+            if deployed is not None:
+                tokens, step_logits = golden_output(deployed.cfg, deployed.params, sublayer, case.inputs)
+                implementation = compare_generation(output, tokens, step_logits, relative, case.inputs["eos_id"])
             spent = generation_cost(output, golden_output(cfg, params, sublayer, case.inputs)[0])
         else:
-            implementation = compare(output, expected, relative, case.floor)
+            if deployed is not None:
+                implementation = compare(output, golden_output(deployed.cfg, deployed.params, sublayer, case.inputs),
+                                         relative, case.floor)
             spent = cost(output, golden_output(cfg, params, sublayer, case.inputs),
                          real_tokens(cfg, sublayer, case.inputs))
         cells.append(QuantizedCell(column, name, implementation, spent, spent.within(budget or {})))
@@ -226,6 +229,9 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
         try:
             runner, deployed = _served(cfg, params, scheme, device)
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
+            if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
+                columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
+                continue
             columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
                                            time.perf_counter() - start, stages=stage_costs(cfg, params, deployed)))
         except Exception as error:  # noqa: BLE001 - a column that cannot run is reported, the others still run
@@ -258,10 +264,12 @@ def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiza
     from export.runner import OnnxTransformer
 
     directory, source = quantized_export(cfg, params, scheme), exported(cfg, params)
+    runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
+    if scheme.dynamic:
+        return runner, None
     graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
               for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
-    return OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}"), \
-        deployed_weights(cfg, params, graphs)
+    return runner, deployed_weights(cfg, params, graphs)
 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:
@@ -270,10 +278,10 @@ def quantized_as_dict(column: QuantizedColumn) -> dict:
             "seconds": round(column.seconds, 2), "stored": column.stored,
             "stages": column.stages.to_dict()["stages"] if column.stages else [],
             "cells": [{"case": cell.case, "passed": cell.passed,
-                       "implementation": {"passed": cell.implementation.passed,
-                                          "max_abs_err": cell.implementation.max_abs_err,
-                                          "tol": cell.implementation.tol, "ratio": cell.implementation.ratio,
-                                          "reason": cell.implementation.reason},
+                       "implementation": None if cell.implementation is None else {
+                           "passed": cell.implementation.passed, "max_abs_err": cell.implementation.max_abs_err,
+                           "tol": cell.implementation.tol, "ratio": cell.implementation.ratio,
+                           "reason": cell.implementation.reason},
                        "cost": dataclasses.asdict(cell.cost),
                        "over_budget": cell.over_budget} for cell in column.cells]}
 
@@ -288,8 +296,8 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
         if column.cells:
             head = ("case", "implementation (error / tolerance)", "mean KL", "max KL", "top-1", "relative error",
                     "budget")
-            rows = [(cell.case, f"{'ok' if cell.implementation.passed else 'FAIL'} {cell.implementation.ratio:.3g}",
-                     *_cost_columns(cell.cost), "; ".join(cell.over_budget) or "-") for cell in column.cells]
+            rows = [(cell.case, _implementation(cell.implementation), *_cost_columns(cell.cost),
+                     "; ".join(cell.over_budget) or "-") for cell in column.cells]
             widths = [max(len(text) for text in part) for part in zip(head, *rows)]
             lines += ["  " + "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
                       for row in (head, *rows)]
@@ -304,7 +312,7 @@ def _verdict(column: QuantizedColumn) -> str:
     """'ok', or what failed: the column's error, the implementation, the stored weights, the budget."""
     if column.error:
         return f"ERROR ({column.error})"
-    wrong = [cell for cell in column.cells if not cell.implementation.passed]
+    wrong = [cell for cell in column.cells if cell.implementation is not None and not cell.implementation.passed]
     over = [cell for cell in column.cells if cell.over_budget]
     parts = [f"implementation fails in {len(wrong)} of {len(column.cells)} cases"] if wrong else []
     parts += [f"{len(column.stored)} weight(s) stored otherwise than the scheme"] if column.stored else []
@@ -332,3 +340,9 @@ def _stage_table(stages: Localization) -> str:
 
 def _figure(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.3g}"
+
+
+def _implementation(comparison: Comparison | None) -> str:
+    if comparison is None:
+        return "n/a: int8 activations at run time"
+    return f"{'ok' if comparison.passed else 'FAIL'} {comparison.ratio:.3g}"

@@ -66,7 +66,8 @@ def _is_head(name: str, transposed: bool) -> bool:
 def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
                    scheme: QuantizationScheme) -> onnx.ModelProto:
     """A copy of a float32 graph whose MatMuls on the model's linear weights are MatMulNBits: the
-    head's at scheme.head_bits (or left a float MatMul), every other at scheme.bits."""
+    head's at scheme.head_bits (or left a float MatMul), every other at scheme.bits; a dynamic
+    scheme's are MatMulInteger on int8 weights, their activations quantized at run time."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
@@ -74,6 +75,8 @@ def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
     matmuls = {node.output[0]: node.name for node in model.graph.node if node.op_type == "MatMul"}
     head = [matmuls[output] for output, (name, transposed) in names.items() if _is_head(name, transposed)]
     other = [node for output, node in matmuls.items() if output not in names]  # not a parameter's product
+    if scheme.dynamic:
+        return _quantized_dynamically(model, head + other if scheme.head_bits is None else other)
     quantized = copy.deepcopy(model)
     for bits, leave in ((scheme.bits, head + other), (scheme.head_bits, other)):
         if bits is None:
@@ -84,6 +87,23 @@ def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
         quantizer.process()
         quantized = quantizer.model.model
     return quantized
+
+
+def _quantized_dynamically(model: onnx.ModelProto, leave: list[str]) -> onnx.ModelProto:
+    """onnxruntime's quantize_dynamic on every MatMul but `leave`: int8 weights, symmetric, one
+    scale per tensor; the activations quantized at run time (MatMulInteger)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.ERROR)  # quantize_dynamic warns on the root logger that we did not pre-process
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            output = Path(folder) / "quantized.onnx"
+            quantize_dynamic(copy.deepcopy(model), output, op_types_to_quantize=["MatMul"],
+                             weight_type=QuantType.QInt8, nodes_to_exclude=leave)
+            return onnx.load(str(output))
+    finally:
+        root.setLevel(level)
 
 
 def stored_weights(model: onnx.ModelProto) -> dict[str, BlockQuantized]:

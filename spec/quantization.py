@@ -104,15 +104,24 @@ class QuantizationScheme:
     [in, out] at `bits`, in blocks of `block_size` along its input axis, symmetric (zero point
     2^(bits−1)) or with a zero point per block; the head at `head_bits` (None: left in float); the
     embeddings stay float (a lookup, no matrix product). `accuracy_level`: onnxruntime's MatMulNBits
-    compute mode, 0 (the activations in their float dtype) the one the policy covers so far."""
+    compute mode, 0 (the activations in their float dtype) the one the policy covers so far.
+    `dynamic`: onnxruntime's dynamic quantization instead (quantize_dynamic: int8 weights, one scale
+    per tensor, and the activations quantized to int8 at run time, MatMulInteger), whose products the
+    golden does not compute: only its cost is measured (SPEC §15.1)."""
 
     bits: int = 4
     block_size: int = 32
     symmetric: bool = True
     head_bits: int | None = None
     accuracy_level: int = 0
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dynamic, bool):
+            raise WeightsError(f"quantization dynamic = {self.dynamic!r}; true or false")
+        if self.dynamic and (self.bits, self.head_bits or 8, self.symmetric) != (8, 8, True):
+            raise WeightsError(f"dynamic quantization at bits {self.bits}, head_bits {self.head_bits}, symmetric "
+                               f"{self.symmetric}: onnxruntime's is int8, symmetric (dynamic-int8, dynamic-int8-head8)")
         for field, value in (("bits", self.bits), ("head_bits", self.head_bits)):
             if value is not None and (isinstance(value, bool) or value not in BITS):
                 raise WeightsError(f"quantization {field} = {value!r}; the spec reads "
@@ -132,8 +141,10 @@ class QuantizationScheme:
 
     @property
     def name(self) -> str:
-        """int4-b32-sym, int8-b128-zp-head8: the column's name."""
+        """int4-b32-sym, int8-b128-zp-head8, dynamic-int8: the column's name."""
         head = f"-head{self.head_bits}" if self.head_bits else ""
+        if self.dynamic:
+            return f"dynamic-int8{head}"
         return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}"
 
 
@@ -153,8 +164,14 @@ def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
 def parse_scheme(text: str) -> QuantizationScheme:
     """A scheme by its name (QuantizationScheme.name): int4 or int8, then any of -b<block size>
     (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
-    'int4', 'int8-b128-zp', 'int4-b32-sym-head8'. An unknown part is refused by name."""
+    'int4', 'int8-b128-zp', 'int4-b32-sym-head8'; or dynamic-int8[-head8]. An unknown part is
+    refused by name."""
     parts = text.strip().lower().split("-")
+    if parts[0] == "dynamic":  # dynamic-int8[-head8]
+        if parts[1:2] != ["int8"] or parts[2:] not in ([], ["head8"]):
+            raise WeightsError(f"quantization scheme {text!r}: onnxruntime's dynamic quantization is dynamic-int8, "
+                               "or dynamic-int8-head8 with the head")
+        return QuantizationScheme(bits=8, head_bits=8 if parts[2:] else None, dynamic=True)
     if not parts[0].startswith("int") or not parts[0][3:].isdigit():
         raise WeightsError(f"quantization scheme {text!r}: it starts with int4 or int8 (the code width)")
     fields: dict = {"bits": int(parts[0][3:])}

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 
-from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, judge_quantized, parse_budget,
-                                  stored_as_scheme)
+from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, format_quantized, judge_quantized,
+                                  parse_budget, stored_as_scheme)
 from spec import conformance_params, get_preset
 from spec.errors import WeightsError
 from spec.quantization import QuantizationScheme
@@ -241,6 +241,8 @@ def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
 @pytest.mark.parametrize("text, scheme", [
     ("int4", QuantizationScheme(4, 32, True)), ("int8-b128-zp", QuantizationScheme(8, 128, False)),
     ("INT4-b64-sym-head8", QuantizationScheme(4, 64, True, 8)), ("int4-b32-zp-head8", SCHEMES["int4-b32-zp-head8"]),
+    ("dynamic-int8", QuantizationScheme(8, dynamic=True)),
+    ("dynamic-int8-head8", QuantizationScheme(8, head_bits=8, dynamic=True)),
 ])
 def test_a_scheme_is_read_by_its_name(text, scheme):
     from spec.quantization import parse_scheme
@@ -249,6 +251,8 @@ def test_a_scheme_is_read_by_its_name(text, scheme):
 
 
 @pytest.mark.parametrize("text, message", [("fp8", "starts with int4 or int8"), ("int3", "bits = 3"),
+                                           ("dynamic-int4", "is dynamic-int8"),
+                                           ("dynamic-int8-head4", "is dynamic-int8"),
                                            ("int4-g32", "'g32' is none of"), ("int4-b24", "block_size = 24")])
 def test_a_scheme_name_the_spec_lacks_is_refused_by_name(text, message):
     from spec.quantization import parse_scheme
@@ -306,3 +310,22 @@ def test_the_cost_is_placed_stage_by_stage(tmp_path):
         assert stages["decoder.layers.0"].isolated_ratio > 100 and stages["decoder.layers.1"].isolated_ratio > 100
         assert (stages["head"].isolated_ratio > 100) == head_costs
         assert stages["head"].chained_ratio > stages["decoder.layers.1"].chained_ratio
+
+
+def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_reference():
+    """onnxruntime's quantize_dynamic (int8 weights, activations quantized at run time): the golden
+    computes no int8 products, so only the cost is measured (llama-tiny: a mean KL of 0.03-0.19
+    nats, more than int4 weight-only's: the activations' one scale per tensor); a budget judges it."""
+    from conformance.quantized import check_quantized
+
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    column, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)])
+    assert column.name == "onnx-dynamic-int8" and not column.error and column.passed, column.error
+    assert column.stored == [] and column.stages is None
+    assert all(cell.implementation is None for cell in column.cells)
+    logits = [cell.cost for cell in column.cells if isinstance(cell.cost, Cost)]
+    assert 0.01 < max(spent.kl_mean for spent in logits) < 1
+    over, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)], {"kl": 1e-3})
+    assert not over.passed and all(cell.over_budget for cell in over.cells if isinstance(cell.cost, Cost))
+    assert "n/a: int8 activations at run time" in format_quantized([over])
