@@ -132,6 +132,12 @@ class QuantizedCell:
         return (self.implementation is None or self.implementation.passed) and not self.over_budget
 
 
+def compute_mode(scheme: QuantizationScheme) -> str:
+    """The tolerance policy's mode for a scheme's kernel (conformance.tolerance): float32, or, at
+    accuracy_level 4, int8-activations."""
+    return "int8-activations" if scheme.accuracy_level == 4 else "float32"
+
+
 def real_tokens(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """[B, T'] the positions of a case's logits that are real tokens (a decode's after its prefix)."""
     from impl_numpy.model import token_keep
@@ -154,7 +160,7 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
             continue  # forward-long: rotary configs only
         case = build_case(cfg, params, sublayer, mask_case)
         output = np.asarray(runner.run(sublayer, case.inputs))
-        relative, implementation = case.tolerance(cfg, "float32"), None
+        relative, implementation = case.tolerance(cfg, compute_mode(scheme)), None
         if sublayer == "generate":  # tokens: equal, or a near-tie of the golden's (SPEC §8)
             if deployed is not None:
                 tokens, step_logits = golden_output(deployed.cfg, deployed.params, sublayer, case.inputs)

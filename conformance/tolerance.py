@@ -34,14 +34,23 @@ UNIT_ROUNDOFF = {
 ACCUMULATE = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float32",
               "bfloat16": "float32"}
 DTYPES = tuple(UNIT_ROUNDOFF)
+# compute modes that are no column's dtype: (u_storage, the dtype sums accumulate in). int8-activations:
+# each input of a product rounded to int8 per block of its reduction axis, scale max|a|/127 (onnxruntime's
+# MatMulNBits at accuracy_level 4, SPEC §15.1): an element off by at most max|a_block|/254, a storage
+# rounding of 1/254 of the activations' size; the products' scaling and sums in float32
+COMPUTE_MODES = {"int8-activations": (1 / 254, "float32")}
 
 
 def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0) -> float:
-    """The relative tolerance for a case computed in ``dtype``; ``angle`` is the case's
-    rotary_angle (the rotary tables are float32 or wider, so their roundoff is u_accumulate's)."""
-    if dtype not in UNIT_ROUNDOFF:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    storage, accumulate = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
+    """The relative tolerance for a case computed in ``dtype`` (or a COMPUTE_MODES mode); ``angle``
+    is the case's rotary_angle (the rotary tables are float32 or wider, so their roundoff is
+    u_accumulate's)."""
+    if dtype in COMPUTE_MODES:
+        storage, accumulate = COMPUTE_MODES[dtype][0], UNIT_ROUNDOFF[COMPUTE_MODES[dtype][1]]
+    elif dtype in UNIT_ROUNDOFF:
+        storage, accumulate = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
+    else:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES + tuple(COMPUTE_MODES))}")
     return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * (math.sqrt(max(1, reduction_length)) + angle))
 
 

@@ -264,8 +264,8 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "MatMulNBitsQuantizer, each judged against the golden on the weights it stores and "
                             "measured against the float golden (SPEC §15); comma-separated schemes, e.g. "
                             "int4,int8-b128,int4-b32-zp-head8 (int4|int8, -b<block size> default 32, -sym|-zp, "
-                            "-head<bits>: the head quantized too), or dynamic-int8 (onnxruntime's quantize_dynamic: "
-                            "its cost only)")
+                            "-head<bits>: the head quantized too, -al4: onnxruntime's accuracy_level 4, int8 "
+                            "activations), or dynamic-int8 (onnxruntime's quantize_dynamic: its cost only)")
     check.add_argument("--quant-budget", metavar="BUDGET",
                        help="what the --quantized columns may cost against the float golden, e.g. kl=1e-2,top1=0.99 "
                             "(mean KL per token, share of tokens whose top-1 agrees); without it the cost is reported, "

@@ -95,7 +95,9 @@ def dequantize(weight: BlockQuantized) -> np.ndarray:
     return values.reshape(weight.n, -1)[:, :weight.k].T  # the padding past K dropped -> [K, N]
 
 
-ACCURACY_LEVELS = (0,)  # onnxruntime's MatMulNBits compute modes the tolerance policy covers (SPEC §15)
+# onnxruntime's MatMulNBits compute modes the tolerance policy covers (SPEC §15.1): 0 the activations in
+# their float dtype, 4 rounded to int8 per block before the product
+ACCURACY_LEVELS = (0, 4)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class QuantizationScheme:
     [in, out] at `bits`, in blocks of `block_size` along its input axis, symmetric (zero point
     2^(bits−1)) or with a zero point per block; the head at `head_bits` (None: left in float); the
     embeddings stay float (a lookup, no matrix product). `accuracy_level`: onnxruntime's MatMulNBits
-    compute mode, 0 (the activations in their float dtype) the one the policy covers so far.
+    compute mode: 0 (the activations in their float dtype) or 4 (rounded to int8 per block of K before
+    each product: the policy's int8-activations mode).
     `dynamic`: onnxruntime's dynamic quantization instead (quantize_dynamic: int8 weights, one scale
     per tensor, and the activations quantized to int8 at run time, MatMulInteger), whose products the
     golden does not compute: only its cost is measured (SPEC §15.1)."""
@@ -136,8 +139,9 @@ class QuantizationScheme:
             raise WeightsError(f"quantization symmetric = {self.symmetric!r}; true or false")
         if self.accuracy_level not in ACCURACY_LEVELS or isinstance(self.accuracy_level, bool):
             raise WeightsError(f"quantization accuracy_level = {self.accuracy_level!r}; the tolerance policy covers "
-                               f"level {', '.join(map(str, ACCURACY_LEVELS))} (its activations in their float dtype); "
-                               "level 4's int8 activations are not derived yet")
+                               "levels 0 (the activations in their float dtype) and 4 (rounded to int8)")
+        if self.dynamic and self.accuracy_level:
+            raise WeightsError("a dynamic scheme has no accuracy_level: its activations are int8 anyway")
 
     @property
     def name(self) -> str:
@@ -145,7 +149,8 @@ class QuantizationScheme:
         head = f"-head{self.head_bits}" if self.head_bits else ""
         if self.dynamic:
             return f"dynamic-int8{head}"
-        return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}"
+        level = f"-al{self.accuracy_level}" if self.accuracy_level else ""
+        return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}{level}"
 
 
 def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
@@ -164,8 +169,8 @@ def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
 def parse_scheme(text: str) -> QuantizationScheme:
     """A scheme by its name (QuantizationScheme.name): int4 or int8, then any of -b<block size>
     (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
-    'int4', 'int8-b128-zp', 'int4-b32-sym-head8'; or dynamic-int8[-head8]. An unknown part is
-    refused by name."""
+    'int4', 'int8-b128-zp', 'int4-b32-sym-head8', -al4 for onnxruntime's accuracy_level 4; or
+    dynamic-int8[-head8]. An unknown part is refused by name."""
     parts = text.strip().lower().split("-")
     if parts[0] == "dynamic":  # dynamic-int8[-head8]
         if parts[1:2] != ["int8"] or parts[2:] not in ([], ["head8"]):
@@ -182,7 +187,9 @@ def parse_scheme(text: str) -> QuantizationScheme:
             fields["block_size"] = int(part[1:])
         elif part.startswith("head") and part[4:].isdigit():
             fields["head_bits"] = int(part[4:])
+        elif part.startswith("al") and part[2:].isdigit():
+            fields["accuracy_level"] = int(part[2:])
         else:
             raise WeightsError(f"quantization scheme {text!r}: {part!r} is none of b<block size>, sym, zp, "
-                               "head<bits>")
+                               "head<bits>, al<accuracy level>")
     return QuantizationScheme(**fields)

@@ -162,6 +162,8 @@ def test_tolerance_formula():
     assert set(UNIT_ROUNDOFF) == {"float64", "float32", "tf32", "float16", "bfloat16"}
     with pytest.raises(ValueError, match="unknown dtype"):
         tolerance("int8", 1, 1)
+    # a compute mode that is no column's dtype: int8-rounded activations (SPEC §15.1), sums in float32
+    assert tolerance("int8-activations", 64, 1) == pytest.approx(8 * (1 / 254 + 2**-24 * 8))
 
 
 def test_compare_reports_the_worst_element():

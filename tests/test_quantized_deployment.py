@@ -229,7 +229,8 @@ def test_the_budget_is_read_or_refused_by_name(text, message):
 @pytest.mark.parametrize("fields, message", [
     ({"bits": 2}, "bits = 2; the spec reads 4 and 8-bit codes"), ({"bits": True}, "bits = True"),
     ({"head_bits": 3}, "head_bits = 3"), ({"block_size": 48}, "block_size = 48"), ({"block_size": 8}, "block_size = 8"),
-    ({"symmetric": "yes"}, "symmetric = 'yes'"), ({"accuracy_level": 4}, "level 4's int8 activations are not derived"),
+    ({"symmetric": "yes"}, "symmetric = 'yes'"), ({"accuracy_level": 1}, "levels 0 .* and 4"),
+    ({"dynamic": True, "bits": 8, "accuracy_level": 4}, "a dynamic scheme has no accuracy_level"),
 ])
 def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     with pytest.raises(WeightsError, match=message):
@@ -241,7 +242,7 @@ def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
 @pytest.mark.parametrize("text, scheme", [
     ("int4", QuantizationScheme(4, 32, True)), ("int8-b128-zp", QuantizationScheme(8, 128, False)),
     ("INT4-b64-sym-head8", QuantizationScheme(4, 64, True, 8)), ("int4-b32-zp-head8", SCHEMES["int4-b32-zp-head8"]),
-    ("dynamic-int8", QuantizationScheme(8, dynamic=True)),
+    ("int4-al4", QuantizationScheme(4, accuracy_level=4)), ("dynamic-int8", QuantizationScheme(8, dynamic=True)),
     ("dynamic-int8-head8", QuantizationScheme(8, head_bits=8, dynamic=True)),
 ])
 def test_a_scheme_is_read_by_its_name(text, scheme):
@@ -329,3 +330,26 @@ def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_refere
     over, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)], {"kl": 1e-3})
     assert not over.passed and all(cell.over_budget for cell in over.cells if isinstance(cell.cost, Cost))
     assert "n/a: int8 activations at run time" in format_quantized([over])
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny"])
+def test_accuracy_level_4_is_judged_with_its_activations_rounded_to_int8(tmp_path, monkeypatch, preset):
+    """accuracy_level 4 rounds each MatMulNBits input to int8 per block (scale max|a|/127): against
+    float32's tolerance it misses by 400-4,600 times, against the int8-activations mode (u = 1/254)
+    it passes (measured 0.06-0.76 of it); a misread layout still fails there."""
+    from conformance.cases import build_case
+
+    scheme = QuantizationScheme(8, 128, True, accuracy_level=4)
+    cfg, params, runner, deployed = _deployment(preset, scheme, tmp_path / "right")
+    cells = [cell for cell in judge_quantized(cfg, params, scheme, runner, deployed)
+             if not cell.case.startswith("generate")]
+    for cell in cells:
+        assert cell.implementation.passed, (cell.case, cell.implementation.ratio)
+        case = build_case(cfg, params, *cell.case.split("-", 1))
+        float32 = cell.implementation.tol * case.tolerance(cfg, "float32") / case.tolerance(cfg, "int8-activations")
+        assert cell.implementation.max_abs_err > 100 * float32  # the int8 rounding is real, and float32's too tight
+    dequantize = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(_swap_nibbles(weight)))
+    cfg, params, runner, deployed = _deployment(preset, scheme, tmp_path / "misread")
+    cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
+    assert not cell.implementation.passed and cell.implementation.ratio > 3, cell.implementation.ratio
