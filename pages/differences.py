@@ -147,7 +147,44 @@ def _modern_numbers() -> dict[str, dict]:
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
             "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch(),
-            "softcap": _softcap_conventions(), "top_k": _top_k_ties()}
+            "softcap": _softcap_conventions(), "top_k": _top_k_ties(), "quantized": _quantized_kernels()}
+
+
+def _quantized_kernels() -> dict[str, dict[str, float]]:
+    """One MatMul, A [16, 256] (normal, one column 30 times larger: an outlier) times W [256, 64],
+    quantized by onnxruntime at 4 and 8 bits (blocks of 32, symmetric) and served at accuracy_level 0
+    and 4, and by quantize_dynamic: per kernel, the largest error against the golden's
+    A·dequantize(B) on the weight it stores (SPEC §15) and against the float A·W, each over max|A·W|."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.quantize import QUANTIZED_OP, quantize_graph, stored_weights
+    from spec.quantization import QuantizationScheme, dequantize
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 256)).astype(np.float32)
+    a[:, 7] *= 30
+    w = (rng.standard_normal((256, 64)) / 16).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"])], "matmul",
+                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(a.shape))],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [16, 64])],
+                              [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    exact = a.astype(np.float64) @ w
+    size = np.abs(exact).max()
+    found = {}
+    schemes = {"int4, level 0": QuantizationScheme(4, 32), "int4, level 4": QuantizationScheme(4, 32, accuracy_level=4),
+               "int8, level 0": QuantizationScheme(8, 32), "int8, level 4": QuantizationScheme(8, 32, accuracy_level=4),
+               "quantize_dynamic's int8": QuantizationScheme(8, dynamic=True)}
+    for name, scheme in schemes.items():
+        quantized = quantize_graph(model, {"W": w}, scheme)
+        session = onnxruntime.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {"A": a})[0].astype(np.float64)
+        stored = [dequantize(weight) for weight in stored_weights(quantized).values()]
+        found[name] = {"against stored": float(np.abs(got - a.astype(np.float64) @ stored[0]).max() / size)
+                       if stored and any(node.op_type == QUANTIZED_OP for node in quantized.graph.node) else None,
+                       "against float": float(np.abs(got - exact).max() / size)}
+    return found
 
 
 def _top_k_ties() -> dict[str, tuple[float, float]]:
@@ -717,6 +754,25 @@ def _top_k_routing(measurements: Measurements) -> list[tuple[str, str]]:
     ]
 
 
+def _quantized_kernels_rows(measurements: Measurements) -> list[tuple[str, str]]:
+    """What onnxruntime's quantized MatMuls compute, against the weight they store and the float one."""
+    rows = "; ".join(f"{name}: " + ("" if errors["against stored"] is None else
+                                    f"{errors['against stored']:.2g} against A·dequantize(B), ")
+                     + f"{errors['against float']:.2g} against A·W"
+                     for name, errors in measurements.modern["quantized"].items())
+    return [
+        (MEASURED, "One MatMul, A [16, 256] with an outlier column 30 times the others, W [256, 64], quantized by "
+                   "onnxruntime (blocks of 32, symmetric) and run on its CPU provider; the largest error over "
+                   f"max|A·W|: {rows}."),
+        (EXPLAINED, "At accuracy_level 0 MatMulNBits computes A times the weight it stores, to float32's rounding: "
+                    "the golden on that weight is its reference (SPEC §15.1). Level 4 first rounds A to int8 per "
+                    "block of K (scale max|a|/127), an error of up to max|a_block|/254 per element, which an "
+                    "outlier spreads over its whole block: the policy judges it in its int8-activations mode. "
+                    "quantize_dynamic rounds all of A with one scale per tensor, so the outlier costs every "
+                    "element; no golden computes that product, and only its cost against A·W is measured."),
+    ]
+
+
 def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
     """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
     nn.Linear at float16."""
@@ -879,6 +935,11 @@ SECTIONS = [
             {"NumPy (golden)": "top_experts", "PyTorch": "MixtureOfExperts.route",
              "JAX / Flax": "MixtureOfExperts.route"},
             _top_k_routing),
+    Section("Quantized matrix products: what onnxruntime's kernels compute",
+            "A weight-only deployment stores each linear layer's weight in 4 or 8-bit blocks; the golden reads the "
+            "stored weight exactly (SPEC.md §15) and runs on it.",
+            {"NumPy (golden)": ("spec/quantization.py::unpack", "spec/quantization.py::dequantize")},
+            _quantized_kernels_rows),
     Section("Linear layers: where x W + b is rounded",
             "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
             "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "
