@@ -353,3 +353,18 @@ def test_accuracy_level_4_is_judged_with_its_activations_rounded_to_int8(tmp_pat
     cfg, params, runner, deployed = _deployment(preset, scheme, tmp_path / "misread")
     cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
     assert not cell.implementation.passed and cell.implementation.ratio > 3, cell.implementation.ratio
+
+
+def test_a_quantized_weight_tied_to_no_parameter_is_refused_by_name(tmp_path):
+    """A MatMulNBits whose output no float MatMul on a parameter writes (renamed here, with its
+    readers) is named, never guessed."""
+    def plant(role, float_graph, quantized):
+        node = next(node for node in quantized.graph.node if node.op_type == "MatMulNBits")
+        old = node.output[0]
+        for reader in quantized.graph.node:
+            reader.input[:] = ["renamed" if name == old else name for name in reader.input]
+        node.output[0] = "renamed"
+        return quantized
+    with pytest.raises(WeightsError, match="the forward graph's MatMulNBits writing 'renamed' replaced no MatMul on a "
+                                           "parameter of the model"):
+        _deployment("llama-tiny", QuantizationScheme(), tmp_path, plant)
