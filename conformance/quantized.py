@@ -22,7 +22,7 @@ import numpy as np
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import applicable_cases, build_case
 from conformance.localize import Localization, localize
-from conformance.tolerance import Comparison, compare, compare_generation
+from conformance.tolerance import Comparison, compare, compare_generation, tolerance
 from spec import ModelConfig
 from spec.quantization import QuantizationScheme, quantized_parameters
 
@@ -205,6 +205,19 @@ def _layout(bits: int, block_size: int, symmetric: bool) -> str:
 
 
 @dataclass(frozen=True)
+class Product:
+    """One quantized product of a graph held to the golden: the parameter it multiplies by, and its
+    largest error against A·dequantize(B) over that product's tolerance (SPEC §8 at depth 1)."""
+
+    parameter: str
+    ratio: float
+
+    @property
+    def failed(self) -> bool:
+        return not self.ratio <= 1.0
+
+
+@dataclass(frozen=True)
 class QuantizedColumn:
     """One quantized deployment's check: its scheme, what it stores otherwise than the scheme says,
     its cells, or the error that stopped it (an export the quantizer or the reader refused)."""
@@ -216,10 +229,12 @@ class QuantizedColumn:
     seconds: float
     error: str = ""
     stages: Localization | None = None  # where the cost arises (stage_costs)
+    products: list[Product] = field(default_factory=list)  # the implementation, product by product
 
     @property
     def passed(self) -> bool:
-        return not self.error and not self.stored and all(cell.passed for cell in self.cells)
+        return (not self.error and not self.stored and all(cell.passed for cell in self.cells)
+                and not any(product.failed for product in self.products))
 
 
 def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes: Sequence[QuantizationScheme],
@@ -233,17 +248,40 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
     for scheme in schemes:
         start, name = time.perf_counter(), f"onnx-{scheme.name}"
         try:
-            runner, deployed = _served(cfg, params, scheme, device)
+            runner, deployed, graphs = _served(cfg, params, scheme, device)
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
                 columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
                 continue
             columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
-                                           time.perf_counter() - start, stages=stage_costs(cfg, params, deployed)))
+                                           time.perf_counter() - start, stages=stage_costs(cfg, params, deployed),
+                                           products=products(cfg, params, scheme, *graphs["forward"])))
         except Exception as error:  # noqa: BLE001 - a column that cannot run is reported, the others still run
             columns.append(QuantizedColumn(name, scheme, [], [], time.perf_counter() - start,
                                            f"{type(error).__name__}: {error}"))
     return columns
+
+
+def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
+             float_model, quantized_model) -> list[Product]:
+    """The implementation reference localized to the quantized product: each MatMulNBits node of the
+    forward graph, run on forward-none's inputs, against its own input times the weight it stores,
+    dequantized (in graph order: the first to fail is the first wrong product)."""
+    import export.quantize as reading  # its dequantize: the reading deployed_weights gave the golden
+    from spec.masks import real_tokens as keep_of
+
+    inputs = build_case(cfg, params, "forward", "none").inputs
+    feeds = {"tgt_ids": np.asarray(inputs["tgt_ids"], np.int64), "tgt_keep": keep_of(cfg, inputs["tgt_ids"], "tgt")}
+    if cfg.has_encoder:
+        feeds.update(src_ids=np.asarray(inputs["src_ids"], np.int64), src_keep=keep_of(cfg, inputs["src_ids"], "src"))
+    names = reading.weight_names(float_model, params)
+    found = []
+    for output, (a, y, weight) in reading.quantized_products(quantized_model, feeds).items():
+        expected = np.asarray(a, np.float64) @ reading.dequantize(weight)
+        relative = tolerance(compute_mode(scheme), weight.k, 1)
+        name, transposed = names.get(output, (output, False))
+        found.append(Product("head.weight" if transposed else name, compare(y, expected, relative).ratio))
+    return found
 
 
 def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) -> Localization:
@@ -259,7 +297,8 @@ def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) ->
 
 
 def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str):
-    """(the quantized export's runner, the weights it stores under the spec's names)."""
+    """(the quantized export's runner, the weights it stores under the spec's names, its graphs by
+    role beside their float twins)."""
     import json
 
     import onnx
@@ -272,10 +311,10 @@ def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiza
     directory, source = quantized_export(cfg, params, scheme), exported(cfg, params)
     runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
     if scheme.dynamic:
-        return runner, None
+        return runner, None, {}
     graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
               for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
-    return runner, deployed_weights(cfg, params, graphs)
+    return runner, deployed_weights(cfg, params, graphs), graphs
 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:
@@ -283,6 +322,7 @@ def quantized_as_dict(column: QuantizedColumn) -> dict:
     return {"column": column.name, "scheme": column.scheme.name, "passed": column.passed, "error": column.error,
             "seconds": round(column.seconds, 2), "stored": column.stored,
             "stages": column.stages.to_dict()["stages"] if column.stages else [],
+            "products": [{"parameter": product.parameter, "ratio": product.ratio} for product in column.products],
             "cells": [{"case": cell.case, "passed": cell.passed,
                        "implementation": None if cell.implementation is None else {
                            "passed": cell.implementation.passed, "max_abs_err": cell.implementation.max_abs_err,
@@ -299,6 +339,11 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
     for column in columns:
         lines.append(f"{column.name}: {_verdict(column)}")
         lines += [f"  stored otherwise than the scheme: {problem}" for problem in column.stored]
+        if column.products:
+            worst = max(column.products, key=lambda product: product.ratio)
+            lines += [f"  product by product (each MatMulNBits against its input times the weight it stores): "
+                      f"{sum(product.failed for product in column.products)} of {len(column.products)} fail; largest "
+                      f"{worst.ratio:.3g} of its tolerance ({worst.parameter})"]
         if column.cells:
             head = ("case", "implementation (error / tolerance)", "mean KL", "max KL", "top-1", "relative error",
                     "budget")
@@ -321,6 +366,8 @@ def _verdict(column: QuantizedColumn) -> str:
     wrong = [cell for cell in column.cells if cell.implementation is not None and not cell.implementation.passed]
     over = [cell for cell in column.cells if cell.over_budget]
     parts = [f"implementation fails in {len(wrong)} of {len(column.cells)} cases"] if wrong else []
+    if first := next((product for product in column.products if product.failed), None):
+        parts.append(f"first wrong product: {first.parameter} ({first.ratio:.3g} of its tolerance)")
     parts += [f"{len(column.stored)} weight(s) stored otherwise than the scheme"] if column.stored else []
     parts += [f"over the cost budget in {len(over)} of {len(column.cells)} cases"] if over else []
     return "ok" if not parts else "FAIL: " + "; ".join(parts)

@@ -222,3 +222,22 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def quantized_products(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, ...]]:
+    """Each MatMulNBits node of a quantized graph run on `feeds` (onnxruntime, CPU): by the output it
+    writes, (its input A, its output Y, its weight as SPEC §15 reads it), so that a product can be
+    held to A·dequantize(B) one node at a time."""
+    import onnxruntime as ort
+
+    traced = copy.deepcopy(model)
+    nodes = [node for node in traced.graph.node if node.op_type == QUANTIZED_OP]
+    graph_outputs = {output.name for output in traced.graph.output}
+    wanted = [name for node in nodes for name in (node.input[0], node.output[0])]
+    traced.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+                               for name in dict.fromkeys(wanted) if name not in graph_outputs)
+    session = ort.InferenceSession(traced.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    values = dict(zip(names, session.run(None, {name: feeds[name] for name in (i.name for i in session.get_inputs())})))
+    weights = stored_weights(model)
+    return {node.output[0]: (values[node.input[0]], values[node.output[0]], weights[node.output[0]]) for node in nodes}

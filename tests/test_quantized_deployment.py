@@ -368,3 +368,24 @@ def test_a_quantized_weight_tied_to_no_parameter_is_refused_by_name(tmp_path):
     with pytest.raises(WeightsError, match="the forward graph's MatMulNBits writing 'renamed' replaced no MatMul on a "
                                            "parameter of the model"):
         _deployment("llama-tiny", QuantizationScheme(), tmp_path, plant)
+
+
+def test_a_wrong_reading_of_one_weight_is_localized_to_its_product(monkeypatch):
+    """The golden's reading planted wrong only for the weights of K = d_ff (the FFNs' w2): the column
+    fails, and product by product the first wrong one is named, decoder.layers.0.ffn.w2.weight, every
+    product before it within its tolerance."""
+    from conformance.quantized import check_quantized
+
+    cfg = get_preset("qwen2-tiny")
+    dequantize = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(
+        _swap_nibbles(weight) if weight.k == cfg.d_ff else weight))
+    column, = check_quantized(cfg, conformance_params(cfg), [QuantizationScheme(4, 32, True, head_bits=8)])
+    assert not column.passed and not column.error
+    names = [product.parameter for product in column.products]
+    first = next(index for index, product in enumerate(column.products) if product.failed)
+    assert names[first] == "decoder.layers.0.ffn.w2.weight" and column.products[first].ratio > 100
+    assert {product.parameter for product in column.products if product.failed} == {
+        "decoder.layers.0.ffn.w2.weight", "decoder.layers.1.ffn.w2.weight"}
+    assert "head.weight" in names  # the tied head, quantized at 8 bits, read as a head of its own
+    assert "first wrong product: decoder.layers.0.ffn.w2.weight" in format_quantized([column])
