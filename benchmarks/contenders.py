@@ -279,6 +279,35 @@ class OnnxRuntime(Contender):
         return self._cached_step(src, past_len)
 
 
+class OnnxRuntimeQuantized(OnnxRuntime):
+    """Our float32 export quantized by onnxruntime (export.quantize, SPEC §15.1) on the CPU. Its tokens
+    are judged against the golden on the weights it stores (`judged_on`), not the float golden's;
+    a dynamic scheme's (int8 activations) are not judged, only where they part from the float ones."""
+
+    def __init__(self, scheme):
+        super().__init__("float32", "cpu")
+        self.scheme = scheme
+        self.name = f"onnxruntime-{scheme.name}"
+        self.judged_on = None  # (cfg, params) the golden runs on to judge the tokens; None: not judged
+
+    def prepare(self, cfg, params):
+        Contender.prepare(self, cfg, params)
+        import onnx
+
+        from export.cache import exported
+        from export.quantize import deployed_weights, quantized_export
+        from export.runner import OnnxTransformer
+
+        directory = quantized_export(cfg, params, self.scheme)
+        self.model = OnnxTransformer(directory, device="cpu")
+        if not self.scheme.dynamic:
+            source = exported(cfg, params)
+            graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
+                      for role, file in self.model.manifest["graphs"].items()}
+            deployed = deployed_weights(cfg, params, graphs)
+            self.judged_on = (deployed.cfg, deployed.params)
+
+
 class OnnxRuntimeCudaGraph(OnnxRuntime):
     """The same export's generation on fixed device buffers, each step a replayed CUDA graph and
     the argmax on the device (export.fixed_greedy); its forward and single step are
@@ -408,15 +437,17 @@ class OnnxRuntimeGenai(Contender):
         return self.runner.greedy_batch(src, max_new_tokens, EOS_ID)
 
 
-def contenders(devices: tuple[str, ...] = ("cpu",)) -> list[Contender]:
+def contenders(devices: tuple[str, ...] = ("cpu",), quantized: tuple = ()) -> list[Contender]:
     """Every contender on each device asked for. On the CPU: golden first, torch eager (the
-    reference of every CPU ratio) second, the outside peers (CTranslate2, onnxruntime-genai) last.
-    On a GPU: every framework at float16 (torch eager first, the reference of the GPU ratios),
-    float32 and bfloat16 where it runs them."""
+    reference of every CPU ratio) second, onnxruntime's float and quantized (the schemes of
+    `quantized`, spec.quantization.QuantizationScheme) exports, the outside peers (CTranslate2,
+    onnxruntime-genai) last. On a GPU: every framework at float16 (torch eager first, the reference
+    of the GPU ratios), float32 and bfloat16 where it runs them."""
     chosen: list[Contender] = []
     if "cpu" in devices:
         chosen += [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(), JaxJit(),
-                   OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"), CTranslate2(), OnnxRuntimeGenai()]
+                   OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"),
+                   *(OnnxRuntimeQuantized(scheme) for scheme in quantized), CTranslate2(), OnnxRuntimeGenai()]
     if "cuda" in devices:
         chosen += [TorchEager("float16", "cuda"), TorchEager("bfloat16", "cuda"), TorchEager("float32", "cuda"),
                    TorchCompiled("float16", "cuda"), TorchCompiled("float16", "cuda", mode="reduce-overhead"),

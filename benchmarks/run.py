@@ -189,16 +189,18 @@ def _fraction(flops_per_second: float, limit: float | None) -> float | None:
 
 def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[str, ...] | None = None,
               devices: tuple[str, ...] = ("cpu",), matrix_backends: tuple[str, ...] = ("numpy-float32", "torch", "onnx"),
-              log: Callable[[str], None] = print, after_each: Callable[[Results], None] | None = None) -> Results:
+              log: Callable[[str], None] = print, after_each: Callable[[Results], None] | None = None,
+              quantized: tuple = ()) -> Results:
     """names: the contenders, run in that order (default every one of the devices'). after_each:
-    called with the results so far after each contender (a run stopped midway keeps them)."""
+    called with the results so far after each contender (a run stopped midway keeps them).
+    quantized: the weight-only schemes whose onnxruntime exports join the CPU's contenders."""
     cfg = get_preset(preset)
     plan = plan or plan_for(preset, devices)
     params = init_params(cfg, seed=0)
     rng = np.random.default_rng(0)
     log("measuring the machine's limits ...")
     results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny", devices=devices), _versions())
-    chosen = [c for c in contenders(devices) if names is None or c.name in names]
+    chosen = [c for c in contenders(devices, quantized) if names is None or c.name in names]
     if names is not None:
         chosen.sort(key=lambda contender: names.index(contender.name))
     src_vocab = cfg.src_vocab_size if cfg.has_encoder else cfg.tgt_vocab_size
@@ -263,21 +265,36 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
         tokens = contender.generate(src, plan.new_tokens)
     except Skip as reason:
         return _skip(results, contender, "generate", reason)
-    if contender.dtype == "float16":
+    quantized = {}
+    if hasattr(contender, "judged_on"):  # a quantized export: judged on the weights it stores
+        from conformance.quantized import generation_cost
+
+        quantized = {"float_golden": vars(generation_cost(tokens, want_tokens))}
+        if contender.judged_on is not None:
+            want_tokens, step_logits = golden.greedy_generate(
+                *contender.judged_on, **contender._generation_arguments(src), eos_id=EOS_ID,
+                max_new_tokens=plan.new_tokens, return_step_logits=True)
+    if hasattr(contender, "judged_on") and contender.judged_on is None:
+        same, note = True, "int8 activations: no golden computes its tokens"
+    elif contender.dtype == "float16":
         relative = tolerance("float16", cfg.d_ff, SUBLAYERS["generate"].depth(cfg))
         check = compare_generation(tokens, want_tokens, step_logits, relative, EOS_ID)
         same, note = check.passed, check.reason or "equal to the golden's (near-ties allowed at float16)"
     else:
         same = np.array_equal(tokens, want_tokens)
         note = "equal to the golden's" if same else "DIFFERENT from the golden's: not timed"
+    if quantized:
+        first = quantized["float_golden"]["first_parted"]
+        note += (" (on the weights it stores)" if contender.judged_on is not None else "") + \
+            ("; the float golden's too" if first is None else f"; parts from the float golden's at step {first}")
     if not same:
-        results.generate.append({"contender": contender.name, "same_tokens": False, "note": note})
+        results.generate.append({"contender": contender.name, "same_tokens": False, "note": note, **quantized})
         return
     timing = Timing.of(lambda: contender.generate(src, plan.new_tokens), plan.warmup, plan.repeats)
     produced = int((tokens != cfg.pad_id).sum()) or tokens.size
     results.generate.append({"contender": contender.name, "same_tokens": True, "note": note, "batch": len(src),
                              "new_tokens": plan.new_tokens, **vars(timing),
-                             "tokens_per_second": produced / timing.median})
+                             "tokens_per_second": produced / timing.median, **quantized})
 
 
 def _decode(results, contender, cfg, plan, rng, limit) -> None:

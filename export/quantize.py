@@ -31,7 +31,7 @@ from spec.errors import WeightsError
 from spec.quantization import BlockQuantized, QuantizationScheme, dequantize
 
 QUANTIZED_OP = "MatMulNBits"
-QUANTIZED_ROLES = ("forward", "encoder", "decoder_step")  # the graphs a quantized export serves
+QUANTIZED_ROLES = ("forward", "encoder", "decoder_step", "decoder_step_in_place")  # the graphs it serves
 _HEAD = "head.weight"
 
 

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 from rosetta.arguments import UsageError, comma_list, writable_folder
+from spec.errors import WeightsError
+from spec.quantization import parse_scheme
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -19,7 +21,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.checkpoint_shapes:
         return _bench_checkpoints(args, out)
     devices = tuple(comma_list(args.devices) or ("cpu",))
+    try:
+        quantized = tuple(parse_scheme(name) for name in comma_list(args.quantized)) if args.quantized else ()
+    except WeightsError as error:
+        raise UsageError(f"--quantized: {error}") from None
     results = run_bench(args.preset, names=tuple(comma_list(args.contenders) or ()) or None, devices=devices,
+                        quantized=quantized,
                         matrix_backends=tuple(comma_list(args.matrix_backends) or ()) if args.matrix_backends != "none"
                         else (), log=lambda line: print(line, file=sys.stderr),
                         after_each=lambda so_far: write(so_far, out))  # a bench stopped midway keeps what it measured
@@ -59,6 +66,10 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
                        help="tiny (CI smoke run), paper-base, or llama-small (the modern decoder's CPU generation)")
     bench.add_argument("--out", default="reports/bench/tmp", help="folder for bench.json, bench.md, bench.png")
     bench.add_argument("--contenders", help="comma-separated names (default: all)")
+    bench.add_argument("--quantized", metavar="SCHEMES",
+                       help="add onnxruntime's quantized exports as CPU contenders, e.g. int4,int8-b128,dynamic-int8 "
+                            "(as rosetta check --quantized): each named onnxruntime-<scheme>, its tokens judged on the "
+                            "weights it stores and where they part from the float golden's stated")
     bench.add_argument("--devices", help="cpu and/or cuda: the contenders of each (default: cpu); cuda alone times "
                        "the GPU workloads (batch 64)")
     bench.add_argument("--matrix-backends", default="numpy-float32,torch,onnx",

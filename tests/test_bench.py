@@ -355,3 +355,24 @@ def test_the_checkpoint_page_puts_each_run_beside_its_target():
     assert "| smollm2-135m | default | 900.0 | 3.00 | stopped at the limit | ≤ 600 s, ≤ 6 GB | 1.50 (at least) | 0.50 |" in page
     assert "| smollm2-135m | import | 5.0 | 1.00 | 0 | - | - | - |" in page
     assert "last words" in page
+
+
+def test_quantized_contenders_are_judged_on_the_weights_they_store(tmp_path):
+    """`rosetta bench --quantized`: onnxruntime's int4 export is timed when its tokens are the
+    golden's on the weights it stores (tiny, encoder and decoder quantized), with where they part
+    from the float golden's; the dynamic int8 export's tokens no golden computes, and it says so.
+    No timing is asserted."""
+    import json
+
+    from rosetta.main import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--preset", "tiny", "--contenders", "onnxruntime-int4-b32-sym,onnxruntime-dynamic-int8",
+                 "--quantized", "int4,dynamic-int8", "--matrix-backends", "none", "--out", str(out)]) == 0
+    rows = {row["contender"]: row for row in json.loads((out / "bench.json").read_text())["generate"]}
+    int4, dynamic = rows["onnxruntime-int4-b32-sym"], rows["onnxruntime-dynamic-int8"]
+    assert int4["same_tokens"] and int4["note"].startswith("equal to the golden's (on the weights it stores)")
+    assert dynamic["same_tokens"] and dynamic["note"].startswith("int8 activations: no golden computes its tokens")
+    for row in (int4, dynamic):
+        assert set(row["float_golden"]) == {"rows", "rows_parted", "first_parted"} and row["tokens_per_second"] > 0
+    assert main(["bench", "--preset", "tiny", "--quantized", "int3", "--out", str(out)]) == 2
