@@ -22,13 +22,15 @@ import time
 
 import numpy as np
 
+from conformance.cost import ffn_weights
 from spec import ModelConfig
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(a, g, F): the query heads' width, the key/value heads' width, the FFN's multiply-adds per token."""
+    """(a, g, F): the query heads' width, the key/value heads' width, the FFN's multiply-adds per token
+    (conformance.cost.ffn_weights: a mixture of experts' k experts and router)."""
     a, g = cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
-    return a, g, (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.d_ff
+    return a, g, ffn_weights(cfg)
 
 
 def forward_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> float:

@@ -43,8 +43,18 @@ def attention_weights(cfg: ModelConfig) -> int:
 
 
 def ffn_weights(cfg: ModelConfig) -> int:
-    """Multiplies per position of one FFN: W1 and W2, and W3 where it is gated."""
-    return (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.d_ff
+    """Multiplies per position of one FFN: W1 and W2, and W3 where it is gated; in a mixture of
+    experts, its router's and the k experts' each token runs."""
+    one = (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.d_ff
+    if cfg.moe is None:
+        return one
+    return cfg.moe.experts_per_token * one + cfg.d_model * cfg.moe.n_experts
+
+
+def calls_per_layer(cfg: ModelConfig) -> int:
+    """Module calls one layer makes: attention, FFN, two norms; a mixture of experts' each expert
+    too (the plain loop calls every expert a token chose, and the golden does)."""
+    return 4 + (cfg.moe.n_experts if cfg.moe else 0)
 
 
 def attention_scores(cfg: ModelConfig, queries: int, keys: int) -> int:
@@ -82,7 +92,7 @@ def _stack(cfg: ModelConfig, positions: int) -> tuple[float, int]:
     src = SRC_LEN if cfg.has_encoder else 0
     flops = BATCH * (cfg.n_encoder_layers * layer_flops(cfg, src, src)
                      + cfg.n_decoder_layers * layer_flops(cfg, positions, positions, src))
-    return flops, (cfg.n_encoder_layers + cfg.n_decoder_layers) * 4
+    return flops, (cfg.n_encoder_layers + cfg.n_decoder_layers) * calls_per_layer(cfg)
 
 
 def case_work(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Sequence[int] = (),
@@ -109,7 +119,7 @@ def case_work(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Seq
     if sublayer == "router":
         return Work(2 * tokens * d * cfg.moe.n_experts, 1)
     if sublayer in ("encoder_layer", "decoder_layer"):
-        return Work(BATCH * layer_flops(cfg, TGT_LEN, SRC_LEN + 3, SRC_LEN * cfg.has_encoder), 4)
+        return Work(BATCH * layer_flops(cfg, TGT_LEN, SRC_LEN + 3, SRC_LEN * cfg.has_encoder), calls_per_layer(cfg))
     if sublayer in ("logits", "log_probs"):
         return Work(BATCH * head_flops(cfg, TGT_LEN), 1)
     length = positions(cfg, sublayer, mask_case, text_lengths, long_text)

@@ -190,3 +190,18 @@ def test_rosetta_check_prints_the_plan_before_the_run_and_the_estimate_after(cap
     out = capsys.readouterr().out
     assert out.index("plan: budget 1 h 00 min") < out.index("passed")
     assert "x the estimate" in out
+
+
+def test_a_mixture_of_experts_costs_its_k_experts_and_router_per_token():
+    """The estimate counts what an MoE layer runs per token: k experts' gated FFNs and the router's
+    scores, not one FFN (a real-size Mixtral's check, planned at 20 minutes on the dense count,
+    had run 57 of its 314 cells after 34), and one module call per expert per layer."""
+    from dataclasses import replace
+
+    mixtral = get_preset("mixtral-tiny")
+    dense = replace(mixtral, moe=None)
+    one = 3 * mixtral.d_model * mixtral.d_ff
+    assert cost.ffn_weights(dense) == one
+    assert cost.ffn_weights(mixtral) == mixtral.moe.experts_per_token * one + mixtral.d_model * mixtral.moe.n_experts
+    assert cost.case_work(mixtral, "forward", "none").flops > cost.case_work(dense, "forward", "none").flops
+    assert cost.calls_per_layer(mixtral) == cost.calls_per_layer(dense) + mixtral.moe.n_experts
