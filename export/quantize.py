@@ -12,6 +12,7 @@ embedding it shares is read back as a head of its own (the deployment no longer 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import shutil
@@ -38,25 +39,30 @@ _HEAD = "head.weight"
 def weight_names(model: onnx.ModelProto, params: Mapping[str, np.ndarray]) -> dict[str, tuple[str, bool]]:
     """Each MatMul's constant weight [in, out] in a float graph: its output -> (the spec's name of the
     parameter it holds, whether it holds it transposed: a tied head's embedding). A MatMul on a
-    constant that is no parameter (none in our exports) is left out."""
-    stored = {tensor.name: tensor for tensor in model.graph.initializer}
-    by_shape: dict[tuple[int, ...], list[str]] = {}
+    constant that is no parameter (none in our exports) is left out. Matched by content: the bytes'
+    digest, then exactly."""
+    by_content: dict[tuple, tuple[str, bool]] = {}
     for name, value in params.items():
         if np.ndim(value) == 2:
-            by_shape.setdefault(np.shape(value), []).append(name)
-            by_shape.setdefault(np.shape(value)[::-1], []).append(name)
+            for transposed in (True, False):  # a square parameter held as is wins over its transpose
+                by_content[_content(np.asarray(value).T if transposed else np.asarray(value))] = (name, transposed)
+    stored = {tensor.name: tensor for tensor in model.graph.initializer}
     found = {}
     for node in model.graph.node:
         if node.op_type != "MatMul" or node.input[1] not in stored:
             continue
         weight = numpy_helper.to_array(stored[node.input[1]])
-        for name in by_shape.get(weight.shape, []):
-            value = np.asarray(params[name])
-            if value.shape == weight.shape and np.array_equal(value, weight):
-                found[node.output[0]] = (name, False)
-            elif value.T.shape == weight.shape and np.array_equal(value.T, weight):
-                found[node.output[0]] = (name, True)
+        match = by_content.get(_content(weight))
+        if match is not None:
+            value = np.asarray(params[match[0]])
+            if np.array_equal(value.T if match[1] else value, weight):  # a digest's match, confirmed
+                found[node.output[0]] = match
     return found
+
+
+def _content(array: np.ndarray) -> tuple:
+    contiguous = np.ascontiguousarray(array)
+    return contiguous.shape, contiguous.dtype.str, hashlib.sha256(contiguous.tobytes()).hexdigest()
 
 
 def _is_head(name: str, transposed: bool) -> bool:
