@@ -97,3 +97,21 @@ def test_the_near_tie_case_puts_every_token_at_a_tie_and_says_so(preset):
     assert row["near_ties"] == {"float32": row["decisions"]} and row["smallest_margin"] < 1e-7
     assert "ffn-near_tie (at a tie by construction)" in format_routing_margins(rows)
 
+
+
+def test_the_goldens_routing_is_the_same_streamed_layer_by_layer(monkeypatch):
+    """golden_routing casts the weights to float64 as the check's golden does: whole where they fit,
+    else layer by layer (conformance.memory.golden_budget; a real-size Mixtral's check, casting its
+    5.6 GB whole for each routing it replayed, was killed for memory). Streamed, the routing is the
+    same to the bit."""
+    import conformance.routing as routing
+
+    cfg = get_preset("mixtral-tiny")
+    params = conformance_params(cfg)
+    case = build_case(cfg, params, "forward", "pad_right")
+    whole = golden_routing(cfg, params, case)
+    monkeypatch.setattr(routing, "golden_budget", lambda cfg, params: 1)  # one layer's weights at a time
+    streamed = golden_routing(cfg, params, case)
+    for a, b in zip(whole, streamed, strict=True):
+        assert all(np.array_equal(getattr(a, field), getattr(b, field))
+                   for field in ("chosen", "weights", "margins", "logit_scale"))
