@@ -12,12 +12,13 @@ embedding it shares is read back as a head of its own (the deployment no longer 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,18 +47,53 @@ def weight_names(model: onnx.ModelProto, params: Mapping[str, np.ndarray]) -> di
         if np.ndim(value) == 2:
             for transposed in (True, False):  # a square parameter held as is wins over its transpose
                 by_content[_content(np.asarray(value).T if transposed else np.asarray(value))] = (name, transposed)
-    stored = {tensor.name: tensor for tensor in model.graph.initializer}
+    constants = constant_weights(model)
     found = {}
     for node in model.graph.node:
-        if node.op_type != "MatMul" or node.input[1] not in stored:
+        if node.op_type != "MatMul" or node.input[1] not in constants:
             continue
-        weight = numpy_helper.to_array(stored[node.input[1]])
+        weight = constants[node.input[1]]()
         match = by_content.get(_content(weight))
         if match is not None:
             value = np.asarray(params[match[0]])
             if np.array_equal(value.T if match[1] else value, weight):  # a digest's match, confirmed
                 found[node.output[0]] = match
     return found
+
+
+def constant_weights(model: onnx.ModelProto) -> dict[str, Callable[[], np.ndarray]]:
+    """The tensors of a graph that are constants, by name, each read when called: its initializers,
+    and a 2-D Transpose of one (torch's export leaves a tied head's `Transpose(embedding)` unfolded
+    once the table is large: SmolLM2-135M's 49152 × 576)."""
+    stored = {tensor.name: tensor for tensor in model.graph.initializer}
+    constants = {name: functools.partial(numpy_helper.to_array, tensor) for name, tensor in stored.items()}
+    for node in model.graph.node:
+        perm = [helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"]
+        if node.op_type == "Transpose" and node.input[0] in stored and perm in ([], [[1, 0]]) \
+                and len(stored[node.input[0]].dims) == 2:
+            constants[node.output[0]] = lambda tensor=stored[node.input[0]]: numpy_helper.to_array(tensor).T
+    return constants
+
+
+def folded_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a graph whose MatMuls on a Transpose of an initializer take the transposed table as
+    an initializer of its own (so that a quantizer, which quantizes constants only, sees the weight)."""
+    folded = copy.deepcopy(model)
+    initializers = {tensor.name for tensor in folded.graph.initializer}
+    constants = constant_weights(folded)
+    for node in folded.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in constants and node.input[1] not in initializers:
+            name = f"{node.input[1]}_folded"
+            if name not in initializers:
+                folded.graph.initializer.append(numpy_helper.from_array(
+                    np.ascontiguousarray(constants[node.input[1]]()), name))
+                initializers.add(name)
+            node.input[1] = name
+    readers = {name for node in folded.graph.node for name in node.input} | {o.name for o in folded.graph.output}
+    kept = [node for node in folded.graph.node if node.op_type != "Transpose" or node.output[0] in readers]
+    folded.graph.ClearField("node")
+    folded.graph.node.extend(kept)
+    return folded
 
 
 def _content(array: np.ndarray) -> tuple:
@@ -77,13 +113,14 @@ def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    model = folded_transposes(model)
     names = weight_names(model, params)
     matmuls = {node.output[0]: node.name for node in model.graph.node if node.op_type == "MatMul"}
     head = [matmuls[output] for output, (name, transposed) in names.items() if _is_head(name, transposed)]
     other = [node for output, node in matmuls.items() if output not in names]  # not a parameter's product
     if scheme.dynamic:
         return _quantized_dynamically(model, head + other if scheme.head_bits is None else other)
-    quantized = copy.deepcopy(model)
+    quantized = model  # folded_transposes made it a copy of its own
     for bits, leave in ((scheme.bits, head + other), (scheme.head_bits, other)):
         if bits is None:
             continue
