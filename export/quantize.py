@@ -235,8 +235,9 @@ def block_steps(weight: BlockQuantized) -> np.ndarray:
 def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
                      directory: str | Path | None = None) -> Path:
     """The torch float32 export (export.cache) with its QUANTIZED_ROLES graphs quantized by
-    the scheme, written as a directory OnnxTransformer serves, its manifest naming the scheme.
-    directory None: kept beside the float export in the cache (made once)."""
+    the scheme, written as a directory OnnxTransformer serves, its manifest naming the scheme and
+    what made it (onnxruntime's version, this file's digest). directory None: kept beside the float
+    export in the cache, made again when the quantizer or this code changed."""
     source = exported(cfg, params, framework="torch", dtype="float32")
     manifest = json.loads((source / "manifest.json").read_text())
     if directory is None:
@@ -244,8 +245,9 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
         directory = (root / f"{source.name}-{scheme.name}") if root is not None else \
             Path(tempfile.mkdtemp(prefix="rosetta-quantized-"))
     directory = Path(directory)
-    if (directory / "manifest.json").is_file() and \
-            json.loads((directory / "manifest.json").read_text()).get("quantization") == scheme.name:
+    made_by = {"quantization": scheme.name, "quantizer": _quantizer_version()}
+    if (directory / "manifest.json").is_file() and all(
+            json.loads((directory / "manifest.json").read_text()).get(key) == value for key, value in made_by.items()):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
@@ -259,7 +261,7 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
         data = {file: external_data_file(file) for file in graphs.values()
                 if (staging / external_data_file(file)).is_file()}
         (staging / "manifest.json").write_text(json.dumps(
-            {**manifest, "graphs": graphs, "external_data": data, "quantization": scheme.name}, indent=2) + "\n")
+            {**manifest, "graphs": graphs, "external_data": data, **made_by}, indent=2) + "\n")
         shutil.rmtree(directory, ignore_errors=True)
         staging.rename(directory)
     finally:
@@ -284,3 +286,10 @@ def quantized_products(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) 
     values = dict(zip(names, session.run(None, {name: feeds[name] for name in (i.name for i in session.get_inputs())})))
     weights = stored_weights(model)
     return {node.output[0]: (values[node.input[0]], values[node.output[0]], weights[node.output[0]]) for node in nodes}
+
+
+def _quantizer_version() -> str:
+    """What a quantized export depends on besides the float one: onnxruntime's quantizer and this file."""
+    import onnxruntime
+
+    return f"onnxruntime {onnxruntime.__version__}, {hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}"

@@ -419,3 +419,19 @@ def test_a_tied_head_left_as_a_transpose_of_the_embedding_is_quantized_too(tmp_p
     assert deployed.stored["head.weight"].bits == 8 and not deployed.cfg.tie_head
     found = products(cfg, params, scheme, float_graph, quantized)
     assert "head.weight" in [product.parameter for product in found] and not any(p.failed for p in found)
+
+
+def test_a_quantized_export_is_made_again_when_what_made_it_changed(tmp_path, monkeypatch):
+    """The directory is reused for the same scheme made by the same quantizer and code, and made
+    again otherwise (a stale one kept SmolLM2-135M's head float after the fix that quantizes it)."""
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    scheme = QuantizationScheme()
+    first = quantize.quantized_export(cfg, params, scheme, tmp_path / "q")
+    made = (first / "forward.onnx").stat().st_mtime_ns
+    assert quantize.quantized_export(cfg, params, scheme, tmp_path / "q") == first
+    assert (first / "forward.onnx").stat().st_mtime_ns == made
+    monkeypatch.setattr(quantize, "_quantizer_version", lambda: "another quantizer")
+    quantize.quantized_export(cfg, params, scheme, tmp_path / "q")
+    assert (first / "forward.onnx").stat().st_mtime_ns != made
+    assert json.loads((first / "manifest.json").read_text())["quantizer"] == "another quantizer"
