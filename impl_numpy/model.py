@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -467,6 +468,26 @@ def recorded_routing() -> Iterator[list[RoutedCall]]:
             outer.extend(calls)
 
 
+_REPLAY: contextvars.ContextVar = contextvars.ContextVar("replayed routing", default=None)
+
+
+@contextlib.contextmanager
+def replayed_routing(log) -> Iterator:
+    """Inside, every experts_ffn call routes through `log` (a spec.routing.RoutingLog): its choices
+    and weights recorded, or the forced ones taken (SPEC §5.14's replayed routing), each layer known
+    by its router's values."""
+    token = _REPLAY.set(log)
+    try:
+        yield log
+    finally:
+        _REPLAY.reset(token)
+
+
+def routing_replayed() -> bool:
+    """Whether experts_ffn routes through a routing log here (replayed_routing)."""
+    return _REPLAY.get() is not None
+
+
 def layer_experts(cfg: ModelConfig, p: Params) -> list[Params]:
     """Each expert's gated FFN, in index order. p: the layer's "ffn" parameters."""
     return [params_under(p, f"experts.{expert}") for expert in range(cfg.moe.n_experts)]
@@ -486,6 +507,14 @@ def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
                                 routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
                                 np.abs(logits).max(axis=-1).reshape(x.shape[:-1]),
                                 probabilities.reshape(*x.shape[:-1], -1)))
+    if (log := _REPLAY.get()) is not None:  # the choices and weights through the routing log
+        probabilities = router_probabilities(tokens, p["router.weight"])
+        layer = hashlib.sha256(np.ascontiguousarray(p["router.weight"]).tobytes()).hexdigest()
+        chosen = log.choose(layer, x.shape[0], top_experts(probabilities, moe.experts_per_token)).astype(np.int64)
+        weights = routing_weights(probabilities, chosen, moe.renormalize)
+        forced = log.weigh(layer, weights)
+        weights = weights if forced is None else forced.astype(weights.dtype)
+        return weighted_experts(tokens, layer_experts(cfg, p), chosen, weights, cfg.activation).reshape(x.shape)
     return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,
                               moe.renormalize, cfg.activation).reshape(x.shape)
 

@@ -187,8 +187,8 @@ def _route_smallest(self, tokens, batch=1):
 def test_the_case_at_a_tie_by_construction_passes_replayed_and_still_catches_an_expert_mistake(monkeypatch, backend):
     """ffn-near_tie puts every token at a tie between its k-th and (k+1)-th expert: at float32 some
     flip (rounding's choice, 7-10 of 18 on mixtral-tiny), the cell passes with the golden's routing
-    replayed and says the case sits at a tie; at float64 none flips. A column that cannot replay
-    (numpy-float32) is not judged on it."""
+    replayed and says the case sits at a tie; at float64 none flips. The golden at float32
+    (numpy-float32) replays through its own routing log too."""
     cfg = get_preset("mixtral-tiny")
     plan = plan_matrix(cfg, [backend, "numpy-float32"], ["float64", "float32"], ["cpu"])
     cells = {(r.backend, r.dtype): r for r in run_matrix(cfg, conformance_params(cfg), plan, pattern="ffn-near_tie")}
@@ -197,8 +197,35 @@ def test_the_case_at_a_tie_by_construction_passes_replayed_and_still_catches_an_
         "every token of this case sits at a routing tie by construction; routing replayed: the router chose "
         "differently at"), replayed.reason
     assert cells[backend, "float64"].status == PASS and not cells[backend, "float64"].reason
-    unjudged = cells["numpy-float32", "float32"]
-    assert unjudged.status == "skip" and "routing tie by construction" in unjudged.reason
+    golden32 = cells["numpy-float32", "float32"]
+    assert golden32.status == PASS and golden32.reason.startswith(
+        "every token of this case sits at a routing tie by construction; routing replayed"), golden32.reason
+
+
+def test_the_golden_replays_routing_through_its_log():
+    """numpy-float32's routing log (impl_numpy.replayed_routing): the free run's choices recorded,
+    forced choices and weights taken (the output is then the experts' on them), and its VJPs refuse
+    to run inside it, as they route on their own."""
+    from conformance.adapter import NotSupported
+    from conformance.backends.numpy_backend import NumpyRunner
+    from conformance.cases import build_case
+
+    cfg = get_preset("mixtral-tiny")
+    params = conformance_params(cfg)
+    runner = NumpyRunner(cfg, params, "float32")
+    case = build_case(cfg, params, "forward", "pad_right")
+    with runner.routing_log() as log:
+        free = runner.run("forward", case.inputs)
+    assert np.array_equal(free, runner.run("forward", case.inputs))
+    chosen = log.layers()
+    assert len(chosen) == cfg.n_decoder_layers and chosen[0].shape == (*case.inputs["tgt_ids"].shape, 2)
+    other = [np.ascontiguousarray(layer[..., ::-1] + 1) % cfg.moe.n_experts for layer in chosen]  # other experts
+    with runner.routing_log(forced=other, forced_weights=[np.full(c.shape, 0.5) for c in other]) as replay:
+        forced = runner.run("forward", case.inputs)
+    assert [np.array_equal(a, b) for a, b in zip(replay.layers(), other)] == [True] * cfg.n_decoder_layers
+    assert not np.allclose(forced, free)
+    with runner.routing_log(), pytest.raises(NotSupported, match="VJPs route on their own"):
+        runner.gradients("grad-forward", build_case(cfg, params, "grad-forward", "none").inputs)
 
 
 def test_the_case_at_a_tie_by_construction_still_catches_an_expert_mistake(monkeypatch):

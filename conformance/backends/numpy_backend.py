@@ -4,15 +4,17 @@ day one (it measures what float32 arithmetic alone does to every sublayer)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 import impl_numpy as golden
+from conformance.adapter import NotSupported
 from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient, record_steps
 from impl_numpy import backward
 from impl_numpy.cast import CastOnRead
@@ -20,6 +22,7 @@ from impl_numpy import training as golden_training
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
 from spec.masks import normalize_mask, real_tokens
+from spec.routing import RoutingLog
 
 
 class NumpyRunner:
@@ -131,9 +134,20 @@ class NumpyRunner:
                                                    dropout_masks=inputs.get("dropout_masks")))
         raise KeyError(f"unknown sublayer {sublayer!r}")
 
+    @contextlib.contextmanager
+    def routing_log(self, forced: list[np.ndarray] | None = None,
+                    forced_weights: list[np.ndarray] | None = None) -> Iterator[RoutingLog]:
+        """Inside, a forward, decode or generate case routes through a RoutingLog: each MoE layer's
+        choices and own weights recorded, or the forced ones taken (SPEC §5.14). The golden's VJPs
+        route on their own: a gradient or training case refuses to run inside."""
+        with golden.replayed_routing(RoutingLog(forced, forced_weights)) as log:
+            yield log
+
     def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """A gradient case (conformance/cases.py) by the golden VJPs: cotangents of the inputs
         GRADIENT_INPUTS names, gradients of every parameter under the case's owner."""
+        if golden.routing_replayed():
+            raise NotSupported("the golden's VJPs route on their own: its gradients do not replay routing")
         forward = forward_of(sublayer)
         cfg, p = self.cfg.module_config(_module(forward, inputs)), self.p
         d_out = self._float(inputs["d_out"])
@@ -201,6 +215,8 @@ class NumpyRunner:
 
     def train(self, sublayer: str, inputs: Mapping[str, Any]) -> list[dict[str, Any]]:
         """A training case (conformance/cases.py) by the golden's own step at this runner's dtype."""
+        if golden.routing_replayed():
+            raise NotSupported("the golden's training step routes on its own: it does not replay routing")
         training, run = inputs["training"], {"params": self.p, "state": golden_training.start_adam(self.p)}
 
         def step(src_ids, tgt_ids, targets, dropout_masks):
