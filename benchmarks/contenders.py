@@ -292,19 +292,13 @@ class OnnxRuntimeQuantized(OnnxRuntime):
 
     def prepare(self, cfg, params):
         Contender.prepare(self, cfg, params)
-        import onnx
-
-        from export.cache import exported
-        from export.quantize import deployed_weights, quantized_export
+        from export.quantize import deployed_weights, graphs_of, quantized_export
         from export.runner import OnnxTransformer
 
         directory = quantized_export(cfg, params, self.scheme)
         self.model = OnnxTransformer(directory, device="cpu")
         if not self.scheme.dynamic:
-            source = exported(cfg, params)
-            graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
-                      for role, file in self.model.manifest["graphs"].items()}
-            deployed = deployed_weights(cfg, params, graphs)
+            deployed = deployed_weights(cfg, params, graphs_of(cfg, params, directory))
             self.judged_on = (deployed.cfg, deployed.params)
 
 

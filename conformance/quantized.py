@@ -76,20 +76,15 @@ class Cost:
 
 
 def cost(logits: np.ndarray, float_logits: np.ndarray, real: np.ndarray) -> Cost:
-    """The Cost of logits [B, T, V] against the float golden's, over the tokens real [B, T] marks."""
+    """The Cost of logits [B, T, V] against the float golden's, over the tokens real [B, T] marks
+    (KL and top-1 as the field's metrics take them: conformance.field_metrics.logit_metrics)."""
+    from conformance.field_metrics import logit_metrics
+
+    metrics = logit_metrics(float_logits, logits, real)
     quantized, reference = np.asarray(logits, np.float64)[real], np.asarray(float_logits, np.float64)[real]
-    log_q, log_p = _log_softmax(quantized), _log_softmax(reference)  # [N, V]
-    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)  # [N]
-    agree = np.argmax(quantized, axis=-1) == np.argmax(reference, axis=-1)
     size = np.linalg.norm(reference)
-    return Cost(tokens=int(real.sum()), kl_mean=float(kl.mean()) if kl.size else 0.0,
-                kl_max=float(kl.max()) if kl.size else 0.0, top1=float(agree.mean()) if agree.size else 1.0,
-                relative_error=float(np.linalg.norm(quantized - reference) / size) if size else 0.0)
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return Cost(tokens=metrics["positions"], kl_mean=metrics["kl_mean"], kl_max=metrics["kl_max"],
+                top1=metrics["top1"], relative_error=float(np.linalg.norm(quantized - reference) / size) if size else 0.0)
 
 
 @dataclass(frozen=True)
@@ -140,9 +135,9 @@ def compute_mode(scheme: QuantizationScheme) -> str:
 
 def real_tokens(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """[B, T'] the positions of a case's logits that are real tokens (a decode's after its prefix)."""
-    from impl_numpy.model import token_keep
+    from spec.masks import real_tokens as keep_of
 
-    keep = token_keep(cfg, np.asarray(inputs["tgt_ids"]), None, "tgt")
+    keep = keep_of(cfg, np.asarray(inputs["tgt_ids"]), "tgt")
     return keep[:, inputs["prefix"]:] if sublayer == "decode" else keep
 
 
@@ -299,21 +294,15 @@ def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) ->
 def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str):
     """(the quantized export's runner, the weights it stores under the spec's names, its graphs by
     role beside their float twins)."""
-    import json
-
-    import onnx
-
     from conformance.backends.onnx_backend import OnnxRunner
-    from export.cache import exported
-    from export.quantize import deployed_weights, quantized_export
+    from export.quantize import deployed_weights, graphs_of, quantized_export
     from export.runner import OnnxTransformer
 
-    directory, source = quantized_export(cfg, params, scheme), exported(cfg, params)
+    directory = quantized_export(cfg, params, scheme)
     runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
     if scheme.dynamic:
         return runner, None, {}
-    graphs = {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
-              for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
+    graphs = graphs_of(cfg, params, directory)
     return runner, deployed_weights(cfg, params, graphs), graphs
 
 

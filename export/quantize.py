@@ -224,6 +224,14 @@ def deployed_weights(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     return DeployedWeights(replace(cfg, tie_head=False) if tied else cfg, deployed, stored)
 
 
+def graphs_of(cfg: ModelConfig, params: Mapping[str, np.ndarray],
+              directory: Path) -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
+    """A quantized export's graphs by role, each beside its float twin from the float export."""
+    source = exported(cfg, params, framework="torch", dtype="float32")
+    return {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
+            for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
+
+
 def block_steps(weight: BlockQuantized) -> np.ndarray:
     """[K, N]: each element's quantization step, |scale| of its column and block (the smallest
     positive float where a scale is 0: a block of zeros)."""
