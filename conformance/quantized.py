@@ -258,10 +258,12 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
 
 
 def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
-             float_model, quantized_model) -> list[Product]:
+             float_model, quantized_model, served=None) -> list[Product]:
     """The implementation reference localized to the quantized product: each MatMulNBits node of the
     forward graph, run on forward-none's inputs, against its own input times the weight it stores,
-    dequantized (in graph order: the first to fail is the first wrong product)."""
+    dequantized (in graph order: the first to fail is the first wrong product). served: the graph
+    onnxruntime runs where it is not quantized_model as written (pages.quantized_mutations' kernel
+    mistakes)."""
     import export.quantize as reading  # its dequantize: the reading deployed_weights gave the golden
     from spec.masks import real_tokens as keep_of
 
@@ -271,7 +273,8 @@ def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiz
         feeds.update(src_ids=np.asarray(inputs["src_ids"], np.int64), src_keep=keep_of(cfg, inputs["src_ids"], "src"))
     names = reading.weight_names(float_model, params)
     found = []
-    for output, (a, y, weight) in reading.quantized_products(quantized_model, feeds).items():
+    for output, (a, y, weight) in reading.quantized_products(
+            quantized_model if served is None else served, feeds, read=quantized_model).items():
         expected = np.asarray(a, np.float64) @ reading.dequantize(weight)
         relative = tolerance(compute_mode(scheme), weight.k, 1)
         name, transposed = names.get(output, (output, False))

@@ -30,7 +30,7 @@ from export.cache import cache_root, exported
 from export.onnx_model import external_data_file, save
 from spec import ModelConfig
 from spec.errors import WeightsError
-from spec.quantization import BlockQuantized, QuantizationScheme, dequantize
+from spec.quantization import BlockQuantized, QuantizationScheme, check_block_quantized, dequantize
 
 QUANTIZED_OP = "MatMulNBits"
 QUANTIZED_ROLES = ("forward", "encoder", "decoder_step", "decoder_step_in_place")  # the graphs it serves
@@ -210,8 +210,9 @@ def deployed_weights(cfg: ModelConfig, params: Mapping[str, np.ndarray],
                 raise WeightsError(f"the {role} graph's {QUANTIZED_OP} writing {output!r} replaced no MatMul on a "
                                    "parameter of the model")
             name, transposed = names[output]
-            exact = dequantize(weight)  # [K, N] = [in, out], float64
             target = _HEAD if transposed else name  # a tied head quantized: a head of its own now
+            check_block_quantized(weight, f"{target} (the {role} graph's {QUANTIZED_OP} writing {output!r})")
+            exact = dequantize(weight)  # [K, N] = [in, out], float64
             tied |= transposed
             value = exact.astype(np.float32)
             if target in stored and not np.array_equal(deployed[target], value):
@@ -277,10 +278,12 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
     return directory
 
 
-def quantized_products(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, ...]]:
+def quantized_products(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+                       read: onnx.ModelProto | None = None) -> dict[str, tuple[np.ndarray, ...]]:
     """Each MatMulNBits node of a quantized graph run on `feeds` (onnxruntime, CPU): by the output it
-    writes, (its input A, its output Y, its weight as SPEC §15 reads it), so that a product can be
-    held to A·dequantize(B) one node at a time."""
+    writes, (its input A, its output Y, its weight as SPEC §15 reads it from `read`, the graph as
+    written, where that is not the one run: a kernel planted to read it otherwise), so that a product
+    can be held to A·dequantize(B) one node at a time."""
     import onnxruntime as ort
 
     traced = copy.deepcopy(model)
@@ -292,7 +295,7 @@ def quantized_products(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) 
     session = ort.InferenceSession(traced.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [output.name for output in session.get_outputs()]
     values = dict(zip(names, session.run(None, {name: feeds[name] for name in (i.name for i in session.get_inputs())})))
-    weights = stored_weights(model)
+    weights = stored_weights(model if read is None else read)
     return {node.output[0]: (values[node.input[0]], values[node.output[0]], weights[node.output[0]]) for node in nodes}
 
 

@@ -8,7 +8,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rosetta.arguments import CommandLine, comma_list
+from rosetta.arguments import CommandLine, UsageError, comma_list
 from spec import conformance_params, get_preset
 
 
@@ -16,7 +16,9 @@ def cmd_mutations(args: argparse.Namespace) -> int:
     """Run the mutation gallery: every mistake must be caught and localized."""
     from pages.mutations import gallery_page, gallery_table, mistakes_page, run_gallery
 
-    cfg = get_preset(args.preset)
+    if args.quantized:
+        return _quantized_mutations(args)
+    cfg = get_preset(args.preset or "tiny")
     params = conformance_params(cfg, args.seed)
     start = time.perf_counter()
     verdicts = run_gallery(cfg, params)
@@ -29,6 +31,25 @@ def cmd_mutations(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(gallery_page(verdicts, args.preset))
     if args.mistakes:
         Path(args.mistakes).write_text(mistakes_page(verdicts, args.preset))
+    return 0 if good == len(verdicts) else 1
+
+
+def _quantized_mutations(args: argparse.Namespace) -> int:
+    """The quantized deployment's mistakes (pages.quantized_mutations), on llama-tiny's int4 export."""
+    from pages.quantized_mutations import PRESET, SCHEME, quantized_gallery_page, quantized_gallery_table, \
+        run_quantized_gallery
+
+    if args.preset not in (None, PRESET) or args.seed or args.mistakes:
+        raise UsageError(f"--quantized plants its mistakes in {PRESET}'s conformance weights, whose names they "
+                          "expect: it takes no --preset, --seed or --mistakes")
+    start = time.perf_counter()
+    verdicts = run_quantized_gallery()
+    print(f"Quantized deployment mistakes on {PRESET} ({SCHEME.name}): each planted in the kernel or the export\n")
+    print(quantized_gallery_table(verdicts))
+    good = sum(v.caught and v.localized for v in verdicts)
+    print(f"\n{good} of {len(verdicts)} mistakes caught and localized in {time.perf_counter() - start:.1f} s")
+    if args.markdown:
+        Path(args.markdown).write_text(quantized_gallery_page(verdicts))
     return 0 if good == len(verdicts) else 1
 
 
@@ -103,7 +124,9 @@ def cmd_differences(args: argparse.Namespace) -> int:
 
 def add_mutations(commands: argparse._SubParsersAction) -> None:
     mutations = commands.add_parser("mutations", help="run the mutation gallery (proof the harness can fail)")
-    mutations.add_argument("--preset", default="tiny")
+    mutations.add_argument("--preset", help="the preset of the gallery (default tiny)")
+    mutations.add_argument("--quantized", action="store_true",
+                           help="the quantized deployment's mistakes instead (llama-tiny's int4 export)")
     mutations.add_argument("--seed", type=int, default=0)
     mutations.add_argument("--markdown", help="also write the table to this Markdown file")
     mutations.add_argument("--mistakes", help="also write the teaching page (docs/mistakes.md) to this file")

@@ -24,9 +24,9 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
 import export.quantize as quantize  # noqa: E402
-from conformance.backends.onnx_backend import OnnxRunner  # noqa: E402
 from export.cache import exported  # noqa: E402
-from export.runner import OnnxTransformer  # noqa: E402
+from pages.quantized_mutations import (left_in_float, planted_deployment, scales_on_the_wrong_axis,  # noqa: E402
+                                       weights_swapped, zero_point_off_by_one)
 
 SCHEMES = {"int4-b32-sym": QuantizationScheme(4, 32, True), "int4-b32-zp-head8": QuantizationScheme(4, 32, False, 8),
            "int8-b128-sym": QuantizationScheme(8, 128, True)}
@@ -34,20 +34,11 @@ SCHEMES = {"int4-b32-sym": QuantizationScheme(4, 32, True), "int4-b32-zp-head8":
 
 def _deployment(preset, scheme, tmp_path, plant=None):
     """(cfg, params, runner, deployed): the preset's quantized export (its quantized graphs passed
-    through plant(role, float graph, quantized graph) first), served and read back."""
+    through plant(float graph, quantized graph, params) first), served and read back."""
     cfg = get_preset(preset)
     params = conformance_params(cfg)
-    directory = quantize.quantized_export(cfg, params, scheme, tmp_path / scheme.name)
-    source = exported(cfg, params)
-    graphs = {}
-    for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items():
-        float_graph, quantized = onnx.load(str(source / file)), onnx.load(str(directory / file))
-        if plant:
-            quantized = plant(role, float_graph, quantized)
-            onnx.save(quantized, str(directory / file))
-        graphs[role] = (float_graph, quantized)
-    deployed = quantize.deployed_weights(cfg, params, graphs)
-    return cfg, params, OnnxRunner(OnnxTransformer(directory, device="cpu"), scheme.name), deployed
+    planted = planted_deployment(cfg, params, scheme, tmp_path / scheme.name, plant)
+    return cfg, params, planted.runner, planted.deployed
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -90,16 +81,7 @@ def _swap_nibbles(weight):
     return dataclasses.replace(weight, codes=((weight.codes & 0x0F) << 4) | (weight.codes >> 4))
 
 
-def _zero_point_off_by_one(weight):  # symmetric: the default zero point read as 9 rather than 8
-    return dataclasses.replace(weight, zero_points=np.full((weight.n, -(-weight.blocks // 2)), 0x99, np.uint8))
-
-
-def _scales_on_the_wrong_axis(weight):  # the [N, blocks] scales read as [blocks, N]
-    scales = np.asarray(weight.scales).reshape(-1, weight.n).T.reshape(weight.scales.shape).copy()
-    return dataclasses.replace(weight, scales=scales)
-
-
-@pytest.mark.parametrize("misreading", [_swap_nibbles, _zero_point_off_by_one, _scales_on_the_wrong_axis],
+@pytest.mark.parametrize("misreading", [_swap_nibbles, zero_point_off_by_one, scales_on_the_wrong_axis],
                          ids=["nibbles swapped", "zero point off by one", "scales on the wrong axis"])
 def test_a_wrong_reading_of_the_layout_fails_the_implementation_reference(tmp_path, monkeypatch, misreading):
     """The golden's reading of what the graph stores, planted wrong in every weight: the kernel's
@@ -113,36 +95,6 @@ def test_a_wrong_reading_of_the_layout_fails_the_implementation_reference(tmp_pa
     assert not cell.implementation.passed and cell.implementation.ratio > 10, cell.implementation.ratio
 
 
-def _output_of(model, op_type):
-    return [node.output[0] for node in model.graph.node if node.op_type == op_type]
-
-
-def _left_in_float(output):
-    """A plant putting the float graph's MatMul writing `output` back in place of its MatMulNBits."""
-    def plant(role, float_graph, quantized):
-        matmul, = [node for node in float_graph.graph.node if node.op_type == "MatMul" and node.output[0] == output]
-        weight, = [tensor for tensor in float_graph.graph.initializer if tensor.name == matmul.input[1]]
-        nodes = [matmul if node.output[0] == output else node for node in quantized.graph.node]
-        quantized.graph.ClearField("node")
-        quantized.graph.node.extend(nodes)
-        quantized.graph.initializer.append(weight)
-        return quantized
-    return plant
-
-
-def _weights_swapped(first, second):
-    """A plant wiring two MatMulNBits nodes of one shape to each other's weights (an exporter that
-    mixes up w1 and w3): the kernel and the golden read the same swapped weights."""
-    def plant(role, float_graph, quantized):
-        nodes = {node.output[0]: node for node in quantized.graph.node}
-        codes = [nodes[first].input[1], nodes[second].input[1]]
-        scales = [nodes[first].input[2], nodes[second].input[2]]
-        nodes[first].input[1], nodes[second].input[1] = codes[1], codes[0]
-        nodes[first].input[2], nodes[second].input[2] = scales[1], scales[0]
-        return quantized
-    return plant
-
-
 def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
     """A layer left in float, a head at 4 bits where the scheme says 8, and two layers' weights
     swapped: each named by the stored-weights check (the swap is not the implementation reference's
@@ -150,11 +102,9 @@ def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
     scheme = QuantizationScheme(4, 32, True, head_bits=8)
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg)
-    names = quantize.weight_names(onnx.load(str(exported(cfg, params) / "forward.onnx")), params)
-    output_of = {name: output for output, (name, _) in names.items()}
-    w1, w3 = output_of["decoder.layers.1.ffn.w1.weight"], output_of["decoder.layers.1.ffn.w3.weight"]
+    w1, w3 = "decoder.layers.1.ffn.w1.weight", "decoder.layers.1.ffn.w3.weight"
 
-    _, _, _, deployed = _deployment("llama-tiny", scheme, tmp_path / "float", _left_in_float(w1))
+    _, _, _, deployed = _deployment("llama-tiny", scheme, tmp_path / "float", left_in_float(w1))
     assert stored_as_scheme(cfg, scheme, deployed) == [
         "decoder.layers.1.ffn.w1.weight: left in float; the scheme quantizes it at 4 bits"]
 
@@ -162,7 +112,7 @@ def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
     assert stored_as_scheme(cfg, scheme, deployed) == [
         "head.weight: stored at 4 bits in blocks of 32, symmetric; the scheme says 8 bits in blocks of 32, symmetric"]
 
-    _, _, runner, deployed = _deployment("llama-tiny", scheme, tmp_path / "swapped", _weights_swapped(w1, w3))
+    _, _, runner, deployed = _deployment("llama-tiny", scheme, tmp_path / "swapped", weights_swapped(w1, w3))
     problems = stored_as_scheme(cfg, scheme, deployed)
     assert [line.split(":")[0] for line in problems] == ["decoder.layers.1.ffn.w1.weight",
                                                           "decoder.layers.1.ffn.w3.weight"]
@@ -174,7 +124,7 @@ def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
 def test_a_block_size_the_codes_do_not_have_is_refused_by_name(tmp_path):
     """The graph's block_size attribute made 64 where the codes were made in blocks of 32: the
     codes' shape no longer matches, and the reading refuses, naming the weight's field."""
-    def plant(role, float_graph, quantized):
+    def plant(float_graph, quantized, params):
         node = next(node for node in quantized.graph.node if node.op_type == "MatMulNBits")
         next(a for a in node.attribute if a.name == "block_size").i = 64
         return quantized
@@ -358,7 +308,7 @@ def test_accuracy_level_4_is_judged_with_its_activations_rounded_to_int8(tmp_pat
 def test_a_quantized_weight_tied_to_no_parameter_is_refused_by_name(tmp_path):
     """A MatMulNBits whose output no float MatMul on a parameter writes (renamed here, with its
     readers) is named, never guessed."""
-    def plant(role, float_graph, quantized):
+    def plant(float_graph, quantized, params):
         node = next(node for node in quantized.graph.node if node.op_type == "MatMulNBits")
         old = node.output[0]
         for reader in quantized.graph.node:
