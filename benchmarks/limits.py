@@ -103,3 +103,50 @@ def cuda_matmul_flops_per_second(dtype: str, size: int = 8192, repeats: int = 10
         torch.cuda.synchronize()
 
     return 2 * size**3 / _best_seconds(product, repeats)
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def streamed_bytes(cfg: ModelConfig, dtype: str = "float32", scheme=None) -> float:
+    """The bytes of weights one decode step reads: every parameter but the embedding and position
+    tables (a lookup reads a row per token; a tied head reads its table whole) at the dtype's width, and
+    a scheme's quantized ones (spec.quantization.quantized_parameters) at their code width with a
+    float32 scale per block of each column, and a zero-point code per block where not symmetric (a
+    dynamic scheme: one scale per tensor). A mixture of experts' every expert is counted: a batch's
+    tokens choose most of them."""
+    from spec.params import param_shapes
+    from spec.quantization import quantized_parameters
+
+    shapes = param_shapes(cfg)
+    quantized = quantized_parameters(cfg, scheme) if scheme is not None else {}
+    total = 0.0
+    for name, shape in shapes.items():
+        lookup = name.endswith(("embed.weight", "pos.weight"))  # a row per token read
+        head = cfg.tie_head and name == "tgt_embed.weight" and "head.weight" not in quantized
+        if name in quantized or (lookup and not head):
+            continue
+        total += DTYPE_BYTES[dtype] * float(np.prod(shape))
+    for name, bits in quantized.items():
+        inputs, outputs = shapes["tgt_embed.weight"][::-1] if name not in shapes else shapes[name]
+        blocks = 1 if scheme.dynamic else -(-inputs // scheme.block_size)
+        zero_points = 0 if scheme.symmetric else outputs * blocks * bits / 8
+        total += inputs * outputs * bits / 8 + 4 * outputs * blocks + zero_points
+    return total
+
+
+def generation_roofline(cfg: ModelConfig, batch: int, prompt: int, new_tokens: int, weight_bytes: float,
+                        machine: dict) -> float:
+    """The tokens/s greedy generation of `new_tokens` after a `prompt` could reach on this machine: each
+    step (the prompt's forward the first) takes the slower of reading the weights once at the
+    measured copy bandwidth and doing its FLOPs at the measured float32 matrix-product limit."""
+    def seconds(flops: float) -> float:
+        return max(weight_bytes / machine["copy_bytes_per_second"], flops / machine["matmul_float32_flops"])
+
+    if cfg.has_encoder:  # the source encoded and the first token decoded, then one step per token
+        total = seconds(forward_flops(cfg, batch, prompt, 1))
+        total += sum(seconds(decode_step_flops(cfg, batch, step, prompt)) for step in range(1, new_tokens))
+    else:
+        total = seconds(forward_flops(cfg, batch, 0, prompt))
+        total += sum(seconds(decode_step_flops(cfg, batch, prompt + step - 1, 0)) for step in range(1, new_tokens))
+    return batch * new_tokens / total

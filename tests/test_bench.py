@@ -375,4 +375,60 @@ def test_quantized_contenders_are_judged_on_the_weights_they_store(tmp_path):
     assert dynamic["same_tokens"] and dynamic["note"].startswith("int8 activations: no golden computes its tokens")
     for row in (int4, dynamic):
         assert set(row["float_golden"]) == {"rows", "rows_parted", "first_parted"} and row["tokens_per_second"] > 0
+        assert row["roofline_tokens_per_second"] > 0 and row["fraction_of_roofline"] > 0
     assert main(["bench", "--preset", "tiny", "--quantized", "int3", "--out", str(out)]) == 2
+
+
+def test_the_bytes_a_decode_step_reads_and_its_roofline():
+    """llama-tiny (untied, no biases): float32 reads every parameter but the embedding table; int4
+    in blocks of 32 reads each linear weight at half a byte plus a float32 scale per column and block,
+    with zero points a code more per block; the 8-bit head likewise. The roofline: each step the
+    slower of the weights at the copy bandwidth and its FLOPs at the matmul limit."""
+    from benchmarks.limits import generation_roofline, streamed_bytes
+    from spec.params import param_shapes
+    from spec.quantization import QuantizationScheme
+
+    cfg = get_preset("llama-tiny")
+    shapes = param_shapes(cfg)
+    sizes = {name: int(np.prod(shape)) for name, shape in shapes.items()}
+    assert streamed_bytes(cfg) == 4 * (sum(sizes.values()) - sizes["tgt_embed.weight"])
+    assert streamed_bytes(cfg, "bfloat16") == streamed_bytes(cfg) / 2
+    linear = {name: shape for name, shape in shapes.items() if len(shape) == 2
+              and name not in ("tgt_embed.weight", "head.weight")}
+    vectors = sum(size for name, size in sizes.items() if len(shapes[name]) == 1)
+
+    def quantized(shape, bits, zero_points=False):
+        blocks = -(-shape[0] // 32)
+        return shape[0] * shape[1] * bits / 8 + 4 * shape[1] * blocks + (shape[1] * blocks * bits / 8 if zero_points
+                                                                         else 0)
+    int4 = sum(quantized(shape, 4) for shape in linear.values())
+    assert streamed_bytes(cfg, scheme=QuantizationScheme(4, 32, True)) == 4 * (vectors + sizes["head.weight"]) + int4
+    assert streamed_bytes(cfg, scheme=QuantizationScheme(4, 32, False, head_bits=8)) == 4 * vectors + sum(
+        quantized(shape, 4, True) for shape in linear.values()) + quantized(shapes["head.weight"], 8, True)
+    tied = get_preset("qwen2-tiny")  # a tied head reads its table whole, as the head
+    assert streamed_bytes(tied) == 4 * sum(np.prod(shape) for shape in param_shapes(tied).values())
+
+    memory_bound = {"copy_bytes_per_second": 1e3, "matmul_float32_flops": 1e30}
+    assert generation_roofline(cfg, 8, 16, 64, 2e3, memory_bound) == pytest.approx(8 * 64 / (64 * 2.0))
+    compute_bound = {"copy_bytes_per_second": 1e30, "matmul_float32_flops": 1e9}
+    seconds = (forward_flops(cfg, 8, 0, 16) + sum(decode_step_flops(cfg, 8, 16 + step - 1, 0)
+                                                  for step in range(1, 64))) / 1e9
+    assert generation_roofline(cfg, 8, 16, 64, 2e3, compute_bound) == pytest.approx(8 * 64 / seconds)
+
+
+def test_the_quantized_generation_targets():
+    """llama-small's: float32 onnxruntime at 70% of its roofline, each int4 export at 1.5x it, with
+    where its tokens part from the float golden's; an int4 export with other tokens misses."""
+    from benchmarks.run import Results, targets
+
+    results = Results("llama-small", {}, {}, {})
+    common = dict(batch=8, new_tokens=64, same_tokens=True)
+    results.generate = [
+        _row("onnxruntime-cpu-float32", 1, tokens_per_second=300, fraction_of_roofline=0.55, **common),
+        _row("onnxruntime-int4-b32-sym", 1, tokens_per_second=600, float_golden={"first_parted": 3}, **common),
+        _row("onnxruntime-int8-b128-sym", 1, tokens_per_second=400, float_golden={"first_parted": None}, **common)]
+    found = {t["target"]: (t["measured"], t["met"]) for t in targets(results)}
+    assert found == {
+        "CPU generation (llama-small), batch 8, 64 tokens: onnxruntime float32 >= 70% of its roofline": ("55%", False),
+        "CPU generation (llama-small), batch 8, 64 tokens: onnxruntime-int4-b32-sym >= 1.5x onnxruntime float32 "
+        "(its tokens part from the float golden's at step 3)": ("2.00x", True)}
