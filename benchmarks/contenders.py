@@ -286,7 +286,7 @@ class OnnxRuntimeQuantized(OnnxRuntime):
 
     def __init__(self, scheme):
         super().__init__("float32", "cpu")
-        self.scheme = scheme
+        self.scheme = self.stored_as = scheme  # stored_as: the bytes a decode step reads (the roofline's)
         self.name = f"onnxruntime-{scheme.name}"
         self.judged_on = None  # (cfg, params) the golden runs on to judge the tokens; None: not judged
 
@@ -356,6 +356,16 @@ class CTranslate2(Contender):
     name = "ctranslate2"
     runner = None
 
+    def __init__(self, compute_type: str = "float32"):
+        self.compute_type = compute_type
+        if compute_type != "float32":  # CTranslate2's int8 compute types: its weights and activations int8
+            from spec.quantization import QuantizationScheme
+
+            self.name = f"ctranslate2-{compute_type}"
+            self.judged_on = None  # int8 products of activations, which no golden computes: the cost only
+            # a byte per weight element (its one scale per row of a weight, counted as one per tensor)
+            self.stored_as = QuantizationScheme(8, head_bits=8, dynamic=True)
+
     def prepare(self, cfg, params):
         super().prepare(cfg, params)
         try:
@@ -372,10 +382,10 @@ class CTranslate2(Contender):
         self.directory = tempfile.TemporaryDirectory(prefix="rosetta-ct2-")
         if cfg.has_encoder:
             convert(cfg, params, self.directory.name, BOS_ID, EOS_ID)
-            self.translator = ctranslate2.Translator(self.directory.name, device="cpu", compute_type="float32")
+            self.translator = ctranslate2.Translator(self.directory.name, device="cpu", compute_type=self.compute_type)
         else:
             convert_decoder(cfg, params, self.directory.name, BOS_ID, EOS_ID)
-            self.generator = ctranslate2.Generator(self.directory.name, device="cpu", compute_type="float32")
+            self.generator = ctranslate2.Generator(self.directory.name, device="cpu", compute_type=self.compute_type)
 
     def _own_converter(self, cfg, params, why_not_ours: str) -> None:
         from conformance.backends.ctranslate2_backend import (CTranslate2Runner, convert_model,
@@ -384,7 +394,7 @@ class CTranslate2(Contender):
         folder = _written_as_huggingface(self, cfg, params, "rosetta-ct2-", ctranslate2_unsupported_reason,
                                          f"{why_not_ours}; nor a family its converter reads")
         try:
-            self.runner = CTranslate2Runner(convert_model(folder / "source", cfg, folder), cfg)
+            self.runner = CTranslate2Runner(convert_model(folder / "source", cfg, folder), cfg, self.compute_type)
         except NotSupported as reason:
             raise Skip(str(reason)) from None
 
@@ -441,7 +451,8 @@ def contenders(devices: tuple[str, ...] = ("cpu",), quantized: tuple = ()) -> li
     if "cpu" in devices:
         chosen += [Golden("float64"), TorchEager(), Golden("float32"), TorchNoCache(), TorchCompiled(), JaxJit(),
                    OnnxRuntime("float32", "cpu"), OnnxRuntime("float16", "cpu"),
-                   *(OnnxRuntimeQuantized(scheme) for scheme in quantized), CTranslate2(), OnnxRuntimeGenai()]
+                   *(OnnxRuntimeQuantized(scheme) for scheme in quantized), CTranslate2(),
+                   *((CTranslate2("int8"), CTranslate2("int8_float32")) if quantized else ()), OnnxRuntimeGenai()]
     if "cuda" in devices:
         chosen += [TorchEager("float16", "cuda"), TorchEager("bfloat16", "cuda"), TorchEager("float32", "cuda"),
                    TorchCompiled("float16", "cuda"), TorchCompiled("float16", "cuda", mode="reduce-overhead"),

@@ -293,7 +293,7 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
     timing = Timing.of(lambda: contender.generate(src, plan.new_tokens), plan.warmup, plan.repeats)
     produced = int((tokens != cfg.pad_id).sum()) or tokens.size
     roofline = generation_roofline(cfg, len(src), src.shape[1], plan.new_tokens, streamed_bytes(
-        cfg, contender.dtype, getattr(contender, "scheme", None)), results.machine) if contender.device == "cpu" else None
+        cfg, contender.dtype, getattr(contender, "stored_as", None)), results.machine) if contender.device == "cpu" else None
     results.generate.append({"contender": contender.name, "same_tokens": True, "note": note, "batch": len(src),
                              "new_tokens": plan.new_tokens, **vars(timing),
                              "tokens_per_second": produced / timing.median, "roofline_tokens_per_second": roofline,

@@ -360,20 +360,24 @@ def test_the_checkpoint_page_puts_each_run_beside_its_target():
 def test_quantized_contenders_are_judged_on_the_weights_they_store(tmp_path):
     """`rosetta bench --quantized`: onnxruntime's int4 export is timed when its tokens are the
     golden's on the weights it stores (tiny, encoder and decoder quantized), with where they part
-    from the float golden's; the dynamic int8 export's tokens no golden computes, and it says so.
+    from the float golden's; the dynamic int8 export's tokens no golden computes, and it says so, as
+    CTranslate2's int8 (its weights and activations int8) does.
     No timing is asserted."""
     import json
 
     from rosetta.main import main
 
     out = tmp_path / "bench"
-    assert main(["bench", "--preset", "tiny", "--contenders", "onnxruntime-int4-b32-sym,onnxruntime-dynamic-int8",
+    peers = ",ctranslate2-int8" if importlib.util.find_spec("ctranslate2") else ""
+    assert main(["bench", "--preset", "tiny", "--contenders", "onnxruntime-int4-b32-sym,onnxruntime-dynamic-int8" + peers,
                  "--quantized", "int4,dynamic-int8", "--matrix-backends", "none", "--out", str(out)]) == 0
     rows = {row["contender"]: row for row in json.loads((out / "bench.json").read_text())["generate"]}
     int4, dynamic = rows["onnxruntime-int4-b32-sym"], rows["onnxruntime-dynamic-int8"]
     assert int4["same_tokens"] and int4["note"].startswith("equal to the golden's (on the weights it stores)")
-    assert dynamic["same_tokens"] and dynamic["note"].startswith("int8 activations: no golden computes its tokens")
-    for row in (int4, dynamic):
+    int8_activations = [dynamic] + ([rows["ctranslate2-int8"]] if peers else [])  # CTranslate2's int8 quantizes both
+    for row in int8_activations:
+        assert row["same_tokens"] and row["note"].startswith("int8 activations: no golden computes its tokens")
+    for row in (int4, *int8_activations):
         assert set(row["float_golden"]) == {"rows", "rows_parted", "first_parted"} and row["tokens_per_second"] > 0
         assert row["roofline_tokens_per_second"] > 0 and row["fraction_of_roofline"] > 0
     assert main(["bench", "--preset", "tiny", "--quantized", "int3", "--out", str(out)]) == 2

@@ -59,11 +59,11 @@ PADDED_PROMPT = ("a padded prompt is a shorter prompt to CTranslate2's search, w
 
 
 class CTranslate2Runner:
-    def __init__(self, model_directory: Path, cfg: ModelConfig):
+    def __init__(self, model_directory: Path, cfg: ModelConfig, compute_type: str = "float32"):
         import ctranslate2
 
         self.cfg = cfg
-        self.generator = ctranslate2.Generator(str(model_directory), device="cpu", compute_type="float32")
+        self.generator = ctranslate2.Generator(str(model_directory), device="cpu", compute_type=compute_type)
 
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         if sublayer not in MODEL_CASES:
