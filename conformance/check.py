@@ -147,7 +147,7 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
             pool.close()
         if executor is not None:
             executor.close()
-    columns = check_quantized(cfg, params, quantized, quant_budget) if quantized else []
+    columns = check_quantized(cfg, params, quantized, quant_budget, directory=hf) if quantized else []
     seconds = time.perf_counter() - start
     continuations = generated_text(results, text.texts, lambda rows: decode_rows(hf, rows, text.eos_id)) if text else []
     return CheckRun(cfg, params, source, results, seconds, localize_failures(cfg, params, results, localize_every_column),

@@ -16,9 +16,11 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from conformance.adapter import Partial
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import applicable_cases, build_case
 from conformance.localize import Localization, localize
@@ -121,6 +123,7 @@ class QuantizedCell:
     implementation: Comparison | None  # None: a dynamic scheme's, whose int8 products the golden does not compute
     cost: Cost | GenerationCost
     over_budget: list[str] = field(default_factory=list)
+    left_out: str = ""  # the rows the runner could not compute the spec's way, and why (adapter.Partial)
 
     @property
     def passed(self) -> bool:
@@ -147,28 +150,42 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
     """Each case run by `runner` (a quantized export's, conformance.backends.onnx_backend.OnnxRunner)
     judged against the golden on `deployed` (export.quantize.DeployedWeights; None for a dynamic
     scheme: no implementation reference) and measured against the float golden on `params`."""
-    column = f"onnx-{scheme.name}"
+    column = column_name(scheme)
     cells = []
     for name in cases:
         sublayer, mask_case = name.split("-", 1)
         if mask_case not in applicable_cases(cfg, sublayer):
             continue  # forward-long: rotary configs only
         case = build_case(cfg, params, sublayer, mask_case)
-        output = np.asarray(runner.run(sublayer, case.inputs))
+        output, compared, left_out = runner.run(sublayer, case.inputs), None, ""
+        if isinstance(output, Partial):  # only some rows are the spec's computation: those are judged and measured
+            if not np.any(output.compared):
+                continue
+            output, compared, left_out = output.output, np.asarray(output.compared), output.describe()
+        output = np.asarray(output)
         relative, implementation = case.tolerance(cfg, compute_mode(scheme)), None
         if sublayer == "generate":  # tokens: equal, or a near-tie of the golden's (SPEC §8)
             if deployed is not None:
                 tokens, step_logits = golden_output(deployed.cfg, deployed.params, sublayer, case.inputs)
-                implementation = compare_generation(output, tokens, step_logits, relative, case.inputs["eos_id"])
-            spent = generation_cost(output, golden_output(cfg, params, sublayer, case.inputs)[0])
+                implementation = compare_generation(output, tokens, step_logits, relative, case.inputs["eos_id"],
+                                                    compared)
+            rows = slice(None) if compared is None else compared
+            spent = generation_cost(output[rows], golden_output(cfg, params, sublayer, case.inputs)[0][rows])
         else:
             if deployed is not None:
                 implementation = compare(output, golden_output(deployed.cfg, deployed.params, sublayer, case.inputs),
-                                         relative, case.floor)
-            spent = cost(output, golden_output(cfg, params, sublayer, case.inputs),
-                         real_tokens(cfg, sublayer, case.inputs))
-        cells.append(QuantizedCell(column, name, implementation, spent, spent.within(budget or {})))
+                                         relative, case.floor, compared)
+            real = real_tokens(cfg, sublayer, case.inputs)
+            if compared is not None:  # [B] rows, or [B, steps] of a decode
+                real = real & (compared[:, None] if compared.ndim == 1 else compared)
+            spent = cost(output, golden_output(cfg, params, sublayer, case.inputs), real)
+        cells.append(QuantizedCell(column, name, implementation, spent, spent.within(budget or {}), left_out))
     return cells
+
+
+def column_name(scheme: QuantizationScheme) -> str:
+    """onnx-int4-b32-sym (our export quantized by onnxruntime), onnxruntime-genai-int4 (its builder's)."""
+    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else f"onnx-{scheme.name}"
 
 
 def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> list[str]:
@@ -233,17 +250,19 @@ class QuantizedColumn:
 
 
 def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes: Sequence[QuantizationScheme],
-                    budget: Mapping[str, float] | None = None, device: str = "cpu") -> list[QuantizedColumn]:
+                    budget: Mapping[str, float] | None = None, device: str = "cpu",
+                    directory: str | Path | None = None) -> list[QuantizedColumn]:
     """Each scheme's column: our torch float32 export quantized by onnxruntime's own quantizer
-    (export.quantize.quantized_export), its stored weights read back and held to the scheme
-    (stored_as_scheme), its cells judged twice (judge_quantized)."""
+    (export.quantize.quantized_export), or onnxruntime-genai's builder's int4 model of `directory`
+    (the Hugging Face directory the weights came from), its stored weights read back and held to the
+    scheme (stored_as_scheme), its cells judged twice (judge_quantized)."""
     import time
 
     columns = []
     for scheme in schemes:
-        start, name = time.perf_counter(), f"onnx-{scheme.name}"
+        start, name = time.perf_counter(), column_name(scheme)
         try:
-            runner, deployed, graphs = _served(cfg, params, scheme, device)
+            runner, deployed, graphs = _served(cfg, params, scheme, device, directory)
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
                 columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
@@ -258,12 +277,14 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
 
 
 def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
-             float_model, quantized_model, served=None) -> list[Product]:
+             float_model, quantized_model, served=None, names: Mapping[str, tuple[str, bool]] | None = None,
+             ) -> list[Product]:
     """The implementation reference localized to the quantized product: each MatMulNBits node of the
     forward graph, run on forward-none's inputs, against its own input times the weight it stores,
     dequantized (in graph order: the first to fail is the first wrong product). served: the graph
     onnxruntime runs where it is not quantized_model as written (pages.quantized_mutations' kernel
-    mistakes)."""
+    mistakes). names: each product's output -> (its parameter, transposed) where no float graph
+    (float_model None) holds them: onnxruntime-genai's graph, fed its own inputs with an empty cache."""
     import export.quantize as reading  # its dequantize: the reading deployed_weights gave the golden
     from spec.masks import real_tokens as keep_of
 
@@ -271,7 +292,9 @@ def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiz
     feeds = {"tgt_ids": np.asarray(inputs["tgt_ids"], np.int64), "tgt_keep": keep_of(cfg, inputs["tgt_ids"], "tgt")}
     if cfg.has_encoder:
         feeds.update(src_ids=np.asarray(inputs["src_ids"], np.int64), src_keep=keep_of(cfg, inputs["src_ids"], "src"))
-    names = reading.weight_names(float_model, params)
+    if float_model is None:
+        feeds = _genai_feeds(cfg, quantized_model, feeds["tgt_ids"])
+    names = reading.weight_names(float_model, params) if names is None else names
     found = []
     for output, (a, y, weight) in reading.quantized_products(
             quantized_model if served is None else served, feeds, read=quantized_model).items():
@@ -280,6 +303,16 @@ def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiz
         name, transposed = names.get(output, (output, False))
         found.append(Product("head.weight" if transposed else name, compare(y, expected, relative).ratio))
     return found
+
+
+def _genai_feeds(cfg: ModelConfig, model, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """onnxruntime-genai's decoder inputs for unpadded rows `ids` and an empty cache: its input ids,
+    its attention mask (ones), and each layer's past keys and values [B, kv heads, 0, head size]."""
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for graph_input in model.graph.input:
+        if graph_input.name.startswith("past_key_values"):
+            feeds[graph_input.name] = np.zeros((len(ids), cfg.kv_heads, 0, cfg.d_head), np.float32)
+    return feeds
 
 
 def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) -> Localization:
@@ -294,19 +327,45 @@ def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) ->
                     case.inputs["tgt_ids"])
 
 
-def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str):
+def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str,
+            source: str | Path | None = None):
     """(the quantized export's runner, the weights it stores under the spec's names, its graphs by
     role beside their float twins)."""
     from conformance.backends.onnx_backend import OnnxRunner
     from export.quantize import deployed_weights, graphs_of, quantized_export
     from export.runner import OnnxTransformer
 
+    if scheme.builder == "onnxruntime-genai":
+        return _genai_served(cfg, params, source)
     directory = quantized_export(cfg, params, scheme)
     runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
     if scheme.dynamic:
         return runner, None, {}
     graphs = graphs_of(cfg, params, directory)
     return runner, deployed_weights(cfg, params, graphs), graphs
+
+
+def _genai_served(cfg: ModelConfig, params: Mapping[str, np.ndarray], source: str | Path | None):
+    """onnxruntime-genai's builder's int4 model of the Hugging Face directory `source`: its runner
+    (the genai column's: the rows it cannot compute the spec's way left out, with why), the weights it
+    stores matched to the parameters by content, its graph as the forward (no float twin)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import onnx
+
+    from conformance.backends.genai_backend import GenaiRunner, build_model
+    from export.quantize import deployed_by_content
+
+    if source is None:
+        raise ValueError("onnxruntime-genai's builder reads a Hugging Face directory: give --hf DIR")
+    folder = Path(tempfile.mkdtemp(prefix="rosetta-genai-int4-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    built = build_model(Path(source), cfg, folder, precision="int4")
+    model = onnx.load(str(built / "model.onnx"))
+    deployed, names = deployed_by_content(cfg, params, model)
+    return GenaiRunner(built, cfg), deployed, {"forward": (None, model, None, names)}
 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:
@@ -320,7 +379,7 @@ def quantized_as_dict(column: QuantizedColumn) -> dict:
                            "passed": cell.implementation.passed, "max_abs_err": cell.implementation.max_abs_err,
                            "tol": cell.implementation.tol, "ratio": cell.implementation.ratio,
                            "reason": cell.implementation.reason},
-                       "cost": dataclasses.asdict(cell.cost),
+                       "cost": dataclasses.asdict(cell.cost), "left_out": cell.left_out,
                        "over_budget": cell.over_budget} for cell in column.cells]}
 
 
@@ -344,6 +403,7 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
             widths = [max(len(text) for text in part) for part in zip(head, *rows)]
             lines += ["  " + "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
                       for row in (head, *rows)]
+            lines += [f"  {cell.case}, left out: {cell.left_out}" for cell in column.cells if cell.left_out]
         if column.stages:
             lines += ["  the cost stage by stage, in float32 tolerances (the golden on the stored weights against the "
                       "golden; isolated: the stage's own, chained: carried up to it):",

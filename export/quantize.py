@@ -225,6 +225,73 @@ def deployed_weights(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     return DeployedWeights(replace(cfg, tie_head=False) if tied else cfg, deployed, stored)
 
 
+# the parameters a builder may pack into one product, along its output axis, by their names' endings
+PACKED = (("self_attn.q.weight", "self_attn.k.weight", "self_attn.v.weight"), ("ffn.w1.weight", "ffn.w3.weight"))
+EMBEDDING_OP = "GatherBlockQuantized"
+
+
+def _candidates(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[tuple[str, ...], np.ndarray]:
+    """What a quantized product may multiply by, [in, out]: each linear parameter, one layer's packed
+    groups (PACKED) side by side, and a tied head (the embedding transposed)."""
+    linear = {name: np.asarray(value) for name, value in params.items()
+              if np.ndim(value) == 2 and not name.endswith(("embed.weight", "pos.weight"))}
+    found = {(name,): value for name, value in linear.items()}
+    for group in PACKED:
+        for name in linear:
+            if name.endswith(group[0]):
+                names = tuple(name.removesuffix(group[0]) + ending for ending in group)
+                if all(part in linear for part in names):
+                    found[names] = np.concatenate([linear[part] for part in names], axis=1)
+    if cfg.tie_head:
+        found[(_HEAD,)] = np.asarray(params["tgt_embed.weight"]).T
+    return found
+
+
+def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                        model: onnx.ModelProto) -> tuple[DeployedWeights, dict[str, tuple[str, bool]]]:
+    """The parameters a quantized graph that was not traced from our export stores (onnxruntime-genai's
+    builder names its weights its own way and packs q, k, v into one product): each MatMulNBits weight
+    matched to the parameter, or the packed group of one layer, that its dequantization lies within one
+    quantization step of at every element (a quantization of nothing else lies so near), split back
+    under the spec's names. A tied embedding that a GatherBlockQuantized reads from the head's own
+    stored tensors stays tied to the deployed head; one read from other tensors is refused, and so is a
+    weight that matches no parameter. Also each product's output -> (the name it is reported under,
+    False), for the product-by-product localization."""
+    candidates = _candidates(cfg, params)
+    deployed, stored, names = dict(params), {}, {}
+    nodes = {node.output[0]: node for node in model.graph.node if node.op_type == QUANTIZED_OP}
+    head_scales = None
+    for output, weight in stored_weights(model).items():
+        check_block_quantized(weight, f"the {QUANTIZED_OP} writing {output!r}")
+        exact, steps = dequantize(weight), block_steps(weight)
+        matches = [group for group, value in candidates.items() if value.shape == exact.shape
+                   and np.max(np.abs(exact - value) / steps) <= 1 + 1e-6]
+        if len(matches) != 1:
+            raise WeightsError(f"the {QUANTIZED_OP} writing {output!r} ([{weight.k}, {weight.n}]) lies within one "
+                               f"quantization step of {len(matches)} of the model's parameters "
+                               f"({', '.join('+'.join(group) for group in matches) or 'none'}); one is needed")
+        group = matches[0]
+        head_scales = nodes[output].input[2] if group == (_HEAD,) else head_scales
+        widths = np.cumsum([0] + [candidates[(name,)].shape[1] for name in group])
+        for name, start, stop in zip(group, widths[:-1], widths[1:]):
+            part = exact[:, start:stop]
+            deployed[name] = part.astype(np.float32)
+            stored[name] = StoredWeight(weight.bits, weight.block_size, weight.zero_points is None, float(
+                (np.abs(part - candidates[(name,)]) / steps[:, start:stop]).max(initial=0.0)))
+        names[output] = ("+".join(group), False)
+    lookups = [node for node in model.graph.node if node.op_type == EMBEDDING_OP]
+    for node in lookups:
+        if not (cfg.tie_head and node.input[2] == head_scales):
+            raise WeightsError(f"{node.name}: an embedding quantized apart from the head ({EMBEDDING_OP} on "
+                               f"{node.input[2]!r}) is not read here")
+    if not (cfg.tie_head and _HEAD in stored):
+        return DeployedWeights(cfg, deployed, stored), names
+    if lookups:  # the lookup reads the head's own codes: still one table
+        deployed["tgt_embed.weight"] = deployed.pop(_HEAD).T.copy()
+        return DeployedWeights(cfg, deployed, stored), names
+    return DeployedWeights(replace(cfg, tie_head=False), deployed, stored), names  # the head quantized apart
+
+
 def graphs_of(cfg: ModelConfig, params: Mapping[str, np.ndarray],
               directory: Path) -> dict[str, tuple[onnx.ModelProto, onnx.ModelProto]]:
     """A quantized export's graphs by role, each beside its float twin from the float export."""

@@ -110,7 +110,9 @@ class QuantizationScheme:
     each product: the policy's int8-activations mode).
     `dynamic`: onnxruntime's dynamic quantization instead (quantize_dynamic: int8 weights, one scale
     per tensor, and the activations quantized to int8 at run time, MatMulInteger), whose products the
-    golden does not compute: only its cost is measured (SPEC §15.1)."""
+    golden does not compute: only its cost is measured (SPEC §15.1).
+    `builder`: who writes the quantized graph: "onnxruntime" (our export through its quantizer) or
+    "onnxruntime-genai" (its model builder's `-p int4` from a Hugging Face directory: GENAI_INT4)."""
 
     bits: int = 4
     block_size: int = 32
@@ -118,8 +120,15 @@ class QuantizationScheme:
     head_bits: int | None = None
     accuracy_level: int = 0
     dynamic: bool = False
+    builder: str = "onnxruntime"
 
     def __post_init__(self) -> None:
+        if self.builder not in BUILDERS:
+            raise WeightsError(f"quantization builder = {self.builder!r}; one of {', '.join(BUILDERS)}")
+        if self.builder == "onnxruntime-genai" and (self.bits, self.block_size, self.symmetric, self.head_bits,
+                                                    self.accuracy_level, self.dynamic) != (4, 32, True, 4, 4, False):
+            raise WeightsError("onnxruntime-genai's builder writes one scheme here, its -p int4 (genai-int4: 4 bits "
+                               "in blocks of 32, symmetric, the head too, accuracy_level 4)")
         if not isinstance(self.dynamic, bool):
             raise WeightsError(f"quantization dynamic = {self.dynamic!r}; true or false")
         if self.dynamic and (self.bits, self.head_bits or 8, self.symmetric) != (8, 8, True):
@@ -145,12 +154,20 @@ class QuantizationScheme:
 
     @property
     def name(self) -> str:
-        """int4-b32-sym, int8-b128-zp-head8, dynamic-int8: the column's name."""
+        """int4-b32-sym, int8-b128-zp-head8, dynamic-int8, genai-int4: the column's name."""
+        if self.builder == "onnxruntime-genai":
+            return "genai-int4"
         head = f"-head{self.head_bits}" if self.head_bits else ""
         if self.dynamic:
             return f"dynamic-int8{head}"
         level = f"-al{self.accuracy_level}" if self.accuracy_level else ""
         return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}{level}"
+
+
+BUILDERS = ("onnxruntime", "onnxruntime-genai")
+# what onnxruntime-genai's model builder writes at -p int4 on the CPU (measured: MatMulNBits of 4 bits in blocks
+# of 32 without zero points at accuracy_level 4, the head among them, a tied embedding read from the head's codes)
+GENAI_INT4 = QuantizationScheme(4, 32, True, head_bits=4, accuracy_level=4, builder="onnxruntime-genai")
 
 
 def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
@@ -170,8 +187,13 @@ def parse_scheme(text: str) -> QuantizationScheme:
     """A scheme by its name (QuantizationScheme.name): int4 or int8, then any of -b<block size>
     (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
     'int4', 'int8-b128-zp', 'int4-b32-sym-head8', -al4 for onnxruntime's accuracy_level 4; or
-    dynamic-int8[-head8]. An unknown part is refused by name."""
+    dynamic-int8[-head8]; or genai-int4 (onnxruntime-genai's builder). An unknown part is refused by name."""
     parts = text.strip().lower().split("-")
+    if parts[0] == "genai":
+        if parts[1:] != ["int4"]:
+            raise WeightsError(f"quantization scheme {text!r}: onnxruntime-genai's builder is read at genai-int4 (its "
+                               "-p int4)")
+        return GENAI_INT4
     if parts[0] == "dynamic":  # dynamic-int8[-head8]
         if parts[1:2] != ["int8"] or parts[2:] not in ([], ["head8"]):
             raise WeightsError(f"quantization scheme {text!r}: onnxruntime's dynamic quantization is dynamic-int8, "

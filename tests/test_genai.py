@@ -411,3 +411,54 @@ def test_genai_cannot_build_gemma_3_from_a_transformers_5_directory(tmp_path):
     assert genai_unsupported_reason(cfg, "gemma3_text") == GEMMA3_ROPE
     with pytest.raises(NotSupported, match="make_rope_init reads"):
         GenaiBackend(directory).load(cfg, import_huggingface(directory).params, "float32", "cpu")
+
+
+# ---- its int4 model (rosetta check --hf DIR --quantized genai-int4, SPEC §15.1) ---------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_genai_int4_is_judged_on_the_weights_its_builder_stores(tmp_path, family):
+    """onnxruntime-genai's builder at -p int4 (accuracy_level 4; q, k and v packed into one product;
+    qwen2's tied head and embedding one int4 table, read by GatherBlockQuantized): each stored weight
+    is matched to its parameter by content, every case it can express passes the int8-activations
+    mode against the golden on those weights, they are stored as GENAI_INT4 says, and every product
+    is within its tolerance; its cost is measured, the rows it cannot compute left out with why."""
+    from conformance.quantized import check_quantized, format_quantized
+    from spec.quantization import GENAI_INT4
+
+    directory = build_checkpoint(family, GENAI_CONFIGS[family](), tmp_path / family)
+    imported = import_huggingface(directory)
+    column, = check_quantized(imported.config, imported.params, [GENAI_INT4], directory=directory)
+    assert column.name == "onnxruntime-genai-int4" and not column.error, column.error
+    assert column.passed, format_quantized([column])
+    packed = [product.parameter for product in column.products if "+" in product.parameter]
+    assert packed and packed[0] == ("decoder.layers.0.self_attn.q.weight+decoder.layers.0.self_attn.k.weight+"
+                                    "decoder.layers.0.self_attn.v.weight")
+    assert "head.weight" in {product.parameter for product in column.products}
+    assert all(0 < cell.cost.kl_mean < 1 for cell in column.cells if hasattr(cell.cost, "kl_mean"))
+    partly = {cell.case: cell.left_out for cell in column.cells if cell.left_out}
+    assert set(partly) == {"decode-pad_right", "generate-pad_left"}, partly
+    assert all(any(cause in reason for cause in REFUSALS) for reason in partly.values()), partly
+
+
+def test_genai_int4_weights_that_match_no_parameter_are_refused_by_name(tmp_path, monkeypatch):
+    """The weights are matched by content, so a model of other weights (the imported ones times 1.5)
+    is refused, never judged; and so is a misreading of the layout (nibbles swapped where K = d_ff):
+    the FFN's down projection then lies near no parameter, and its product is named."""
+    import dataclasses
+
+    import export.quantize as quantize
+    from conformance.quantized import check_quantized
+    from spec.quantization import GENAI_INT4
+
+    directory = build_checkpoint("llama", GENAI_CONFIGS["llama"](), tmp_path / "llama")
+    imported = import_huggingface(directory)
+    other = {name: value * 1.5 for name, value in imported.params.items()}
+    column, = check_quantized(imported.config, other, [GENAI_INT4], directory=directory)
+    assert "lies within one quantization step of 0 of the model's parameters (none)" in column.error
+    assert not column.passed
+    dequantize = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(weight if weight.k != imported.config.d_ff
+                                                                          else dataclasses.replace(weight, codes=(
+                                                                              (weight.codes & 0x0F) << 4) | (weight.codes >> 4))))
+    column, = check_quantized(imported.config, imported.params, [GENAI_INT4], directory=directory)
+    assert "down_proj" in column.error and "of 0 of the model's parameters" in column.error, column.error

@@ -233,3 +233,16 @@ def test_the_step_profile_sees_the_cache_copy_go():
     assert runs[DECODER_STEP_IN_PLACE].get("ScatterElements", 0) < runs[DECODER_STEP]["ScatterElements"]
     assert abs(sum(shares[DECODER_STEP].values()) - 1) < 1e-9
     assert "decoder_step_in_place" in summary(result)
+
+
+def test_the_step_profile_of_a_quantized_export():
+    """--quantized: the float32 in-place step beside the quantized export's, whose matrix products
+    are MatMulNBits (counts, not times, asserted)."""
+    from benchmarks.step_profile import compare_steps, summary
+    from spec.quantization import QuantizationScheme
+
+    result = compare_steps("llama-tiny", batch=2, new_tokens=4, repeats=1, quantized=(QuantizationScheme(4, 32),))
+    runs = {row["graph"]: row["op_runs"] for row in result["steps"]}
+    assert set(runs) == {DECODER_STEP_IN_PLACE, f"{DECODER_STEP_IN_PLACE} int4-b32-sym"}
+    assert "MatMulNBits" not in runs[DECODER_STEP_IN_PLACE] and runs[f"{DECODER_STEP_IN_PLACE} int4-b32-sym"]["MatMulNBits"]
+    assert result["steps"][0]["same_tokens_as_float32"] and "int4-b32-sym" in summary(result)

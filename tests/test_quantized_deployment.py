@@ -181,6 +181,8 @@ def test_the_budget_is_read_or_refused_by_name(text, message):
     ({"head_bits": 3}, "head_bits = 3"), ({"block_size": 48}, "block_size = 48"), ({"block_size": 8}, "block_size = 8"),
     ({"symmetric": "yes"}, "symmetric = 'yes'"), ({"accuracy_level": 1}, "levels 0 .* and 4"),
     ({"dynamic": True, "bits": 8, "accuracy_level": 4}, "a dynamic scheme has no accuracy_level"),
+    ({"builder": "llama.cpp"}, "builder = 'llama.cpp'; one of onnxruntime, onnxruntime-genai"),
+    ({"builder": "onnxruntime-genai"}, "its -p int4 \\(genai-int4"),
 ])
 def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     with pytest.raises(WeightsError, match=message):
@@ -194,6 +196,7 @@ def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     ("INT4-b64-sym-head8", QuantizationScheme(4, 64, True, 8)), ("int4-b32-zp-head8", SCHEMES["int4-b32-zp-head8"]),
     ("int4-al4", QuantizationScheme(4, accuracy_level=4)), ("dynamic-int8", QuantizationScheme(8, dynamic=True)),
     ("dynamic-int8-head8", QuantizationScheme(8, head_bits=8, dynamic=True)),
+    ("genai-int4", QuantizationScheme(4, 32, True, 4, 4, builder="onnxruntime-genai")),
 ])
 def test_a_scheme_is_read_by_its_name(text, scheme):
     from spec.quantization import parse_scheme
@@ -204,7 +207,8 @@ def test_a_scheme_is_read_by_its_name(text, scheme):
 @pytest.mark.parametrize("text, message", [("fp8", "starts with int4 or int8"), ("int3", "bits = 3"),
                                            ("dynamic-int4", "is dynamic-int8"),
                                            ("dynamic-int8-head4", "is dynamic-int8"),
-                                           ("int4-g32", "'g32' is none of"), ("int4-b24", "block_size = 24")])
+                                           ("int4-g32", "'g32' is none of"), ("int4-b24", "block_size = 24"),
+                                           ("genai-int8", "is read at genai-int4")])
 def test_a_scheme_name_the_spec_lacks_is_refused_by_name(text, message):
     from spec.quantization import parse_scheme
 
@@ -239,6 +243,7 @@ def test_rosetta_check_quantized_reports_both_references_and_judges_the_budget(t
 @pytest.mark.parametrize("arguments, message", [
     (["--quantized", "int3"], "bits = 3"), (["--quantized", "int4", "--quant-budget", "ppl=2"], "KEY=VALUE"),
     (["--quant-budget", "kl=1"], "give --quantized SCHEMES"),
+    (["--quantized", "genai-int4"], "onnxruntime-genai's builder's model of a Hugging Face directory: give --hf DIR"),
 ])
 def test_rosetta_check_refuses_a_quantized_request_it_cannot_read(arguments, message, capsys):
     from rosetta.main import main

@@ -91,11 +91,12 @@ def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None
     return None
 
 
-def build_model(directory: Path, cfg: ModelConfig, into: Path) -> Path:
-    """Run onnxruntime-genai's model builder (fp32, CPU) on the directory; the output folder."""
+def build_model(directory: Path, cfg: ModelConfig, into: Path, precision: str = "fp32") -> Path:
+    """Run onnxruntime-genai's model builder (fp32, or int4 for the quantized column, CPU) on the
+    directory; the output folder."""
     staged, output = staged_directory(directory, cfg, into), into / "model"
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(output),
-               "-p", "fp32", "-e", "cpu", "-c", str(into / "cache")]
+               "-p", precision, "-e", "cpu", "-c", str(into / "cache")]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not (output / "genai_config.json").exists():
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
