@@ -147,7 +147,8 @@ def _modern_numbers() -> dict[str, dict]:
         errors[name] = float(np.abs(np.cos(np.concatenate([angles, angles], -1)) - exact_cos).max())
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
             "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch(),
-            "softcap": _softcap_conventions(), "top_k": _top_k_ties(), "quantized": _quantized_kernels()}
+            "softcap": _softcap_conventions(), "top_k": _top_k_ties(), "quantized": _quantized_kernels(),
+            "int8 runtimes": _int8_runtimes()}
 
 
 def _quantized_kernels() -> dict[str, dict[str, float]]:
@@ -185,6 +186,49 @@ def _quantized_kernels() -> dict[str, dict[str, float]]:
                        if stored and any(node.op_type == QUANTIZED_OP for node in quantized.graph.node) else None,
                        "against float": float(np.abs(got - exact).max() / size)}
     return found
+
+
+def _int8_runtimes() -> dict[str, dict[str, float]]:
+    """llama-tiny's forward-none logits from the same conformance weights through onnxruntime's int8
+    (weight-only in blocks of 128 at accuracy_level 0 and 4; quantize_dynamic) and CTranslate2's
+    (its converter on the weights written as a Hugging Face directory, run at compute types int8,
+    int8_float32 and float32): per runtime the largest logit error over max|logit| and the share of
+    tokens whose top-1 agrees, both against the float golden. {} without CTranslate2."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from conformance.backends.ctranslate2_backend import CTranslate2Runner, convert_model
+    from conformance.backends.numpy_backend import golden_output
+    from conformance.backends.onnx_backend import OnnxRunner
+    from conformance.cases import build_case
+    from export.quantize import quantized_export
+    from export.runner import OnnxTransformer
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, get_preset
+    from spec.quantization import QuantizationScheme
+
+    if importlib.util.find_spec("ctranslate2") is None:
+        return {}
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    inputs = build_case(cfg, params, "forward", "none").inputs
+    exact = np.asarray(golden_output(cfg, params, "forward", inputs), np.float64)
+    logits = {}
+    for name, scheme in (("onnxruntime int8, level 0", QuantizationScheme(8, 128)),
+                         ("onnxruntime int8, level 4", QuantizationScheme(8, 128, accuracy_level=4)),
+                         ("onnxruntime quantize_dynamic", QuantizationScheme(8, dynamic=True))):
+        runner = OnnxRunner(OnnxTransformer(quantized_export(cfg, params, scheme), device="cpu"), name)
+        logits[name] = runner.run("forward", inputs)
+    with tempfile.TemporaryDirectory() as folder:
+        to_huggingface(cfg, params, Path(folder) / "source", bos_id=1, eos_id=2)
+        model = convert_model(Path(folder) / "source", cfg, Path(folder))
+        for compute_type in ("int8", "int8_float32", "float32"):
+            logits[f"CTranslate2 {compute_type}"] = CTranslate2Runner(model, cfg, compute_type).run("forward", inputs)
+    size = np.abs(exact).max()
+    return {name: {"error": float(np.abs(np.asarray(values, np.float64) - exact).max() / size),
+                   "top1": float(np.mean(np.argmax(values, -1) == np.argmax(exact, -1)))}
+            for name, values in logits.items()}
 
 
 def _top_k_ties() -> dict[str, tuple[float, float]]:
@@ -760,16 +804,29 @@ def _quantized_kernels_rows(measurements: Measurements) -> list[tuple[str, str]]
                                     f"{errors['against stored']:.2g} against A·dequantize(B), ")
                      + f"{errors['against float']:.2g} against A·W"
                      for name, errors in measurements.modern["quantized"].items())
+    runtimes = "; ".join(f"{name}: {figures['error']:.2g}, top-1 {figures['top1']:.0%}"
+                         for name, figures in measurements.modern["int8 runtimes"].items())
     return [
         (MEASURED, "One MatMul, A [16, 256] with an outlier column 30 times the others, W [256, 64], quantized by "
                    "onnxruntime (blocks of 32, symmetric) and run on its CPU provider; the largest error over "
                    f"max|A·W|: {rows}."),
+        *([(MEASURED, "onnxruntime's int8 and CTranslate2's on the same weights (llama-tiny's conformance weights, "
+                      "forward-none; CTranslate2 through its own converter): the largest logit error over max|logit| "
+                      f"against the float golden, and the tokens whose top-1 agrees: {runtimes}.")]
+          if runtimes else []),
         (EXPLAINED, "At accuracy_level 0 MatMulNBits computes A times the weight it stores, to float32's rounding: "
                     "the golden on that weight is its reference (SPEC §15.1). Level 4 first rounds A to int8 per "
                     "block of K (scale max|a|/127), an error of up to max|a_block|/254 per element, which an "
                     "outlier spreads over its whole block: the policy judges it in its int8-activations mode. "
                     "quantize_dynamic rounds all of A with one scale per tensor, so the outlier costs every "
                     "element; no golden computes that product, and only its cost against A·W is measured."),
+        (EXPLAINED, "CTranslate2's int8 quantizes each weight row to int8 with one scale per output row (not per "
+                    "block) and, at compute types int8 and int8_float32 alike (the same numbers on the CPU, where "
+                    "both keep every other layer in float32), each input row to int8 at run time with its own "
+                    "absmax scale before an integer product: a quantization of the activations, as quantize_dynamic's "
+                    "but per row, where onnxruntime's weight-only level 0 keeps them float and level 4 rounds them "
+                    "per block of K. Its stored weights are in its own model file, which the spec does not read: "
+                    "only its cost is measured (`rosetta bench --quantized` runs it as ctranslate2-int8)."),
     ]
 
 
