@@ -260,7 +260,7 @@ def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     candidates = _candidates(cfg, params)
     deployed, stored, names = dict(params), {}, {}
     nodes = {node.output[0]: node for node in model.graph.node if node.op_type == QUANTIZED_OP}
-    head_scales = None
+    head_scales = head_codes = None
     for output, weight in stored_weights(model).items():
         check_block_quantized(weight, f"the {QUANTIZED_OP} writing {output!r}")
         exact, steps = dequantize(weight), block_steps(weight)
@@ -271,7 +271,8 @@ def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
                                f"quantization step of {len(matches)} of the model's parameters "
                                f"({', '.join('+'.join(group) for group in matches) or 'none'}); one is needed")
         group = matches[0]
-        head_scales = nodes[output].input[2] if group == (_HEAD,) else head_scales
+        if group == (_HEAD,):
+            head_codes, head_scales = nodes[output].input[1:3]
         widths = np.cumsum([0] + [candidates[(name,)].shape[1] for name in group])
         for name, start, stop in zip(group, widths[:-1], widths[1:]):
             part = exact[:, start:stop]
@@ -280,10 +281,16 @@ def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
                 (np.abs(part - candidates[(name,)]) / steps[:, start:stop]).max(initial=0.0)))
         names[output] = ("+".join(group), False)
     lookups = [node for node in model.graph.node if node.op_type == EMBEDDING_OP]
-    for node in lookups:
-        if not (cfg.tie_head and node.input[2] == head_scales):
-            raise WeightsError(f"{node.name}: an embedding quantized apart from the head ({EMBEDDING_OP} on "
-                               f"{node.input[2]!r}) is not read here")
+    reshaped = {node.output[0]: node.input[0] for node in model.graph.node if node.op_type == "Reshape"}
+    for node in lookups:  # its table: the head's own codes (the builder reshapes them) and scales
+        attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+        head = stored.get(_HEAD)
+        if not (cfg.tie_head and node.input[2] == head_scales and head is not None
+                and reshaped.get(node.input[0], node.input[0]) == head_codes
+                and (attributes.get("bits", 4), attributes.get("block_size"), attributes.get("quantize_axis"))
+                == (head.bits, head.block_size, 1)):
+            raise WeightsError(f"{node.name}: an embedding quantized otherwise than the head ({EMBEDDING_OP} on "
+                               f"{node.input[0]!r} and {node.input[2]!r}, {attributes}) is not read here")
     if not (cfg.tie_head and _HEAD in stored):
         return DeployedWeights(cfg, deployed, stored), names
     if lookups:  # the lookup reads the head's own codes: still one table

@@ -462,3 +462,23 @@ def test_genai_int4_weights_that_match_no_parameter_are_refused_by_name(tmp_path
                                                                               (weight.codes & 0x0F) << 4) | (weight.codes >> 4))))
     column, = check_quantized(imported.config, imported.params, [GENAI_INT4], directory=directory)
     assert "down_proj" in column.error and "of 0 of the model's parameters" in column.error, column.error
+
+
+def test_genai_int4_embedding_read_otherwise_than_the_head_is_refused(tmp_path):
+    """qwen2's tied table, read by GatherBlockQuantized from the head's own codes and scales, stays
+    tied; the same lookup with another block size is a table of its own, refused by name."""
+    import onnx
+
+    from conformance.backends.genai_backend import build_model
+    from export.quantize import deployed_by_content
+
+    directory = build_checkpoint("qwen2", GENAI_CONFIGS["qwen2"](), tmp_path / "qwen2")
+    imported = import_huggingface(directory)
+    (tmp_path / "built").mkdir()
+    model = onnx.load(str(build_model(directory, imported.config, tmp_path / "built", precision="int4") / "model.onnx"))
+    deployed, _ = deployed_by_content(imported.config, imported.params, model)
+    assert deployed.cfg.tie_head and deployed.stored["head.weight"].bits == 4
+    lookup = next(node for node in model.graph.node if node.op_type == "GatherBlockQuantized")
+    next(attribute for attribute in lookup.attribute if attribute.name == "block_size").i = 16
+    with pytest.raises(WeightsError, match="an embedding quantized otherwise than the head"):
+        deployed_by_content(imported.config, imported.params, model)
