@@ -359,12 +359,12 @@ class CTranslate2(Contender):
     def __init__(self, compute_type: str = "float32"):
         self.compute_type = compute_type
         if compute_type != "float32":  # CTranslate2's int8 compute types: its weights and activations int8
-            from spec.quantization import QuantizationScheme
+            from spec.quantization import CTRANSLATE2_INT8
 
             self.name = f"ctranslate2-{compute_type}"
             self.judged_on = None  # int8 products of activations, which no golden computes: the cost only
             # a byte per weight element (its one scale per row of a weight, counted as one per tensor)
-            self.stored_as = QuantizationScheme(8, head_bits=8, dynamic=True)
+            self.stored_as = CTRANSLATE2_INT8[compute_type]
 
     def prepare(self, cfg, params):
         super().prepare(cfg, params)

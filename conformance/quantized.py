@@ -184,8 +184,11 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
 
 
 def column_name(scheme: QuantizationScheme) -> str:
-    """onnx-int4-b32-sym (our export quantized by onnxruntime), onnxruntime-genai-int4 (its builder's)."""
-    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else f"onnx-{scheme.name}"
+    """onnx-int4-b32-sym (our export quantized by onnxruntime), onnxruntime-genai-int4 (its builder's),
+    ctranslate2-int8 (CTranslate2's)."""
+    if scheme.builder == "onnxruntime":
+        return f"onnx-{scheme.name}"
+    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else scheme.name
 
 
 def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> list[str]:
@@ -337,6 +340,8 @@ def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiza
 
     if scheme.builder == "onnxruntime-genai":
         return _genai_served(cfg, params, source)
+    if scheme.builder.startswith("ctranslate2"):
+        return _ctranslate2_served(cfg, scheme, source), None, {}
     directory = quantized_export(cfg, params, scheme)
     runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
     if scheme.dynamic:
@@ -366,6 +371,22 @@ def _genai_served(cfg: ModelConfig, params: Mapping[str, np.ndarray], source: st
     model = onnx.load(str(built / "model.onnx"))
     deployed, names = deployed_by_content(cfg, params, model)
     return GenaiRunner(built, cfg), deployed, {"forward": (None, model, None, names)}
+
+
+def _ctranslate2_served(cfg: ModelConfig, scheme: QuantizationScheme, source: str | Path | None):
+    """CTranslate2's converter on the Hugging Face directory `source`, its Generator at the scheme's
+    compute type (the ctranslate2 column's runner: the rows it cannot compute left out, with why)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from conformance.backends.ctranslate2_backend import CTranslate2Runner, convert_model
+
+    if source is None:
+        raise ValueError("CTranslate2's converter reads a Hugging Face directory: give --hf DIR")
+    folder = Path(tempfile.mkdtemp(prefix="rosetta-ctranslate2-int8-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return CTranslate2Runner(convert_model(Path(source), cfg, folder), cfg, scheme.builder.removeprefix("ctranslate2-"))
 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:

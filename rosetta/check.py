@@ -110,9 +110,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         quant_budget = parse_quant_budget(args.quant_budget) if args.quant_budget else None
     except (ValueError, WeightsError) as error:
         raise UsageError(str(error)) from None
-    if any(scheme.builder == "onnxruntime-genai" for scheme in schemes) and not args.hf:
-        raise UsageError("--quantized genai-int4 is onnxruntime-genai's builder's model of a Hugging Face directory: "
-                         "give --hf DIR")
+    for scheme in schemes:
+        if scheme.builder != "onnxruntime" and not args.hf:
+            who = "onnxruntime-genai's builder" if scheme.builder == "onnxruntime-genai" else "CTranslate2's converter"
+            raise UsageError(f"--quantized {scheme.name} is {who}'s model of a Hugging Face directory: give --hf DIR")
     if args.quant_budget and not schemes:
         raise UsageError("--quant-budget is what the --quantized columns may cost: give --quantized SCHEMES")
     prompts = list(args.prompt or []) + (read_prompts_file(args.prompts) if args.prompts else [])
@@ -269,7 +270,8 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "int4,int8-b128,int4-b32-zp-head8 (int4|int8, -b<block size> default 32, -sym|-zp, "
                             "-head<bits>: the head quantized too, -al4: onnxruntime's accuracy_level 4, int8 "
                             "activations), dynamic-int8 (onnxruntime's quantize_dynamic: its cost only), or "
-                            "genai-int4 (onnxruntime-genai's builder's -p int4 model of --hf DIR)")
+                            "genai-int4 (onnxruntime-genai's builder's -p int4 model of --hf DIR), or "
+                            "ctranslate2-int8, ctranslate2-int8_float32 (CTranslate2's, of --hf DIR: its cost only)")
     check.add_argument("--quant-budget", metavar="BUDGET",
                        help="what the --quantized columns may cost against the float golden, e.g. kl=1e-2,top1=0.99 "
                             "(mean KL per token, share of tokens whose top-1 agrees); without it the cost is reported, "

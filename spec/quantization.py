@@ -111,8 +111,10 @@ class QuantizationScheme:
     `dynamic`: onnxruntime's dynamic quantization instead (quantize_dynamic: int8 weights, one scale
     per tensor, and the activations quantized to int8 at run time, MatMulInteger), whose products the
     golden does not compute: only its cost is measured (SPEC §15.1).
-    `builder`: who writes the quantized graph: "onnxruntime" (our export through its quantizer) or
-    "onnxruntime-genai" (its model builder's `-p int4` from a Hugging Face directory: GENAI_INT4)."""
+    `builder`: who writes the quantized graph: "onnxruntime" (our export through its quantizer),
+    "onnxruntime-genai" (its model builder's `-p int4` from a Hugging Face directory: GENAI_INT4), or
+    CTranslate2's converter and Generator at compute type int8 or int8_float32 (CTRANSLATE2_INT8: its
+    weights int8 with a scale per row, its activations quantized at run time: the cost only)."""
 
     bits: int = 4
     block_size: int = 32
@@ -129,6 +131,9 @@ class QuantizationScheme:
                                                     self.accuracy_level, self.dynamic) != (4, 32, True, 4, 4, False):
             raise WeightsError("onnxruntime-genai's builder writes one scheme here, its -p int4 (genai-int4: 4 bits "
                                "in blocks of 32, symmetric, the head too, accuracy_level 4)")
+        if self.builder.startswith("ctranslate2") and (self.bits, self.head_bits, self.dynamic) != (8, 8, True):
+            raise WeightsError(f"{self.builder}: CTranslate2's int8 quantizes every linear layer, the head too, and "
+                               "its activations at run time (bits 8, head_bits 8, dynamic)")
         if not isinstance(self.dynamic, bool):
             raise WeightsError(f"quantization dynamic = {self.dynamic!r}; true or false")
         if self.dynamic and (self.bits, self.head_bits or 8, self.symmetric) != (8, 8, True):
@@ -157,6 +162,8 @@ class QuantizationScheme:
         """int4-b32-sym, int8-b128-zp-head8, dynamic-int8, genai-int4: the column's name."""
         if self.builder == "onnxruntime-genai":
             return "genai-int4"
+        if self.builder.startswith("ctranslate2"):
+            return self.builder
         head = f"-head{self.head_bits}" if self.head_bits else ""
         if self.dynamic:
             return f"dynamic-int8{head}"
@@ -164,10 +171,12 @@ class QuantizationScheme:
         return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}{level}"
 
 
-BUILDERS = ("onnxruntime", "onnxruntime-genai")
+BUILDERS = ("onnxruntime", "onnxruntime-genai", "ctranslate2-int8", "ctranslate2-int8_float32")
 # what onnxruntime-genai's model builder writes at -p int4 on the CPU (measured: MatMulNBits of 4 bits in blocks
 # of 32 without zero points at accuracy_level 4, the head among them, a tied embedding read from the head's codes)
 GENAI_INT4 = QuantizationScheme(4, 32, True, head_bits=4, accuracy_level=4, builder="onnxruntime-genai")
+CTRANSLATE2_INT8 = {compute_type: QuantizationScheme(8, head_bits=8, dynamic=True, builder=f"ctranslate2-{compute_type}")
+                    for compute_type in ("int8", "int8_float32")}
 
 
 def quantized_parameters(cfg, scheme: QuantizationScheme) -> dict[str, int]:
@@ -187,7 +196,14 @@ def parse_scheme(text: str) -> QuantizationScheme:
     """A scheme by its name (QuantizationScheme.name): int4 or int8, then any of -b<block size>
     (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
     'int4', 'int8-b128-zp', 'int4-b32-sym-head8', -al4 for onnxruntime's accuracy_level 4; or
-    dynamic-int8[-head8]; or genai-int4 (onnxruntime-genai's builder). An unknown part is refused by name."""
+    dynamic-int8[-head8]; or genai-int4 (onnxruntime-genai's builder); or ctranslate2-int8,
+    ctranslate2-int8_float32 (CTranslate2's compute types). An unknown part is refused by name."""
+    if text.strip().lower().startswith("ctranslate2"):
+        compute_type = text.strip().lower().removeprefix("ctranslate2").removeprefix("-")
+        if compute_type not in CTRANSLATE2_INT8:
+            raise WeightsError(f"quantization scheme {text!r}: CTranslate2's are ctranslate2-int8 and "
+                               "ctranslate2-int8_float32 (its compute types)")
+        return CTRANSLATE2_INT8[compute_type]
     parts = text.strip().lower().split("-")
     if parts[0] == "genai":
         if parts[1:] != ["int4"]:

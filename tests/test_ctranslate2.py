@@ -143,3 +143,25 @@ def test_rosetta_check_with_hf_runs_the_column_and_prints_the_explanation(writte
     out = capsys.readouterr().out
     assert "explanation ctranslate2/float32/cpu (forward-pad_right): the golden's with attention_softcap ignored" in out
     assert "## What explains ctranslate2/float32/cpu (forward-pad_right)" in (tmp_path / "report.md").read_text()
+
+
+def test_its_int8_is_a_quantized_column_measured_against_the_float_golden(written):
+    """`rosetta check --hf DIR --quantized ctranslate2-int8,ctranslate2-int8_float32`: CTranslate2's
+    int8 quantizes its activations at run time, which no golden computes: the column has no
+    implementation reference ('n/a') and no stored-weights check, and its cost is measured on every
+    case it can express, the rows it cannot left out with their cause; a budget judges it."""
+    from conformance.quantized import check_quantized, format_quantized
+    from spec.quantization import CTRANSLATE2_INT8
+
+    model = written("llama-tiny")
+    columns = check_quantized(model.cfg, model.params, list(CTRANSLATE2_INT8.values()), directory=model.directory)
+    assert [column.name for column in columns] == ["ctranslate2-int8", "ctranslate2-int8_float32"]
+    for column in columns:
+        assert column.passed and not column.error and not column.stored, format_quantized([column])
+        assert {cell.case for cell in column.cells} >= {"forward-none", "decode-incremental", "generate-none"}
+        assert all(cell.implementation is None for cell in column.cells)
+        assert all(0 < cell.cost.kl_mean for cell in column.cells if hasattr(cell.cost, "kl_mean"))
+        assert any(any(cause in cell.left_out for cause in CAUSES) for cell in column.cells if cell.left_out)
+    over, = check_quantized(model.cfg, model.params, [CTRANSLATE2_INT8["int8"]], {"kl": 1e-6},
+                            directory=model.directory)
+    assert not over.passed and "n/a: int8 activations at run time" in format_quantized([over])

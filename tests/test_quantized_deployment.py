@@ -197,6 +197,7 @@ def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     ("int4-al4", QuantizationScheme(4, accuracy_level=4)), ("dynamic-int8", QuantizationScheme(8, dynamic=True)),
     ("dynamic-int8-head8", QuantizationScheme(8, head_bits=8, dynamic=True)),
     ("genai-int4", QuantizationScheme(4, 32, True, 4, 4, builder="onnxruntime-genai")),
+    ("ctranslate2-int8_float32", QuantizationScheme(8, head_bits=8, dynamic=True, builder="ctranslate2-int8_float32")),
 ])
 def test_a_scheme_is_read_by_its_name(text, scheme):
     from spec.quantization import parse_scheme
@@ -208,7 +209,8 @@ def test_a_scheme_is_read_by_its_name(text, scheme):
                                            ("dynamic-int4", "is dynamic-int8"),
                                            ("dynamic-int8-head4", "is dynamic-int8"),
                                            ("int4-g32", "'g32' is none of"), ("int4-b24", "block_size = 24"),
-                                           ("genai-int8", "is read at genai-int4")])
+                                           ("genai-int8", "is read at genai-int4"),
+                                           ("ctranslate2-int16", "are ctranslate2-int8 and")])
 def test_a_scheme_name_the_spec_lacks_is_refused_by_name(text, message):
     from spec.quantization import parse_scheme
 
@@ -243,7 +245,8 @@ def test_rosetta_check_quantized_reports_both_references_and_judges_the_budget(t
 @pytest.mark.parametrize("arguments, message", [
     (["--quantized", "int3"], "bits = 3"), (["--quantized", "int4", "--quant-budget", "ppl=2"], "KEY=VALUE"),
     (["--quant-budget", "kl=1"], "give --quantized SCHEMES"),
-    (["--quantized", "genai-int4"], "onnxruntime-genai's builder's model of a Hugging Face directory: give --hf DIR"),
+    (["--quantized", "genai-int4"], "is onnxruntime-genai's builder's model of a Hugging Face directory"),
+    (["--quantized", "ctranslate2-int8"], "is CTranslate2's converter's model of a Hugging Face directory"),
 ])
 def test_rosetta_check_refuses_a_quantized_request_it_cannot_read(arguments, message, capsys):
     from rosetta.main import main
