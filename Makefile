@@ -34,6 +34,8 @@ gpu:
 # Hugging Face importers' tests run its models), about 20 more packages, and onnxruntime-genai
 # (the CUDA build of it: the plain package declares the CPU onnxruntime; with --no-deps it runs on
 # our onnxruntime-gpu, and its model builder needs only torch, transformers, onnx and onnx-ir).
+# torchao (the torchao-int8 quantized column) declares nothing it needs beyond torch; --no-deps keeps
+# it from ever asking pip for another torch than the pinned CPU wheel.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
@@ -43,6 +45,7 @@ $(STAMP): pyproject.toml constraints.txt
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,hf]'
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt onnxruntime-genai-cuda
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt torchao
 	touch $(TEST_STAMP)
 
 clean:

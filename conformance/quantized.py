@@ -188,7 +188,7 @@ def column_name(scheme: QuantizationScheme) -> str:
     ctranslate2-int8 (CTranslate2's)."""
     if scheme.builder == "onnxruntime":
         return f"onnx-{scheme.name}"
-    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else scheme.name
+    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else scheme.name  # torchao-int8 too
 
 
 def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> list[str]:
@@ -206,7 +206,7 @@ def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> 
             problems.append(f"{name}: left in float; the scheme quantizes it at {bits} bits")
             continue
         stored = (weight.bits, weight.block_size, weight.symmetric)
-        if stored != (bits, scheme.block_size, scheme.symmetric):
+        if stored != (bits, None if scheme.builder == "torchao" else scheme.block_size, scheme.symmetric):
             problems.append(f"{name}: stored at {_layout(*stored)}; the scheme says "
                             f"{_layout(bits, scheme.block_size, scheme.symmetric)}")
         if weight.steps_from_parameter > 1 + 1e-6:  # one step, and the rounding of its measure
@@ -215,8 +215,9 @@ def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> 
     return problems
 
 
-def _layout(bits: int, block_size: int, symmetric: bool) -> str:
-    return f"{bits} bits in blocks of {block_size}, {'symmetric' if symmetric else 'with zero points'}"
+def _layout(bits: int, block_size: int | None, symmetric: bool) -> str:
+    blocks = "a scale per row" if block_size is None else f"in blocks of {block_size}"
+    return f"{bits} bits {blocks}, {'symmetric' if symmetric else 'with zero points'}"
 
 
 @dataclass(frozen=True)
@@ -270,9 +271,11 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
                 columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
                 continue
+            found = (_linear_products(cfg, params, scheme, runner, deployed) if scheme.builder == "torchao"
+                     else products(cfg, params, scheme, *graphs["forward"]))
             columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
                                            time.perf_counter() - start, stages=stage_costs(cfg, params, deployed),
-                                           products=products(cfg, params, scheme, *graphs["forward"])))
+                                           products=found))
         except Exception as error:  # noqa: BLE001 - a column that cannot run is reported, the others still run
             columns.append(QuantizedColumn(name, scheme, [], [], time.perf_counter() - start,
                                            f"{type(error).__name__}: {error}"))
@@ -342,6 +345,8 @@ def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: Quantiza
         return _genai_served(cfg, params, source)
     if scheme.builder.startswith("ctranslate2"):
         return _ctranslate2_served(cfg, scheme, source), None, {}
+    if scheme.builder == "torchao":
+        return (*_torchao_served(cfg, params), {})
     directory = quantized_export(cfg, params, scheme)
     runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
     if scheme.dynamic:
@@ -371,6 +376,67 @@ def _genai_served(cfg: ModelConfig, params: Mapping[str, np.ndarray], source: st
     model = onnx.load(str(built / "model.onnx"))
     deployed, names = deployed_by_content(cfg, params, model)
     return GenaiRunner(built, cfg), deployed, {"forward": (None, model, None, names)}
+
+
+def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
+    """impl_torch's model (the torch column's runner, float32, CPU) with every nn.Linear made weight-only
+    int8 by torchao (Int8WeightOnlyConfig), and the weights it stores read back under the spec's names
+    (a module's path is its parameter's: impl_torch's state_dict keys are the canonical names)."""
+    import logging
+
+    import torch
+
+    from conformance.backends.torch_backend import TorchBackend
+    from export.quantize import DeployedWeights, StoredWeight
+    from spec.quantization import RowQuantized, dequantize_rows
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels' libraries, absent on a CPU build
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as error:
+        raise ValueError(f"torchao is not installed ({error}): pip install --no-deps torchao==0.18.0") from None
+    runner = TorchBackend().load(cfg, params, "float32", "cpu")
+    quantize_(runner.model, Int8WeightOnlyConfig(), filter_fn=lambda module, path: isinstance(module, torch.nn.Linear))
+    deployed, stored = dict(params), {}
+    for path, module in runner.model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        name, weight = f"{path}.weight", module.weight
+        row = RowQuantized(weight.qdata.numpy(), weight.scale.numpy(), weight.zero_point.numpy())
+        exact = dequantize_rows(row, name)  # [in, out]
+        steps = np.maximum(np.abs(np.asarray(row.scales, np.float64)).reshape(1, -1), np.finfo(np.float64).tiny)
+        deployed[name] = exact.astype(np.float32)
+        stored[name] = StoredWeight(8, None, True, float((np.abs(exact - params[name]) / steps).max(initial=0.0)))
+    return runner, DeployedWeights(cfg, deployed, stored)
+
+
+def _linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, runner,
+                     deployed) -> list[Product]:
+    """The torchao column's products, one by one: each quantized nn.Linear's input and output caught by
+    a forward hook on forward-none, held to input · the weight it stores (+ its bias)."""
+    import torch
+
+    caught = {}
+
+    def catch(path):
+        def hook(module, inputs, output) -> None:  # None: the output goes on unchanged
+            caught.setdefault(path, (inputs[0].detach().numpy(), output.detach().numpy()))
+        return hook
+
+    hooks = [module.register_forward_hook(catch(path))
+             for path, module in runner.model.named_modules() if isinstance(module, torch.nn.Linear)]
+    try:
+        runner.run("forward", build_case(cfg, params, "forward", "none").inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    found = []
+    for path, (a, y) in caught.items():
+        weight = deployed.params[f"{path}.weight"]
+        expected = np.asarray(a, np.float64) @ weight + np.asarray(deployed.params.get(f"{path}.bias", 0.0), np.float64)
+        relative = tolerance(compute_mode(scheme), weight.shape[0], 1)
+        found.append(Product(f"{path}.weight", compare(y, expected, relative).ratio))
+    return found
 
 
 def _ctranslate2_served(cfg: ModelConfig, scheme: QuantizationScheme, source: str | Path | None):
@@ -413,7 +479,7 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
         lines += [f"  stored otherwise than the scheme: {problem}" for problem in column.stored]
         if column.products:
             worst = max(column.products, key=lambda product: product.ratio)
-            lines += [f"  product by product (each MatMulNBits against its input times the weight it stores): "
+            lines += [f"  product by product (each quantized product against its input times the weight it stores): "
                       f"{sum(product.failed for product in column.products)} of {len(column.products)} fail; largest "
                       f"{worst.ratio:.3g} of its tolerance ({worst.parameter})"]
         if column.cells:

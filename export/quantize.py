@@ -177,7 +177,7 @@ class StoredWeight:
     at the worst element: round-to-nearest leaves at most half a step, a clipped block edge one."""
 
     bits: int
-    block_size: int
+    block_size: int | None  # None: one scale per row (torchao's int8)
     symmetric: bool
     steps_from_parameter: float
 

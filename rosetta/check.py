@@ -271,7 +271,8 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "-head<bits>: the head quantized too, -al4: onnxruntime's accuracy_level 4, int8 "
                             "activations), dynamic-int8 (onnxruntime's quantize_dynamic: its cost only), or "
                             "genai-int4 (onnxruntime-genai's builder's -p int4 model of --hf DIR), or "
-                            "ctranslate2-int8, ctranslate2-int8_float32 (CTranslate2's, of --hf DIR: its cost only)")
+                            "ctranslate2-int8, ctranslate2-int8_float32 (CTranslate2's, of --hf DIR: its cost only), "
+                            "or torchao-int8 (torchao's weight-only int8 of the torch model)")
     check.add_argument("--quant-budget", metavar="BUDGET",
                        help="what the --quantized columns may cost against the float golden, e.g. kl=1e-2,top1=0.99 "
                             "(mean KL per token, share of tokens whose top-1 agrees); without it the cost is reported, "

@@ -95,6 +95,32 @@ def dequantize(weight: BlockQuantized) -> np.ndarray:
     return values.reshape(weight.n, -1)[:, :weight.k].T  # the padding past K dropped -> [K, N]
 
 
+@dataclass(frozen=True)
+class RowQuantized:
+    """One weight W [K, N] as torchao's weight-only int8 (Int8Tensor) holds it: codes int8 [N, K] (torch's
+    Linear layout, [out, in]), one scale per output row [N, 1] (or [N]), zero points 0 (or absent):
+    W[k, n] = code[n, k] · scale[n]."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None = None
+
+
+def dequantize_rows(weight: RowQuantized, name: str = "weight") -> np.ndarray:
+    """W [K, N] in float64 from a row-quantized weight; a layout other than RowQuantized's refused by name."""
+    if weight.codes.dtype != np.int8 or weight.codes.ndim != 2:
+        raise WeightsError(f"{name}: codes are {weight.codes.dtype} {list(weight.codes.shape)}; the spec reads int8 "
+                           "[out, in]")
+    rows = weight.codes.shape[0]
+    if weight.scales.dtype.kind != "f" or weight.scales.shape not in ((rows, 1), (rows,)):
+        raise WeightsError(f"{name}: scales are {weight.scales.dtype} {list(weight.scales.shape)}; one float per "
+                           f"output row: [{rows}, 1]")
+    if weight.zero_points is not None and np.any(weight.zero_points):
+        raise WeightsError(f"{name}: zero points other than 0; the spec reads symmetric row quantization only")
+    scales = np.asarray(weight.scales, np.float64).reshape(rows, 1)
+    return (weight.codes.astype(np.float64) * scales).T  # [K, N]
+
+
 # onnxruntime's MatMulNBits compute modes the tolerance policy covers (SPEC §15.1): 0 the activations in
 # their float dtype, 4 rounded to int8 per block before the product
 ACCURACY_LEVELS = (0, 4)
@@ -111,7 +137,8 @@ class QuantizationScheme:
     `dynamic`: onnxruntime's dynamic quantization instead (quantize_dynamic: int8 weights, one scale
     per tensor, and the activations quantized to int8 at run time, MatMulInteger), whose products the
     golden does not compute: only its cost is measured (SPEC §15.1).
-    `builder`: who writes the quantized graph: "onnxruntime" (our export through its quantizer),
+    `builder`: who quantizes and runs: "onnxruntime" (our export through its quantizer), "torchao"
+    (impl_torch's linear layers through torchao's weight-only int8: TORCHAO_INT8, a scale per row),
     "onnxruntime-genai" (its model builder's `-p int4` from a Hugging Face directory: GENAI_INT4), or
     CTranslate2's converter and Generator at compute type int8 or int8_float32 (CTRANSLATE2_INT8: its
     weights int8 with a scale per row, its activations quantized at run time: the cost only)."""
@@ -131,6 +158,10 @@ class QuantizationScheme:
                                                     self.accuracy_level, self.dynamic) != (4, 32, True, 4, 4, False):
             raise WeightsError("onnxruntime-genai's builder writes one scheme here, its -p int4 (genai-int4: 4 bits "
                                "in blocks of 32, symmetric, the head too, accuracy_level 4)")
+        if self.builder == "torchao" and (self.bits, self.symmetric, self.head_bits, self.accuracy_level,
+                                          self.dynamic) != (8, True, None, 0, False):
+            raise WeightsError("torchao: its weight-only int8 (Int8WeightOnlyConfig) is read here: 8 bits, symmetric, "
+                               "one scale per row, the head left float (torchao-int8)")
         if self.builder.startswith("ctranslate2") and (self.bits, self.head_bits, self.dynamic) != (8, 8, True):
             raise WeightsError(f"{self.builder}: CTranslate2's int8 quantizes every linear layer, the head too, and "
                                "its activations at run time (bits 8, head_bits 8, dynamic)")
@@ -164,6 +195,8 @@ class QuantizationScheme:
             return "genai-int4"
         if self.builder.startswith("ctranslate2"):
             return self.builder
+        if self.builder == "torchao":
+            return "torchao-int8"
         head = f"-head{self.head_bits}" if self.head_bits else ""
         if self.dynamic:
             return f"dynamic-int8{head}"
@@ -171,10 +204,13 @@ class QuantizationScheme:
         return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'zp'}{head}{level}"
 
 
-BUILDERS = ("onnxruntime", "onnxruntime-genai", "ctranslate2-int8", "ctranslate2-int8_float32")
+BUILDERS = ("onnxruntime", "onnxruntime-genai", "ctranslate2-int8", "ctranslate2-int8_float32", "torchao")
 # what onnxruntime-genai's model builder writes at -p int4 on the CPU (measured: MatMulNBits of 4 bits in blocks
 # of 32 without zero points at accuracy_level 4, the head among them, a tied embedding read from the head's codes)
 GENAI_INT4 = QuantizationScheme(4, 32, True, head_bits=4, accuracy_level=4, builder="onnxruntime-genai")
+# torchao's Int8WeightOnlyConfig on impl_torch's linear layers: int8 codes, one scale per output row (no block
+# size: `per_row`), activations float32; the head (not an nn.Linear) left float
+TORCHAO_INT8 = QuantizationScheme(8, builder="torchao")
 CTRANSLATE2_INT8 = {compute_type: QuantizationScheme(8, head_bits=8, dynamic=True, builder=f"ctranslate2-{compute_type}")
                     for compute_type in ("int8", "int8_float32")}
 
@@ -197,7 +233,10 @@ def parse_scheme(text: str) -> QuantizationScheme:
     (default 32), -sym or -zp (default symmetric), -head4 or -head8 (default: the head left float):
     'int4', 'int8-b128-zp', 'int4-b32-sym-head8', -al4 for onnxruntime's accuracy_level 4; or
     dynamic-int8[-head8]; or genai-int4 (onnxruntime-genai's builder); or ctranslate2-int8,
-    ctranslate2-int8_float32 (CTranslate2's compute types). An unknown part is refused by name."""
+    ctranslate2-int8_float32 (CTranslate2's compute types); or torchao-int8. An unknown part is refused
+    by name."""
+    if text.strip().lower() == "torchao-int8":
+        return TORCHAO_INT8
     if text.strip().lower().startswith("ctranslate2"):
         compute_type = text.strip().lower().removeprefix("ctranslate2").removeprefix("-")
         if compute_type not in CTRANSLATE2_INT8:

@@ -183,6 +183,7 @@ def test_the_budget_is_read_or_refused_by_name(text, message):
     ({"dynamic": True, "bits": 8, "accuracy_level": 4}, "a dynamic scheme has no accuracy_level"),
     ({"builder": "llama.cpp"}, "builder = 'llama.cpp'; one of onnxruntime, onnxruntime-genai"),
     ({"builder": "onnxruntime-genai"}, "its -p int4 \\(genai-int4"),
+    ({"builder": "torchao", "bits": 4}, "torchao: its weight-only int8"),
 ])
 def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     with pytest.raises(WeightsError, match=message):
@@ -198,6 +199,7 @@ def test_a_scheme_the_spec_lacks_is_refused_by_name(fields, message):
     ("dynamic-int8-head8", QuantizationScheme(8, head_bits=8, dynamic=True)),
     ("genai-int4", QuantizationScheme(4, 32, True, 4, 4, builder="onnxruntime-genai")),
     ("ctranslate2-int8_float32", QuantizationScheme(8, head_bits=8, dynamic=True, builder="ctranslate2-int8_float32")),
+    ("torchao-int8", QuantizationScheme(8, builder="torchao")),
 ])
 def test_a_scheme_is_read_by_its_name(text, scheme):
     from spec.quantization import parse_scheme
@@ -393,3 +395,44 @@ def test_a_quantized_export_is_made_again_when_what_made_it_changed(tmp_path, mo
     quantize.quantized_export(cfg, params, scheme, tmp_path / "q")
     assert (first / "forward.onnx").stat().st_mtime_ns != made
     assert json.loads((first / "manifest.json").read_text())["quantizer"] == "another quantizer"
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
+def test_torchao_int8_is_judged_on_the_weights_it_stores(preset):
+    """torchao's weight-only int8 on impl_torch's linear layers (a scale per output row, activations
+    float32): every case within float32's tolerance of the golden on the weights it stores, each
+    nn.Linear's product within its own, the head left float as the scheme says; the cost measured."""
+    pytest.importorskip("torchao")
+    from conformance.quantized import check_quantized
+    from spec.quantization import TORCHAO_INT8
+
+    cfg = get_preset(preset)
+    column, = check_quantized(cfg, conformance_params(cfg), [TORCHAO_INT8])
+    assert column.name == "torchao-int8" and column.passed, format_quantized([column])
+    linear = [name for name, value in conformance_params(cfg).items()
+              if np.ndim(value) == 2 and not name.endswith("embed.weight") and name != "head.weight"]
+    assert sorted(product.parameter for product in column.products) == sorted(linear)
+    assert all(cell.cost.kl_mean < 1e-3 for cell in column.cells if isinstance(cell.cost, Cost))
+
+
+def test_torchao_int8_misread_fails_where_it_is_misread(monkeypatch):
+    """The golden's reading of torchao's rows planted wrong for the FFNs' w2 (each row's scale taken
+    from the row after it): the column fails, the first wrong product is decoder.layers.0.ffn.w2.weight;
+    a layout the spec does not read is refused by name."""
+    pytest.importorskip("torchao")
+    import spec.quantization as layouts
+    from conformance.quantized import check_quantized
+    from spec.quantization import TORCHAO_INT8, RowQuantized, dequantize_rows
+
+    cfg = get_preset("llama-tiny")
+    right = layouts.dequantize_rows
+    monkeypatch.setattr(layouts, "dequantize_rows", lambda weight, name="weight": right(
+        dataclasses.replace(weight, scales=np.roll(weight.scales, 1, axis=0)) if name.endswith("ffn.w2.weight")
+        else weight, name))
+    column, = check_quantized(cfg, conformance_params(cfg), [TORCHAO_INT8])
+    first = next(product for product in column.products if product.failed)
+    assert not column.passed and first.parameter == "decoder.layers.0.ffn.w2.weight" and first.ratio > 10
+    with pytest.raises(WeightsError, match=r"w: codes are int16 \[3, 4\]; the spec reads int8"):
+        dequantize_rows(RowQuantized(np.zeros((3, 4), np.int16), np.ones((3, 1), np.float32)), "w")
+    with pytest.raises(WeightsError, match="zero points other than 0"):
+        dequantize_rows(RowQuantized(np.zeros((3, 4), np.int8), np.ones((3, 1), np.float32), np.ones(3, np.int8)), "w")
