@@ -390,7 +390,9 @@ def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
     from export.quantize import DeployedWeights, StoredWeight
     from spec.quantization import RowQuantized, dequantize_rows
 
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels' libraries, absent on a CPU build
+    # torchao warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao registers
+    for logger in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
