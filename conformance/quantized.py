@@ -8,6 +8,8 @@
    judged by a tolerance: per real token the KL divergence of the quantized model's next-token
    distribution from the float one's, the share of tokens whose top-1 agrees, the logits' relative
    error. A budget (`kl=1e-2,top1=0.99`) turns the cost into a verdict.
+The columns' makers and runners (onnxruntime's quantizer, onnxruntime-genai's builder, CTranslate2,
+torchao) are conformance.quantized_serving's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from conformance.adapter import Partial
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import applicable_cases, build_case
 from conformance.localize import Localization, localize
+from conformance.quantized_serving import column_name, served
 from conformance.tolerance import Comparison, compare, compare_generation, tolerance
 from spec import ModelConfig
 from spec.quantization import QuantizationScheme, quantized_parameters
@@ -183,14 +186,6 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
     return cells
 
 
-def column_name(scheme: QuantizationScheme) -> str:
-    """onnx-int4-b32-sym (our export quantized by onnxruntime), onnxruntime-genai-int4 (its builder's),
-    ctranslate2-int8 (CTranslate2's)."""
-    if scheme.builder == "onnxruntime":
-        return f"onnx-{scheme.name}"
-    return "onnxruntime-genai-int4" if scheme.builder == "onnxruntime-genai" else scheme.name  # torchao-int8 too
-
-
 def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> list[str]:
     """What a deployment (export.quantize.DeployedWeights) stores otherwise than the scheme says, a
     line per parameter: a linear layer left in float, a parameter quantized that the scheme leaves
@@ -266,12 +261,12 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
     for scheme in schemes:
         start, name = time.perf_counter(), column_name(scheme)
         try:
-            runner, deployed, graphs = _served(cfg, params, scheme, device, directory)
+            runner, deployed, graphs = served(cfg, params, scheme, device, directory)
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
                 columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
                 continue
-            found = (_linear_products(cfg, params, scheme, runner, deployed) if scheme.builder == "torchao"
+            found = (linear_products(cfg, params, scheme, runner, deployed) if scheme.builder == "torchao"
                      else products(cfg, params, scheme, *graphs["forward"]))
             columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
                                            time.perf_counter() - start, stages=stage_costs(cfg, params, deployed),
@@ -333,86 +328,7 @@ def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) ->
                     case.inputs["tgt_ids"])
 
 
-def _served(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, device: str,
-            source: str | Path | None = None):
-    """(the quantized export's runner, the weights it stores under the spec's names, its graphs by
-    role beside their float twins)."""
-    from conformance.backends.onnx_backend import OnnxRunner
-    from export.quantize import deployed_weights, graphs_of, quantized_export
-    from export.runner import OnnxTransformer
-
-    if scheme.builder == "onnxruntime-genai":
-        return _genai_served(cfg, params, source)
-    if scheme.builder.startswith("ctranslate2"):
-        return _ctranslate2_served(cfg, scheme, source), None, {}
-    if scheme.builder == "torchao":
-        return (*_torchao_served(cfg, params), {})
-    directory = quantized_export(cfg, params, scheme)
-    runner = OnnxRunner(OnnxTransformer(directory, device=device), f"onnx-{scheme.name}")
-    if scheme.dynamic:
-        return runner, None, {}
-    graphs = graphs_of(cfg, params, directory)
-    return runner, deployed_weights(cfg, params, graphs), graphs
-
-
-def _genai_served(cfg: ModelConfig, params: Mapping[str, np.ndarray], source: str | Path | None):
-    """onnxruntime-genai's builder's int4 model of the Hugging Face directory `source`: its runner
-    (the genai column's: the rows it cannot compute the spec's way left out, with why), the weights it
-    stores matched to the parameters by content, its graph as the forward (no float twin)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    import onnx
-
-    from conformance.backends.genai_backend import GenaiRunner, build_model
-    from export.quantize import deployed_by_content
-
-    if source is None:
-        raise ValueError("onnxruntime-genai's builder reads a Hugging Face directory: give --hf DIR")
-    folder = Path(tempfile.mkdtemp(prefix="rosetta-genai-int4-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    built = build_model(Path(source), cfg, folder, precision="int4")
-    model = onnx.load(str(built / "model.onnx"))
-    deployed, names = deployed_by_content(cfg, params, model)
-    return GenaiRunner(built, cfg), deployed, {"forward": (None, model, None, names)}
-
-
-def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
-    """impl_torch's model (the torch column's runner, float32, CPU) with every nn.Linear made weight-only
-    int8 by torchao (Int8WeightOnlyConfig), and the weights it stores read back under the spec's names
-    (a module's path is its parameter's: impl_torch's state_dict keys are the canonical names)."""
-    import logging
-
-    import torch
-
-    from conformance.backends.torch_backend import TorchBackend
-    from export.quantize import DeployedWeights, StoredWeight
-    from spec.quantization import RowQuantized, dequantize_rows
-
-    # torchao warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao registers
-    for logger in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(logger).setLevel(logging.ERROR)
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as error:
-        raise ValueError(f"torchao is not installed ({error}): pip install --no-deps torchao==0.18.0") from None
-    runner = TorchBackend().load(cfg, params, "float32", "cpu")
-    quantize_(runner.model, Int8WeightOnlyConfig(), filter_fn=lambda module, path: isinstance(module, torch.nn.Linear))
-    deployed, stored = dict(params), {}
-    for path, module in runner.model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        name, weight = f"{path}.weight", module.weight
-        row = RowQuantized(weight.qdata.numpy(), weight.scale.numpy(), weight.zero_point.numpy())
-        exact = dequantize_rows(row, name)  # [in, out]
-        steps = np.maximum(np.abs(np.asarray(row.scales, np.float64)).reshape(1, -1), np.finfo(np.float64).tiny)
-        deployed[name] = exact.astype(np.float32)
-        stored[name] = StoredWeight(8, None, True, float((np.abs(exact - params[name]) / steps).max(initial=0.0)))
-    return runner, DeployedWeights(cfg, deployed, stored)
-
-
-def _linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, runner,
+def linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme, runner,
                      deployed) -> list[Product]:
     """The torchao column's products, one by one: each quantized nn.Linear's input and output caught by
     a forward hook on forward-none, held to input · the weight it stores (+ its bias)."""
@@ -439,22 +355,6 @@ def _linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
         relative = tolerance(compute_mode(scheme), weight.shape[0], 1)
         found.append(Product(f"{path}.weight", compare(y, expected, relative).ratio))
     return found
-
-
-def _ctranslate2_served(cfg: ModelConfig, scheme: QuantizationScheme, source: str | Path | None):
-    """CTranslate2's converter on the Hugging Face directory `source`, its Generator at the scheme's
-    compute type (the ctranslate2 column's runner: the rows it cannot compute left out, with why)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from conformance.backends.ctranslate2_backend import CTranslate2Runner, convert_model
-
-    if source is None:
-        raise ValueError("CTranslate2's converter reads a Hugging Face directory: give --hf DIR")
-    folder = Path(tempfile.mkdtemp(prefix="rosetta-ctranslate2-int8-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return CTranslate2Runner(convert_model(Path(source), cfg, folder), cfg, scheme.builder.removeprefix("ctranslate2-"))
 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:

@@ -27,6 +27,7 @@ CONFORMANCE_FLOORS = {
     "memory": 2, "cost": 2, "budget": 2,  # what the catalogue's cells take, in memory and time, and what fits
     "backends": 2, "byo": 2, "export_check": 2,  # what runs a case
     "training_cells": 3, "observability": 3, "models": 3,  # what reads the golden or a backend's outputs
+    "quantized_serving": 3,  # who makes and runs a quantized column, and the weights it stores
     "routing": 3,  # a mixture of experts' routing: the golden's margins, replayed in a column
     "cells": 4,  # one cell run and judged
     "executors": 5,  # where cells run
