@@ -363,7 +363,7 @@ class CTranslate2(Contender):
 
             self.name = f"ctranslate2-{compute_type}"
             self.judged_on = None  # int8 products of activations, which no golden computes: the cost only
-            # a byte per weight element (its one scale per row of a weight, counted as one per tensor)
+            # what a decode step reads: a byte per weight element and one float32 scale per row
             self.stored_as = CTRANSLATE2_INT8[compute_type]
 
     def prepare(self, cfg, params):

@@ -113,8 +113,9 @@ def streamed_bytes(cfg: ModelConfig, dtype: str = "float32", scheme=None) -> flo
     tables (a lookup reads a row per token; a tied head reads its table whole) at the dtype's width, and
     a scheme's quantized ones (spec.quantization.quantized_parameters) at their code width with a
     float32 scale per block of each column, and a zero-point code per block where not symmetric (a
-    dynamic scheme: one scale per tensor). A mixture of experts' every expert is counted: a batch's
-    tokens choose most of them."""
+    dynamic scheme: one scale per column, as CTranslate2's rows have; onnxruntime's one per tensor is
+    a few bytes less). A mixture of experts' every expert is counted: a batch's tokens choose most of
+    them."""
     from spec.params import param_shapes
     from spec.quantization import quantized_parameters
 
