@@ -17,8 +17,8 @@ from conformance.cases import NEAR_TIE_CASES, SUBLAYERS, TEXT_CASES, Case, forwa
 from conformance.field_metrics import field_metrics
 from conformance.memory import golden_budget
 from conformance.routing import near_ties, replayed_routing, replayed_training
-from conformance.tolerance import compare, compare_generation, compare_gradients, tolerance
-from conformance.training_cells import TrainingReference, compare_training
+from conformance.tolerance import compare, compare_generation, compare_gradients
+from conformance.training_cells import TrainingReference, compare_training, step_tolerances
 from spec import ModelConfig
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
@@ -155,12 +155,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
             return compare_gradients(gradients, reference.gradients, reference.terms, relative,
                                      reference.kink_allowance(kink_width))
     elif is_training(case.sublayer):
-        # the loss's tolerance, the gradients' (twice the depth, as every grad- case) and a
-        # stored value's own rounding for the update
         def judge(trained):
-            return compare_training(trained, reference, dtype, relative,
-                                    case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)), relative,
-                                    tolerance(dtype, 1, 1))
+            return compare_training(trained, reference, dtype, **step_tolerances(cfg, case, dtype))
     else:
         def judge(values):
             return compare(values, reference, relative, case.floor, compared)

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
@@ -77,3 +78,51 @@ def project_version() -> str | None:
         return metadata.version("transformer-rosetta")
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return None
+
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@dataclass(frozen=True)
+class Int8Path:
+    """How this CPU multiplies u8 activations by s8 weights in the int8 kernels onnxruntime (MLAS)
+    and CTranslate2 (oneDNN) pick for it (SPEC §15.2): `saturating` where VPMADDUBSW adds each pair
+    of adjacent products into an int16 first, clamped to [−32768, 32767]; exact where VNNI or AMX
+    sums every product in int32; None where neither is known (another architecture)."""
+
+    name: str  # AVX-512 VNNI
+    instruction: str  # VPDPBUSD
+    saturating: bool | None
+
+    def describe(self) -> str:
+        if self.saturating is None:
+            return f"{self.name}: no int8 path of this project's knowledge"
+        sums = ("each pair of u8·s8 products summed into an int16 and clamped to [−32768, 32767]" if self.saturating
+                else "every u8·s8 product summed in int32, exactly")
+        return f"{self.name} ({self.instruction}: {sums})"
+
+
+def cpu_flags(text: str | None = None) -> frozenset[str]:
+    """The instruction-set flags of /proc/cpuinfo (or of `text` in its format); empty where the
+    file is absent (not Linux)."""
+    if text is None:
+        text = CPUINFO.read_text() if CPUINFO.exists() else ""
+    found = re.search(r"^flags\s*:(.*)$", text, flags=re.MULTILINE)
+    return frozenset(found.group(1).split()) if found else frozenset()
+
+
+def int8_path(flags: frozenset[str] | None = None) -> Int8Path:
+    """The int8 product path an x86 CPU with these flags gets, in the order the libraries prefer
+    them: AMX, AVX-512 VNNI, AVX-VNNI, then AVX-512 (BW) or AVX2, whose VPMADDUBSW saturates."""
+    flags = cpu_flags() if flags is None else flags
+    if {"amx_int8", "amx_tile"} <= flags:
+        return Int8Path("AMX", "TDPBUSD", False)
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        return Int8Path("AVX-512 VNNI", "VPDPBUSD", False)
+    if "avx_vnni" in flags:
+        return Int8Path("AVX-VNNI", "VPDPBUSD", False)
+    if "avx512bw" in flags:
+        return Int8Path("AVX-512 without VNNI", "VPMADDUBSW", True)
+    if "avx2" in flags:
+        return Int8Path("AVX2 without VNNI", "VPMADDUBSW", True)
+    return Int8Path("no AVX2", "", None)

@@ -192,6 +192,8 @@ def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> 
     float, another code width, block size or zero-point choice, a weight further than one step
     from its parameter (round-to-nearest leaves half a step, a clipped block edge one: further is
     not this parameter's quantization). [] where it stores what the scheme says."""
+    from export.quantize import within_a_step
+
     wanted = quantized_parameters(cfg, scheme)
     problems = [f"{name}: quantized ({weight.bits} bits); the scheme leaves it in float"
                 for name, weight in deployed.stored.items() if name not in wanted]
@@ -204,7 +206,7 @@ def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> 
         if stored != (bits, None if scheme.builder == "torchao" else scheme.block_size, scheme.symmetric):
             problems.append(f"{name}: stored at {_layout(*stored)}; the scheme says "
                             f"{_layout(bits, scheme.block_size, scheme.symmetric)}")
-        if weight.steps_from_parameter > 1 + 1e-6:  # one step, and the rounding of its measure
+        if weight.steps_from_parameter > within_a_step(weight.bits):
             problems.append(f"{name}: {weight.steps_from_parameter:.3g} quantization steps from the parameter at its "
                             "worst element (round to nearest leaves at most one): not this parameter's quantization")
     return problems
@@ -241,6 +243,7 @@ class QuantizedColumn:
     error: str = ""
     stages: Localization | None = None  # where the cost arises (stage_costs)
     products: list[Product] = field(default_factory=list)  # the implementation, product by product
+    int8_path: str = ""  # activations quantized at run time: the CPU's int8 products (SPEC §15.2), which set the cost
 
     @property
     def passed(self) -> bool:
@@ -264,7 +267,8 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
             runner, deployed, graphs = served(cfg, params, scheme, device, directory)
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
-                columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start))
+                columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start,
+                                               int8_path=_int8_path(device)))
                 continue
             found = (linear_products(cfg, params, scheme, runner, deployed) if scheme.builder == "torchao"
                      else products(cfg, params, scheme, *graphs["forward"]))
@@ -275,6 +279,13 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
             columns.append(QuantizedColumn(name, scheme, [], [], time.perf_counter() - start,
                                            f"{type(error).__name__}: {error}"))
     return columns
+
+
+def _int8_path(device: str) -> str:
+    """What sets a dynamic column's cost besides its scheme: the CPU's int8 products (SPEC §15.2)."""
+    from conformance.machine import int8_path
+
+    return int8_path().describe() if device == "cpu" else f"the {device} device's int8 kernels, which SPEC §15.2 does not describe"
 
 
 def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
@@ -360,7 +371,7 @@ def linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
 def quantized_as_dict(column: QuantizedColumn) -> dict:
     """A column as report.json writes it."""
     return {"column": column.name, "scheme": column.scheme.name, "passed": column.passed, "error": column.error,
-            "seconds": round(column.seconds, 2), "stored": column.stored,
+            "seconds": round(column.seconds, 2), "stored": column.stored, "int8_path": column.int8_path,
             "stages": column.stages.to_dict()["stages"] if column.stages else [],
             "products": [{"parameter": product.parameter, "ratio": product.ratio} for product in column.products],
             "cells": [{"case": cell.case, "passed": cell.passed,
@@ -379,6 +390,9 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
     for column in columns:
         lines.append(f"{column.name}: {_verdict(column)}")
         lines += [f"  stored otherwise than the scheme: {problem}" for problem in column.stored]
+        if column.int8_path:
+            lines.append(f"  int8 products on this machine: {column.int8_path}; the cost depends on them "
+                         "(SPEC §15.2: where VPMADDUBSW saturates, it is larger)")
         if column.products:
             worst = max(column.products, key=lambda product: product.ratio)
             lines += [f"  product by product (each quantized product against its input times the weight it stores): "

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from conformance.backends.numpy_backend import GradientReference, NumpyRunner
-from conformance.cases import TRAINING_RECORD, training_batches
-from conformance.tolerance import Comparison, compare, compare_gradients
+from conformance.cases import SUBLAYERS, TRAINING_RECORD, Case, training_batches
+from conformance.tolerance import Comparison, compare, compare_gradients, tolerance
 from spec import ModelConfig
 from spec.training import TrainingConfig, decays, learning_rate
 
@@ -148,29 +148,42 @@ def _malformed(trace: Any, steps: int, names: Sequence[str]) -> str | None:
     return None
 
 
+def step_reference(cfg: ModelConfig, theta: Mapping[str, np.ndarray], batch) -> GradientReference:
+    """The golden's loss and gradients (with their terms) at θ on one step's batch
+    (src_ids, tgt_ids, targets, dropout_masks)."""
+    src_ids, tgt_ids, targets, dropout_masks = batch
+    return GradientReference(NumpyRunner.at(cfg, theta), "grad-loss",
+                             {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets, "d_out": 1.0,
+                              "dropout_masks": dropout_masks})
+
+
+def gradient_bounds(reference: GradientReference, gradient_tol: float, kink_width: float) -> dict[str, float]:
+    """τ per tensor: how far a backend's gradient may be from the golden's (SPEC §13: the tolerance
+    on the larger of the gradient and its terms, and the ReLU kinks' allowance), the bound the
+    moments inherit."""
+    kinks = reference.kink_allowance(kink_width)
+    return {name: gradient_tol * max(float(np.linalg.norm(g)), float(np.linalg.norm(reference.terms[name])))
+            + kinks.get(name, 0.0) for name, g in reference.gradients.items() if name != "loss"}
+
+
 def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, before: Mapping[str, Mapping[str, np.ndarray]],
                record: Mapping[str, Any], dtype: str, loss_tol: float, gradient_tol: float, kink_width: float,
                rounding: float) -> list[StepCheck]:
     """Step `step` (from 1) of a backend's run against the spec's formulas applied to the state
     it started from (`before`: params, first_moment, second_moment), every quantity."""
     theta = {name: np.asarray(value, np.float64) for name, value in before["params"].items()}
-    src_ids, tgt_ids, targets, dropout_masks = batch
-    reference = GradientReference(NumpyRunner.at(cfg, theta), "grad-loss",
-                                  {"src_ids": src_ids, "tgt_ids": tgt_ids, "targets": targets, "d_out": 1.0,
-                                   "dropout_masks": dropout_masks})
+    reference = step_reference(cfg, theta, batch)
     golden = {name: g for name, g in reference.gradients.items() if name != "loss"}
     checks = []
     loss = compare(np.asarray(float(record["loss"])), reference.gradients["loss"], loss_tol)
     checks.append(StepCheck(step, "loss", loss.max_abs_err, loss.tol, f"loss {float(record['loss']):.9g}, golden "
                                                                       f"{float(reference.gradients['loss']):.9g}"))
-    kinks = reference.kink_allowance(kink_width)
-    gradients = compare_gradients(record["gradients"], golden, reference.terms, gradient_tol, kinks)
+    gradients = compare_gradients(record["gradients"], golden, reference.terms, gradient_tol,
+                                  reference.kink_allowance(kink_width))
     checks.append(StepCheck(step, "gradients", gradients.rel_err, gradients.tol, gradients.reason)
                   if gradients.passed or math.isfinite(gradients.rel_err) else
                   StepCheck(step, "gradients", math.inf, gradients.tol, gradients.reason))
-    # τ: how far each gradient may be from the golden's, the bound the moments inherit
-    tau = {name: gradient_tol * max(float(np.linalg.norm(g)), float(np.linalg.norm(reference.terms[name])))
-           + kinks.get(name, 0.0) for name, g in golden.items()}
+    tau = gradient_bounds(reference, gradient_tol, kink_width)
     factor, spread = 1.0, 0.0
     if training.clip_norm is not None:
         norm = _norm(golden)
@@ -204,6 +217,16 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
     if not params.finite:
         params = dataclasses.replace(params, detail=params.detail + _why_not_finite(record, params, training, dtype))
     return checks + [params]
+
+
+def step_tolerances(cfg: ModelConfig, case: Case, dtype: str) -> dict[str, float]:
+    """compare_training's bounds for a training case at dtype: the loss's, SPEC §8 at the case's
+    depth; the gradients', at twice it, as every grad- case (§13); the kink width, the loss's (a
+    pre-activation that tolerance cannot tell from 0 may be on either side); and one rounding at
+    dtype for the update."""
+    relative = case.tolerance(cfg, dtype)
+    return {"loss_tol": relative, "gradient_tol": case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)),
+            "kink_width": relative, "rounding": tolerance(dtype, 1, 1)}
 
 
 def compare_training(trace: Any, reference: TrainingReference, dtype: str, loss_tol: float, gradient_tol: float,

@@ -106,10 +106,11 @@ def _is_head(name: str, transposed: bool) -> bool:
 
 
 def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
-                   scheme: QuantizationScheme) -> onnx.ModelProto:
+                   scheme: QuantizationScheme, reduce_range: bool = False) -> onnx.ModelProto:
     """A copy of a float32 graph whose MatMuls on the model's linear weights are MatMulNBits: the
     head's at scheme.head_bits (or left a float MatMul), every other at scheme.bits; a dynamic
-    scheme's are MatMulInteger on int8 weights, their activations quantized at run time."""
+    scheme's are MatMulInteger on int8 weights, their activations quantized at run time (with
+    reduce_range, weights of 7 bits: no pair of products saturates an int16, SPEC §15.2)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
@@ -119,7 +120,7 @@ def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
     head = [matmuls[output] for output, (name, transposed) in names.items() if _is_head(name, transposed)]
     other = [node for output, node in matmuls.items() if output not in names]  # not a parameter's product
     if scheme.dynamic:
-        return _quantized_dynamically(model, head + other if scheme.head_bits is None else other)
+        return _quantized_dynamically(model, head + other if scheme.head_bits is None else other, reduce_range)
     quantized = model  # folded_transposes made it a copy of its own
     for bits, leave in ((scheme.bits, head + other), (scheme.head_bits, other)):
         if bits is None:
@@ -132,9 +133,10 @@ def quantize_graph(model: onnx.ModelProto, params: Mapping[str, np.ndarray],
     return quantized
 
 
-def _quantized_dynamically(model: onnx.ModelProto, leave: list[str]) -> onnx.ModelProto:
-    """onnxruntime's quantize_dynamic on every MatMul but `leave`: int8 weights, symmetric, one
-    scale per tensor; the activations quantized at run time (MatMulInteger)."""
+def _quantized_dynamically(model: onnx.ModelProto, leave: list[str], reduce_range: bool = False) -> onnx.ModelProto:
+    """onnxruntime's quantize_dynamic on every MatMul but `leave`: int8 weights (7-bit with
+    reduce_range), symmetric, one scale per tensor; the activations quantized at run time
+    (MatMulInteger)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     root, level = logging.getLogger(), logging.getLogger().level
@@ -143,7 +145,7 @@ def _quantized_dynamically(model: onnx.ModelProto, leave: list[str]) -> onnx.Mod
         with tempfile.TemporaryDirectory() as folder:
             output = Path(folder) / "quantized.onnx"
             quantize_dynamic(copy.deepcopy(model), output, op_types_to_quantize=["MatMul"],
-                             weight_type=QuantType.QInt8, nodes_to_exclude=leave)
+                             weight_type=QuantType.QInt8, nodes_to_exclude=leave, reduce_range=reduce_range)
             return onnx.load(str(output))
     finally:
         root.setLevel(level)
@@ -265,7 +267,7 @@ def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
         check_block_quantized(weight, f"the {QUANTIZED_OP} writing {output!r}")
         exact, steps = dequantize(weight), block_steps(weight)
         matches = [group for group, value in candidates.items() if value.shape == exact.shape
-                   and np.max(np.abs(exact - value) / steps) <= 1 + 1e-6]
+                   and np.max(np.abs(exact - value) / steps) <= within_a_step(weight.bits)]
         if len(matches) != 1:
             raise WeightsError(f"the {QUANTIZED_OP} writing {output!r} ([{weight.k}, {weight.n}]) lies within one "
                                f"quantization step of {len(matches)} of the model's parameters "
@@ -305,6 +307,14 @@ def graphs_of(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     source = exported(cfg, params, framework="torch", dtype="float32")
     return {role: (onnx.load(str(source / file)), onnx.load(str(directory / file)))
             for role, file in json.loads((directory / "manifest.json").read_text())["graphs"].items()}
+
+
+def within_a_step(bits: int) -> float:
+    """How far, in quantization steps, a stored weight may lie from the parameter it was made from:
+    one (round to nearest leaves half a step inside a block, a clipped block edge one), and the
+    float32 rounding of the quotient w / scale that chose the code, |w / scale| ≤ 2^bits steps times
+    float32's unit roundoff 2^-24."""
+    return 1 + 2**bits * 2.0**-24
 
 
 def block_steps(weight: BlockQuantized) -> np.ndarray:

@@ -148,7 +148,7 @@ def _modern_numbers() -> dict[str, dict]:
     return {"norms": norms, "rope": errors, "attention nodes": _grouped_attention_nodes(),
             "linear": _linear_roundings(), "windows": _window_conventions(), "longrope": _longrope_switch(),
             "softcap": _softcap_conventions(), "top_k": _top_k_ties(), "quantized": _quantized_kernels(),
-            "int8 runtimes": _int8_runtimes()}
+            "int8 runtimes": _int8_runtimes(), "int8 paths": _int8_paths()}
 
 
 def _quantized_kernels() -> dict[str, dict[str, float]]:
@@ -229,6 +229,89 @@ def _int8_runtimes() -> dict[str, dict[str, float]]:
     return {name: {"error": float(np.abs(np.asarray(values, np.float64) - exact).max() / size),
                    "top1": float(np.mean(np.argmax(values, -1) == np.argmax(exact, -1)))}
             for name, values in logits.items()}
+
+
+# oneDNN's cap on the instruction sets it dispatches to, read when CTranslate2 first computes: set in
+# a process of its own, it runs the AVX2 products (VPMADDUBSW, saturating) on a CPU that has VNNI
+CTRANSLATE2_AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _int8_paths() -> dict[str, object]:
+    """llama-tiny's forward-none through quantize_dynamic, its mean KL from the float golden and its
+    top-1 agreement: as onnxruntime computes it on this CPU, and as each CPU class's arithmetic
+    does (export.integer_products, run here whatever the CPU), at 8-bit and at reduce_range's 7-bit
+    weights; and CTranslate2's int8 as it runs here and under oneDNN capped at AVX2."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import onnx
+    import onnxruntime
+
+    from conformance.backends.numpy_backend import golden_output
+    from conformance.cases import build_case
+    from conformance.machine import int8_path
+    from conformance.quantized import cost, real_tokens
+    from export.cache import exported
+    from export.integer_products import with_integer_products
+    from export.quantize import quantize_graph
+    from spec import conformance_params, get_preset
+    from spec.masks import real_tokens as keep_of
+    from spec.quantization import QuantizationScheme
+
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    inputs = build_case(cfg, params, "forward", "none").inputs
+    float_logits, real = golden_output(cfg, params, "forward", inputs), real_tokens(cfg, "forward", inputs)
+    feeds = {"tgt_ids": np.asarray(inputs["tgt_ids"], np.int64), "tgt_keep": keep_of(cfg, inputs["tgt_ids"], "tgt")}
+    float_graph = onnx.load(str(exported(cfg, params, framework="torch", dtype="float32") / "forward.onnx"))
+
+    def measured(logits) -> dict[str, float]:
+        spent = cost(logits, float_logits, real)
+        return {"kl": spent.kl_mean, "top1": spent.top1}
+
+    def run(graph) -> np.ndarray:
+        session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    found: dict[str, object] = {"path": int8_path().describe()}
+    for weights, reduce_range in (("8-bit", False), ("7-bit", True)):
+        graph = quantize_graph(float_graph, params, QuantizationScheme(8, dynamic=True), reduce_range=reduce_range)
+        found[weights] = {"onnxruntime": measured(run(graph)),
+                          "exact": measured(run(with_integer_products(graph, False))),
+                          "saturating": measured(run(with_integer_products(graph, True)))}
+    if importlib.util.find_spec("ctranslate2") is not None:
+        program = "import json; from pages.differences import _ctranslate2_int8; print(json.dumps(_ctranslate2_int8()))"
+        found["ctranslate2"] = {
+            name: json.loads(subprocess.run([sys.executable, "-c", program], env={**os.environ, **extra}, check=True,
+                                            capture_output=True, text=True).stdout.splitlines()[-1])
+            for name, extra in (("here", {}), ("oneDNN capped at AVX2", CTRANSLATE2_AVX2))}
+    return found
+
+
+def _ctranslate2_int8() -> dict[str, float]:
+    """CTranslate2's int8 on llama-tiny's forward-none (its converter on the weights written as a
+    Hugging Face directory): mean KL from the float golden and top-1 agreement, in this process."""
+    import tempfile
+
+    from conformance.backends.ctranslate2_backend import CTranslate2Runner, convert_model
+    from conformance.backends.numpy_backend import golden_output
+    from conformance.cases import build_case
+    from conformance.quantized import cost, real_tokens
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, get_preset
+
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg)
+    inputs = build_case(cfg, params, "forward", "none").inputs
+    with tempfile.TemporaryDirectory() as folder:
+        to_huggingface(cfg, params, Path(folder) / "source", bos_id=1, eos_id=2)
+        model = convert_model(Path(folder) / "source", cfg, Path(folder))
+        logits = CTranslate2Runner(model, cfg, "int8").run("forward", inputs)
+    spent = cost(logits, golden_output(cfg, params, "forward", inputs), real_tokens(cfg, "forward", inputs))
+    return {"kl": spent.kl_mean, "top1": spent.top1}
 
 
 def _top_k_ties() -> dict[str, tuple[float, float]]:
@@ -830,6 +913,37 @@ def _quantized_kernels_rows(measurements: Measurements) -> list[tuple[str, str]]
     ]
 
 
+def _int8_paths_rows(measurements: Measurements) -> list[tuple[str, str]]:
+    """What a dynamic int8 deployment costs on each class of CPU, measured here for both."""
+    paths = measurements.modern["int8 paths"]
+
+    def figures(found: dict[str, float]) -> str:
+        return f"mean KL {found['kl']:.2g}, top-1 {found['top1']:.0%}"
+
+    rows = [(MEASURED, f"This CPU's int8 path: {paths['path']}. llama-tiny's forward-none through onnxruntime's "
+                       "quantize_dynamic, against the float golden: " + "; ".join(
+                           f"{weights} weights{' (reduce_range)' if weights == '7-bit' else ''}: onnxruntime here "
+                           f"{figures(found['onnxruntime'])}, the exact arithmetic {figures(found['exact'])}, the "
+                           f"saturating one {figures(found['saturating'])}" for weights, found in paths.items()
+                           if weights in ("8-bit", "7-bit")) + ".")]
+    if "ctranslate2" in paths:
+        rows.append((MEASURED, "CTranslate2's int8 on the same weights: here " + figures(paths["ctranslate2"]["here"])
+                     + "; in a process whose oneDNN is capped at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`), "
+                     + figures(paths["ctranslate2"]["oneDNN capped at AVX2"]) + "."))
+    return rows + [
+        (EXPLAINED, "An int8 product multiplies u8 activations by s8 weights. With VNNI (VPDPBUSD) or AMX every "
+                    "product is summed in int32, exactly. With AVX2 or AVX-512 alone, VPMADDUBSW first adds each "
+                    "pair of neighbouring products into an int16, clamped to [−32768, 32767], and two large "
+                    "activations against two large weights of one sign (255 · 127 · 2 = 64,770) are cut to 32,767. "
+                    "So the same deployment on the same weights costs more on a CPU without VNNI. onnxruntime "
+                    "(MLAS) and CTranslate2 (oneDNN) pick the kernel from the CPU at run time; the rewrite above "
+                    "computes either arithmetic on any CPU (SPEC.md §15.2)."),
+        (EXPLAINED, "onnxruntime's `reduce_range` quantizes the weights to 7 bits (±64): a pair is then at most "
+                    "255 · 64 · 2 = 32,640 and never saturates, so the cost is the same on every CPU, at the price "
+                    "of one bit of the weights."),
+    ]
+
+
 def _linear_layers(measurements: Measurements) -> list[tuple[str, str]]:
     """How often and how far nnx.Linear's second rounding and impl_jax's Linear differ from torch's
     nn.Linear at float16."""
@@ -997,6 +1111,13 @@ SECTIONS = [
             "stored weight exactly (SPEC.md §15) and runs on it.",
             {"NumPy (golden)": ("spec/quantization.py::unpack", "spec/quantization.py::dequantize")},
             _quantized_kernels_rows),
+    Section("Int8 products: what the CPU's instruction set computes",
+            "A quantize_dynamic deployment quantizes the activations to u8 at run time and multiplies them by s8 "
+            "weights in int32 (MatMulInteger). The spec computes no golden for it; its cost is measured (SPEC.md "
+            "§15.2), and the CPU decides part of it.",
+            {"The CPU's path": "conformance/machine.py::int8_path",
+             "The saturating arithmetic": "export/integer_products.py::_saturating"},
+            _int8_paths_rows),
     Section("Linear layers: where x W + b is rounded",
             "y = x W + b. At a half-precision dtype the product is accumulated in float32 (SPEC.md §8's "
             "u_accumulate) and the bias is added there too, before the one rounding to the model's dtype, as "
@@ -1029,7 +1150,8 @@ def differences_page() -> str:
              "Generated by `rosetta differences --markdown docs/framework-differences.md` from the source files "
              "and from measurements made by the same run (`rosetta probe` for the frameworks' own primitives); "
              "a test regenerates it. The three implementations are parallel texts: same names, same order.", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), "",
+             f"CPU int8 path: {measurements.modern['int8 paths']['path']}", ""]
     for section in SECTIONS:
         lines += [f"## {section.title}", "", section.intro, ""]
         for label, names in section.names.items():

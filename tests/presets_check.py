@@ -4,9 +4,9 @@ torch and jax tests)."""
 import numpy as np
 
 import impl_numpy as golden
-from conformance.cases import SUBLAYERS
 from conformance.tolerance import compare, tolerance
 from spec import get_preset, conformance_params
+from tests.bounds import model_bounds
 
 
 def check_preset_forward(name: str, forward) -> None:
@@ -20,6 +20,8 @@ def check_preset_forward(name: str, forward) -> None:
     tgt = generator.integers(0, cfg.tgt_vocab_size, (2, 5))
     src = generator.integers(0, cfg.src_vocab_size, (2, 6)) if cfg.has_encoder else None
     logits = np.asarray(forward(cfg, params, src, tgt))
-    relative = tolerance("float32", max(cfg.d_model, cfg.d_ff), SUBLAYERS["forward"].depth(cfg))
+    # SPEC §8 for the whole model on these positions, counted as the forward cases count it
+    bounds = model_bounds(cfg, tgt.shape[1], 0 if src is None else src.shape[1])
+    relative = tolerance("float32", bounds["n"], bounds["depth"], bounds["angle"])
     result = compare(logits, golden.forward(cfg, params, src, tgt), relative)
     assert result.passed, result.reason

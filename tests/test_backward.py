@@ -1,6 +1,10 @@
 """The golden VJPs (impl_numpy/backward.py) audited three ways: float64 central differences (along
 random directions, and whole Jacobians on tiny shapes), torch float64 autograd and JAX with x64.
-Cotangents are random and seeded, never a sum() (which makes a norm's input gradient zero)."""
+Cotangents are random and seeded, never a sum() (which makes a norm's input gradient zero).
+
+The bounds are SPEC §8's at float64, never a picked constant: a central difference carries its
+truncation and the forward's rounding over the step (tests/bounds.py), and a framework's
+gradients are held to SPEC §13's comparison, as the gradient cells hold them."""
 
 import math
 
@@ -10,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import impl_numpy as golden
+from conformance.tolerance import compare_gradients, tolerance
 from impl_numpy import backward
+from tests.bounds import assert_derivative
 
 RNG = np.random.default_rng(2026)
 
@@ -118,6 +124,11 @@ def _ffn_vjp(names, x, weights_and_cotangent):
 
 
 CASES = _cases()
+# SPEC §8's n for each case: the longest sum its forward or VJP takes (the inner products, the keys
+# a query sums, a norm's statistics, the 2 × 3 positions a weight's gradient sums over)
+REDUCTIONS = {"linear": 6, "attention-masked": 5, "layer_norm": 6, "std_norm": 6, "feed_forward-gelu": 6,
+              **{f"activation-{name}": 1 for name in backward.ACTIVATION_VJPS}}
+STEP = 1e-6  # the central differences' h: its truncation (|D(2h) − D(h)|) and rounding / h are both counted
 
 
 def _golden_grads(name):
@@ -127,52 +138,77 @@ def _golden_grads(name):
     return inputs, forward, cotangent, vjp(*inputs, cotangent)
 
 
+def _along(inputs, forward, cotangent, index, direction):
+    """f(s) = ⟨cotangent, y⟩ with input `index` moved by s·direction."""
+    def f(s):
+        moved = [x + s * direction if i == index else x for i, x in enumerate(inputs)]
+        return float((forward(*moved) * cotangent).sum())
+    return f
+
+
+def _rounding(name, inputs, forward, cotangent):
+    """How far computing f(s) may be off, in central_difference's terms: SPEC §8 at float64 over
+    the case's sums and the out.size products f adds, relative to their total size Σ|c·y| (f itself
+    may cancel), rescaled to the max(1, |f|) that central_difference multiplies it by."""
+    products = forward(*inputs) * cotangent
+    relative = tolerance("float64", max(REDUCTIONS[name], cotangent.size), 1)
+    return relative * max(1.0, float(np.abs(products).sum())) / max(1.0, abs(float(products.sum())))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_central_differences_along_random_directions(name):
-    """⟨∂x, u⟩ equals (L(x + h u) − L(x − h u)) / 2h, L = ⟨cotangent, y⟩, for each input alone."""
+    """⟨∂x, u⟩ equals (L(x + h u) − L(x − h u)) / 2h, L = ⟨cotangent, y⟩, for each input alone, up to
+    the difference's truncation and rounding."""
     inputs, forward, cotangent, grads = _golden_grads(name)
-    h = 1e-6
+    rounding = _rounding(name, inputs, forward, cotangent)
     for index, grad in enumerate(grads):
         direction = np.random.default_rng(index).standard_normal(inputs[index].shape)
-        plus = [x + h * direction if i == index else x for i, x in enumerate(inputs)]
-        minus = [x - h * direction if i == index else x for i, x in enumerate(inputs)]
-        numeric = ((forward(*plus) - forward(*minus)) * cotangent).sum() / (2 * h)
-        assert np.sum(grad * direction) == pytest.approx(numeric, rel=1e-6, abs=1e-7), f"{name} input {index}"
+        assert_derivative(float(np.sum(grad * direction)), _along(inputs, forward, cotangent, index, direction), STEP,
+                          rounding, f"{name} input {index}")
 
 
 @pytest.mark.parametrize("name", ["attention-masked", "layer_norm", "std_norm", "activation-gelu-tanh"])
 def test_whole_jacobians_by_central_differences(name):
     """Every element of the first input's gradient, one coordinate at a time."""
     inputs, forward, cotangent, grads = _golden_grads(name)
-    h, x = 1e-6, inputs[0]
-    numeric = np.zeros_like(x)
-    for position in np.ndindex(x.shape):
-        step = np.zeros_like(x)
-        step[position] = h
-        numeric[position] = ((forward(x + step, *inputs[1:]) - forward(x - step, *inputs[1:])) * cotangent).sum() / (2 * h)
-    np.testing.assert_allclose(grads[0], numeric, rtol=1e-6, atol=1e-8)
+    rounding = _rounding(name, inputs, forward, cotangent)
+    for position in np.ndindex(inputs[0].shape):
+        step = np.zeros_like(inputs[0])
+        step[position] = 1.0
+        assert_derivative(float(grads[0][position]), _along(inputs, forward, cotangent, 0, step), STEP, rounding,
+                          f"{name} {list(position)}")
+
+
+def _assert_gradients_agree(name, theirs):
+    """SPEC §13's comparison, per input, normwise: ‖g − g*‖ ≤ tol · max(‖g*‖, ‖t*‖), tol §8's at
+    float64 with the case's n and twice one function's depth (the backward re-traverses it), t*
+    the golden without cancellation (softmax's VJP without its row sum)."""
+    inputs, _, cotangent, grads = _golden_grads(name)
+    with backward.without_cancellation():
+        terms = CASES[name][2](*inputs, cotangent)
+    label = [f"input {index}" for index in range(len(grads))]
+    result = compare_gradients(dict(zip(label, (np.asarray(g) for g in theirs))), dict(zip(label, grads)),
+                               dict(zip(label, terms)), tolerance("float64", REDUCTIONS[name], 2))
+    assert result.passed, f"{name}: {result.reason}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_float64_autograd_agrees(name):
-    inputs, _, cotangent, grads = _golden_grads(name)
+    inputs, _, cotangent, _ = _golden_grads(name)
     tensors = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in inputs]
     out = CASES[name][3](*tensors)
-    theirs = torch.autograd.grad(out, tensors, torch.from_numpy(cotangent))
-    for index, (ours, their) in enumerate(zip(grads, theirs)):
-        np.testing.assert_allclose(ours, their.numpy(), rtol=1e-10, atol=1e-12, err_msg=f"{name} input {index}")
+    _assert_gradients_agree(name, [g.numpy() for g in torch.autograd.grad(out, tensors, torch.from_numpy(cotangent))])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_jax_x64_agrees(name):
     jax = pytest.importorskip("jax")
-    inputs, _, cotangent, grads = _golden_grads(name)
+    inputs, _, cotangent, _ = _golden_grads(name)
     with jax.enable_x64(True):
         arrays = [jax.numpy.asarray(x, dtype=jax.numpy.float64) for x in inputs]
         _, pullback = jax.vjp(CASES[name][4], *arrays)
-        theirs = pullback(jax.numpy.asarray(cotangent))
-    for index, (ours, their) in enumerate(zip(grads, theirs)):
-        np.testing.assert_allclose(ours, np.asarray(their), rtol=1e-10, atol=1e-12, err_msg=f"{name} input {index}")
+        theirs = [np.asarray(g) for g in pullback(jax.numpy.asarray(cotangent))]
+    _assert_gradients_agree(name, theirs)
 
 
 def test_masked_positions_get_exactly_zero_gradient():

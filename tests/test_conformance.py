@@ -408,10 +408,11 @@ def test_python_dash_m_rosetta():
 
 
 def test_float32_headroom_under_the_policy(matrices):
-    """A correct float32 implementation must sit well inside the tolerance (SPEC.md §8 says the
-    golden's own float32 uses at most ~0.14 of it); if this creeps up, the policy is too tight."""
+    """A correct float32 implementation must sit well inside the tolerance: at or below half of it,
+    the headroom SPEC.md §8 states for every correct implementation (the golden's own float32 was
+    calibrated at 0.13); if this creeps up, the policy is too tight."""
     worst = max(r.ratio for cells in matrices.values() for r in cells.values() if r.ratio is not None)
-    assert worst < 0.3
+    assert worst < 0.5
 
 
 def test_check_model_is_rosetta_check_from_python(tmp_path, capsys):

@@ -1,14 +1,18 @@
 """Dropout with given keep-masks (SPEC.md §5.10): the sites, the checks, the golden forward and
-backward with masks audited by central differences, and PyTorch and JAX dropping the same units."""
+backward with masks audited by central differences, and PyTorch and JAX dropping the same units.
+The bounds are SPEC §8's at float64 (tests/bounds.py), counted as tests/test_backward_model.py counts
+them for the same configurations and batch."""
 
 import numpy as np
 import pytest
 
 import impl_numpy as golden
+from conformance.cases import SUBLAYERS
 from impl_numpy import backward
 from spec.dropout import check_dropout_masks, draw_dropout_masks, dropout_sites
 from spec.errors import InputError
-from tests.test_backward_model import CONFIGS, _batch
+from tests.bounds import assert_agrees, assert_derivative, assert_differs, model_bounds
+from tests.test_backward_model import CONFIGS, STEP, _batch, _loss_rounding, _reduction
 
 DROPPED = {name: cfg.replace(dropout=0.25) for name, cfg in CONFIGS.items()}
 
@@ -54,15 +58,16 @@ def test_the_golden_backward_with_dropout_agrees_with_central_differences(name):
     masks = _masks(cfg, src, tgt)
     p = golden.cast_params(cfg, __import__("spec").conformance_params(cfg, seed=1))
     loss, grads = backward.loss_and_gradients(cfg, p, src, tgt, targets, dropout_masks=masks)
-    assert loss == pytest.approx(_loss(cfg, p, src, tgt, targets, masks), rel=1e-14)
-    assert loss != pytest.approx(_loss(cfg, p, src, tgt, targets, None), rel=1e-3)  # the masks matter
+    # the same computation: loss_and_gradients runs model_logits and token_cross_entropy on these inputs
+    assert loss == _loss(cfg, p, src, tgt, targets, masks)
+    assert_differs(loss, _loss(cfg, p, src, tgt, targets, None), n=_reduction(cfg, (src, tgt, targets)),
+                   depth=SUBLAYERS["loss"].depth(cfg), what="the masks matter")
+    rounding = _loss_rounding(cfg, (src, tgt, targets))
     for index, name_ in enumerate(p):
         direction = np.random.default_rng(index).standard_normal(p[name_].shape)
-        h = 1e-5
-        numeric = (_loss(cfg, {**p, name_: p[name_] + h * direction}, src, tgt, targets, masks)
-                   - _loss(cfg, {**p, name_: p[name_] - h * direction}, src, tgt, targets, masks)) / (2 * h)
-        analytic = float(np.sum(grads[name_] * direction))
-        assert abs(numeric - analytic) <= 1e-6 * max(abs(analytic), 1e-4), name_
+        assert_derivative(float(np.sum(grads[name_] * direction)),
+                          lambda s: _loss(cfg, {**p, name_: p[name_] + s * direction}, src, tgt, targets, masks),
+                          STEP, rounding, name_)
 
 
 def test_the_frameworks_refuse_bad_masks_too():
@@ -79,7 +84,7 @@ def test_the_frameworks_refuse_bad_masks_too():
     logits = model(None, tgt, dropout_masks=masks).detach().numpy()
     golden_logits = golden.model_logits(cfg, golden.cast_params(cfg, __import__("spec").conformance_params(cfg, seed=1)),
                                         None, tgt, dropout_masks=masks)
-    assert np.abs(logits - golden_logits).max() < 1e-12
+    assert_agrees(logits, golden_logits, **model_bounds(cfg, tgt.shape[1]))
 
 
 def test_the_dropout_cells_pass_and_see_an_unscaled_dropout():

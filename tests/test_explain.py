@@ -84,7 +84,7 @@ def _forward_explanation(preset, names, mask_case="pad_right"):
 ])
 def test_a_planted_omission_is_named_and_only_it(preset, planted):
     found = _forward_explanation(preset, planted)
-    assert found.trials[0].ratio > 1.0  # the planted port fails the spec
+    assert found.trials[0].ratio > 1.0  # the planted port fails the spec: its error beyond the tolerance
     assert [trial.omissions for trial in found.explained_by] == [planted], found.table()
     assert found.verdict() == "the golden's with " + ", ".join(planted)
     assert "<- explains it" in found.table()

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import impl_numpy as golden
-from conformance.cases import EOS_ID, SUBLAYERS
+from conformance.cases import EOS_ID
 from conformance.tolerance import compare, compare_generation, tolerance
 from export.cache import exported
 from export.graphs import DECODER_STEP_IN_PLACE, ENCODER, FORWARD, roles, signature
@@ -31,6 +31,7 @@ from export.runner import (CPU, OnnxTransformer, ProviderFallbackError, cuda_ava
                            nvidia_library_paths)
 from export.torch_export import torch_roles
 from spec import SPEC_VERSION, InputError, ModelConfig, get_preset, conformance_params, params_digest
+from tests.bounds import assert_agrees, model_bounds
 
 PRESETS = ("tiny", "char-lm")  # an encoder-decoder and a decoder-only model
 DTYPES = ("float32", "float16")
@@ -72,14 +73,17 @@ SHAPES = {"b1-len1": (1, 1, 1), "b1-longer": (1, 11, 13), "b4": (4, 3, 2), "b3-l
 PADDINGS = ("none", "pad_right", "all_pad")
 
 
-def _reduction(cfg: ModelConfig, src_len: int, tgt_len: int) -> int:
-    """As the catalogue's whole-model cases: the widest inner product, or the squared last
-    position (a sinusoid's angle carries its rounding times the position)."""
-    return max(cfg.d_model, cfg.d_ff, (max(src_len, tgt_len) + 3) ** 2)
+def _bounds(cfg: ModelConfig, src_len: int, tgt_len: int) -> dict:
+    """As the catalogue's whole-model cases (tests.bounds.model_bounds): the widest inner product,
+    the keys, or the squared positions (a sinusoid's angle carries its rounding times the position);
+    the whole model's depth; the rotary angle at the last position."""
+    return model_bounds(cfg, tgt_len, src_len if cfg.has_encoder else 0)
 
 
-def _depth(cfg) -> int:
-    return SUBLAYERS["forward"].depth(cfg)  # the catalogue's whole-model depth
+def _tolerance(cfg: ModelConfig, dtype: str, src_len: int, tgt_len: int) -> float:
+    """SPEC §8's relative tolerance at dtype for a whole-model run of these lengths."""
+    bounds = _bounds(cfg, src_len, tgt_len)
+    return tolerance(dtype, bounds["n"], bounds["depth"], bounds["angle"])
 
 
 def _forward_cells():
@@ -108,7 +112,7 @@ def test_forward_matches_golden(preset, shape, padding, dtype, framework):
     got = model.forward(src, tgt)
     assert got.dtype == np.dtype(dtype)
     want = golden.forward(cfg, params, src, tgt)
-    result = compare(got.astype(np.float64), want, tolerance(dtype, _reduction(cfg, src_len, tgt_len), _depth(cfg)))
+    result = compare(got.astype(np.float64), want, _tolerance(cfg, dtype, src_len, tgt_len))
     assert result.passed, result.reason or f"error {result.max_abs_err:.3g} > tol {result.tol:.3g}"
 
 
@@ -135,8 +139,9 @@ def test_greedy_tokens_equal_golden(preset, dtype, device):
     if dtype == "float32":
         np.testing.assert_array_equal(tokens, want)
     else:  # half precision may flip a near-tie: the policy's token check allows exactly that
-        result = compare_generation(tokens, want, step_logits, tolerance(dtype, _reduction(cfg, 6, new_tokens), _depth(cfg)),
-                                    EOS_ID)
+        # the last step's keys: the source's 6 and the start token, or the prompt's 5, then the new tokens
+        positions = (1 if cfg.has_encoder else 5) + new_tokens
+        result = compare_generation(tokens, want, step_logits, _tolerance(cfg, dtype, 6, positions), EOS_ID)
         assert result.passed, result.reason
 
 
@@ -162,7 +167,7 @@ def test_decoder_steps_equal_forward(preset):
         steps.append(logits)
         assert {_addresses(cache.past), _addresses(cache.spare)} == buffers
     assert cache.length == cache.capacity == 7
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-5 * np.abs(full).max())
+    assert_agrees(np.concatenate(steps, axis=1), full, **_bounds(cfg, 5, 7), dtype="float32")
     with pytest.raises(InputError, match="the cache holds 7 positions; 7 are used and 1 more do not fit"):
         model.decode_step(cache, tgt[:, :1])
 
@@ -176,7 +181,7 @@ def test_a_cache_continued_two_ways_is_refused_unless_copied():
     rng = np.random.default_rng(12)
     src, tgt = _ids(rng, cfg, 2, 5, cfg.src_vocab_size, "none"), _ids(rng, cfg, 2, 4, cfg.tgt_vocab_size, "none")
     full = model.forward(src, tgt)
-    scale = 1e-5 * np.abs(full).max()
+    bounds = _bounds(cfg, 5, 4)  # two float32 computations of the logits
     root = model.start_cache(2, 4, src)
     _, prefix = model.decode_step(root, tgt[:, :2])
     branch = prefix.copy()
@@ -185,9 +190,9 @@ def test_a_cache_continued_two_ways_is_refused_unless_copied():
     with pytest.raises(InputError, match="another branch"):
         model.decode_step(one, tgt[:, 3:4])
     logits, _ = model.decode_step(branch, tgt[:, 2:3])  # the copy was taken before: its own buffers
-    np.testing.assert_allclose(logits, full[:, 2:3], rtol=0, atol=scale)
+    assert_agrees(logits, full[:, 2:3], **bounds, dtype="float32", what="the copy")
     logits, _ = model.decode_step(root, tgt[:, :3])  # a rewind to the start of the line
-    np.testing.assert_allclose(logits, full[:, :3], rtol=0, atol=scale)
+    assert_agrees(logits, full[:, :3], **bounds, dtype="float32", what="the rewind")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,7 +202,7 @@ def test_torch_and_jax_exports_agree(preset, dtype):
     rng = np.random.default_rng(5)
     src = _ids(rng, cfg, 3, 8, cfg.src_vocab_size, "pad_right") if cfg.has_encoder else None
     tgt = _ids(rng, cfg, 3, 6, cfg.tgt_vocab_size, "pad_right")
-    relative = tolerance(dtype, _reduction(cfg, 8, 6), _depth(cfg))
+    relative = _tolerance(cfg, dtype, 8, 6)
     a, b = from_torch.forward(src, tgt).astype(np.float64), from_jax.forward(src, tgt).astype(np.float64)
     result = compare(a, b, 2 * relative)  # each within the tolerance of the golden
     assert result.passed, result.reason or f"torch vs jax export: {result.max_abs_err:.3g} > {result.tol:.3g}"
@@ -255,7 +260,7 @@ def test_fallback_opset_decomposes_attention():
     np.testing.assert_array_equal(tokens, golden.greedy_generate(cfg, params, src, bos_id=1, eos_id=2,
                                                                  max_new_tokens=6))
     result = compare(got.astype(np.float64), golden.forward(cfg, params, src, tgt),
-                     tolerance("float32", _reduction(cfg, 9, 4), _depth(cfg)))
+                     _tolerance(cfg, "float32", 9, 4))
     assert result.passed and not np.isnan(got).any()
 
 
@@ -394,9 +399,9 @@ def test_cuda_tf32_is_onnxruntimes_default_and_within_tf32s_tolerance(preset):
     want = golden.forward(cfg, params, src, tgt)
     rounded = OnnxTransformer(directory, device="cuda", tf32=True).forward(src, tgt).astype(np.float64)
     exact = OnnxTransformer(directory, device="cuda").forward(src, tgt).astype(np.float64)
-    assert compare(exact, want, tolerance("float32", _reduction(cfg, 9, 12), _depth(cfg))).passed
-    assert compare(rounded, want, tolerance("tf32", _reduction(cfg, 9, 12), _depth(cfg))).passed
-    assert not compare(rounded, want, tolerance("float32", _reduction(cfg, 9, 12), _depth(cfg))).passed
+    assert compare(exact, want, _tolerance(cfg, "float32", 9, 12)).passed
+    assert compare(rounded, want, _tolerance(cfg, "tf32", 9, 12)).passed
+    assert not compare(rounded, want, _tolerance(cfg, "float32", 9, 12)).passed
 
 
 @pytest.mark.gpu
@@ -413,7 +418,7 @@ def test_cuda_every_node_on_cuda_and_matches_golden(preset, dtype):
     src = _ids(rng, cfg, 3, 9, cfg.src_vocab_size, "all_pad") if cfg.has_encoder else None
     tgt = _ids(rng, cfg, 3, 5, cfg.tgt_vocab_size, "pad_right")
     result = compare(model.forward(src, tgt).astype(np.float64), golden.forward(cfg, params, src, tgt),
-                     tolerance(dtype, _reduction(cfg, 9, 5), _depth(cfg)))
+                     _tolerance(cfg, dtype, 9, 5))
     assert result.passed, result.reason
 
 
@@ -628,7 +633,7 @@ def test_a_graph_too_large_for_protobuf_keeps_its_weights_beside_it(tmp_path, mo
     ids = np.array([[5, 9, 3, 7], [2, 8, 4, 1]], dtype=np.int64)
     logits = OnnxTransformer(directory).forward(None, ids)
     expected = golden.forward(cfg, params, None, ids)
-    assert compare(logits.astype(np.float64), expected, tolerance("float32", cfg.d_ff, _depth(cfg))).passed
+    assert compare(logits.astype(np.float64), expected, _tolerance(cfg, "float32", 0, ids.shape[1])).passed
     (directory / "forward.onnx.data").rename(tmp_path / "moved")  # an entry without its weights is not whole
     assert exported(cfg, params, framework=framework, dtype="float32") == directory
     assert (directory / "forward.onnx.data").is_file()  # made again

@@ -13,10 +13,13 @@ import torch
 
 import impl_numpy as golden
 import impl_torch.model as torch_model
+from conformance.cases import SUBLAYERS
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
+from conformance.tolerance import compare_gradients, tolerance
 from impl_numpy import backward
 from spec import ConfigError, ModelConfig, conformance_params, get_preset
 from spec.routing import check_recorded_routing
+from tests.bounds import assert_agrees, assert_derivative, assert_differs, model_bounds
 
 
 def _weighted(preset: str, weight: float) -> ModelConfig:
@@ -47,6 +50,25 @@ def _golden(name):
     return cfg, params, p, tgt, targets, loss, grads
 
 
+def _policy(dtype: str, bounds: dict) -> float:
+    """tolerance() of bounds given as assert_agrees takes them."""
+    return tolerance(dtype, bounds["n"], bounds["depth"], bounds["angle"])
+
+
+def _loss_bounds(cfg: ModelConfig, tgt: np.ndarray) -> dict:
+    """SPEC §8's n, depth and angle for the training loss on tgt, as conformance/cases.py's loss
+    case counts them: the whole model's, and the log-softmax's sum over the vocabulary."""
+    bounds = model_bounds(cfg, tgt.shape[1])
+    return {**bounds, "n": max(bounds["n"], cfg.tgt_vocab_size), "depth": SUBLAYERS["loss"].depth(cfg)}
+
+
+def _gradient_bounds(cfg: ModelConfig, tgt: np.ndarray) -> dict:
+    """The gradients': a weight's also sums over every position of the batch, and a backward
+    re-traverses the forward's chain (grad-loss: twice the loss's depth)."""
+    bounds = _loss_bounds(cfg, tgt)
+    return {**bounds, "n": max(bounds["n"], tgt.size), "depth": SUBLAYERS["grad-loss"].depth(cfg)}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_goldens_gradient_is_central_differences(name):
     cfg, _, p, tgt, targets, loss, grads = _golden(name)
@@ -54,35 +76,40 @@ def test_the_goldens_gradient_is_central_differences(name):
     without, plain_grads = backward.loss_and_gradients(plain, p, None, tgt, targets)
     assert loss > without  # the term is there, and reaches the routers' gradients
     router = "decoder.layers.1.ffn.router.weight"
-    assert np.linalg.norm(grads[router] - plain_grads[router]) > 1e-3 * np.linalg.norm(grads[router])
+    assert_differs(grads[router], plain_grads[router], **_gradient_bounds(cfg, tgt))
+    rounding = _policy("float64", _loss_bounds(cfg, tgt))  # of the loss each difference takes
     for index, name_ in enumerate(p):
         direction = np.random.default_rng(index).standard_normal(p[name_].shape)
         h = 1e-6  # the differences' truncation error goes as h² (Qwen3-MoE's router: 2e-6 of it at h = 1e-5)
-        numeric = (golden.training_loss(cfg, {**p, name_: p[name_] + h * direction}, None, tgt, targets)
-                   - golden.training_loss(cfg, {**p, name_: p[name_] - h * direction}, None, tgt, targets)) / (2 * h)
         analytic = float(np.sum(grads[name_] * direction))
-        assert abs(numeric - analytic) <= 1e-6 * max(abs(analytic), 1e-4), name_
+        assert_derivative(analytic, lambda s: golden.training_loss(cfg, {**p, name_: p[name_] + s * direction}, None,
+                                                                   tgt, targets), h, rounding, what=name_)
 
 
-def _assert_agree(theirs, grads):
-    for name, ours in grads.items():
-        assert np.linalg.norm(theirs[name] - ours) <= 1e-10 * max(np.linalg.norm(ours), 1e-300), name
+def _assert_agree(cfg, p, tgt, targets, theirs, grads):
+    """SPEC §13's comparison of every gradient: normwise, against the larger of the gradient and the
+    terms it sums (the golden without cancellation), at the grad-loss case's tolerance."""
+    with backward.without_cancellation():
+        _, terms = backward.loss_and_gradients(cfg, p, None, tgt, targets)
+    result = compare_gradients(theirs, grads, terms, _policy("float64", _gradient_bounds(cfg, tgt)))
+    assert result.passed, result.reason
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "math"])  # the batched experts, and the loop
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_torch_float64_autograd_agrees(name, attention):
-    cfg, params, _, tgt, targets, loss, grads = _golden(name)
+    cfg, params, p, tgt, targets, loss, grads = _golden(name)
     model = torch_model.Transformer.from_params(cfg, params, dtype=torch.float64, attention=attention)
     with torch_model.recorded_routers() as routed:
         logits = model(None, tgt)
     their_loss = torch_model.training_loss(cfg, logits, targets, tgt, routed)
     their_loss.backward()
     transposed, named = torch_model._linear_weight_names(model), dict(model.named_parameters())
-    assert float(their_loss.detach()) == pytest.approx(loss, rel=1e-13)
+    assert_agrees(float(their_loss.detach()), loss, **_loss_bounds(cfg, tgt))
     # the loop form's expert that no token chose has no .grad: its gradient is 0
     found = {name: torch.zeros_like(named[name]) if named[name].grad is None else named[name].grad for name in params}
-    _assert_agree({name: (found[name].T if name in transposed else found[name]).numpy() for name in params}, grads)
+    _assert_agree(cfg, p, tgt, targets,
+                  {name: (found[name].T if name in transposed else found[name]).numpy() for name in params}, grads)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
@@ -93,7 +120,7 @@ def test_jax_x64_agrees(name, attention):
 
     from impl_jax.model import Transformer, _variable, training_loss
 
-    cfg, params, _, tgt, targets, loss, grads = _golden(name)
+    cfg, params, p, tgt, targets, loss, grads = _golden(name)
     with jax.enable_x64(True):
         model = Transformer.from_params(cfg, params, dtype="float64", attention=attention)
 
@@ -103,8 +130,8 @@ def test_jax_x64_agrees(name, attention):
 
         their_loss, state = nnx.value_and_grad(loss_of)(model)
         nnx.update(model, state)
-        assert float(their_loss) == pytest.approx(loss, rel=1e-13)
-        _assert_agree({name: np.asarray(_variable(model, name)[...]) for name in params}, grads)
+        assert_agrees(float(their_loss), loss, **_loss_bounds(cfg, tgt))
+        _assert_agree(cfg, p, tgt, targets, {name: np.asarray(_variable(model, name)[...]) for name in params}, grads)
 
 
 def test_the_definition_is_transformers_load_balancing_loss():
@@ -121,9 +148,11 @@ def test_the_definition_is_transformers_load_balancing_loss():
     theirs = modeling.load_balancing_loss_func(
         tuple(torch.from_numpy(np.log(layer.reshape(-1, cfg.moe.n_experts))) for layer in probabilities),
         cfg.moe.n_experts, cfg.moe.experts_per_token, torch.from_numpy(keep.astype(np.int64)))
-    assert float(theirs) == pytest.approx(ours, rel=1e-6)  # transformers sums in float32
+    # a mean over the L layers' tokens is its longest sum; transformers sums in float32
+    tokens = len(probabilities) * keep.size
+    assert_agrees(float(theirs), ours, n=tokens, dtype="float32")
     everywhere = golden.load_balancing_loss(probabilities, chosen, np.ones_like(keep))
-    assert abs(everywhere - ours) > 1e-3 * ours  # the pads' routing would count otherwise
+    assert_differs(everywhere, ours, n=tokens)  # the pads' routing would count otherwise
     assert golden.load_balancing_loss(probabilities, chosen, np.zeros_like(keep)) == 0.0
 
 

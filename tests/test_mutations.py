@@ -73,6 +73,7 @@ def test_correct_backends_localize_to_nothing():
         assert names == ["src embedding", "encoder.layers.0", "encoder.layers.1", "tgt embedding",
                          "decoder.layers.0", "decoder.layers.1", "head"]
         assert localization.first_failure is None
+        # SPEC §8's headroom: a correct implementation stays at or below half the tolerance
         assert all(stage.isolated_ratio < 0.5 and stage.chained_ratio < 0.5 for stage in localization.stages)
 
 

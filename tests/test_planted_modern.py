@@ -16,10 +16,13 @@ import pytest
 import torch
 
 import impl_torch.model as torch_model
+from conformance.cases import build_case
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
+from conformance.tolerance import UNIT_ROUNDOFF
 from spec import conformance_params, get_preset
 
 _rotary = torch_model.rotary
+LLAMA = get_preset("llama-tiny")
 
 
 def _interleaved_rotary(cfg, x, positions):
@@ -213,22 +216,33 @@ def test_statistics_in_bfloat16_stay_within_its_rounding(monkeypatch):
     correct = _column(monkeypatch, None, "llama-tiny", "bfloat16")
     planted = _column(monkeypatch, "rms_statistics_in_the_activation_dtype", "llama-tiny", "bfloat16")
     assert all(result.status == PASS for result in planted.values())
-    assert max(r.ratio for r in planted.values()) < 0.6
-    assert planted["norm-large"].ratio < 3 * correct["norm-large"].ratio
+    # within SPEC §8's headroom for a correct implementation (at or below half the tolerance)
+    assert max(r.ratio for r in planted.values()) < 0.5
+    # x², its mean and + ε rounded to bfloat16 (each halved by the root) and the root itself: 2.5
+    # roundings of 2⁻⁸ on each output element, 3 with the casts after them landing apart; the
+    # output's size is the cell's absolute tolerance over its relative one
+    size = correct["norm-large"].tol / build_case(LLAMA, conformance_params(LLAMA), "norm", "large").tolerance(
+        LLAMA, "bfloat16")
+    assert planted["norm-large"].max_abs_err <= correct["norm-large"].max_abs_err + 3 * UNIT_ROUNDOFF["bfloat16"] * size
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny"])
 def test_far_cells_fail_interleaved_rope_by_a_margin_like_the_near_cells(monkeypatch, preset):
     """The rotary tolerance grows with the angle that rounds (SPEC §8), not with p² for every
     element: at float32 the far cells' margin against the interleaved layout is within 10× of
-    their near twins' (it was 40–130× with n = p²), and a correct far cell's error is no longer
-    below 1/100 of its tolerance (it was 1/470 to 1/1000)."""
+    their near twins' (it was 40–130× with n = p²), and a correct far cell stays inside the
+    policy's headroom (measured at 0.017–0.079 of its tolerance, where n = p² put it at 1/470 to
+    1/1000)."""
     correct = _column(monkeypatch, None, preset, "float32")
     interleaved = _column(monkeypatch, "interleaved_rope", preset, "float32")
     for near, far in (("mha-none", "mha-far"), ("forward-none", "forward-long")):
         assert interleaved[near].status == interleaved[far].status == FAIL
+        # Not a bound on rounding: two planted errors, each O(1) of the outputs, over their
+        # tolerances (a formula), so the same on every CPU: 1.3–9.4× on these presets, 40–130× with
+        # n = p², 10 between them. A lower bound on a correct cell's error would be one on its
+        # rounding, which another CPU's order of summation may make smaller: not asserted.
         assert interleaved[near].ratio / interleaved[far].ratio < 10, (near, far)
-        assert correct[far].ratio > 1 / 100, far
+        assert correct[far].ratio <= 0.5, far  # SPEC §8's headroom of a correct implementation
 
 
 # ---- the same Gemma mistakes planted in impl_jax ------------------------------------------------

@@ -13,11 +13,15 @@ import json
 import numpy as np
 import pytest
 
-from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, format_quantized, judge_quantized,
-                                  parse_budget, stored_as_scheme)
+from conformance.backends.numpy_backend import golden_output
+from conformance.cases import build_case
+from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, cost, format_quantized, generation_cost,
+                                  judge_quantized, parse_budget, real_tokens, stored_as_scheme)
+from conformance.tolerance import compare
 from spec import conformance_params, get_preset
 from spec.errors import WeightsError
 from spec.quantization import QuantizationScheme
+from tests.bounds import assert_agrees
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
@@ -41,27 +45,61 @@ def _deployment(preset, scheme, tmp_path, plant=None):
     return cfg, params, planted.runner, planted.deployed
 
 
+def _stored_cost(cfg, params, stored_cfg, stored_params, case_name):
+    """The cost of the golden run on stored_params against the float golden, on a logits case: what
+    quantization costs before any kernel computes it (both goldens in float64)."""
+    sublayer, mask_case = case_name.split("-", 1)
+    inputs = build_case(cfg, params, sublayer, mask_case).inputs
+    return cost(golden_output(stored_cfg, stored_params, sublayer, inputs),
+                golden_output(cfg, params, sublayer, inputs), real_tokens(cfg, sublayer, inputs))
+
+
+def _assert_the_cost_is_the_stored_weights(cfg, params, deployed, cells):
+    """A weight-only deployment costs what its stored weights cost, whatever the kernel's rounding:
+    per logits cell, |KL(p‖q) − KL(p‖q′)| ≤ max_i |log q_i − log q′_i| ≤ 2·max|Δlogits| (log-softmax
+    moves by at most twice the largest logit change), where q′ is the golden's on the stored weights
+    and max|Δlogits| the cell's implementation max_abs_err; the KLs' own float64 rounding (about
+    V·u·max|log p|, some 1e-13) is far below it. Each generation is the stored weights' tokens where
+    the implementation accepted no near-tie. And quantizing the weights costs something: KL > 0."""
+    for cell in cells:
+        assert not cell.left_out, (cell.case, cell.left_out)  # every row computed: each cost is over all its tokens
+        sublayer, mask_case = cell.case.split("-", 1)
+        if isinstance(cell.cost, GenerationCost):
+            inputs = build_case(cfg, params, sublayer, mask_case).inputs
+            stored = generation_cost(golden_output(deployed.cfg, deployed.params, sublayer, inputs)[0],
+                                     golden_output(cfg, params, sublayer, inputs)[0])
+            assert cell.implementation.reason or cell.cost == stored, (cell.case, cell.cost, stored)
+            continue
+        stored = _stored_cost(cfg, params, deployed.cfg, deployed.params, cell.case)
+        moved = 2 * cell.implementation.max_abs_err
+        assert stored.kl_mean > 0, cell.case
+        assert abs(cell.cost.kl_mean - stored.kl_mean) <= moved, (cell.case, cell.cost.kl_mean, stored.kl_mean, moved)
+        assert abs(cell.cost.kl_max - stored.kl_max) <= moved, (cell.case, cell.cost.kl_max, stored.kl_max, moved)
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_the_quantized_export_computes_the_golden_on_the_weights_it_stores(tmp_path, name):
     """llama-tiny at 4 bits (symmetric, and with zero points and an 8-bit head) and 8 bits: every
-    cell within float32's tolerance of the golden on the dequantized weights (measured at 0.03-0.08
-    of it), the stored weights as the scheme says, and the cost measured: 8 bits' KL far below 4's."""
+    cell within float32's tolerance of the golden on the dequantized weights, with SPEC §8's
+    headroom (at most half of it; measured 0.03-0.09), the stored weights as the scheme says, and
+    the cost measured: the stored weights' own, KL > 0, the kernel moving it by no more than its
+    rounding allows."""
     scheme = SCHEMES[name]
     cfg, params, runner, deployed = _deployment("llama-tiny", scheme, tmp_path)
     cells = judge_quantized(cfg, params, scheme, runner, deployed)
     assert [cell.case for cell in cells] == list(QUANTIZED_CASES)
     for cell in cells:
         assert cell.implementation.passed, (cell.case, cell.implementation)
-        assert cell.implementation.ratio < 0.5
+        assert cell.implementation.ratio < 0.5  # SPEC §8: a correct implementation stays within half its tolerance
     assert stored_as_scheme(cfg, scheme, deployed) == []
     assert set(deployed.stored) == {n for n in params if n.endswith(".weight") and params[n].ndim == 2
                                     and "embed" not in n and (scheme.head_bits or n != "head.weight")}
     logits = [cell.cost for cell in cells if isinstance(cell.cost, Cost)]
     assert len(logits) == 5 and all(spent.tokens > 0 and 0 <= spent.top1 <= 1 for spent in logits)
-    kl = max(spent.kl_mean for spent in logits)
-    assert (kl < 1e-3) if scheme.bits == 8 else (1e-3 < kl < 0.1), kl
+    _assert_the_cost_is_the_stored_weights(cfg, params, deployed, cells)
     generations = [cell.cost for cell in cells if isinstance(cell.cost, GenerationCost)]
-    assert len(generations) == 2  # 8 bits keeps the float golden's greedy tokens here, 4 bits parts at once
+    # the stored weights' tokens (float64 goldens on exact data): 8 bits keeps the float golden's here, 4 parts at once
+    assert len(generations) == 2
     assert all((spent.first_parted is None) == (scheme.bits == 8) for spent in generations), generations
 
 
@@ -85,20 +123,22 @@ def _swap_nibbles(weight):
                          ids=["nibbles swapped", "zero point off by one", "scales on the wrong axis"])
 def test_a_wrong_reading_of_the_layout_fails_the_implementation_reference(tmp_path, monkeypatch, misreading):
     """The golden's reading of what the graph stores, planted wrong in every weight: the kernel's
-    logits are then many tolerances from the golden's (llama-tiny, int4 symmetric; blocks of 16 so
-    that each column holds several blocks, for the scales to have an axis to be read along wrongly)."""
+    logits are then beyond float32's tolerance of the golden's (llama-tiny, int4 symmetric; blocks of
+    16 so that each column holds several blocks, for the scales to have an axis to be read along
+    wrongly)."""
     dequantize = quantize.dequantize
     monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(misreading(weight)))
     scheme = QuantizationScheme(4, 16, True)
     cfg, params, runner, deployed = _deployment("llama-tiny", scheme, tmp_path)
     cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
-    assert not cell.implementation.passed and cell.implementation.ratio > 10, cell.implementation.ratio
+    assert not cell.implementation.passed, cell.implementation.ratio
 
 
 def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
     """A layer left in float, a head at 4 bits where the scheme says 8, and two layers' weights
     swapped: each named by the stored-weights check (the swap is not the implementation reference's
-    to see: the kernel computes what the golden reads; the cost sees it)."""
+    to see: the kernel computes what the golden reads; the cost sees it: above the right
+    deployment's, and its logits beyond float32's tolerance of the right deployment's)."""
     scheme = QuantizationScheme(4, 32, True, head_bits=8)
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg)
@@ -118,7 +158,16 @@ def test_a_deployment_that_stores_otherwise_than_its_scheme_is_named(tmp_path):
                                                           "decoder.layers.1.ffn.w3.weight"]
     assert all("quantization steps from the parameter" in line for line in problems)
     cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
-    assert cell.implementation.passed and cell.cost.kl_mean > 0.05
+    assert cell.implementation.passed
+    # the right deployment's stored weights: the swapped pair wired back (each node's own codes and scales)
+    right = {**deployed.params, w1: deployed.params[w3], w3: deployed.params[w1]}
+    right_cost = _stored_cost(cfg, params, deployed.cfg, right, "forward-none")
+    # more than the right weights cost, by more than the kernel's rounding moves a KL (2·max|Δlogits|)
+    assert cell.cost.kl_mean > right_cost.kl_mean + 2 * cell.implementation.max_abs_err, (cell.cost, right_cost)
+    case = build_case(cfg, params, "forward", "none")
+    told_apart = compare(runner.run("forward", case.inputs), golden_output(deployed.cfg, right, "forward", case.inputs),
+                         case.tolerance(cfg, "float32"), case.floor)
+    assert not told_apart.passed, told_apart
 
 
 def test_a_block_size_the_codes_do_not_have_is_refused_by_name(tmp_path):
@@ -145,8 +194,6 @@ def test_a_generation_s_cost_is_where_its_tokens_part():
 
 
 def test_the_cost_and_its_budget():
-    from conformance.quantized import cost
-
     rng = np.random.default_rng(0)
     reference = rng.standard_normal((2, 3, 7))
     same = cost(reference, reference, np.ones((2, 3), bool))
@@ -155,11 +202,16 @@ def test_the_cost_and_its_budget():
     flipped[0, 0] = -flipped[0, 0]  # the first token's distribution turned over: its top-1 changes
     real = np.array([[True, True, False], [True, False, False]])
     spent = cost(flipped, reference, real)
-    assert spent.tokens == 3 and spent.top1 == pytest.approx(2 / 3) and spent.kl_max > 0.5
-    assert spent.kl_mean == pytest.approx(spent.kl_max / 3)
-    assert spent.within({"kl": 1.0, "top1": 0.5}) == []
-    assert spent.within({"kl": 1e-3, "top1": 0.99}) == [f"mean KL {spent.kl_mean:.3g} > 0.001",
-                                                         "top-1 agreement 0.6667 < 0.99"]
+    assert spent.tokens == 3 and spent.top1 == pytest.approx(2 / 3)
+    # KL(p‖q) = Σ p (log p − log q) of the turned-over token, by its definition: n = V = 7, depth 3 (the
+    # log-softmax's two reductions, as the log_probs case counts them, then the KL's own sum)
+    p, q = (np.exp(z - z.max()) / np.exp(z - z.max()).sum() for z in (reference[0, 0], flipped[0, 0]))
+    assert_agrees(spent.kl_max, np.sum(p * (np.log(p) - np.log(q))), n=7, depth=3, what="the KL")
+    assert spent.kl_mean == pytest.approx(spent.kl_max / 3)  # the other two tokens' KL is exactly 0
+    # the budget's definitions: a cost equal to its budget keeps it (kl_mean > kl breaks it, top1 < top1 does)
+    assert spent.within({"kl": spent.kl_mean, "top1": spent.top1}) == []
+    assert spent.within({"kl": 0.0, "top1": 1.0}) == [f"mean KL {spent.kl_mean:.3g} > 0",
+                                                       "top-1 agreement 0.6667 < 1"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -221,24 +273,25 @@ def test_a_scheme_name_the_spec_lacks_is_refused_by_name(text, message):
 
 
 def test_rosetta_check_quantized_reports_both_references_and_judges_the_budget(tmp_path, capsys):
-    """`rosetta check --quantized`: the columns in the terminal and report.json, the exit code 1 where
-    a budget is broken (int4's KL on llama-tiny, ~0.016 > 1e-3) and 0 where it is kept (int8's)."""
+    """`rosetta check --quantized`: the columns in the terminal and report.json, the exit code 0 where
+    the budget is kept (int8's, top1=0: every share of tokens is at least 0) and 1 where it is broken
+    (int4's, kl=0: every deployment whose cost is above 0 breaks it)."""
     from rosetta.main import main
 
     base = ["check", "--preset", "llama-tiny", "--jobs", "1", "--backends", "numpy-float32", "--dtypes", "float32",
             "-k", "forward-none"]
-    assert main([*base, "--quantized", "int8-b128", "--quant-budget", "kl=1e-3,top1=0.9",
+    assert main([*base, "--quantized", "int8-b128", "--quant-budget", "top1=0",
                  "--report", str(tmp_path / "kept")]) == 0
     report = json.loads((tmp_path / "kept" / "report.json").read_text())
     column, = report["quantized"]
     assert column["column"] == "onnx-int8-b128-sym" and column["passed"] and column["stored"] == []
     assert [cell["case"] for cell in column["cells"]] == list(QUANTIZED_CASES)
-    assert all(cell["implementation"]["ratio"] < 1 for cell in column["cells"])
-    assert all(cell["cost"]["kl_mean"] < 1e-3 for cell in column["cells"] if not cell["case"].startswith("generate"))
+    assert all(cell["implementation"]["ratio"] <= 1 for cell in column["cells"])  # each passes: within its tolerance
+    assert all(cell["cost"]["kl_mean"] > 0 for cell in column["cells"] if not cell["case"].startswith("generate"))
     assert [cell["cost"] for cell in column["cells"][-2:]] == [{"rows": 3, "rows_parted": 0, "first_parted": None}] * 2
     assert "## Quantized deployments" in (tmp_path / "kept" / "report.md").read_text()
     capsys.readouterr()
-    assert main([*base, "--quantized", "int4", "--quant-budget", "kl=1e-3"]) == 1
+    assert main([*base, "--quantized", "int4", "--quant-budget", "kl=0"]) == 1
     out = capsys.readouterr().out
     assert "onnx-int4-b32-sym: FAIL: over the cost budget in 5 of 7 cases" in out
     assert "implementation fails" not in out
@@ -259,8 +312,9 @@ def test_rosetta_check_refuses_a_quantized_request_it_cannot_read(arguments, mes
 
 def test_the_cost_is_placed_stage_by_stage(tmp_path):
     """The golden on the stored weights against the golden, stage by stage: every quantized layer
-    costs on its own, the float embedding and norm nothing, the head only where the scheme
-    quantizes it; the chained cost grows up the stack."""
+    costs on its own (beyond float32's tolerance of the stage: rounding would not explain it), the
+    float embedding and norm nothing, the head only where the scheme quantizes it; the chained
+    cost grows up the stack."""
     from conformance.quantized import stage_costs
 
     for scheme, head_costs in ((QuantizationScheme(4, 32, True), False), (QuantizationScheme(8, 128, False, 8), True)):
@@ -268,35 +322,17 @@ def test_the_cost_is_placed_stage_by_stage(tmp_path):
         stages = {stage.name: stage for stage in stage_costs(cfg, params, deployed).stages}
         assert list(stages) == ["tgt embedding", "decoder.layers.0", "decoder.layers.1", "decoder.norm", "head"]
         assert stages["tgt embedding"].isolated_ratio == stages["decoder.norm"].isolated_ratio == 0
-        assert stages["decoder.layers.0"].isolated_ratio > 100 and stages["decoder.layers.1"].isolated_ratio > 100
-        assert (stages["head"].isolated_ratio > 100) == head_costs
+        assert stages["decoder.layers.0"].isolated_ratio > 1 and stages["decoder.layers.1"].isolated_ratio > 1
+        # a float head computes on the float model's input what the golden does: exactly the same, 0
+        assert (stages["head"].isolated_ratio > 1) if head_costs else stages["head"].isolated_ratio == 0
         assert stages["head"].chained_ratio > stages["decoder.layers.1"].chained_ratio
-
-
-def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_reference():
-    """onnxruntime's quantize_dynamic (int8 weights, activations quantized at run time): the golden
-    computes no int8 products, so only the cost is measured (llama-tiny: a mean KL of 0.03-0.19
-    nats, more than int4 weight-only's: the activations' one scale per tensor); a budget judges it."""
-    from conformance.quantized import check_quantized
-
-    cfg = get_preset("llama-tiny")
-    params = conformance_params(cfg)
-    column, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)])
-    assert column.name == "onnx-dynamic-int8" and not column.error and column.passed, column.error
-    assert column.stored == [] and column.stages is None
-    assert all(cell.implementation is None for cell in column.cells)
-    logits = [cell.cost for cell in column.cells if isinstance(cell.cost, Cost)]
-    assert 0.01 < max(spent.kl_mean for spent in logits) < 1
-    over, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)], {"kl": 1e-3})
-    assert not over.passed and all(cell.over_budget for cell in over.cells if isinstance(cell.cost, Cost))
-    assert "n/a: int8 activations at run time" in format_quantized([over])
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny"])
 def test_accuracy_level_4_is_judged_with_its_activations_rounded_to_int8(tmp_path, monkeypatch, preset):
-    """accuracy_level 4 rounds each MatMulNBits input to int8 per block (scale max|a|/127): against
-    float32's tolerance it misses by 400-4,600 times, against the int8-activations mode (u = 1/254)
-    it passes (measured 0.06-0.76 of it); a misread layout still fails there."""
+    """accuracy_level 4 rounds each MatMulNBits input to int8 per block (scale max|a|/127): float32's
+    tolerance fails it (measured 1,000-4,600 times over), the int8-activations mode (u = 1/254)
+    passes it (measured 0.34-0.61 of it); a misread layout still fails there."""
     from conformance.cases import build_case
 
     scheme = QuantizationScheme(8, 128, True, accuracy_level=4)
@@ -307,12 +343,12 @@ def test_accuracy_level_4_is_judged_with_its_activations_rounded_to_int8(tmp_pat
         assert cell.implementation.passed, (cell.case, cell.implementation.ratio)
         case = build_case(cfg, params, *cell.case.split("-", 1))
         float32 = cell.implementation.tol * case.tolerance(cfg, "float32") / case.tolerance(cfg, "int8-activations")
-        assert cell.implementation.max_abs_err > 100 * float32  # the int8 rounding is real, and float32's too tight
+        assert cell.implementation.max_abs_err > float32  # the int8 rounding is real: float32's policy would fail it
     dequantize = quantize.dequantize
     monkeypatch.setattr(quantize, "dequantize", lambda weight: dequantize(_swap_nibbles(weight)))
     cfg, params, runner, deployed = _deployment(preset, scheme, tmp_path / "misread")
     cell, = judge_quantized(cfg, params, scheme, runner, deployed, cases=("forward-none",))
-    assert not cell.implementation.passed and cell.implementation.ratio > 3, cell.implementation.ratio
+    assert not cell.implementation.passed, cell.implementation.ratio
 
 
 def test_a_quantized_weight_tied_to_no_parameter_is_refused_by_name(tmp_path):
@@ -344,7 +380,7 @@ def test_a_wrong_reading_of_one_weight_is_localized_to_its_product(monkeypatch):
     assert not column.passed and not column.error
     names = [product.parameter for product in column.products]
     first = next(index for index, product in enumerate(column.products) if product.failed)
-    assert names[first] == "decoder.layers.0.ffn.w2.weight" and column.products[first].ratio > 100
+    assert names[first] == "decoder.layers.0.ffn.w2.weight"  # over its tolerance (failed), every product before within
     assert {product.parameter for product in column.products if product.failed} == {
         "decoder.layers.0.ffn.w2.weight", "decoder.layers.1.ffn.w2.weight"}
     assert "head.weight" in names  # the tied head, quantized at 8 bits, read as a head of its own
@@ -401,18 +437,22 @@ def test_a_quantized_export_is_made_again_when_what_made_it_changed(tmp_path, mo
 def test_torchao_int8_is_judged_on_the_weights_it_stores(preset):
     """torchao's weight-only int8 on impl_torch's linear layers (a scale per output row, activations
     float32): every case within float32's tolerance of the golden on the weights it stores, each
-    nn.Linear's product within its own, the head left float as the scheme says; the cost measured."""
+    nn.Linear's product within its own, the head left float as the scheme says; the cost measured,
+    the stored weights' own."""
     pytest.importorskip("torchao")
     from conformance.quantized import check_quantized
+    from conformance.quantized_serving import served
     from spec.quantization import TORCHAO_INT8
 
     cfg = get_preset(preset)
-    column, = check_quantized(cfg, conformance_params(cfg), [TORCHAO_INT8])
+    params = conformance_params(cfg)
+    column, = check_quantized(cfg, params, [TORCHAO_INT8])
     assert column.name == "torchao-int8" and column.passed, format_quantized([column])
-    linear = [name for name, value in conformance_params(cfg).items()
+    linear = [name for name, value in params.items()
               if np.ndim(value) == 2 and not name.endswith("embed.weight") and name != "head.weight"]
     assert sorted(product.parameter for product in column.products) == sorted(linear)
-    assert all(cell.cost.kl_mean < 1e-3 for cell in column.cells if isinstance(cell.cost, Cost))
+    _, deployed, _ = served(cfg, params, TORCHAO_INT8, "cpu")  # the weights torchao stores, quantized again
+    _assert_the_cost_is_the_stored_weights(cfg, params, deployed, column.cells)
 
 
 def test_torchao_int8_misread_fails_where_it_is_misread(monkeypatch):
@@ -431,7 +471,7 @@ def test_torchao_int8_misread_fails_where_it_is_misread(monkeypatch):
         else weight, name))
     column, = check_quantized(cfg, conformance_params(cfg), [TORCHAO_INT8])
     first = next(product for product in column.products if product.failed)
-    assert not column.passed and first.parameter == "decoder.layers.0.ffn.w2.weight" and first.ratio > 10
+    assert not column.passed and first.parameter == "decoder.layers.0.ffn.w2.weight"
     with pytest.raises(WeightsError, match=r"w: codes are int16 \[3, 4\]; the spec reads int8"):
         dequantize_rows(RowQuantized(np.zeros((3, 4), np.int16), np.ones((3, 1), np.float32)), "w")
     with pytest.raises(WeightsError, match="zero points other than 0"):

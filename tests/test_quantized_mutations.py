@@ -33,15 +33,15 @@ def test_the_gallery_holds_every_mistake_the_issue_names():
 def test_a_quantized_mistake_is_caught_and_localized(verdicts, mistake):
     verdict = verdicts[mistake.name]
     assert verdict.caught and verdict.named == mistake.expected, (verdict.named, verdict.stored, verdict.refused)
-    if mistake.where == "kernel":  # the implementation reference sees it, many tolerances over
-        assert verdict.implementation > 100 and verdict.first_product == mistake.expected
+    if mistake.where == "kernel":  # the implementation reference sees it: beyond its tolerance
+        assert verdict.implementation > 1 and verdict.first_product == mistake.expected
     elif not verdict.refused:  # the kernel computes what the golden reads: only the stored check can see it
-        assert verdict.implementation < 1 and verdict.first_product is None and verdict.stored
+        assert verdict.implementation <= 1 and verdict.first_product is None and verdict.stored
 
 
 def test_the_deployment_without_a_mistake_is_caught_by_nothing():
     verdict, = run_quantized_gallery([QuantizedMistake("none", "no mistake", "export", None, "-")])
-    assert not verdict.caught and verdict.implementation < 1 and verdict.named is None
+    assert not verdict.caught and verdict.implementation <= 1 and verdict.named is None  # within its tolerance
 
 
 def test_the_committed_page_matches_the_code(verdicts):

@@ -14,6 +14,7 @@ from conformance.adapter import register_backend, unregister_backend
 from conformance.executors.ray_cluster import (cluster_devices, column_requirement, unplaceable_reason,
                                                unreachable, version_mismatches)
 from conformance.harness import ERROR, PASS, SKIP, plan_matrix, run_matrix
+from conformance.tolerance import SAFETY
 from spec import conformance_params, get_preset
 
 try:
@@ -143,8 +144,10 @@ def test_ray_gives_the_local_cells(cluster):
         assert a.status == b.status and a.reason == b.reason, a.test_id
         if a.status == SKIP:
             continue
-        # torch's thread count (one CPU an actor) moves its rounding by a small part of the tolerance
-        assert a.tol == b.tol and abs(a.max_abs_err - b.max_abs_err) <= 0.2 * a.tol, a.test_id
+        # torch's thread count (one CPU an actor) splits its sums in another order: the rounding,
+        # the tolerance over SAFETY (SPEC §8), lands anywhere within itself, so the errors differ
+        # by at most twice it (tests/test_parallel.py)
+        assert a.tol == b.tol and abs(a.max_abs_err - b.max_abs_err) <= 2 / SAFETY * a.tol, a.test_id
     nodes = {node["NodeID"] for node in ray.nodes()}
     assert set(executor.placements) == {"numpy-float32/float32/cpu", "torch/float32/cpu", "torch/float16/cpu"}
     for where in executor.placements.values():

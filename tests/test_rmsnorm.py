@@ -7,9 +7,12 @@ import pytest
 import torch
 
 import impl_numpy as golden
+from conformance.cases import SUBLAYERS
 from conformance.harness import PASS, plan_matrix, run_matrix
+from conformance.tolerance import tolerance
 from impl_numpy import backward
 from spec import conformance_params, get_preset, param_shapes
+from tests.bounds import assert_agrees, assert_derivative, assert_differs, model_bounds
 
 CHAR_LM = get_preset("char-lm").replace(norm="rmsnorm", n_decoder_layers=2)
 TINY = get_preset("tiny").replace(norm="rmsnorm")
@@ -25,8 +28,8 @@ def test_the_golden_is_the_formula():
     x = np.random.default_rng(0).standard_normal((2, 3, 8))
     scale = np.random.default_rng(1).standard_normal(8)
     expected = x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + 1e-5) * scale
-    np.testing.assert_allclose(golden.rms_norm(x, scale, None, 1e-5), expected, rtol=1e-15)
-    assert not np.allclose(golden.rms_norm(x + 3.0, scale, None, 1e-5), expected)
+    assert_agrees(golden.rms_norm(x, scale, None, 1e-5), expected, n=8)
+    assert_differs(golden.rms_norm(x + 3.0, scale, None, 1e-5), expected, n=8)  # the mean is not taken out
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1.0])
@@ -35,13 +38,16 @@ def test_the_vjp_agrees_with_central_differences(eps):
     x, scale, d_y = rng.standard_normal((3, 4, 8)), rng.standard_normal(8), rng.standard_normal((3, 4, 8))
     d_x, d_scale, d_bias = backward.rms_norm_vjp(x, scale, eps, d_y)
     assert d_bias is None
-    h = 1e-6
-    for value, gradient, wiggle in ((x, d_x, lambda u: (x + h * u, scale)), (scale, d_scale, lambda u: (x, scale + h * u))):
+    rounding = tolerance("float64", d_y.size, 1)  # the loss sums its 96 products, more than the norm's 8
+    for name, value, gradient, wiggle in (("x", x, d_x, lambda u: (x + u, scale)),
+                                          ("scale", scale, d_scale, lambda u: (x, scale + u))):
         direction = rng.standard_normal(value.shape)
-        plus, minus = wiggle(direction), wiggle(-direction)
-        numeric = ((golden.rms_norm(plus[0], plus[1], None, eps) - golden.rms_norm(minus[0], minus[1], None, eps))
-                   * d_y).sum() / (2 * h)
-        assert abs(numeric - (gradient * direction).sum()) < 1e-7 * max(1.0, abs(numeric))
+
+        def along(step, wiggle=wiggle, direction=direction):  # the loss at x (or scale) + step · direction
+            moved = wiggle(step * direction)
+            return float((golden.rms_norm(moved[0], moved[1], None, eps) * d_y).sum())
+
+        assert_derivative(float((gradient * direction).sum()), along, 1e-6, rounding, what=name)
 
 
 def test_the_whole_model_backward_agrees_with_central_differences():
@@ -54,11 +60,15 @@ def test_the_whole_model_backward_agrees_with_central_differences():
     def loss(q):
         return golden.token_cross_entropy(cfg, golden.model_logits(cfg, q, None, tgt), targets)
 
+    # the loss's rounding: the forward's n, depth and angle, with its own sums (a token's 13 logits, the
+    # batch's 10 tokens) and its one sublayer more
+    bounds = model_bounds(cfg, 5)
+    rounding = tolerance("float64", max(bounds["n"], cfg.tgt_vocab_size, tgt.size), SUBLAYERS["loss"].depth(cfg),
+                         bounds["angle"])
     for index, name in enumerate(p):
         direction = np.random.default_rng(index).standard_normal(p[name].shape)
-        h = 1e-5
-        numeric = (loss({**p, name: p[name] + h * direction}) - loss({**p, name: p[name] - h * direction})) / (2 * h)
-        assert abs(numeric - float((grads[name] * direction).sum())) <= 1e-6 * max(abs(numeric), 1e-4), name
+        assert_derivative(float((grads[name] * direction).sum()),
+                          lambda step: loss({**p, name: p[name] + step * direction}), 1e-5, rounding, what=name)
 
 
 @pytest.mark.parametrize("cfg, patterns, dtypes", [
@@ -80,12 +90,22 @@ def test_every_framework_column_passes(cfg, patterns, dtypes):
                               pattern=pattern, backward=True)
     failed = {r.test_id: r.reason[:200] for r in results
               if r.status != PASS and r.status != "skip" and not (r.sublayer.startswith("train") and r.dtype == "float16")}
+    # not a rounding bound: the matrix ran (patterns that matched nothing would pass with nothing failed);
+    # 8 is below either matrix's passing cells (measured 217 of 260 and 9 of 10)
     assert not failed and sum(r.status == PASS for r in results) >= 8, failed
+
+
+# rsqrt and 1/sqrt may differ by a float32 rounding of the normed value, which moves its float16 rounding
+# only where the value lies that close to a float16 rounding boundary: a chance of 2⁻¹³ an entry (float32
+# keeps 13 bits more), 256 / 2¹³ = 0.03 of the test's 256 entries expected, 4 or more with a chance of 4e-8
+# (Poisson). Scaling in float32 and casting once moves a fifth of them.
+FEW_ENTRIES = 3
 
 
 def test_half_precision_normalises_in_float32_then_scales_in_its_own_dtype():
     """The order Llama uses. Scaling in float32 and casting once at the end differs in the last bit
-    for some entries; the implementations must give the cast-then-scale result exactly."""
+    for some entries; the implementations must give the cast-then-scale result, but for the few
+    entries where rsqrt against 1/sqrt moves a float16 rounding."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 64)).astype(np.float16)
     scale = (1 + 0.3 * rng.standard_normal(64)).astype(np.float16)
@@ -94,13 +114,16 @@ def test_half_precision_normalises_in_float32_then_scales_in_its_own_dtype():
     llama = normed * scale  # float16 × float16
     once = (wide / np.sqrt((wide * wide).mean(axis=-1, keepdims=True) + np.float32(1e-6)) * scale.astype(np.float32)
             ).astype(np.float16)
-    assert (llama != once).any()  # the order is visible
+    assert (llama != once).sum() > FEW_ENTRIES  # the order is visible, beyond what rsqrt's rounding moves
     from impl_torch.model import rms_norm as torch_rms_norm
 
     ours = torch_rms_norm(torch.from_numpy(x), torch.from_numpy(scale), None, 1e-6).numpy()
     assert ours.dtype == np.float16
+    # rsqrt vs 1/sqrt may differ by one float16 rounding (2u of the largest entry), in few entries: the
+    # bound alone lets the once-cast order through (it differs by one rounding too), the count does not
     assert np.abs(ours.astype(np.float32) - llama.astype(np.float32)).max() <= 2 * np.abs(
-        llama.astype(np.float32)).max() * 2.0 ** -11  # rsqrt vs 1/sqrt may differ by one rounding
+        llama.astype(np.float32)).max() * 2.0 ** -11
+    assert (ours != llama).sum() <= FEW_ENTRIES
     jax = pytest.importorskip("jax")
     from impl_jax.model import rms_norm as jax_rms_norm
 
@@ -108,6 +131,7 @@ def test_half_precision_normalises_in_float32_then_scales_in_its_own_dtype():
     assert theirs.dtype == np.float16
     assert np.abs(theirs.astype(np.float32) - llama.astype(np.float32)).max() <= 2 * np.abs(
         llama.astype(np.float32)).max() * 2.0 ** -11
+    assert (theirs != llama).sum() <= FEW_ENTRIES
 
 
 def _torch_without_upcast(x, scale, bias, eps, plus_one=False):

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import impl_numpy as golden
+from conformance.tolerance import UNIT_ROUNDOFF, tolerance
 from spec import ConfigError, ModelConfig, RopeScaling, get_preset
+from tests.bounds import assert_agrees, assert_differs
 
 LLAMA3 = get_preset("llama3-tiny")
 YARN = get_preset("qwen2-yarn-tiny")
@@ -64,9 +66,12 @@ def test_the_presets_put_a_frequency_in_every_band():
         return golden.rope_frequencies(cfg) / plain
 
     llama3 = ratios(LLAMA3)
-    assert np.allclose(llama3[:2], 1) and np.allclose(llama3[3:], 1 / 32) and 1 / 32 + 0.1 < llama3[2] < 0.9
+    assert np.allclose(llama3[:2], 1) and np.allclose(llama3[3:], 1 / 32) and 1 / 32 < llama3[2] < 1
     yarn = ratios(YARN)
     assert np.allclose(yarn[:2], 1) and np.allclose(yarn[3:], 1 / 4) and 1 / 4 < yarn[2] < 1
+    for middle, bands in ((llama3[2], (1 / 32, 1)), (yarn[2], (1 / 4, 1))):
+        for band in bands:  # blended, beyond rounding from either band's value: not at an edge
+            assert_differs(middle, band, n=1)
     assert golden.rope_attention_factor(YARN) == pytest.approx(0.1 * math.log(4) + 1)
     assert golden.rope_attention_factor(LLAMA3) == 1.0
     cos, sin = golden.rope_tables(YARN, np.arange(3))
@@ -79,7 +84,11 @@ def test_the_llama3_blend_meets_both_bands_at_their_edges(low, width, factor, le
                           high_freq_factor=low + width)
     edges = 2 * math.pi / np.array([length / low, length / (low + width)])  # ω at λ = L/low and λ = L/high
     blended = golden.model.llama3_frequencies(edges, scaling)
-    assert blended == pytest.approx([edges[0] / factor, edges[1]], rel=1e-12)
+    expected = np.array([edges[0] / factor, edges[1]])
+    # one function's rounding (SPEC §8, n = 1), which the blend amplifies as _condition says: at s = 0 by
+    # (L/λ)/(high − low) · (1 − 1/f)/(1/f), at s = 1 by (L/λ)/(high − low) · (1 − 1/f)
+    condition = 1 + np.array([low * (factor - 1), (low + width) * (1 - 1 / factor)]) / width
+    assert np.all(np.abs(blended - expected) <= tolerance("float64", 1, 1) * condition * expected), (blended, expected)
 
 
 def test_yarn_keeps_the_fast_pairs_and_interpolates_the_slow_ones():
@@ -88,7 +97,8 @@ def test_yarn_keeps_the_fast_pairs_and_interpolates_the_slow_ones():
     omega = theta ** (-np.arange(0, r, 2) / r)
     scaled = golden.model.yarn_frequencies(omega, r, theta, scaling) / omega
     assert scaled[0] == 1 and scaled[-1] == pytest.approx(1 / 8)
-    assert np.all(np.diff(scaled) <= 1e-15)  # the ramp only ever moves towards interpolation
+    # the ramp only ever moves towards interpolation: no step up beyond one function's rounding (SPEC §8)
+    assert np.all(np.diff(scaled) <= tolerance("float64", 1, 1))
 
 
 # ---- against transformers' own rope functions -----------------------------------------------------
@@ -114,10 +124,10 @@ CASES = {
 }
 
 
-def _float32_power(theta: float) -> float:
-    """θ^(−2i/r) taken in float32: the exponent's rounding moves it by up to u·|ln θ| relative,
-    the power's own by u (u = 2⁻²⁴), and the rescaling adds a few roundings more."""
-    return 2 ** -24 * (math.log(theta) + 4)
+def _power_rounding(theta: float, dtype: str = "float32") -> float:
+    """θ^(−2i/r) taken in dtype (u its unit roundoff, 2⁻²⁴ for float32): the exponent's rounding moves
+    it by up to u·|ln θ| relative, the power's own by u, and the rescaling adds a few roundings more."""
+    return UNIT_ROUNDOFF[dtype] * (math.log(theta) + 4)
 
 
 def _condition(cfg) -> np.ndarray:
@@ -157,8 +167,8 @@ def test_the_golden_frequencies_and_temperature_equal_transformers(kind, theta):
     frequencies, temperature = ROPE_INIT_FUNCTIONS[hf_parameters["rope_type"]](hf, "cpu")
     ours = golden.rope_frequencies(cfg)
     error = np.abs(ours - frequencies.double().numpy()) / ours
-    assert np.all(error <= _float32_power(theta) * _condition(cfg)), (error, _condition(cfg))
-    assert golden.rope_attention_factor(cfg) == pytest.approx(temperature, rel=1e-12)
+    assert np.all(error <= _power_rounding(theta) * _condition(cfg)), (error, _condition(cfg))
+    assert_agrees(golden.rope_attention_factor(cfg), temperature, n=1)  # a closed form, taken in float64
 
 
 # ---- PyTorch and JAX compute the same frequencies --------------------------------------------------
@@ -185,9 +195,9 @@ def test_torch_and_jax_frequencies_equal_the_golden(scaling, theta, head):
     cfg = LLAMA3.replace(head_dim=head, rope_theta=theta, rope_scaling=scaling)
     ours = golden.rope_frequencies(cfg)
     in_torch = impl_torch.rope_frequencies(cfg, torch.float64, torch.device("cpu")).numpy()
-    np.testing.assert_allclose(in_torch, ours, rtol=1e-12)
+    assert np.all(np.abs(in_torch - ours) <= _power_rounding(theta, "float64") * _condition(cfg) * ours)
     in_jax = np.asarray(impl_jax.rope_frequencies(cfg, jnp.float32), dtype=np.float64)
-    assert np.all(np.abs(in_jax - ours) <= _float32_power(theta) * _condition(cfg) * ours)
+    assert np.all(np.abs(in_jax - ours) <= _power_rounding(theta) * _condition(cfg) * ours)
     assert impl_torch.rope_attention_factor(cfg) == impl_jax.rope_attention_factor(cfg) == golden.rope_attention_factor(cfg)
 
 
@@ -281,4 +291,4 @@ def test_jax_float32_yarn_ramp_within_its_rounding():
         kind="yarn", factor=9.0, original_max_len=111, beta_fast=2.0, beta_slow=1.0, truncate=False))
     ours = golden.rope_frequencies(cfg)
     in_jax = np.asarray(impl_jax.rope_frequencies(cfg, jnp.float32), dtype=np.float64)
-    assert np.all(np.abs(in_jax - ours) <= _float32_power(cfg.rope_theta) * _condition(cfg) * ours)
+    assert np.all(np.abs(in_jax - ours) <= _power_rounding(cfg.rope_theta) * _condition(cfg) * ours)

@@ -24,6 +24,7 @@ from spec import (
     save_weights,
 )
 from tests.bad_inputs import BAD_FORWARD_INPUTS, BAD_GENERATION
+from tests.bounds import assert_agrees, model_bounds
 from tests.presets_check import check_preset_forward
 from tests.variants import TINY, VARIANTS
 
@@ -135,8 +136,9 @@ def test_cached_decode_equals_full_forward_float64(variant, attention):
     for t in range(6):
         logits, cache = model.decode_step(cache, tgt[:, t:t + 1])
         steps.append(logits.numpy())
-    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= 1e-10
-    assert np.abs(full - golden.forward(cfg, conformance_params(cfg, seed=2), src, tgt)).max() <= 1e-10
+    bounds = model_bounds(cfg, 6, 0 if src is None else 5)
+    assert_agrees(np.concatenate(steps, axis=1), full, **bounds, what="cached decode vs forward")
+    assert_agrees(full, golden.forward(cfg, conformance_params(cfg, seed=2), src, tgt), **bounds, what="forward")
 
 
 def test_generation_matches_the_golden():
@@ -174,7 +176,7 @@ def test_any_split_into_steps_equals_the_forward(chunks, spare):
         steps.append(logits.numpy())
         at += n
     assert cache.length == length
-    assert np.abs(np.concatenate(steps, axis=1) - expected).max() <= 1e-10
+    assert_agrees(np.concatenate(steps, axis=1), expected, **model_bounds(TINY, length, 4))
 
 
 def test_a_step_writes_into_the_buffers_it_was_given():
@@ -197,14 +199,15 @@ def test_continuing_an_ancestor_rewinds_and_a_stale_branch_is_refused():
     # a rewind: continuing the prefix again rewrites position 2 with another token
     other, branch_b = model.decode_step(prefix, np.array([[11]]))
     expected = golden.forward(TINY, params, src, np.array([[1, 8, 11]]))[:, -1:]
-    assert np.abs(other.numpy() - expected).max() <= 1e-10
+    assert_agrees(other.numpy(), expected, **model_bounds(TINY, 3, 3), what="the rewound branch")
     with pytest.raises(InputError, match="copy\\(\\) a cache"):
         model.decode_step(branch_a, tgt[:, 3:4])  # its position 2 now holds branch b's token
     # a copy is a branch of its own
     _, copied = model.decode_step(prefix.copy(), tgt[:, 2:3])
     model.decode_step(branch_b, np.array([[12]]))
     last, _ = model.decode_step(copied, tgt[:, 3:4])
-    assert np.abs(last.numpy() - golden.forward(TINY, params, src, tgt)[:, -1:]).max() <= 1e-10
+    assert_agrees(last.numpy(), golden.forward(TINY, params, src, tgt)[:, -1:], **model_bounds(TINY, 4, 3),
+                  what="the copied branch")
 
 
 @pytest.fixture
@@ -402,11 +405,8 @@ def test_torch_compile_conforms():
         eager = model(torch.from_numpy(src), torch.from_numpy(tgt)).numpy()
         out = compiled(torch.from_numpy(src), torch.from_numpy(tgt)).numpy()
     reference = golden.forward(TINY, params, src, tgt)
-    from conformance.cases import SUBLAYERS
-    from conformance.tolerance import compare, tolerance
-
-    relative = tolerance("float32", 256, SUBLAYERS["forward"].depth(TINY))
-    assert compare(out, reference, relative).passed and compare(eager, reference, relative).passed
+    assert_agrees(out, reference, **model_bounds(TINY, 5, 7), dtype="float32", what="compiled")
+    assert_agrees(eager, reference, **model_bounds(TINY, 5, 7), dtype="float32", what="eager")
 
 
 # ---- torch.nn.Transformer interop -----------------------------------------------------------
@@ -462,7 +462,7 @@ def test_golden_equals_torch_nn_transformer(norm_position):
                            src_key_padding_mask=src_padding, tgt_key_padding_mask=tgt_padding,
                            memory_key_padding_mask=src_padding)
         logits = hidden @ extras["head.weight"].double().T + extras["head.bias"].double()
-    assert np.abs(logits.numpy() - golden.forward(cfg, params, src, tgt)).max() <= 1e-10
+    assert_agrees(logits.numpy(), golden.forward(cfg, params, src, tgt), **model_bounds(cfg, 7, 9))
 
 
 # ---- the modern decoder: RoPE, grouped-query attention, head_dim, gated FFN, q/k norms -----------
@@ -495,13 +495,14 @@ def test_the_modern_decoder_is_the_goldens_whole_and_in_steps(variant, attention
     tgt[0, :2] = cfg.pad_id
     tgt[2, 5:] = cfg.pad_id
     expected = golden.forward(cfg, params, src, tgt)
+    bounds = model_bounds(cfg, 7, 0 if src is None else 5)
     with torch.inference_mode():
-        assert np.abs(model(src, tgt).numpy() - expected).max() <= 1e-10
+        assert_agrees(model(src, tgt).numpy(), expected, **bounds, what="forward")
     cache, steps = model.start_cache(3, 7, src), []
     for start, stop in [(0, 3), (3, 4), (4, 7)]:
         logits, cache = model.decode_step(cache, tgt[:, start:stop])
         steps.append(logits.numpy())
-    assert np.abs(np.concatenate(steps, axis=1) - expected).max() <= 1e-10
+    assert_agrees(np.concatenate(steps, axis=1), expected, **bounds, what="decode steps")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -517,7 +518,8 @@ def test_sdpa_reads_grouped_key_value_heads_as_the_math_path_repeats_them(dtype)
     repeated = scaled_dot_product_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), mask, "sdpa")
     assert torch.equal(grouped, repeated) and (grouped[1, :, 2] == 0).all()
     math_path = scaled_dot_product_attention(q, k, v, mask, "math")
-    assert (grouped.double() - math_path.double()).abs().max() <= 4 * torch.finfo(dtype).eps
+    # one attention: its longest sum is d_k = 8 (5 keys)
+    assert_agrees(grouped.double().numpy(), math_path.double().numpy(), n=8, dtype=str(dtype).removeprefix("torch."))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -525,13 +527,16 @@ def test_half_precision_rotates_by_angles_taken_in_float32(dtype):
     """bfloat16 rounds positions 1000..1003 to 1000 or 1004, so angles taken in it are off by up
     to 2 radians (float16's by ~0.03); the tables are taken in float32 and cast, so the rotation
     is the float64 one to the dtype's rounding."""
+    from conformance.tolerance import rotary_angle
     from impl_torch import rotary
 
     cfg = get_preset("llama-tiny")
     x = torch.randn(1, 1, 3, cfg.d_head, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     positions = torch.arange(1000, 1003)
     exact = rotary(cfg, x, positions)
-    assert (rotary(cfg, x.to(dtype), positions).double() - exact).abs().max() <= 8 * torch.finfo(dtype).eps
+    # a rotation sums two terms per element, at the angle of position 1002
+    assert_agrees(rotary(cfg, x.to(dtype), positions).double().numpy(), exact.numpy(), n=2,
+                  dtype=str(dtype).removeprefix("torch."), angle=rotary_angle(cfg, 1002))
 
 
 # ---- every preset ---------------------------------------------------------------------------
