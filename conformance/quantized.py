@@ -124,9 +124,13 @@ class QuantizedCell:
     column: str  # onnx-int4-b32-sym
     case: str  # forward-pad_right
     implementation: Comparison | None  # None: a dynamic scheme's, whose int8 products the golden does not compute
-    cost: Cost | GenerationCost
+    cost: Cost | GenerationCost | None  # None: the case left out whole (left_out says why)
     over_budget: list[str] = field(default_factory=list)
     left_out: str = ""  # the rows the runner could not compute the spec's way, and why (adapter.Partial)
+
+    @property
+    def ran(self) -> bool:
+        return self.cost is not None
 
     @property
     def passed(self) -> bool:
@@ -162,7 +166,8 @@ def judge_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
         case = build_case(cfg, params, sublayer, mask_case)
         output, compared, left_out = runner.run(sublayer, case.inputs), None, ""
         if isinstance(output, Partial):  # only some rows are the spec's computation: those are judged and measured
-            if not np.any(output.compared):
+            if not np.any(output.compared):  # none: the case is recorded as left out, with why
+                cells.append(QuantizedCell(column, name, None, None, left_out=output.describe()))
                 continue
             output, compared, left_out = output.output, np.asarray(output.compared), output.describe()
         output = np.asarray(output)
@@ -209,6 +214,8 @@ def stored_as_scheme(cfg: ModelConfig, scheme: QuantizationScheme, deployed) -> 
         if weight.steps_from_parameter > within_a_step(weight.bits):
             problems.append(f"{name}: {weight.steps_from_parameter:.3g} quantization steps from the parameter at its "
                             "worst element (round to nearest leaves at most one): not this parameter's quantization")
+        elif weight.not_rounded:
+            problems.append(f"{name}: {weight.not_rounded}: a quantizer that does not round to nearest")
     return problems
 
 
@@ -244,11 +251,26 @@ class QuantizedColumn:
     stages: Localization | None = None  # where the cost arises (stage_costs)
     products: list[Product] = field(default_factory=list)  # the implementation, product by product
     int8_path: str = ""  # activations quantized at run time: the CPU's int8 products (SPEC §15.2), which set the cost
+    budget: Mapping[str, float] = field(default_factory=dict)  # what judged its cost (parse_budget); {}: nothing
+
+    @property
+    def verdict(self) -> str:
+        """error, fail, ran nothing (no case compared anything), measured (no golden computes its products
+        and no budget judged its cost: nothing was judged), or ok: the matrix's rule, that a column that
+        ran nothing is not a pass, and a cost is a measurement until a budget makes it a verdict."""
+        ran = [cell for cell in self.cells if cell.ran]
+        if self.error:
+            return "error"
+        if (not self.stored and all(cell.passed for cell in ran)
+                and not any(product.failed for product in self.products)):
+            if not ran:
+                return "ran nothing"
+            return "measured" if all(cell.implementation is None for cell in ran) and not self.budget else "ok"
+        return "fail"
 
     @property
     def passed(self) -> bool:
-        return (not self.error and not self.stored and all(cell.passed for cell in self.cells)
-                and not any(product.failed for product in self.products))
+        return self.verdict in ("ok", "measured")
 
 
 def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes: Sequence[QuantizationScheme],
@@ -268,13 +290,13 @@ def check_quantized(cfg: ModelConfig, params: Mapping[str, np.ndarray], schemes:
             cells = judge_quantized(cfg, params, scheme, runner, deployed, budget=budget)
             if deployed is None:  # dynamic: its stored int8 weights are in a layout the spec does not read
                 columns.append(QuantizedColumn(name, scheme, [], cells, time.perf_counter() - start,
-                                               int8_path=_int8_path(device)))
+                                               int8_path=_int8_path(device), budget=dict(budget or {})))
                 continue
             found = (linear_products(cfg, params, scheme, runner, deployed) if scheme.builder == "torchao"
                      else products(cfg, params, scheme, *graphs["forward"]))
             columns.append(QuantizedColumn(name, scheme, stored_as_scheme(cfg, scheme, deployed), cells,
                                            time.perf_counter() - start, stages=stage_costs(cfg, params, deployed),
-                                           products=found))
+                                           products=found, budget=dict(budget or {})))
         except Exception as error:  # noqa: BLE001 - a column that cannot run is reported, the others still run
             columns.append(QuantizedColumn(name, scheme, [], [], time.perf_counter() - start,
                                            f"{type(error).__name__}: {error}"))
@@ -285,7 +307,9 @@ def _int8_path(device: str) -> str:
     """What sets a dynamic column's cost besides its scheme: the CPU's int8 products (SPEC §15.2)."""
     from conformance.machine import int8_path
 
-    return int8_path().describe() if device == "cpu" else f"the {device} device's int8 kernels, which SPEC §15.2 does not describe"
+    if device != "cpu":
+        return f"the {device} device's int8 kernels, which SPEC §15.2 does not describe"
+    return int8_path().describe()
 
 
 def products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,
@@ -370,7 +394,8 @@ def linear_products(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: 
 
 def quantized_as_dict(column: QuantizedColumn) -> dict:
     """A column as report.json writes it."""
-    return {"column": column.name, "scheme": column.scheme.name, "passed": column.passed, "error": column.error,
+    return {"column": column.name, "scheme": column.scheme.name, "verdict": column.verdict, "passed": column.passed,
+            "error": column.error, "budget": dict(column.budget),
             "seconds": round(column.seconds, 2), "stored": column.stored, "int8_path": column.int8_path,
             "stages": column.stages.to_dict()["stages"] if column.stages else [],
             "products": [{"parameter": product.parameter, "ratio": product.ratio} for product in column.products],
@@ -379,7 +404,7 @@ def quantized_as_dict(column: QuantizedColumn) -> dict:
                            "passed": cell.implementation.passed, "max_abs_err": cell.implementation.max_abs_err,
                            "tol": cell.implementation.tol, "ratio": cell.implementation.ratio,
                            "reason": cell.implementation.reason},
-                       "cost": dataclasses.asdict(cell.cost), "left_out": cell.left_out,
+                       "cost": dataclasses.asdict(cell.cost) if cell.ran else None, "left_out": cell.left_out,
                        "over_budget": cell.over_budget} for cell in column.cells]}
 
 
@@ -398,15 +423,17 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
             lines += [f"  product by product (each quantized product against its input times the weight it stores): "
                       f"{sum(product.failed for product in column.products)} of {len(column.products)} fail; largest "
                       f"{worst.ratio:.3g} of its tolerance ({worst.parameter})"]
-        if column.cells:
+        ran = [cell for cell in column.cells if cell.ran]
+        if ran:
             head = ("case", "implementation (error / tolerance)", "mean KL", "max KL", "top-1", "relative error",
                     "budget")
             rows = [(cell.case, _implementation(cell.implementation), *_cost_columns(cell.cost),
-                     "; ".join(cell.over_budget) or "-") for cell in column.cells]
+                     "; ".join(cell.over_budget) or "-") for cell in ran]
             widths = [max(len(text) for text in part) for part in zip(head, *rows)]
             lines += ["  " + "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
                       for row in (head, *rows)]
-            lines += [f"  {cell.case}, left out: {cell.left_out}" for cell in column.cells if cell.left_out]
+        lines += [f"  {cell.case}, left out{'' if cell.ran else ' whole'}: {cell.left_out}"
+                  for cell in column.cells if cell.left_out]
         if column.stages:
             lines += ["  the cost stage by stage, in float32 tolerances (the golden on the stored weights against the "
                       "golden; isolated: the stage's own, chained: carried up to it):",
@@ -415,16 +442,24 @@ def format_quantized(columns: Sequence[QuantizedColumn]) -> str:
 
 
 def _verdict(column: QuantizedColumn) -> str:
-    """'ok', or what failed: the column's error, the implementation, the stored weights, the budget."""
-    if column.error:
+    """'ok', 'measured' (nothing judged), what failed (the column's error, the implementation, the stored
+    weights, the budget) or that it ran nothing."""
+    verdict = column.verdict
+    if verdict == "error":
         return f"ERROR ({column.error})"
-    wrong = [cell for cell in column.cells if cell.implementation is not None and not cell.implementation.passed]
-    over = [cell for cell in column.cells if cell.over_budget]
-    parts = [f"implementation fails in {len(wrong)} of {len(column.cells)} cases"] if wrong else []
+    if verdict == "ran nothing":
+        return "RAN NOTHING: every case was left out whole (below): nothing was compared"
+    if verdict == "measured":
+        return ("measured, not judged: no golden computes its products (its activations are quantized at run time) "
+                "and no --quant-budget judges its cost")
+    ran = [cell for cell in column.cells if cell.ran]
+    wrong = [cell for cell in ran if cell.implementation is not None and not cell.implementation.passed]
+    over = [cell for cell in ran if cell.over_budget]
+    parts = [f"implementation fails in {len(wrong)} of {len(ran)} cases"] if wrong else []
     if first := next((product for product in column.products if product.failed), None):
         parts.append(f"first wrong product: {first.parameter} ({first.ratio:.3g} of its tolerance)")
     parts += [f"{len(column.stored)} weight(s) stored otherwise than the scheme"] if column.stored else []
-    parts += [f"over the cost budget in {len(over)} of {len(column.cells)} cases"] if over else []
+    parts += [f"over the cost budget in {len(over)} of {len(ran)} cases"] if over else []
     return "ok" if not parts else "FAIL: " + "; ".join(parts)
 
 

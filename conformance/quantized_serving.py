@@ -78,7 +78,7 @@ def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
     import torch
 
     from conformance.backends.torch_backend import TorchBackend
-    from export.quantize import DeployedWeights, StoredWeight
+    from export.quantize import DeployedWeights, StoredWeight, unrounded
     from spec.quantization import RowQuantized, dequantize_rows
 
     # torchao warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao registers
@@ -97,9 +97,11 @@ def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
         name, weight = f"{path}.weight", module.weight
         row = RowQuantized(weight.qdata.numpy(), weight.scale.numpy(), weight.zero_point.numpy())
         exact = dequantize_rows(row, name)  # [in, out]
-        steps = np.maximum(np.abs(np.asarray(row.scales, np.float64)).reshape(1, -1), np.finfo(np.float64).tiny)
+        scales = np.broadcast_to(np.asarray(row.scales, np.float64).reshape(1, -1), exact.shape)  # [K, N]
+        steps = np.maximum(np.abs(scales), np.finfo(np.float64).tiny)
         deployed[name] = exact.astype(np.float32)
-        stored[name] = StoredWeight(8, None, True, float((np.abs(exact - params[name]) / steps).max(initial=0.0)))
+        stored[name] = StoredWeight(8, None, True, float((np.abs(exact - params[name]) / steps).max(initial=0.0)),
+                                    unrounded(params[name], row.codes.T.astype(np.int64), scales, 0, (-128, 127), 8))
     return runner, DeployedWeights(cfg, deployed, stored)
 
 

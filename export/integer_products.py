@@ -113,8 +113,8 @@ def _saturating(node: onnx.NodeProto, weights: np.ndarray, initializers) -> list
     ]
     if zero_point:
         made += [helper.make_node("Cast", [zero_point], [name + "zero_point"], to=TensorProto.INT32),
-                 helper.make_node("Mul", [name + "zero_point", constant("column_sums", weights.sum(0).astype(np.int32))],
-                                  [name + "offset"]),
+                 helper.make_node("Mul", [name + "zero_point",
+                                          constant("column_sums", weights.sum(0).astype(np.int32))], [name + "offset"]),
                  helper.make_node("Sub", [name + "sums", name + "offset"], [name + "centred"])]
     made.append(helper.make_node("Reshape", [name + ("centred" if zero_point else "sums"), name + "out_shape"],
                                  [node.output[0]]))

@@ -30,7 +30,7 @@ from export.cache import cache_root, exported
 from export.onnx_model import external_data_file, save
 from spec import ModelConfig
 from spec.errors import WeightsError
-from spec.quantization import BlockQuantized, QuantizationScheme, check_block_quantized, dequantize
+from spec.quantization import BlockQuantized, QuantizationScheme, check_block_quantized, dequantize, unpack
 
 QUANTIZED_OP = "MatMulNBits"
 QUANTIZED_ROLES = ("forward", "encoder", "decoder_step", "decoder_step_in_place")  # the graphs it serves
@@ -182,6 +182,7 @@ class StoredWeight:
     block_size: int | None  # None: one scale per row (torchao's int8)
     symmetric: bool
     steps_from_parameter: float
+    not_rounded: str = ""  # where its codes are not the parameter rounded (unrounded), said; "" where all are
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,18 @@ def deployed_weights(cfg: ModelConfig, params: Mapping[str, np.ndarray],
             if target in stored and not np.array_equal(deployed[target], value):
                 raise WeightsError(f"{target}: the {role} graph stores it quantized otherwise than another graph")
             parameter = np.asarray(params[name], np.float64)
-            steps = np.abs(exact - (parameter.T if transposed else parameter)) / block_steps(weight)
+            parameter = parameter.T if transposed else parameter
             deployed[target] = value
-            stored[target] = StoredWeight(weight.bits, weight.block_size, weight.zero_points is None,
-                                          float(steps.max(initial=0.0)))
+            stored[target] = _stored(weight, parameter, exact)
     return DeployedWeights(replace(cfg, tie_head=False) if tied else cfg, deployed, stored)
+
+
+def _stored(weight: BlockQuantized, parameter: np.ndarray, exact: np.ndarray) -> StoredWeight:
+    """How a MatMulNBits weight stores `parameter` [K, N] (`exact`: its dequantization)."""
+    codes, scales, zero = block_elements(weight)
+    return StoredWeight(weight.bits, weight.block_size, weight.zero_points is None,
+                        float((np.abs(exact - parameter) / block_steps(weight)).max(initial=0.0)),
+                        unrounded(parameter, codes, scales, zero, (0, 2**weight.bits - 1), weight.bits))
 
 
 # the parameters a builder may pack into one product, along its output axis, by their names' endings
@@ -276,11 +284,15 @@ def deployed_by_content(cfg: ModelConfig, params: Mapping[str, np.ndarray],
         if group == (_HEAD,):
             head_codes, head_scales = nodes[output].input[1:3]
         widths = np.cumsum([0] + [candidates[(name,)].shape[1] for name in group])
+        codes, scales, zero = block_elements(weight)
         for name, start, stop in zip(group, widths[:-1], widths[1:]):
-            part = exact[:, start:stop]
+            part, parameter = exact[:, start:stop], candidates[(name,)]
             deployed[name] = part.astype(np.float32)
-            stored[name] = StoredWeight(weight.bits, weight.block_size, weight.zero_points is None, float(
-                (np.abs(part - candidates[(name,)]) / steps[:, start:stop]).max(initial=0.0)))
+            stored[name] = StoredWeight(
+                weight.bits, weight.block_size, weight.zero_points is None,
+                float((np.abs(part - parameter) / steps[:, start:stop]).max(initial=0.0)),
+                unrounded(parameter, codes[:, start:stop], scales[:, start:stop], zero[:, start:stop],
+                          (0, 2**weight.bits - 1), weight.bits))
         names[output] = ("+".join(group), False)
     lookups = [node for node in model.graph.node if node.op_type == EMBEDDING_OP]
     reshaped = {node.output[0]: node.input[0] for node in model.graph.node if node.op_type == "Reshape"}
@@ -317,12 +329,47 @@ def within_a_step(bits: int) -> float:
     return 1 + 2**bits * 2.0**-24
 
 
+def block_elements(weight: BlockQuantized) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[K, N] each element's code, its block's scale (signed, as stored) and its zero point."""
+    def per_element(per_block: np.ndarray) -> np.ndarray:  # [N, blocks] -> [K, N]
+        return np.repeat(per_block, weight.block_size, axis=1)[:, :weight.k].T
+
+    codes = unpack(weight.codes, weight.bits).reshape(weight.n, -1)[:, :weight.k].T.astype(np.int64)
+    scales = np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks)
+    zero = (np.full((weight.n, weight.blocks), 2 ** (weight.bits - 1)) if weight.zero_points is None else
+            unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.int64))
+    return codes, per_element(scales), per_element(zero)
+
+
 def block_steps(weight: BlockQuantized) -> np.ndarray:
     """[K, N]: each element's quantization step, |scale| of its column and block (the smallest
     positive float where a scale is 0: a block of zeros)."""
-    scales = np.abs(np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks))  # [N, blocks]
-    steps = np.repeat(scales, weight.block_size, axis=1)[:, :weight.k].T  # [K, N]
-    return np.maximum(steps, np.finfo(np.float64).tiny)
+    return np.maximum(np.abs(block_elements(weight)[1]), np.finfo(np.float64).tiny)
+
+
+def unrounded(parameter: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+              codes_range: tuple[int, int], bits: int) -> str:
+    """Where a weight's codes are not its parameter rounded (SPEC §15.1), said; "" where every one is.
+    Element by element, q = w / scale + z is the code the parameter asks for: round to nearest
+    stores a code within half of it (ties either way), give or take the float32 rounding of the
+    quotient (within_a_step's 2^bits · 2⁻²⁴). A code further is clipped only at the edge of the
+    range, on the side beyond it (the code rounding asks for does not exist); anything else is
+    another rule (a quantizer that truncates: up to a whole code off, all on one side)."""
+    parameter, scales = np.asarray(parameter, np.float64), np.asarray(scales, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        asked = np.where(scales != 0, parameter / np.where(scales != 0, scales, 1.0) + zero_points, np.nan)
+    off = asked - codes  # [K, N] in codes
+    rounded = np.abs(off) <= 0.5 + (within_a_step(bits) - 1)
+    clipped = ((codes == codes_range[1]) & (off > 0)) | ((codes == codes_range[0]) & (off < 0))
+    zero_block = (scales == 0) & (parameter == 0)  # a block of zeros: any code is 0 times its scale
+    missed = ~(rounded | clipped | zero_block)
+    if not missed.any():
+        return ""
+    worst = np.unravel_index(int(np.nanargmax(np.where(missed, np.abs(off), -1.0))), off.shape)
+    below = int((missed & (off > 0)).sum())
+    return (f"{int(missed.sum())} of {missed.size} codes are not its elements rounded (the worst at "
+            f"{[int(i) for i in worst]}: w / scale + z = {asked[worst]:.4f}, code {int(codes[worst])}; {below} of "
+            f"them below the code asked for)")
 
 
 def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme: QuantizationScheme,

@@ -166,6 +166,31 @@ def weights_swapped(first: str, second: str) -> Plant:
     return plant
 
 
+def codes_truncated(float_graph, quantized, params):
+    """Every MatMulNBits weight's codes made again by a quantizer that truncates: ⌊w / scale + z⌋ (clipped
+    to the range) where onnxruntime rounds to the nearest; its scales and zero points kept."""
+    from onnx import numpy_helper
+
+    from export.quantize import QUANTIZED_OP, block_elements, stored_weights, weight_names
+
+    weights, names = stored_weights(quantized), weight_names(float_graph, params)
+    tensors = {tensor.name: tensor for tensor in quantized.graph.initializer}
+    for node in quantized.graph.node:
+        if node.op_type != QUANTIZED_OP:
+            continue
+        weight = weights[node.output[0]]
+        name, transposed = names[node.output[0]]
+        parameter = np.asarray(params[name], np.float64)
+        _, scales, zero = block_elements(weight)  # [K, N]
+        codes = np.clip(np.floor((parameter.T if transposed else parameter) / scales + zero), 0, 2**weight.bits - 1)
+        per_block = np.zeros((weight.n, weight.blocks * weight.block_size), np.uint8)  # past K: the padding's 0
+        per_block[:, :weight.k] = codes.T
+        slots = per_block.reshape(weight.n, weight.blocks, -1, 8 // weight.bits).astype(np.uint8)
+        packed = sum(slots[..., i] << (weight.bits * i) for i in range(8 // weight.bits))  # low bits first
+        tensors[node.input[1]].CopyFrom(numpy_helper.from_array(packed.astype(np.uint8), node.input[1]))
+    return quantized
+
+
 def block_size_attribute_doubled(float_graph, quantized, params):
     """The first MatMulNBits' block_size attribute written twice what its codes were made in."""
     from export.quantize import QUANTIZED_OP
@@ -199,6 +224,9 @@ QUANTIZED_MISTAKES = (
                      "decoder.layers.1.ffn.w1.weight"),
     QuantizedMistake("block_size_attribute", "a block_size attribute twice what its codes were made in", "export",
                      block_size_attribute_doubled, _FIRST),
+    QuantizedMistake("codes_truncated", "a quantizer that truncates w / scale + z where onnxruntime's rounds to the "
+                     "nearest (its scales and zero points kept)", "export", codes_truncated,
+                     "decoder.layers.0.self_attn.q.weight"),
 )
 
 

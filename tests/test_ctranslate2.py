@@ -158,11 +158,15 @@ def test_its_int8_is_a_quantized_column_measured_against_the_float_golden(writte
     assert [column.name for column in columns] == ["ctranslate2-int8", "ctranslate2-int8_float32"]
     for column in columns:
         assert column.passed and not column.error and not column.stored, format_quantized([column])
-        assert {cell.case for cell in column.cells} >= {"forward-none", "decode-incremental", "generate-none"}
+        assert column.verdict == "measured", column.verdict  # nothing judged it without a budget: never "ok"
+        assert f"{column.name}: measured, not judged" in format_quantized([column])
+        assert {cell.case for cell in column.cells if cell.ran} >= {"forward-none", "decode-incremental",
+                                                                    "generate-none"}
         assert all(cell.implementation is None for cell in column.cells)
         assert all(0 < cell.cost.kl_mean for cell in column.cells if hasattr(cell.cost, "kl_mean"))
         assert any(any(cause in cell.left_out for cause in CAUSES) for cell in column.cells if cell.left_out)
     # kl=0: broken by every cell whose cost is above 0, which each is (above)
     over, = check_quantized(model.cfg, model.params, [CTRANSLATE2_INT8["int8"]], {"kl": 0.0},
                             directory=model.directory)
-    assert not over.passed and "n/a: int8 activations at run time" in format_quantized([over])
+    assert not over.passed and over.verdict == "fail"
+    assert "n/a: int8 activations at run time" in format_quantized([over])

@@ -14,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 from conformance.machine import Int8Path, cpu_flags, int8_path
 from export.integer_products import INT16, with_integer_products
 from export.onnx_model import ExportError
+from spec import conformance_params, get_preset
+from spec.quantization import QuantizationScheme
 
 HERE = int8_path()
 
@@ -33,7 +35,8 @@ def _product(weights, k=8, n=5):
     graph = helper.make_graph([node], "product", [helper.make_tensor_value_info("A", TensorProto.UINT8, [None, k]),
                                                   helper.make_tensor_value_info("a_zero_point", TensorProto.UINT8, [])],
                               [helper.make_tensor_value_info("Y", TensorProto.INT32, [None, n])],
-                              [numpy_helper.from_array(weights, "B"), numpy_helper.from_array(np.int8(0), "b_zero_point")])
+                              [numpy_helper.from_array(weights, "B"),
+                               numpy_helper.from_array(np.int8(0), "b_zero_point")])
     return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -112,7 +115,6 @@ def _dynamic_forward(cfg, params):
     from conformance.quantized import real_tokens
     from export.quantize import quantized_export
     from spec.masks import real_tokens as keep_of
-    from spec.quantization import QuantizationScheme
 
     directory = quantized_export(cfg, params, QuantizationScheme(8, dynamic=True))
     graph = onnx.load(str(directory / json.loads((directory / "manifest.json").read_text())["graphs"]["forward"]))
@@ -131,7 +133,6 @@ def test_a_dynamic_deployments_logits_are_this_cpus_arithmetic_and_the_others_co
     costs are measured here, whichever CPU runs (SPEC §15.2: KL 4e-4 exact, 0.07 saturating)."""
     from conformance.quantized import cost
     from conformance.tolerance import compare
-    from spec import conformance_params, get_preset
 
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg)
@@ -154,13 +155,12 @@ def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_refere
     4e-4 where the products are exact, 0.07 where VPMADDUBSW saturates, SPEC §15.2); a budget judges
     it, here set from what was measured: half the largest cost is broken, the largest is kept."""
     from conformance.quantized import Cost, check_quantized, format_quantized
-    from spec import conformance_params, get_preset
-    from spec.quantization import QuantizationScheme
 
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg)
     column, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)])
     assert column.name == "onnx-dynamic-int8" and not column.error and column.passed, column.error
+    assert column.verdict == "measured"  # nothing judged it: not ok, and not a failure either
     assert column.stored == [] and column.stages is None
     assert all(cell.implementation is None for cell in column.cells)
     logits = [cell.cost for cell in column.cells if isinstance(cell.cost, Cost)]
@@ -168,10 +168,41 @@ def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_refere
     assert column.int8_path == HERE.describe()
     text = format_quantized([column])
     assert f"int8 products on this machine: {HERE.describe()}" in text and "n/a: int8 activations at run time" in text
+    assert "onnx-dynamic-int8: measured, not judged" in text
     worst = max(spent.kl_mean for spent in logits)
     over, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)], {"kl": worst / 2})
     assert not over.passed
-    assert [bool(cell.over_budget) for cell in over.cells] == [isinstance(cell.cost, Cost) and cell.cost.kl_mean > worst / 2
-                                                             for cell in column.cells]
+    assert [bool(cell.over_budget) for cell in over.cells] == [
+        isinstance(cell.cost, Cost) and cell.cost.kl_mean > worst / 2 for cell in column.cells]
+    assert over.verdict == "fail"
     kept, = check_quantized(cfg, params, [QuantizationScheme(8, dynamic=True)], {"kl": worst})
-    assert kept.passed
+    assert kept.passed and kept.verdict == "ok"  # the budget judged it
+
+
+def test_a_quantized_column_that_compared_nothing_ran_nothing(monkeypatch, capsys):
+    """A runner whose every case leaves out every row (adapter.Partial, nothing compared): each case is
+    recorded as left out whole with its cause, and the column ran nothing: not a pass, as a matrix
+    column that ran nothing is not, and `rosetta check` exits 1."""
+    import conformance.quantized as quantized
+    from conformance.adapter import Partial
+    from conformance.cases import BATCH
+    from rosetta.main import main
+
+    class NothingComputed:
+        def run(self, sublayer, inputs):
+            return Partial(np.zeros((BATCH, 1, 1)), np.zeros(BATCH, bool), {row: "a layout it cannot serve"
+                                                                           for row in range(BATCH)})
+
+    monkeypatch.setattr(quantized, "served", lambda *arguments: (NothingComputed(), None, {}))
+    cfg = get_preset("llama-tiny")
+    column, = quantized.check_quantized(cfg, conformance_params(cfg), [QuantizationScheme(8, dynamic=True)])
+    assert column.cells and not any(cell.ran for cell in column.cells)
+    assert column.verdict == "ran nothing" and not column.passed
+    text = quantized.format_quantized([column])
+    assert "RAN NOTHING" in text and "forward-none, left out whole: rows 0, 1, 2: a layout it cannot serve" in text
+    capsys.readouterr()
+    assert main(["check", "--preset", "llama-tiny", "--jobs", "1", "--backends", "numpy-float32", "--dtypes",
+                 "float32", "-k", "forward-none", "--quantized", "dynamic-int8"]) == 1
+    out = capsys.readouterr().out
+    assert "1 passed, 0 failed" in out and "onnx-dynamic-int8: RAN NOTHING" in out  # the matrix passed; this did not
+

@@ -107,3 +107,20 @@ def test_a_layout_the_spec_lacks_is_refused_by_name(change, message):
     _, read, _ = _quantized(4, symmetric=False)
     with pytest.raises(WeightsError, match=message):
         dequantize(dataclasses.replace(read, **change))
+
+
+def test_a_code_must_be_its_element_rounded_or_clipped():
+    """export.quantize.unrounded (SPEC §15.1): each code within half of w / scale + z (ties either way),
+    or at the edge of its range with w / scale + z beyond it; a truncated code is named with its place."""
+    from export.quantize import unrounded
+
+    scales, zero = np.full((1, 6), 0.5), np.full((1, 6), 8)
+    asked = np.array([[2.5, 3.49, -0.2, 15.9, 7.6, 11.0]])  # w / scale + z
+    parameter = (asked - zero) * scales
+    assert unrounded(parameter, np.array([[2, 3, 0, 15, 8, 11]]), scales, zero, (0, 15), 4) == ""
+    assert unrounded(parameter, np.array([[3, 3, 0, 15, 8, 11]]), scales, zero, (0, 15), 4) == ""  # a tie either way
+    truncated = unrounded(parameter, np.floor(asked).astype(np.int64).clip(0, 15), scales, zero, (0, 15), 4)
+    assert truncated.startswith("1 of 6 codes are not its elements rounded (the worst at [0, 4]") and \
+        "1 of them below the code asked for" in truncated  # 3.49 -> 3 rounds; -0.2 -> 0 and 15.9 -> 15 clip
+    edge = unrounded(parameter, np.array([[2, 3, 0, 15, 8, 15]]), scales, zero, (0, 15), 4)
+    assert edge.startswith("1 of 6 codes") and "w / scale + z = 11.0000, code 15" in edge  # the edge, not beyond it
