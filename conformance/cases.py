@@ -103,6 +103,9 @@ MASK_CASES: dict[str, str] = {
     "far": f"RoPE far from position 0: keys from position {FAR_POSITION} on (causal, padded), or decode steps after "
            f"{FAR_POSITION} cached positions (rotary configs)",
     "long": f"a {LONG_PROMPT}-token sequence, padding at the end (rotary configs)",
+    "at_switch": "every row as long as the last length before the config switches rule (longrope: ℓ = L, the short "
+                 "factors; configs with switch_lengths)",
+    "past_switch": "every row one longer (longrope: ℓ = L + 1, the long factors; configs with switch_lengths)",
 }
 # the parameters cast to float64, asked for only by the cases whose inputs the golden chooses
 GoldenParams = Callable[[], Mapping[str, np.ndarray]]
@@ -123,6 +126,7 @@ MASK_CASES.update({size: f"{purpose} (norm: the FFN's norm; mha: the q/k head no
 MASK_CASES.update({f"{size}_{role}": f"{_SIZE_PURPOSE[size]} ({whose} norm)"
                    for role, whose in NORM_ROLES.items() for size in _SIZES})
 _ROTARY_CASES = ("far", "long")  # only rotary configs run them
+SWITCH_CASES = ("at_switch", "past_switch")  # only configs whose computation switches at a length run them
 MASK_CASES.update({
     "text": "real text: the --prompt prompts through the checkpoint's own tokenizer, padded at the end (forward, "
             "decode) or at the start (generate)",
@@ -211,7 +215,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              lambda c: (3 if c.has_encoder else 2) * c.n_decoder_layers + 2),
     Sublayer("logits", "output projection (tied or not)", ("none",), lambda c: 1),
     Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
-    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long", *TEXT_CASES), _layers_depth),
+    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long", *SWITCH_CASES, *TEXT_CASES),
+             _layers_depth),
     Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
              ("incremental", "pad_right", "pad_left", "pad_start", "far", "text"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
@@ -458,12 +463,15 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
     src_len, tgt_len = min(SRC_LEN, cfg.max_len), min(TGT_LEN, cfg.max_len)
     if mask_case in ("far", "long"):
         tgt_len = min(FAR_POSITION + 3 if mask_case == "far" else LONG_PROMPT, cfg.max_len)
+    elif mask_case in SWITCH_CASES:  # ℓ = 1 + the largest position: every row real to its end
+        tgt_len = cfg.switch_lengths[0] + (mask_case == "past_switch")
     if mask_case == "single_token":
         src_len = tgt_len = 1
     elif mask_case == "lq_ne_lk":
         src_len = min(SRC_LEN + 3, cfg.max_len)
     target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right",
-                      "dropout": "pad_right", "far": "pad_right", "long": "pad_right"}.get(mask_case, mask_case)
+                      "dropout": "pad_right", "far": "pad_right", "long": "pad_right", "at_switch": "none",
+                      "past_switch": "none"}.get(mask_case, mask_case)
     source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
     tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
     if mask_case == "pad_start":
@@ -767,6 +775,8 @@ def applicable_cases(cfg: ModelConfig, sublayer: str, text: bool = False) -> tup
         cases = tuple(c for c in cases if c not in _SCALED)
     if not cfg.dropout > 0:
         cases = tuple(c for c in cases if c != "dropout")
+    if not cfg.switch_lengths or cfg.switch_lengths[0] + 1 > cfg.max_len:
+        cases = tuple(c for c in cases if c not in SWITCH_CASES)
     if not cfg.has_encoder:
         if forward_of(sublayer) == "decoder_layer":
             cases = tuple(c for c in cases if c != "cross_pad" and c != "lq_ne_lk")

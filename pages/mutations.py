@@ -548,9 +548,7 @@ MUTATIONS += [
              preset="qwen2-yarn-tiny"),
     Mutation("longrope_switch_inclusive", "LongRoPE switching to the long factors at ℓ ≥ L instead of ℓ > L (a "
              "call exactly as long as the original context takes the long ones)", "longrope_frequencies",
-             _longrope_switch_inclusive, "decode", None, preset="phi3-tiny",
-             unlocalized="the mistake shows only in a call of length exactly L, decode-far's first step; no "
-                         "forward case has that length"),
+             _longrope_switch_inclusive, "forward", "decoder.layers.0", localize_on="at_switch", preset="phi3-tiny"),
     Mutation("longrope_attention_factor_ignored", "LongRoPE's attention factor √(1 + ln s / ln L) ignored: 1 "
              "where it is 1.096", "rope_attention_factor", _yarn_temperature_ignored, "mha", "decoder.layers.0",
              preset="phi3-tiny"),

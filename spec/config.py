@@ -168,6 +168,16 @@ class ModelConfig:
         return self.rope_scaling is not None and self.rope_scaling.kind == "longrope"
 
     @property
+    def switch_lengths(self) -> tuple[int, ...]:
+        """The call lengths ℓ at which the model's computation changes rule, each the last length of
+        the rule before it: longrope's original context L (ℓ ≤ L takes the short factors, ℓ > L the
+        long ones, SPEC §5.12). () where nothing switches; the whole-model cases at_switch and
+        past_switch (SPEC §11) run ℓ = L and L + 1."""
+        if self.rotary_reads_length:
+            return (self.rope_scaling.original_max_len,)
+        return ()
+
+    @property
     def score_scale(self) -> float:
         """The scores' factor: 1 / √query_pre_attention_scalar where given (Gemma), else 1 / √d_k."""
         return 1 / math.sqrt(self.query_pre_attention_scalar or self.d_head)

@@ -54,9 +54,15 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     norms_tiny_lacks = {"small_final", "large_final", "small_embed", "large_embed"}  # tiny has neither norm
     text_only = set(TEXT_CASES)  # a check given prompts runs them (tests/test_text_cases.py)
     experts_only = {"unchosen", "near_tie"}
-    assert {c.mask_case for c in cases} == set(MASK_CASES) - rotary_only - norms_tiny_lacks - text_only - experts_only
+    switch_only = {"at_switch", "past_switch"}  # configs whose computation switches at a length (longrope)
+    assert {c.mask_case for c in cases} == (set(MASK_CASES) - rotary_only - norms_tiny_lacks - text_only
+                                            - experts_only - switch_only)
     llama = get_preset("llama-tiny")
-    assert rotary_only <= {c.mask_case for c in catalogue(llama, conformance_params(llama))}
+    llama_cases = {c.mask_case for c in catalogue(llama, conformance_params(llama))}
+    assert rotary_only <= llama_cases and not switch_only & llama_cases
+    phi3 = get_preset("phi3-tiny")
+    assert {("forward", "at_switch"), ("forward", "past_switch")} <= set(case_names(phi3))
+    assert phi3.switch_lengths == (1002,) and llama.switch_lengths == ()
     embed_norm = VARIANTS["tiny.learned_swish_shared_embednorm"].replace(final_norm=True)
     assert norms_tiny_lacks <= {mask_case for mask_case in applicable_cases(embed_norm, "norm")}
     assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts"}  # a mixture of experts' only

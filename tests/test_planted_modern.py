@@ -107,6 +107,10 @@ def _longrope_switch_inclusive(omega, scaling, length):
     return _longrope(omega, scaling, None if length is None else length + 1)  # long from ℓ ≥ L on: a call early
 
 
+def _longrope_switch_late(omega, scaling, length):
+    return _longrope(omega, scaling, None if length is None else length - 1)  # long from ℓ > L + 1 on: a call late
+
+
 def _llama3_bands_swapped(omega, scaling):
     swapped = dataclasses.replace(scaling, low_freq_factor=scaling.high_freq_factor,
                                   high_freq_factor=scaling.low_freq_factor)
@@ -134,6 +138,7 @@ PLANTS = {
     "yarn_temperature_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
     "window_off_by_one": (torch_model, "_causal_mask", _window_off_by_one),
     "longrope_switch_inclusive": (torch_model, "longrope_frequencies", _longrope_switch_inclusive),
+    "longrope_switch_late": (torch_model, "longrope_frequencies", _longrope_switch_late),
     "window_ignored_in_the_step": (torch_model, "_decode_step_body", _window_ignored_in_the_step),
     "longrope_attention_factor_ignored": (torch_model, "rope_attention_factor", _yarn_temperature_ignored),
     "attention_softcap_dropped": (torch_model, "scaled_dot_product_attention", _attention_softcap_dropped),
@@ -177,9 +182,12 @@ CAUGHT = [
     # the window masked by the forward but not by the cached step: the decode cells, the forward's all pass
     ("window_ignored_in_the_step", "mistral-tiny", "float32", "decode-incremental"),
     ("window_ignored_in_the_step", "mistral-tiny", "bfloat16", "decode-incremental"),
-    # LongRoPE (SPEC §5.12): the switch one call early shows only at ℓ = L, decode-far's first step
-    ("longrope_switch_inclusive", "phi3-tiny", "float32", "decode-far"),
-    ("longrope_switch_inclusive", "phi3-tiny", "bfloat16", "decode-far"),
+    # LongRoPE (SPEC §5.12): a switch one call early shows only at ℓ = L (forward-at_switch, the first
+    # cell of that length, and decode-far's first step), one call late only at ℓ = L + 1 (past_switch)
+    ("longrope_switch_inclusive", "phi3-tiny", "float32", "forward-at_switch"),
+    ("longrope_switch_inclusive", "phi3-tiny", "bfloat16", "forward-at_switch"),
+    ("longrope_switch_late", "phi3-tiny", "float32", "forward-past_switch"),
+    ("longrope_switch_late", "phi3-tiny", "bfloat16", "forward-past_switch"),
     ("longrope_attention_factor_ignored", "phi3-tiny", "float32", "mha-none"),
     ("longrope_attention_factor_ignored", "phi3-tiny", "bfloat16", "mha-none"),
     # Gemma's (SPEC §5.13), on gemma2-tiny: each fails the first cell that runs the piece
