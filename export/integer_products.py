@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export.onnx_model import ExportError
+from export.onnx_model import ExportError, without_unused_initializers
 
 INTEGER_PRODUCT = "MatMulInteger"
 INT16 = (-(2**15), 2**15 - 1)
@@ -45,11 +45,7 @@ def with_integer_products(model: onnx.ModelProto, saturating: bool) -> onnx.Mode
         nodes += (_saturating if saturating else _exact)(node, weights, rewritten.graph.initializer)
     del rewritten.graph.node[:]
     rewritten.graph.node.extend(nodes)
-    used = {name for node in nodes for name in node.input}
-    kept = [tensor for tensor in rewritten.graph.initializer if tensor.name in used]
-    del rewritten.graph.initializer[:]
-    rewritten.graph.initializer.extend(kept)  # the int8 weights, now constants of the int32 products
-    return rewritten
+    return without_unused_initializers(rewritten)  # the int8 weights: constants of the int32 products now
 
 
 def _centred_weights(node: onnx.NodeProto, constants) -> np.ndarray:

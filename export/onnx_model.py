@@ -93,6 +93,16 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return sum(len(tensor.raw_data) or tensor.ByteSize() for tensor in model.graph.initializer)
 
 
+def without_unused_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, in place, without the initializers no node reads (onnxruntime warns of each): what a
+    graph rewritten by hand leaves behind."""
+    used = {name for node in model.graph.node for name in node.input}
+    kept = [tensor for tensor in model.graph.initializer if tensor.name in used]
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(kept)
+    return model
+
+
 def external_data_file(graph: str | Path) -> str:
     """The file beside a graph that holds its weights where they are too large for the graph's own."""
     return Path(graph).name + ".data"

@@ -30,7 +30,8 @@ from export.cache import cache_root, exported
 from export.onnx_model import external_data_file, save
 from spec import ModelConfig
 from spec.errors import WeightsError
-from spec.quantization import BlockQuantized, QuantizationScheme, check_block_quantized, dequantize, unpack
+from spec.quantization import (BlockQuantized, QuantizationScheme, block_elements, check_block_quantized,
+                                dequantize)
 
 QUANTIZED_OP = "MatMulNBits"
 QUANTIZED_ROLES = ("forward", "encoder", "decoder_step", "decoder_step_in_place")  # the graphs it serves
@@ -327,18 +328,6 @@ def within_a_step(bits: int) -> float:
     float32 rounding of the quotient w / scale that chose the code, |w / scale| ≤ 2^bits steps times
     float32's unit roundoff 2^-24."""
     return 1 + 2**bits * 2.0**-24
-
-
-def block_elements(weight: BlockQuantized) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[K, N] each element's code, its block's scale (signed, as stored) and its zero point."""
-    def per_element(per_block: np.ndarray) -> np.ndarray:  # [N, blocks] -> [K, N]
-        return np.repeat(per_block, weight.block_size, axis=1)[:, :weight.k].T
-
-    codes = unpack(weight.codes, weight.bits).reshape(weight.n, -1)[:, :weight.k].T.astype(np.int64)
-    scales = np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks)
-    zero = (np.full((weight.n, weight.blocks), 2 ** (weight.bits - 1)) if weight.zero_points is None else
-            unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.int64))
-    return codes, per_element(scales), per_element(zero)
 
 
 def block_steps(weight: BlockQuantized) -> np.ndarray:

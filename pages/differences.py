@@ -1109,7 +1109,8 @@ SECTIONS = [
     Section("Quantized matrix products: what onnxruntime's kernels compute",
             "A weight-only deployment stores each linear layer's weight in 4 or 8-bit blocks; the golden reads the "
             "stored weight exactly (SPEC.md §15) and runs on it.",
-            {"NumPy (golden)": ("spec/quantization.py::unpack", "spec/quantization.py::dequantize")},
+            {"NumPy (golden)": ("spec/quantization.py::unpack", "spec/quantization.py::block_elements",
+                                "spec/quantization.py::dequantize")},
             _quantized_kernels_rows),
     Section("Int8 products: what the CPU's instruction set computes",
             "A quantize_dynamic deployment quantizes the activations to u8 at run time and multiplies them by s8 "

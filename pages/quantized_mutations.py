@@ -53,6 +53,7 @@ def _rewritten_weights(rewrite: Callable[[BlockQuantized], BlockQuantized | None
     that node left as it is), the node's attributes following the rewritten weight."""
     from onnx import helper, numpy_helper
 
+    from export.onnx_model import without_unused_initializers
     from export.quantize import QUANTIZED_OP, stored_weights
 
     def plant(float_graph, quantized, params):
@@ -73,17 +74,8 @@ def _rewritten_weights(rewrite: Callable[[BlockQuantized], BlockQuantized | None
                 if attribute.name in ("K", "N", "bits", "block_size"):
                     attribute.CopyFrom(helper.make_attribute(attribute.name, getattr(
                         wrong, {"K": "k", "N": "n"}.get(attribute.name, attribute.name))))
-        return _unused_dropped(quantized)
+        return without_unused_initializers(quantized)
     return plant
-
-
-def _unused_dropped(model):
-    """The model without the initializers a plant left unread (onnxruntime warns of each)."""
-    used = {name for node in model.graph.node for name in node.input}
-    kept = [tensor for tensor in model.graph.initializer if tensor.name in used]
-    model.graph.ClearField("initializer")
-    model.graph.initializer.extend(kept)
-    return model
 
 
 def swap_nibbles(weight: BlockQuantized) -> BlockQuantized | None:
@@ -142,6 +134,8 @@ def _output_of(float_graph, params, parameter: str) -> str:
 
 def left_in_float(parameter: str) -> Plant:
     """The float graph's MatMul on `parameter` put back in place of its MatMulNBits."""
+    from export.onnx_model import without_unused_initializers
+
     def plant(float_graph, quantized, params):
         output = _output_of(float_graph, params, parameter)
         matmul, = [node for node in float_graph.graph.node if node.op_type == "MatMul" and node.output[0] == output]
@@ -150,7 +144,7 @@ def left_in_float(parameter: str) -> Plant:
         quantized.graph.ClearField("node")
         quantized.graph.node.extend(nodes)
         quantized.graph.initializer.append(weight)
-        return _unused_dropped(quantized)
+        return without_unused_initializers(quantized)
     return plant
 
 
@@ -171,7 +165,8 @@ def codes_truncated(float_graph, quantized, params):
     to the range) where onnxruntime rounds to the nearest; its scales and zero points kept."""
     from onnx import numpy_helper
 
-    from export.quantize import QUANTIZED_OP, block_elements, stored_weights, weight_names
+    from export.quantize import QUANTIZED_OP, stored_weights, weight_names
+    from spec.quantization import block_elements
 
     weights, names = stored_weights(quantized), weight_names(float_graph, params)
     tensors = {tensor.name: tensor for tensor in quantized.graph.initializer}

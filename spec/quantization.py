@@ -82,17 +82,25 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(*packed.shape[:-1], -1)
 
 
+def block_elements(weight: BlockQuantized) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[K, N] each element's code (int64), its block's scale (float64, signed as stored) and its
+    zero point (int64; 2^(bits−1) where none is stored), the padding past K dropped."""
+    check_block_quantized(weight)
+
+    def per_element(per_block: np.ndarray) -> np.ndarray:  # [N, blocks] -> [K, N]
+        return np.repeat(per_block, weight.block_size, axis=1)[:, :weight.k].T
+
+    codes = unpack(weight.codes, weight.bits).reshape(weight.n, -1)[:, :weight.k].T.astype(np.int64)
+    scales = np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks)
+    zero = (np.full((weight.n, weight.blocks), 2 ** (weight.bits - 1), np.int64) if weight.zero_points is None else
+            unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.int64))
+    return codes, per_element(scales), per_element(zero)
+
+
 def dequantize(weight: BlockQuantized) -> np.ndarray:
     """W [K, N] in float64: (code − zero_point) · scale per column and block of K."""
-    check_block_quantized(weight)
-    codes = unpack(weight.codes, weight.bits).astype(np.float64)  # [N, blocks, B]
-    scales = np.asarray(weight.scales, np.float64).reshape(weight.n, weight.blocks)
-    if weight.zero_points is None:
-        zero = np.full((weight.n, weight.blocks), 2.0 ** (weight.bits - 1))
-    else:
-        zero = unpack(weight.zero_points.reshape(weight.n, -1), weight.bits)[:, :weight.blocks].astype(np.float64)
-    values = (codes - zero[..., None]) * scales[..., None]  # [N, blocks, B]
-    return values.reshape(weight.n, -1)[:, :weight.k].T  # the padding past K dropped -> [K, N]
+    codes, scales, zero = block_elements(weight)
+    return (codes - zero).astype(np.float64) * scales
 
 
 @dataclass(frozen=True)
