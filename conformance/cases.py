@@ -13,13 +13,16 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
                    keys at positions offset.., the queries the last Q of them; offset with RoPE only)
     mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
     ffn            module, x [B,T,d]                                  -> [B,T,d]
-    router         module (a mixture of experts), x [B,T,d]           -> every expert's probability [B,T,E]
+    router         module (a mixture of experts), x [B,T,d]           -> {probabilities [B,T,E], chosen and
+                   weights [B,T,k]}
     experts        module, x [B,T,d], chosen [B,T,k], weights [B,T,k] -> [B,T,d]   (the block on the given
                    routing, the golden's: forced through the runner's routing log)
     norm           module, x [B,T,d]                                  -> [B,T,d]
     ffn_block      layer, x [B,T,d]        (residual/norm around the FFN)  -> [B,T,d]
     encoder_layer  index, x [B,S,d], mask                             -> [B,S,d]
     decoder_layer  index, y [B,T,d], memory [B,S,d]|None, self_mask, cross_mask -> [B,T,d]
+                   (a sliding layer's causal cases: tgt_keep [B,T] in place of self_mask, and mha's in
+                   place of mask: the layer builds its own mask from its config, decoder_self_mask)
     encoder        src_ids [B,S]                                      -> memory [B,S,d]
     decoder        tgt_ids [B,T], memory [B,S,d]|None, src_keep [B,S]|None -> [B,T,d]
     logits         h [B,T,d]                                          -> [B,T,V]
@@ -199,7 +202,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network (near_tie: a mixture of experts' every token at a routing "
              "tie)", ("none", "near_tie"), lambda c: 1),
-    Sublayer("router", "a mixture of experts' router: every expert's probability, softmax(x R)", ("none",),
+    Sublayer("router", "a mixture of experts' router: every expert's probability, softmax(x R), the k it chooses "
+             "and their weights", ("none",),
              lambda c: 1),
     Sublayer("experts", "a mixture of experts' chosen experts, weighted, on the golden's routing (unchosen: "
              "one expert chosen by no token)", ("none", "unchosen"), lambda c: 1),
@@ -395,6 +399,23 @@ def _explicit_mask(rng: np.random.Generator, mask_case: str, batch: int, heads: 
     return mask
 
 
+# the self-attention cases whose mask a sliding decoder layer builds itself (SPEC §11): the real
+# tokens of each, from which the layer's own causal, windowed mask is made
+_OWN_MASK_PADDING = {"causal": "none", "causal_pad": "pad_left", "far": "pad_left", "all_pad": "pad_left"}
+
+
+def _own_mask_keep(cfg: ModelConfig, module: str, mask_case: str, length: int) -> np.ndarray | None:
+    """The real tokens [B, T] of a decoder self-attention case on a layer whose config slides (the
+    case's mask the one that layer builds from its own window, so a window mistake fails the layer's
+    own cell); None where the case's explicit mask stands (a layer that does not slide, another case)."""
+    if not module.startswith("decoder.layers.") or mask_case not in _OWN_MASK_PADDING:
+        return None
+    if cfg.layer(int(module.split(".")[2])).sliding_window is None:
+        return None
+    keep = _keep(BATCH, length, _OWN_MASK_PADDING[mask_case])
+    return keep & _keep(BATCH, length, "all_pad") if mask_case == "all_pad" else keep
+
+
 def _lengths(mask_case: str) -> tuple[int, int]:
     """(query length, key length) of an attention-level case (no positions involved)."""
     q_len, k_len = TGT_LEN, TGT_LEN
@@ -427,6 +448,7 @@ def layer_of(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
 
 
 _MOE_SUBLAYERS = ("router", "experts")
+ROUTER_OUTPUTS = ("probabilities", "chosen", "weights")  # a router case's output: [B, T, E], [B, T, k], [B, T, k]
 
 
 def _experts_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarray,
@@ -514,8 +536,12 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         module = (f"{stack}.layers.{layer_of(cfg, sublayer, mask_case)}.self_attn" if sublayer == "mha"
                   else f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.cross_attn")
         offset = _offset(mask_case)
-        inputs = {"module": module, "x": x, "context": context,
-                  "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}
+        inputs = {"module": module, "x": x, "context": context}
+        keep = _own_mask_keep(cfg, module, mask_case, k_len) if self_attention else None
+        if keep is None:
+            inputs["mask"] = _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)
+        else:
+            inputs["tgt_keep"] = keep
         if cfg.positional == "rope":  # positions enter an attention only through its rotations
             inputs["offset"] = offset
         return inputs, max(d, k_len)
@@ -544,6 +570,8 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         t_len, s_len = (1, 1) if mask_case == "single_token" else (TGT_LEN, SRC_LEN)
         if mask_case == "lq_ne_lk":
             s_len = SRC_LEN + 3
+        index = layer_of(cfg, sublayer, mask_case)
+        keep = _own_mask_keep(cfg, f"decoder.layers.{index}", mask_case, t_len)
         self_mask = _explicit_mask(rng, "causal_pad" if mask_case in ("causal_pad", "all_pad") else "causal",
                                    BATCH, heads, t_len, t_len)
         if mask_case == "all_pad":
@@ -552,8 +580,8 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         cross = None
         if cfg.has_encoder and mask_case in ("cross_pad", "all_pad"):
             cross = key_mask(_keep(BATCH, s_len, "pad_right" if mask_case == "cross_pad" else "all_pad"))
-        return {"index": layer_of(cfg, sublayer, mask_case), "y": _normal(rng, BATCH, t_len, d), "memory": memory,
-                "self_mask": self_mask,
+        own = {"self_mask": self_mask} if keep is None else {"tgt_keep": keep}  # a sliding layer builds its own
+        return {"index": index, "y": _normal(rng, BATCH, t_len, d), "memory": memory, **own,
                 "cross_mask": cross}, max(d, d_ff, s_len)
     src_ids, tgt_ids = _model_ids(cfg, rng, mask_case)
     # the keys a query sums over; added positions round like their angle times p (SPEC §8), rotated

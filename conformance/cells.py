@@ -16,9 +16,9 @@ from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import NEAR_TIE_CASES, SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
 from conformance.field_metrics import field_metrics
 from conformance.memory import golden_budget
-from conformance.routing import near_ties, replayed_routing, replayed_training
+from conformance.routing import compare_router, near_ties, replayed_routing, replayed_training
 from conformance.tolerance import compare, compare_generation, compare_gradients
-from conformance.training_cells import TrainingReference, compare_training, step_tolerances
+from conformance.training_cells import NotJudged, TrainingReference, compare_training, step_tolerances
 from spec import ModelConfig
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
@@ -28,6 +28,7 @@ ABSENT = "absent"  # declared up front: the framework is not installed, the devi
 NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
 PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.budget)
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
+NOT_JUDGED = "not judged"  # the cell ran but gave nothing its rule judges (a training run whose every step was skipped)
 
 
 def unavailable_kind(reason: str) -> str:
@@ -157,11 +158,17 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     elif is_training(case.sublayer):
         def judge(trained):
             return compare_training(trained, reference, dtype, **step_tolerances(cfg, case, dtype))
+    elif case.sublayer == "router":
+        def judge(routed):
+            return compare_router(cfg, params, case, routed, dtype)
     else:
         def judge(values):
             return compare(values, reference, relative, case.floor, compared)
-    result = judge(output)
-    if not result.passed and cfg.moe is not None:
+    try:
+        result = judge(output)
+    except NotJudged as why:
+        return CellResult(**base, status=SKIP, reason=f"not judged: {why}", skip=NOT_JUDGED, seconds=seconds)
+    if not result.passed and cfg.moe is not None and case.sublayer != "router":  # a router cell is the routing
         result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     base["field"] = _field_metrics(case, output, reference, compared, dtype)
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,

@@ -110,8 +110,8 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
         plan.append((f"decoder.layers.{i}", "decoder_layer",
                      lambda y, layer=layer, i=i, self_mask=self_mask: golden.decoder_layer(
                          cfg.layer(i), layer, y, memory, self_mask, cross),
-                     lambda y, i=i, self_mask=self_mask: {"index": i, "y": y, "memory": memory, "self_mask": self_mask,
-                                                          "cross_mask": cross}))
+                     lambda y, i=i, self_mask=self_mask: {"index": i, "y": y, "memory": memory, "cross_mask": cross,
+                                                          **_own_mask(cfg, i, self_mask, tgt_keep)}))
     if cfg.final_norm:
         plan.append(("decoder.norm", "norm", lambda y: golden.norm(cfg, params_under(p, "decoder.norm"), y),
                      lambda y: {"module": "decoder.norm", "x": y}))
@@ -229,7 +229,8 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
     for i in range(cfg.n_decoder_layers):
         self_mask = self_masks[cfg.layer(i).sliding_window]
         decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {"index": i, "y": _f32(y), "memory": memory,
-                                                                          "self_mask": self_mask, "cross_mask": cross}, "y"))
+                                                                          **_own_mask(cfg, i, self_mask, tgt_keep),
+                                                                          "cross_mask": cross}, "y"))
         y = golden.decoder_layer(cfg.layer(i), params_under(p, f"decoder.layers.{i}"), y, memory, self_mask, cross)
     if cfg.final_norm:
         decoder_inputs.append(("decoder.norm", "norm", {"module": "decoder.norm", "x": _f32(y)}, "x"))
@@ -318,3 +319,9 @@ def localize_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], result
             localizations[f"{backend}/{dtype}/{device} (backward of loss-{mask_case})"] = localize_backward_column(
                 cfg, params, backend, dtype, device, mask_case)
     return localizations
+
+
+def _own_mask(cfg: ModelConfig, index: int, self_mask: np.ndarray, tgt_keep: np.ndarray) -> dict:
+    """A decoder layer stage's self-attention mask: a sliding layer's is the one it builds from its
+    own config over the real tokens (SPEC §11), so a window mistake is localized to its layer."""
+    return {"self_mask": self_mask} if cfg.layer(index).sliding_window is None else {"tgt_keep": np.asarray(tgt_keep)}

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conformance.adapter import get_backend
-from conformance.cells import ERROR, FAIL, PASS, REFUSED, SKIP, CellResult
+from conformance.cells import ERROR, FAIL, NOT_JUDGED, PASS, REFUSED, SKIP, CellResult
 from conformance.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
 from conformance.routing import format_routing_margins
@@ -78,15 +78,16 @@ def summary_counts(results: list[CellResult]) -> dict[str, int]:
 
 def empty_columns(results: list[CellResult]) -> dict[str, str]:
     """The columns that had cells and ran none, each with why: every cell skipped, and some of them
-    refused (a NotSupported while loading or running, a backend that failed to load). A column
+    refused (a NotSupported while loading or running, a backend that failed to load) or ran and
+    gave nothing to judge (NOT_JUDGED). A column
     whose every skip was declared up front (framework not installed, device not present, a
     dtype or sublayer the backend says it does not run) is not one: its skip line says so."""
     by_column: dict[str, list[CellResult]] = {}
     for r in results:
         by_column.setdefault(f"{r.backend}/{r.dtype}/{r.device}", []).append(r)
-    return {column: "; ".join(dict.fromkeys(r.reason for r in cells if r.skip == REFUSED))
+    return {column: "; ".join(dict.fromkeys(r.reason for r in cells if r.skip in (REFUSED, NOT_JUDGED)))
             for column, cells in by_column.items()
-            if all(r.status == SKIP for r in cells) and any(r.skip == REFUSED for r in cells)}
+            if all(r.status == SKIP for r in cells) and any(r.skip in (REFUSED, NOT_JUDGED) for r in cells)}
 
 
 def matrix_passed(results: list[CellResult], conflicts: list | tuple = ()) -> bool:

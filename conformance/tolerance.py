@@ -54,6 +54,21 @@ def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0)
     return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * (math.sqrt(max(1, reduction_length)) + angle))
 
 
+def held_at(values: np.ndarray, dtype: str) -> np.ndarray:
+    """values as a column at dtype holds them (rounded to nearest, ties to even), in float64."""
+    values = np.asarray(values, np.float64)
+    if dtype == "float64":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float64)
+    single = values.astype(np.float32)
+    if dtype != "bfloat16":
+        return single.astype(np.float64)
+    bits = single.view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32).astype(np.float64)
+
+
 def rotary_angle(cfg: ModelConfig, largest_position: int) -> float:
     """A (SPEC §8): the mean, over a head's d_k/2 pairs, of the angle whose rounding a rotation at
     the largest position carries. Pair i turns by p·ω_i, ω_i = θ^(−2i/r); rounded in a table of

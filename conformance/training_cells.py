@@ -32,9 +32,13 @@ import numpy as np
 
 from conformance.backends.numpy_backend import GradientReference, NumpyRunner
 from conformance.cases import SUBLAYERS, TRAINING_RECORD, Case, training_batches
-from conformance.tolerance import Comparison, compare, compare_gradients, tolerance
+from conformance.tolerance import Comparison, compare, compare_gradients, held_at, tolerance
 from spec import ModelConfig
-from spec.training import TrainingConfig, decays, learning_rate
+from spec.training import HALF_DTYPES, TrainingConfig, decays, learning_rate, loss_scaling, master_dtype
+
+
+class NotJudged(Exception):
+    """A training run that gave nothing its rule judges: every step skipped by the loss scale."""
 
 
 OPTIMIZER_QUANTITIES = ("first_moment", "second_moment", "params")  # a step's quantities after the gradients
@@ -115,6 +119,20 @@ def _why_moment_is_off(check: StepCheck, dtype: str) -> str:
             f"{SMALLEST_NORMAL[dtype]:.3g}, so the moment underflows: Adam needs its moments in a wider dtype")
 
 
+def _why_kept_in_half(check: StepCheck, record: Mapping[str, Any], dtype: str) -> str:
+    """A weight or moment off by more than float32's rounding whose every value is a half-precision
+    number: the run keeps it in that half dtype (pure half-precision Adam), not in float32."""
+    if check.ratio <= 1 or not check.finite or check.quantity not in OPTIMIZER_QUANTITIES:
+        return ""
+    values = np.asarray(record[check.quantity][check.tensor], np.float64)
+    for half in (dtype,) if dtype in HALF_DTYPES else HALF_DTYPES:
+        if values.size and np.array_equal(held_at(values, half), values):
+            return (f"; every value of {check.tensor}'s {check.quantity.replace('_', ' ')} is a {half} number: the run "
+                    f"keeps its weights and Adam's moments in {half}, where mixed precision keeps them in float32 "
+                    "(SPEC §14.2)")
+    return ""
+
+
 def _why_not_finite(record: Mapping[str, Any], check: StepCheck, training: TrainingConfig, dtype: str) -> str:
     """What made an update non-finite, read off the backend's own moments at that place."""
     m = float(np.asarray(record["first_moment"][check.tensor])[check.index])
@@ -168,9 +186,12 @@ def gradient_bounds(reference: GradientReference, gradient_tol: float, kink_widt
 
 def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, before: Mapping[str, Mapping[str, np.ndarray]],
                record: Mapping[str, Any], dtype: str, loss_tol: float, gradient_tol: float, kink_width: float,
-               rounding: float) -> list[StepCheck]:
+               rounding: float, count: int | None = None) -> list[StepCheck]:
     """Step `step` (from 1) of a backend's run against the spec's formulas applied to the state
-    it started from (`before`: params, first_moment, second_moment), every quantity."""
+    it started from (`before`: params, first_moment, second_moment), every quantity; `count` the
+    update's own number (the schedule's and the bias correction's step), `step` less the steps a
+    loss scale skipped (SPEC §14.2)."""
+    count = step if count is None else count
     theta = {name: np.asarray(value, np.float64) for name, value in before["params"].items()}
     reference = step_reference(cfg, theta, batch)
     golden = {name: g for name, g in reference.gradients.items() if name != "loss"}
@@ -202,13 +223,14 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
                _tensorwise("second_moment", step, record["second_moment"], v,
                            {name: (1 - b2) * (2 * float(np.abs(clipped[name]).max(initial=0.0)) * t + t * t)
                             for name, t in tau.items()}, rounding)]
-    checks += [dataclasses.replace(c, detail=c.detail + _why_moment_is_off(c, dtype)) for c in moments]
+    checks += [dataclasses.replace(c, detail=c.detail + _why_moment_is_off(c, dtype)
+                                   + _why_kept_in_half(c, record, dtype)) for c in moments]
     # the update from the backend's own moments: only the update's own rounding is allowed
-    rate = learning_rate(cfg, training, step)
+    rate = learning_rate(cfg, training, count)
     expected, allowed = {}, {}
     for name, before_value in theta.items():
-        m_hat = np.asarray(record["first_moment"][name], np.float64) / (1 - b1 ** step)
-        v_hat = np.asarray(record["second_moment"][name], np.float64) / (1 - b2 ** step)
+        m_hat = np.asarray(record["first_moment"][name], np.float64) / (1 - b1 ** count)
+        v_hat = np.asarray(record["second_moment"][name], np.float64) / (1 - b2 ** count)
         decay = training.weight_decay if decays(before_value.shape) else 0.0
         update = rate * (m_hat / (np.sqrt(v_hat) + training.eps) + decay * before_value)
         expected[name] = before_value - update
@@ -216,17 +238,28 @@ def check_step(cfg: ModelConfig, training: TrainingConfig, step: int, batch, bef
     params = _tensorwise("params", step, record["params"], expected, allowed, 0.0)
     if not params.finite:
         params = dataclasses.replace(params, detail=params.detail + _why_not_finite(record, params, training, dtype))
+    params = dataclasses.replace(params, detail=params.detail + _why_kept_in_half(params, record, dtype))
     return checks + [params]
 
 
 def step_tolerances(cfg: ModelConfig, case: Case, dtype: str) -> dict[str, float]:
     """compare_training's bounds for a training case at dtype: the loss's, SPEC §8 at the case's
     depth; the gradients', at twice it, as every grad- case (§13); the kink width, the loss's (a
-    pre-activation that tolerance cannot tell from 0 may be on either side); and one rounding at
-    dtype for the update."""
+    pre-activation that tolerance cannot tell from 0 may be on either side); and one rounding in
+    the dtype the weights and moments are kept in for the update (float32 under a half precision:
+    mixed precision, SPEC §14.2)."""
     relative = case.tolerance(cfg, dtype)
     return {"loss_tol": relative, "gradient_tol": case.tolerance(cfg, dtype, 2 * SUBLAYERS[case.sublayer].depth(cfg)),
-            "kink_width": relative, "rounding": tolerance(dtype, 1, 1)}
+            "kink_width": relative, "rounding": tolerance(master_dtype(dtype), 1, 1)}
+
+
+def _skipped(record: Mapping[str, Any], before: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
+    """A step a loss scale skipped (SPEC §14.2): its gradients not all finite, and its weights and
+    moments exactly those it started from."""
+    if all(np.isfinite(np.asarray(g)).all() for g in record["gradients"].values()):
+        return False
+    return all(np.array_equal(np.asarray(record[key][name], np.float64), np.asarray(value, np.float64))
+               for key in TRAINING_RECORD[2:] for name, value in before[key].items())
 
 
 def compare_training(trace: Any, reference: TrainingReference, dtype: str, loss_tol: float, gradient_tol: float,
@@ -240,14 +273,24 @@ def compare_training(trace: Any, reference: TrainingReference, dtype: str, loss_
         return Comparison(False, math.inf, math.inf, 0.0, None, None, None, why)
     before = {"params": reference.initial, "first_moment": {n: np.zeros_like(v) for n, v in reference.initial.items()},
               "second_moment": {n: np.zeros_like(v) for n, v in reference.initial.items()}}
-    worst = None
+    worst, skipped = None, []
     for step, (batch, record) in enumerate(zip(batches, trace), 1):
         if "stopped" in record:
             return Comparison(False, math.inf, math.inf, 0.0, None, None, None,
                               f"step {step}: the run stopped ({record['stopped']}) after {step - 1} step(s) that "
                               f"agree; {_divergence(trace[:step - 1], reference)}")
+        if loss_scaling(dtype) is not None and _skipped(record, before):
+            # the scaled backward overflowed: nothing moved; the loss, taken before it, is still the golden's
+            loss = compare(np.asarray(float(record["loss"])), step_reference(cfg, before["params"], batch)
+                           .gradients["loss"], loss_tol)
+            if not loss.passed:
+                return Comparison(False, loss.max_abs_err, loss.max_abs_err, loss.tol, None, None, None,
+                                  f"step {step} loss breaks its formula (a step the loss scale skipped): "
+                                  f"{loss.reason}; {_divergence(trace[:step], reference)}")
+            skipped.append(step)
+            continue
         checks = check_step(cfg, training, step, batch, before, record, dtype, loss_tol, gradient_tol, kink_width,
-                            rounding)
+                            rounding, step - len(skipped))
         failed = [c for c in checks if not c.ratio <= 1]
         if failed:
             first = failed[0]
@@ -257,8 +300,14 @@ def compare_training(trace: Any, reference: TrainingReference, dtype: str, loss_
         step_worst = max(checks, key=lambda c: c.ratio)
         worst = step_worst if worst is None or step_worst.ratio > worst.ratio else worst
         before = {key: record[key] for key in TRAINING_RECORD[2:]}
+    scaling = loss_scaling(dtype)
+    skips = "" if not skipped else (
+        f"; step(s) {', '.join(map(str, skipped))} skipped by the loss scale (their gradients overflowed float16 at "
+        f"{', '.join(f'{scaling.scale * scaling.backoff ** k:g}' for k in range(len(skipped)))} times the loss)")
+    if worst is None:  # nothing of the update to check (the grad- cells judge the backward without a scale)
+        raise NotJudged(f"the run took no step{skips}: the spec's loss scale starts at {scaling.scale:g} (SPEC §14.2)")
     return Comparison(True, worst.error, worst.error, worst.bound, None, None, None,
-                      f"worst step {worst.step} {worst.quantity} ({worst.ratio:.2g} of its bound); "
+                      f"worst step {worst.step} {worst.quantity} ({worst.ratio:.2g} of its bound){skips}; "
                       f"{_divergence(trace, reference)}")
 
 

@@ -452,6 +452,24 @@ def _weighed(log: RoutingLog, layer: int, weights: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float64)
 
 
+def _seen(log: RoutingLog, layer: int, tokens: jax.Array) -> None:
+    """RoutingLog.see at every run of the compiled program: the router's input, float64 as bits
+    (the callback's thread runs without x64, as for _weighed)."""
+    if tokens.dtype != jnp.float64:
+        io_callback(partial(_see, log, layer), None, tokens, ordered=True)
+    else:
+        io_callback(partial(_see_bits, log, layer), None, jax.lax.bitcast_convert_type(tokens, jnp.uint32),
+                    ordered=True)
+
+
+def _see(log: RoutingLog, layer: int, tokens: np.ndarray) -> None:
+    log.see(layer, np.asarray(tokens).astype(np.float64))
+
+
+def _see_bits(log: RoutingLog, layer: int, bits: np.ndarray) -> None:
+    log.see(layer, np.ascontiguousarray(bits).view(np.float64)[..., 0])
+
+
 def _weigh(log: RoutingLog, layer: int, own: np.ndarray) -> np.ndarray:
     forced = log.weigh(layer, own)
     return np.asarray(own if forced is None else forced, dtype=own.dtype)  # the dtype the program declared
@@ -524,6 +542,7 @@ class MixtureOfExperts(nnx.Module):
             weights = jnp.where(replay, forced_weights[self.index].reshape(weights.shape).astype(weights.dtype), weights)
         if log is not None:  # the weights logged too, or the golden's taken
             own = jax.lax.stop_gradient(weights)  # a host callback has no derivative
+            _seen(log, self.index, jax.lax.stop_gradient(tokens))
             # the golden's values (w − w is exactly 0) with this router's gradient (log.weigh hands back
             # the router's own where nothing is forced): a replayed gradient or training case still
             # reaches the router
@@ -857,7 +876,18 @@ class Transformer(nnx.Module):
         """The routing log the MoE layers write to now, if any (a trainer tells it of each step)."""
         return _ROUTING.get()
 
+    def decoder_self_masks(self, tgt_keep: jax.Array) -> dict[int | None, jax.Array]:
+        """The decoder's self-attention masks over real tokens tgt_keep [B, T], by window, one for
+        each window its layers have (None: full causal): {W: [B, 1, T, T]}"""
+        length = tgt_keep.shape[1]
+        return {window: _causal_mask(length, length, window) & _key_mask(tgt_keep)
+                for window in set(self.cfg.layer_windows)}
+
     # ---- pieces the harness drives one by one ----
+    def decoder_self_mask(self, index: int, tgt_keep: jax.Array) -> jax.Array:
+        """Decoder layer `index`'s self-attention mask, as decode builds it: [B, 1, T, T]"""
+        return self.decoder_self_masks(tgt_keep)[self.decoder.layers[index].cfg.sliding_window]
+
     def _table(self, side: str) -> nnx.Embed:
         return self.src_embed if side == "src" and self.src_embed is not None else self.tgt_embed
 
@@ -899,9 +929,7 @@ class Transformer(nnx.Module):
                src_keep: jax.Array | None = None, dropout_masks: dict | None = None) -> jax.Array:
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
-        length = tgt_ids.shape[1]
-        self_masks = {window: _causal_mask(length, length, window) & _key_mask(tgt_keep)  # [B, 1, T, T]
-                      for window in set(self.cfg.layer_windows)}
+        self_masks = self.decoder_self_masks(tgt_keep)
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
             y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,

@@ -5,6 +5,7 @@ optax schedule, optax's global-norm clipping (the spec's, no ε)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from flax import nnx
 
 from impl_jax.model import Transformer, training_loss
 from spec import ModelConfig
-from spec.training import TrainingConfig, decays
+from spec.training import LossScaling, TrainingConfig, decays
 
 
 def make_optimizer(cfg: ModelConfig, training: TrainingConfig) -> optax.GradientTransformation:
@@ -49,19 +50,52 @@ def adam_moments(state) -> optax.ScaleByAdamState:
     return found[0]
 
 
+@dataclass
+class MixedPrecision:
+    """Mixed-precision training (SPEC §14.2), as an explicit policy: the model (its master weights)
+    and the optimizer in float32; each step casts the weights into `compute`, the same model in
+    the half dtype, for the forward and backward, and the gradients back to float32. float16's
+    loss is scaled (spec.training.LossScaling, torch.amp.GradScaler's rule): a step whose
+    gradients overflow is skipped and the scale backed off."""
+
+    compute: Transformer
+    scaling: LossScaling | None
+    scale: float = 1.0
+    taken: int = 0  # steps taken in a row since the scale last moved
+
+    def __post_init__(self):
+        self.scale = 1.0 if self.scaling is None else self.scaling.scale
+
+
 def train_step(cfg: ModelConfig, model: Transformer, optimizer: optax.GradientTransformation, state,
-               src_ids, tgt_ids, targets, dropout_masks=None):
+               src_ids, tgt_ids, targets, dropout_masks=None, mixed: MixedPrecision | None = None):
     """One step: the loss and its gradients, then the optimizer's update, written into the
-    model's Params. -> (the loss before the update, the gradients (before clipping), the
-    optimizer's new state)"""
+    model's Params; `mixed`: in mixed precision, where a float16 step whose scaled gradients
+    overflow is skipped (nothing updated, optax's count not advanced). -> (the loss before the
+    update, the gradients (before clipping; unscaled), the optimizer's new state)"""
     def loss_of(m: Transformer) -> jax.Array:
         if cfg.moe is None or not cfg.moe.load_balancing:  # the forward cells' compiled program, not one more
             return training_loss(cfg, m(src_ids, tgt_ids, dropout_masks=dropout_masks), targets, tgt_ids, [])
         logits, routed = m.routed_call(src_ids, tgt_ids, dropout_masks)
         return training_loss(cfg, logits, targets, tgt_ids, routed)
 
-    loss, grads = nnx.value_and_grad(loss_of)(model)
     params = nnx.state(model, nnx.Param)
+    if mixed is None:
+        loss, grads = nnx.value_and_grad(loss_of)(model)
+    else:
+        nnx.update(mixed.compute, jax.tree.map(lambda p: p.astype(mixed.compute.dtype), params))
+        scale = mixed.scale
+        # the loss (float32) times the scale: its cotangent reaches the half-precision backward scaled
+        loss, grads = nnx.value_and_grad(lambda m: loss_of(m) * scale)(mixed.compute)
+        loss = loss / scale
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, params)
+        if mixed.scaling is not None and not all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads)):
+            mixed.scale, mixed.taken = scale * mixed.scaling.backoff, 0  # skipped: nothing moves
+            return float(loss), grads, state
+        if mixed.scaling is not None:
+            mixed.taken += 1
+            if mixed.taken == mixed.scaling.interval:
+                mixed.scale, mixed.taken = scale * mixed.scaling.growth, 0
     updates, state = optimizer.update(grads, state, params)
     nnx.update(model, optax.apply_updates(params, updates))
     value = float(loss)

@@ -447,7 +447,8 @@ class RoutedCall:
     chosen: np.ndarray  # [B, T, k], largest first
     weights: np.ndarray  # [B, T, k]: the chosen experts' weights w_j
     margins: np.ndarray  # [B, T]: p_(k) − p_(k+1)
-    logit_scale: np.ndarray  # [B, T]: max_e |z_e|, the router logits' size
+    logits: np.ndarray  # [B, T, E]: z = x R
+    absolute: np.ndarray  # [B, T, E]: Σ_d |x_d R_de|, the size of the terms each logit sums
     probabilities: np.ndarray  # [B, T, E]: p = softmax(z)
 
 
@@ -505,12 +506,14 @@ def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
         calls.append(RoutedCall(chosen.reshape(*x.shape[:-1], -1),
                                 routing_weights(probabilities, chosen, moe.renormalize).reshape(*x.shape[:-1], -1),
                                 routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
-                                np.abs(logits).max(axis=-1).reshape(x.shape[:-1]),
+                                logits.reshape(*x.shape[:-1], -1),
+                                linear(np.abs(tokens), np.abs(p["router.weight"])).reshape(*x.shape[:-1], -1),
                                 probabilities.reshape(*x.shape[:-1], -1)))
     if (log := _REPLAY.get()) is not None:  # the choices and weights through the routing log
         probabilities = router_probabilities(tokens, p["router.weight"])
         layer = hashlib.sha256(np.ascontiguousarray(p["router.weight"]).tobytes()).hexdigest()
         chosen = log.choose(layer, x.shape[0], top_experts(probabilities, moe.experts_per_token)).astype(np.int64)
+        log.see(layer, tokens)
         weights = routing_weights(probabilities, chosen, moe.renormalize)
         forced = log.weigh(layer, weights)
         weights = weights if forced is None else forced.astype(weights.dtype)

@@ -414,7 +414,8 @@ class MixtureOfExperts(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weighting is not None:
             weights = self.weighting(weights)
-        if self.log is not None:  # the weights logged too, or the golden's taken
+        if self.log is not None:  # the weights logged too, or the golden's taken, and what the router saw
+            self.log.see(self.index, tokens.detach().cpu().double().numpy())
             forced = self.log.weigh(self.index, weights.detach().cpu().double().numpy())
             if forced is not None:
                 # the golden's values with this router's gradient: a replayed gradient or training
@@ -751,11 +752,28 @@ class Transformer(nn.Module):
             for layer in layers:
                 layer.log = None
 
+    def attach_routing_log(self, log: RoutingLog | None) -> None:
+        """Every MoE layer writes to `log` (another model's, in use: a copy trained in its place)."""
+        for module in self.modules():
+            if isinstance(module, MixtureOfExperts):
+                module.log = log
+
     def routing_log_in_use(self) -> RoutingLog | None:
         """The routing log the MoE layers write to now, if any (a trainer tells it of each step)."""
         return next((module.log for module in self.modules() if isinstance(module, MixtureOfExperts)), None)
 
+    def decoder_self_masks(self, tgt_keep: torch.Tensor) -> dict[int | None, torch.Tensor]:
+        """The decoder's self-attention masks over real tokens tgt_keep [B, T], by window, one for
+        each window its layers have (None: full causal): {W: [B, 1, T, T]}"""
+        length = tgt_keep.shape[1]
+        return {window: _causal_mask(length, length, tgt_keep.device, window) & _key_mask(tgt_keep)
+                for window in set(self.cfg.layer_windows)}
+
     # ---- pieces the harness drives one by one ----
+    def decoder_self_mask(self, index: int, tgt_keep: torch.Tensor) -> torch.Tensor:
+        """Decoder layer `index`'s self-attention mask, as decode builds it: [B, 1, T, T]"""
+        return self.decoder_self_masks(tgt_keep)[self.decoder.layers[index].cfg.sliding_window]
+
     def _table(self, side: str) -> nn.Embedding:
         return self.src_embed if side == "src" and hasattr(self, "src_embed") else self.tgt_embed
 
@@ -794,9 +812,7 @@ class Transformer(nn.Module):
                src_keep: torch.Tensor | None = None, dropout_masks: dict | None = None) -> torch.Tensor:
         """Decoder output [B, T, d] before the head; dropout_masks by site."""
         y = self.embed(tgt_ids, "tgt", dropout_mask=(dropout_masks or {}).get("decoder.embed"))
-        length = tgt_ids.shape[1]
-        self_masks = {window: _causal_mask(length, length, y.device, window) & _key_mask(tgt_keep)  # [B, 1, T, T]
-                      for window in set(self.cfg.layer_windows)}
+        self_masks = self.decoder_self_masks(tgt_keep)
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
             y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,

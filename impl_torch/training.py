@@ -4,13 +4,15 @@ LambdaLR factor on a base rate of 1, the spec's global-norm clipping."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
 from impl_torch.model import Transformer, recorded_routers, training_loss
 from spec import ModelConfig
-from spec.training import TrainingConfig, decays, learning_rate
+from spec.training import TrainingConfig, decays, learning_rate, loss_scaling
 
 
 def make_optimizer(model: Transformer, training: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -35,28 +37,59 @@ def clip_by_global_norm(parameters: list[torch.Tensor], max_norm: float) -> None
         torch._foreach_mul_(grads, max_norm / norm)
 
 
+@dataclass
+class MixedPrecision:
+    """Mixed-precision training (SPEC §14.2): the model (its master weights) and the optimizer in
+    float32, the forward and backward under torch.autocast in `dtype`; for float16, dynamic loss
+    scaling by torch.amp.GradScaler at its defaults (2¹⁶ to start, halved on an overflow, which
+    skips the step, doubled after 2000 steps without one). bfloat16 has float32's range: no scaling."""
+
+    dtype: torch.dtype
+    device: str = "cpu"
+    scaler: torch.amp.GradScaler | None = None
+
+    def __post_init__(self):
+        scaling = loss_scaling(str(self.dtype).removeprefix("torch."))
+        if scaling is not None and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device, init_scale=scaling.scale, growth_factor=scaling.growth,
+                                               backoff_factor=scaling.backoff, growth_interval=scaling.interval)
+
+
 def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, optimizer: torch.optim.Optimizer,
                schedule: torch.optim.lr_scheduler.LambdaLR, src_ids, tgt_ids, targets,
-               dropout_masks=None) -> tuple[float, dict]:
+               dropout_masks=None, mixed: MixedPrecision | None = None) -> tuple[float, dict]:
     """One step: the loss and its gradients (with dropout where keep-masks are given), clipped
-    when training.clip_norm is set, then the optimizer's update at lr(step). -> the loss (before
-    the update), the gradients by parameter name (before clipping)"""
+    when training.clip_norm is set, then the optimizer's update at lr(step); `mixed`: in mixed
+    precision, where a float16 step whose scaled gradients overflow is skipped (nothing updated,
+    the schedule not advanced). -> the loss (before the update), the gradients by parameter name
+    (before clipping; unscaled)"""
     optimizer.zero_grad()
-    with recorded_routers() as routed:
+    autocast = contextlib.nullcontext() if mixed is None else torch.autocast(mixed.device, dtype=mixed.dtype)
+    with autocast, recorded_routers() as routed:
         logits = model(src_ids, tgt_ids, dropout_masks=dropout_masks)
-    loss = training_loss(cfg, logits, targets, tgt_ids, routed)
-    loss.backward()
+        loss = training_loss(cfg, logits, targets, tgt_ids, routed)
+    scaler = None if mixed is None else mixed.scaler
+    (loss if scaler is None else scaler.scale(loss)).backward()
     for p in model.parameters():
         if p.grad is None:  # an expert no token chose (the loop form runs it on nothing): its gradient
             # is 0, and torch.optim skips a parameter without one, where the spec's step still decays
             # its moments and weights
             p.grad = torch.zeros_like(p)
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.unscale_(optimizer)  # the gradients divided by the scale, in float32; an overflow is noted
     # copies: clipping and the next step's zero_grad work on .grad in place
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     if training.clip_norm is not None:
         clip_by_global_norm(list(model.parameters()), training.clip_norm)
-    optimizer.step()
-    schedule.step()
+    if scaler is None:
+        optimizer.step()
+        schedule.step()
+    else:
+        scaler.step(optimizer)  # skipped where unscale_ found an inf or a NaN
+        scaler.update()
+        if scaler.get_scale() >= scale:  # the scale is halved on a skipped step only
+            schedule.step()
     value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"the loss is {value}")

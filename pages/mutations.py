@@ -201,6 +201,18 @@ def _smoothing_onto_pad(targets, vocab_size, pad_id, label_smoothing):
     return q
 
 
+def _adam_kept_in_float16(settings, state, params, grads, rate):
+    # the update taken, then the weights and both moments stored in float16, as a run without a
+    # float32 master copy keeps them
+    new_params, state = _original("adam_update")(settings, state, params, grads, rate)
+
+    def half(arrays):
+        with np.errstate(over="ignore"):  # a value past float16's range is inf there, as in such a run
+            return {name: value.astype(np.float16).astype(value.dtype) for name, value in arrays.items()}
+
+    return half(new_params), training.AdamState(state.step, half(state.m), half(state.v))
+
+
 def _eps_inside_the_root(settings, state, params, grads, rate):
     t = state.step + 1
     b1, b2 = settings.beta1, settings.beta2
@@ -498,6 +510,9 @@ MUTATIONS += [
              _smoothing_onto_pad, "loss", None, config={"label_smoothing": 0.1}, backward=True, unlocalized=LOSS),
     Mutation("eps_inside_root", "Adam's ε inside the square root: m̂ / √(v̂ + ε)", "adam_update",
              _eps_inside_the_root, "train_step", "step 1 params", backward=True),
+    Mutation("adam_in_float16", "Adam's weights and moments kept in float16 (pure half-precision training: no "
+             "float32 master copy)", "adam_update", _adam_kept_in_float16, "train_step", "step 1 first_moment",
+             backward=True),
     Mutation("decay_on_vectors", "AdamW's weight decay applied to biases and norm parameters too", "decays",
              _decay_everything, "train_step", "step 1 params", backward=True),
     Mutation("tied_table_one_use", "a tied embedding table whose gradient counts the head's use only", "embed_vjp",

@@ -25,6 +25,7 @@ class RoutingLog:
         self.forced_weights = None if forced_weights is None else [np.asarray(w, np.float64) for w in forced_weights]
         self.chosen: list[list[np.ndarray]] = []  # per layer, in first-call order: its calls' [B, T, k]
         self.weights: list[list[np.ndarray]] = []  # per layer: the weights it computed itself, [B, T, k]
+        self.inputs: list[list[np.ndarray]] = []  # per layer: its router's input, [B, T, d] (see)
         self._layers: dict[int, int] = {}
         self.routing_at: Callable[[int, Mapping[str, np.ndarray]], tuple[list, list]] | None = None
         self.steps = 0
@@ -56,6 +57,7 @@ class RoutingLog:
         if index == len(self.chosen):
             self.chosen.append([])
             self.weights.append([])
+            self.inputs.append([])
         cursor = sum(call.shape[1] for call in self.chosen[index])
         length = free.shape[0] // batch
         if self.forced is not None:
@@ -76,6 +78,13 @@ class RoutingLog:
         self.weights[index].append(np.asarray(own, dtype=np.float64).reshape(self.chosen[index][-1].shape))
         return self.forced_weights_at(layer)
 
+    def see(self, layer: int, inputs: np.ndarray) -> None:
+        """Decoder layer `layer`'s router input [N, d] at its last `choose`, recorded: its routing is
+        judged on what it saw (conformance.routing: the golden's router on the same input)."""
+        index = self._layers[layer]
+        batch, length = self.chosen[index][-1].shape[:2]
+        self.inputs[index].append(np.asarray(inputs, dtype=np.float64).reshape(batch, length, -1))
+
     def forced_weights_at(self, layer: int) -> np.ndarray | None:
         """The forced weights [N, k] of the positions of decoder layer `layer`'s last `choose`, or
         None where weights are not forced (keep your own). float64: the caller casts them."""
@@ -94,6 +103,13 @@ class RoutingLog:
         """The weights each layer computed itself, [B, T, k] (a forced run's: at the forced choices,
         from the inputs the forced weights led to); [] where the framework does not report them."""
         return [np.concatenate(calls, axis=1) for calls in self.weights] if all(self.weights) else []
+
+    def seen(self) -> list[np.ndarray]:
+        """Each layer's router inputs, [B, T, d], its calls joined along the positions; [] where a
+        layer did not report every call's (an exported graph's routing gives its choices and weights
+        only)."""
+        complete = self.inputs and all(len(inputs) == len(chosen) for inputs, chosen in zip(self.inputs, self.chosen))
+        return [np.concatenate(calls, axis=1) for calls in self.inputs] if complete else []
 
 
 def check_recorded_routing(cfg, layers: int) -> None:

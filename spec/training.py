@@ -62,3 +62,32 @@ def decays(shape: tuple[int, ...]) -> bool:
     """Whether AdamW's weight decay applies to a parameter of this shape: to the matrices and
     embedding tables (two axes), never to the vectors (biases, norm scales and norm biases)."""
     return len(shape) >= 2
+
+
+# ---- mixed precision (SPEC §14.2) ------------------------------------------------------------
+
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def master_dtype(dtype: str) -> str:
+    """The dtype a run at `dtype` keeps its weights and Adam's moments in: float32 under a half
+    precision (mixed precision: the forward and backward in the half dtype), else the dtype itself."""
+    return "float32" if dtype in HALF_DTYPES else dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling, float16's (torch.amp.GradScaler's defaults): the loss multiplied by
+    `scale` before the backward and the gradients divided by it after; a step whose gradients are
+    then not all finite is skipped (weights, moments, the step count and the schedule unchanged)
+    and the scale multiplied by `backoff`; after `interval` steps in a row taken, by `growth`."""
+
+    scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+
+
+def loss_scaling(dtype: str) -> LossScaling | None:
+    """float16's range needs its loss scaled; bfloat16 has float32's exponent range and does not."""
+    return LossScaling() if dtype == "float16" else None

@@ -174,11 +174,12 @@ CAUGHT = [
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float32", "mha-none"),
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "float16", "mha-none"),
     ("yarn_temperature_ignored", "qwen2-yarn-tiny", "bfloat16", "mha-none"),
-    # the sliding window (SPEC §6): the whole-stack cells, where the model builds its own mask (the
-    # decode steps build theirs apart and pass: a path that is right does not hide one that is not)
-    ("window_off_by_one", "mistral-tiny", "float32", "decoder-none"),
-    ("window_off_by_one", "mistral-tiny", "float16", "decoder-none"),
-    ("window_off_by_one", "mistral-tiny", "bfloat16", "decoder-none"),
+    # the sliding window (SPEC §6): a sliding layer's own cells, where the layer builds its own mask
+    # from its config (SPEC §11), then the whole-stack ones (the decode steps build theirs apart and
+    # pass: a path that is right does not hide one that is not)
+    ("window_off_by_one", "mistral-tiny", "float32", "mha-causal"),
+    ("window_off_by_one", "mistral-tiny", "float16", "mha-causal"),
+    ("window_off_by_one", "mistral-tiny", "bfloat16", "mha-causal"),
     # the window masked by the forward but not by the cached step: the decode cells, the forward's all pass
     ("window_ignored_in_the_step", "mistral-tiny", "float32", "decode-incremental"),
     ("window_ignored_in_the_step", "mistral-tiny", "bfloat16", "decode-incremental"),
@@ -294,3 +295,17 @@ def test_gemmas_mistakes_fail_the_jax_column_at_the_first_cell_that_runs_the_pie
         assert any(name.startswith("forward-") for name in failing)  # and the whole model shows it
     finally:
         jax.clear_caches()
+
+
+@pytest.mark.parametrize("preset, layer", [("gemma2-tiny", 0), ("gemma3-tiny", 0), ("mistral-tiny", 0)])
+def test_a_window_mistake_is_localized_to_its_layer(monkeypatch, preset, layer):
+    """SPEC §11: a sliding layer's stage is given the real tokens and builds its own mask, so a
+    window that lets W + 1 keys in is named at the first sliding layer, not above it (given the
+    golden's mask, every layer stage passed and the mistake surfaced only in the whole model)."""
+    from conformance.localize import localize_column
+
+    cfg = get_preset(preset)
+    assert localize_column(cfg, conformance_params(cfg), "torch", "float32", "cpu").first_failure is None
+    monkeypatch.setattr(*PLANTS["window_off_by_one"])
+    first = localize_column(cfg, conformance_params(cfg), "torch", "float32", "cpu").first_failure
+    assert first is not None and first.name == f"decoder.layers.{layer}" and first.sublayer == "decoder_layer", first

@@ -114,4 +114,4 @@ def test_the_goldens_routing_is_the_same_streamed_layer_by_layer(monkeypatch):
     streamed = golden_routing(cfg, params, case)
     for a, b in zip(whole, streamed, strict=True):
         assert all(np.array_equal(getattr(a, field), getattr(b, field))
-                   for field in ("chosen", "weights", "margins", "logit_scale"))
+                   for field in ("chosen", "weights", "margins", "logits", "absolute"))

@@ -193,3 +193,57 @@ def test_framework_defaults_differ_from_each_other():
     assert torch.optim.Adam([torch.zeros(1, requires_grad=True)]).defaults["eps"] == 1e-8
     assert inspect.signature(optax.adam).parameters["eps"].default == 1e-8
     assert inspect.signature(optax.adam).parameters["b2"].default == 0.999
+
+
+# ---- mixed precision (SPEC §14.2) ---------------------------------------------------------------
+
+def _training_cells(backend, dtypes, preset="llama-tiny"):
+    from conformance.harness import plan_matrix, run_matrix
+    from spec import get_preset
+
+    cfg = get_preset(preset)
+    plan = plan_matrix(cfg, [backend], dtypes, ["cpu"])
+    return {(r.dtype, f"{r.sublayer}-{r.mask_case}"): r
+            for r in run_matrix(cfg, conformance_params(cfg), plan, pattern="train_*", backward=True)}
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_half_precision_training_is_mixed_precision(backend):
+    """At float16 and bfloat16 a training cell runs as people train: float32 master weights and
+    moments, the forward and backward in the half dtype, float16's loss scaled; the update is then
+    held to float32's rounding, and every training cell passes (pure half-precision Adam failed
+    every one at float16)."""
+    cells = _training_cells(backend, ["float16", "bfloat16"])
+    assert len(cells) == 8 and all(cell.status == "pass" for cell in cells.values()), \
+        {name: cell.reason for name, cell in cells.items() if cell.status != "pass"}
+
+
+def test_pure_half_precision_adam_fails_saying_so(monkeypatch):
+    """The planted mistake: the half-precision model trained as it is, Adam's weights and moments in
+    bfloat16. Its first update misses float32's rounding by thousands of bounds, and the cell
+    says where the run keeps them."""
+    import conformance.backends.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "HALF", ())  # the column's own dtype for everything
+    cell = _training_cells("torch", ["bfloat16"])["bfloat16", "train_step-none"]
+    assert cell.status == "fail" and failing_step(cell.reason) == "step 1 params", cell.reason
+    assert "is a bfloat16 number: the run keeps its weights and Adam's moments in bfloat16" in cell.reason
+
+
+def test_a_step_the_loss_scale_skips_moves_nothing_and_is_said(monkeypatch):
+    """float16's dynamic loss scale, started at 2²¹ (the spec's is 2¹⁶): the first steps' scaled
+    gradients overflow, so torch.amp's GradScaler skips them (weights, moments, the schedule and the
+    bias correction's count unchanged) and halves the scale; the check holds every later step to
+    the spec's formulas counted from the steps taken, and says which were skipped. A one-step
+    case whose step was skipped took no step: nothing of its update is there to judge, and the
+    cell says so, skipped (a column of such cells ran nothing, which fails the check)."""
+    import spec.training
+
+    monkeypatch.setattr(torch_training, "loss_scaling", lambda dtype: spec.training.LossScaling(scale=2.0**21)
+                        if dtype == "float16" else None)
+    cells = _training_cells("torch", ["float16"])
+    steps = cells["float16", "train_steps-pad_right"]
+    assert steps.status == "pass" and "skipped by the loss scale" in steps.reason, steps.reason
+    single = cells["float16", "train_step-none"]
+    assert single.status == "skip" and single.reason.startswith("not judged: the run took no step; step(s) 1 "
+                                                                "skipped"), single.reason

@@ -43,9 +43,13 @@ def test_every_training_cell_passes(backends):
     assert "from the golden's own run after each step" in steps.reason and "per step" in steps.reason
 
 
-def test_float16_training_fails_at_step_one_and_says_why():
-    """A pure float16 Adam: ε = 1e-9 is 0 in float16 and (1 − β2)g² underflows, so an update
+def test_pure_float16_training_fails_at_step_one_and_says_why(monkeypatch):
+    """A pure float16 Adam (planted: the column's half-precision model trained as it is, not in
+    mixed precision, SPEC §14.2): ε = 1e-9 is 0 in float16 and (1 − β2)g² underflows, so an update
     divides by zero. The cell fails at the first step's parameters with that explanation."""
+    import conformance.backends.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "HALF", ())
     results = _run(["torch"], ["float16"], "train_step-none")
     assert [r.status for r in results] == [FAIL]
     assert failing_step(results[0].reason) == "step 1 params", results[0].reason

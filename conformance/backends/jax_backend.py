@@ -22,6 +22,7 @@ from conformance.cases import attention_queries, record_steps
 from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, view_mask
 from impl_jax.model import recorded_routers, training_loss
 from spec import ModelConfig
+from spec.training import HALF_DTYPES, loss_scaling
 
 NATIVE_PATH, EXPLICIT_PATH = "jax.nn.dot_product_attention", "explicit"
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
@@ -64,6 +65,7 @@ class JaxRunner(ModuleRunner):
             self.model = Transformer.from_params(cfg, params, dtype=JAX_DTYPES[dtype], attention=attention,
                                                  precision=self.precision)
         self.dtype, self.precision = self.model.dtype, self.model.precision  # half dtypes use 'default'
+        self.params, self.dtype_name = params, dtype  # a half-precision column trains from them in float32
         self._splits: dict[str, tuple] = {}  # gradient cases' owners, split once (_vjp)
 
     def routing_log(self, forced=None, forced_weights=None):
@@ -147,13 +149,18 @@ class JaxRunner(ModuleRunner):
             if (log := model.routing_log_in_use()) is not None:  # a replayed run takes each step's routing at
                 log.before_step(lambda: canonical(nnx.state(model, nnx.Param)))  # the parameters it starts from
             loss, grads, run["state"] = jax_training.train_step(self.cfg, model, optimizer, run["state"], src_ids,
-                                                                tgt_ids, targets, dropout_masks)
+                                                                tgt_ids, targets, dropout_masks, mixed)
             adam = jax_training.adam_moments(run["state"])
             return {"loss": loss, "gradients": canonical(grads), "first_moment": canonical(adam.mu),
                     "second_moment": canonical(adam.nu), "params": canonical(nnx.state(model, nnx.Param))}
 
         with self._gradient_scope():
-            model = nnx.clone(self.model)
+            mixed = None
+            if self.dtype_name in HALF_DTYPES:  # mixed precision (SPEC §14.2): float32 master weights, the case's
+                model = Transformer.from_params(self.cfg, self.params, dtype="float32", attention=self.attention)
+                mixed = jax_training.MixedPrecision(nnx.clone(self.model), loss_scaling(self.dtype_name))
+            else:
+                model = nnx.clone(self.model)
             optimizer = jax_training.make_optimizer(self.cfg, training)
             run = {"state": jax_training.start(model, optimizer)}
             return record_steps(inputs, step)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.cases import GRADIENT_INPUTS, decode_steps, forward_of, gradient_owner
+from conformance.cases import GRADIENT_INPUTS, ROUTER_OUTPUTS, decode_steps, forward_of, gradient_owner
 from spec import ModelConfig
 from spec.dropout import check_dropout_masks
 from spec.inputs import check_activations
@@ -66,9 +66,19 @@ class ModuleRunner:
             module = module[int(part)] if part.isdigit() else getattr(module, part)
         return module
 
+    def _self_mask(self, inputs: Mapping[str, Any], name: str, model):
+        """The case's mask `name`; where the case gives the real tokens instead (tgt_keep: a sliding
+        layer, SPEC §11), the mask the model builds for the layer from its own config."""
+        if "tgt_keep" not in inputs:
+            return self._array(inputs[name])
+        index = int(inputs["index"] if "index" in inputs else inputs["module"].split(".")[2])
+        return (self.model if model is None else model).decoder_self_mask(index, self._array(inputs["tgt_keep"]))
+
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         with self._scope():
-            return self._to_numpy(self._run(sublayer, inputs))
+            out = self._run(sublayer, inputs)
+            return {name: self._to_numpy(value) for name, value in out.items()} if isinstance(out, dict) \
+                else self._to_numpy(out)
 
     def gradients(self, sublayer: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """A gradient case (conformance/cases.py): the framework's own autodiff through the very
@@ -95,14 +105,14 @@ class ModuleRunner:
             check_activations(inputs["x"], "x", cfg.d_model)
             check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            return self._module(inputs["module"], model)(x, context, self._array(inputs["mask"]),
+            return self._module(inputs["module"], model)(x, context, self._self_mask(inputs, "mask", model),
                                                          offset=inputs.get("offset", 0))
         if sublayer in ("ffn", "norm"):
             return self._module(inputs["module"], model)(self._float(inputs["x"]))
         if sublayer == "router":
             x = self._float(inputs["x"])
-            probabilities, _, _ = self._module(inputs["module"], model).route(x.reshape(-1, x.shape[-1]))
-            return probabilities.reshape(*x.shape[:-1], -1)
+            routed = self._module(inputs["module"], model).route(x.reshape(-1, x.shape[-1]))
+            return dict(zip(ROUTER_OUTPUTS, (value.reshape(*x.shape[:-1], -1) for value in routed)))
         if sublayer == "experts":  # the block itself, its routing the case's (the golden's), forced
             with self.routing_log(forced=[np.asarray(inputs["chosen"])], forced_weights=[np.asarray(inputs["weights"])]):
                 return self._module(inputs["module"], model)(self._float(inputs["x"]))
@@ -113,7 +123,7 @@ class ModuleRunner:
                                                                             self._array(inputs["mask"]))
         if sublayer == "decoder_layer":
             return self._module(f"decoder.layers.{inputs['index']}", model)(
-                self._float(inputs["y"]), self._float(inputs["memory"]), self._array(inputs["self_mask"]),
+                self._float(inputs["y"]), self._float(inputs["memory"]), self._self_mask(inputs, "self_mask", model),
                 self._array(inputs["cross_mask"]))
         if sublayer == "encoder":
             src_ids = self._ids(inputs["src_ids"])

@@ -15,13 +15,13 @@ import numpy as np
 
 import impl_numpy as golden
 from conformance.adapter import NotSupported
-from conformance.cases import decode_steps, forward_of, gradient_owner, is_gradient, record_steps
+from conformance.cases import ROUTER_OUTPUTS, decode_steps, forward_of, gradient_owner, is_gradient, record_steps
 from impl_numpy import backward
 from impl_numpy.cast import CastOnRead
 from impl_numpy import training as golden_training
 from spec import ModelConfig, params_under
 from spec.inputs import check_activations
-from spec.masks import normalize_mask, real_tokens
+from spec.masks import decoder_self_mask, normalize_mask, real_tokens
 from spec.routing import RoutingLog
 
 
@@ -65,6 +65,14 @@ class NumpyRunner:
     def _mask(self, mask: Any, x: np.ndarray, context: np.ndarray) -> np.ndarray | None:
         return normalize_mask(mask, x.shape[0], self.cfg.n_heads, x.shape[1], context.shape[1])
 
+    def _self_mask(self, cfg: ModelConfig, inputs: Mapping[str, Any], name: str, x: np.ndarray,
+                   context: np.ndarray) -> np.ndarray | None:
+        """The case's mask `name`; where the case gives the real tokens instead (tgt_keep: a sliding
+        layer, SPEC §11), the layer's own from its config (cfg: the layer's)."""
+        if "tgt_keep" in inputs:
+            return decoder_self_mask(np.asarray(inputs["tgt_keep"]), None, cfg.sliding_window)
+        return self._mask(inputs[name], x, context)
+
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
         cfg, p = self.cfg.module_config(_module(sublayer, inputs)), self.p
         if sublayer == "embedding":
@@ -82,15 +90,18 @@ class NumpyRunner:
             check_activations(inputs["x"], "x", cfg.d_model)
             check_activations(inputs["context"], "context", cfg.d_model)
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
-            mask = self._mask(inputs["mask"], x, context)
+            mask = self._self_mask(cfg, inputs, "mask", x, context)
             return golden.multi_head_attention(cfg, params_under(p, inputs["module"]), x, context, mask,
                                                inputs.get("offset", 0))
         if sublayer == "ffn":
             return golden.ffn(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
         if sublayer == "router":
             x = self._float(inputs["x"])
-            router = p[f"{inputs['module']}.router.weight"]
-            return golden.router_probabilities(x.reshape(-1, x.shape[-1]), router).reshape(*x.shape[:-1], -1)
+            router, k = p[f"{inputs['module']}.router.weight"], cfg.moe.experts_per_token
+            probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]), router)
+            chosen = golden.top_experts(probabilities, k)
+            routed = (probabilities, chosen, golden.routing_weights(probabilities, chosen, cfg.moe.renormalize))
+            return dict(zip(ROUTER_OUTPUTS, (value.reshape(*x.shape[:-1], -1) for value in routed)))
         if sublayer == "experts":
             x, k = self._float(inputs["x"]), cfg.moe.experts_per_token
             experts = golden.layer_experts(cfg, params_under(p, inputs["module"]))
@@ -107,7 +118,7 @@ class NumpyRunner:
         if sublayer == "decoder_layer":
             y, memory = self._float(inputs["y"]), self._float(inputs["memory"])
             layer = params_under(p, f"decoder.layers.{inputs['index']}")
-            self_mask = self._mask(inputs["self_mask"], y, y)
+            self_mask = self._self_mask(cfg, inputs, "self_mask", y, y)
             cross_mask = None if memory is None else self._mask(inputs["cross_mask"], y, memory)
             return golden.decoder_layer(cfg, layer, y, memory, self_mask, cross_mask)
         if sublayer == "encoder":
@@ -164,7 +175,8 @@ class NumpyRunner:
         if forward in ("mha", "mha_cross"):
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
             d_x, d_context, grads = backward.multi_head_attention_vjp(
-                cfg, under, x, context, self._mask(inputs["mask"], x, context), d_out, inputs.get("offset", 0))
+                cfg, under, x, context, self._self_mask(cfg, inputs, "mask", x, context), d_out,
+                inputs.get("offset", 0))
             return {"x": d_x, "context": d_context, **_every(under, grads)}
         if forward == "ffn":
             x = self._float(inputs["x"])
@@ -180,8 +192,8 @@ class NumpyRunner:
         elif forward == "decoder_layer":
             y, memory = self._float(inputs["y"]), self._float(inputs["memory"])
             cross_mask = None if memory is None else self._mask(inputs["cross_mask"], y, memory)
-            d_y, d_memory, grads = backward.decoder_layer_vjp(cfg, under, y, memory, self._mask(inputs["self_mask"], y, y),
-                                                              cross_mask, d_out)
+            self_mask = self._self_mask(cfg, inputs, "self_mask", y, y)
+            d_y, d_memory, grads = backward.decoder_layer_vjp(cfg, under, y, memory, self_mask, cross_mask, d_out)
             return {"y": d_y, **({} if memory is None else {"memory": d_memory}), **_every(under, grads)}
         elif forward in ("logits", "log_probs"):
             h = self._float(inputs["h"])

@@ -17,6 +17,7 @@ from impl_torch.model import recorded_routers, training_loss
 from impl_torch.model import _linear_weight_names
 from spec import ModelConfig
 
+HALF = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
                 "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +40,7 @@ class TorchRunner(ModuleRunner):
         self.dtype = TORCH_DTYPES[dtype]
         self.precision = "high" if dtype == "tf32" else "highest"
         self.model = Transformer.from_params(cfg, params, dtype=self.dtype, device=device, attention=attention)
+        self.params = params  # a half-precision column trains from them in float32 (mixed precision)
 
     def _float(self, x):
         if isinstance(x, torch.Tensor):  # already the run's: a gradient case's leaf
@@ -87,7 +89,14 @@ class TorchRunner(ModuleRunner):
         cfg, training = self.cfg, inputs["training"]
         # the copy's MoE layers keep the caller's routing log (replayed routing), not a copy of it
         logs = {id(module.log): module.log for module in self.model.modules() if getattr(module, "log", None) is not None}
-        model = copy.deepcopy(self.model, memo=logs)
+        mixed = None
+        if self.dtype in HALF:  # mixed precision (SPEC §14.2): float32 master weights from the case's parameters
+            mixed = torch_training.MixedPrecision(self.dtype, self.device.type)
+            model = Transformer.from_params(cfg, self.params, dtype=torch.float32, device=self.device,
+                                            attention=self.attention)
+            model.attach_routing_log(self.model.routing_log_in_use())
+        else:
+            model = copy.deepcopy(self.model, memo=logs)
         optimizer, schedule = torch_training.make_optimizer(model, training)
         transposed = _linear_weight_names(model)
 
@@ -102,7 +111,7 @@ class TorchRunner(ModuleRunner):
             if log is not None:  # a replayed run takes each step's routing at the parameters it starts from
                 log.before_step(lambda: canonical(dict(model.named_parameters())))
             loss, grads = torch_training.train_step(cfg, training, model, optimizer, schedule, src_ids, tgt_ids, targets,
-                                                    dropout_masks)
+                                                    dropout_masks, mixed)
             named = dict(model.named_parameters())
             # (a parameter the step never reached has no state: its moments are zero)
             moments = {key: {name: optimizer.state[p].get(key, torch.zeros_like(p)) for name, p in named.items()}

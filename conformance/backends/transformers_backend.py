@@ -244,6 +244,7 @@ def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
     picked = probabilities.gather(-1, chosen)
     if getattr(module, "norm_topk_prob", True):
         picked = picked / picked.sum(dim=-1, keepdim=True)
+    log.see(index, hidden.detach().reshape(-1, hidden.shape[-1]).cpu().double().numpy())
     forced = log.weigh(index, picked.detach().cpu().double().numpy())
     if forced is not None:  # the golden's weights (this column computes no gradients)
         picked = torch.as_tensor(forced, dtype=picked.dtype, device=picked.device)
