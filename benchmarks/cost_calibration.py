@@ -1,4 +1,4 @@
-"""The cost model's figures (conformance.cost) against a check that ran: each column's estimated
+"""The cost model's figures (conformance.plan.cost) against a check that ran: each column's estimated
 seconds beside the seconds its cells took, from a `rosetta check --report` folder's report.json
 and the weights it checked.
 
@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from conformance.cost import START_SECONDS, case_work, cell_seconds, estimate, load_seconds, matmul_speed
+from conformance.plan.cost import START_SECONDS, case_work, cell_seconds, estimate, load_seconds, matmul_speed
 from spec import load_weights
 
 

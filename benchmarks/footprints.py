@@ -1,8 +1,8 @@
-"""What a column holds in memory, measured: the figures behind conformance.memory.FOOTPRINTS.
+"""What a column holds in memory, measured: the figures behind conformance.plan.memory.FOOTPRINTS.
 
 Each column runs in a fresh process, as a worker of the local executor runs it: the weights
 memory-mapped, the column loaded, then forward-none, decode-incremental and forward-long, the
-heap's freed pages given back after each (conformance.memory.give_back_freed). Its footprint is
+heap's freed pages given back after each (conformance.plan.memory.give_back_freed). Its footprint is
 the process's peak resident memory over what it held before loading; `copies` is that less the
 activations the table's activation_copies stand for, over the weights at the column's dtype;
 `kept` is what it still held once the column's runner was dropped (what a worker keeps).
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.memory import BYTES, activation_bytes, weight_copies
+from conformance.plan.memory import BYTES, activation_bytes, weight_copies
 
 CASES = (("forward", "none"), ("decode", "incremental"), ("forward", "long"))
 DEFAULT_COLUMNS = ("torch/float32", "torch/bfloat16", "jax/float32", "jax/bfloat16", "onnx/float32",
@@ -33,8 +33,8 @@ def measure_here(weights: str, name: str, dtype: str, hf: str | None) -> dict:
     """One column in this process: bytes resident before loading, at the peak, and after its cases."""
     from conformance.adapter import NotSupported, get_backend
     from conformance.cases import build_case
-    from conformance.cost import positions
-    from conformance.memory import give_back_freed, resident_memory
+    from conformance.plan.cost import positions
+    from conformance.plan.memory import give_back_freed, resident_memory
     from conformance.models import register_model_directory
     from spec import load_weights
 
@@ -86,7 +86,7 @@ def markdown(rows: list[dict], source: str) -> str:
              f"Machine: {platform.machine()}, Python {platform.python_version()}. Each column a fresh process: "
              "the weights mapped, the column loaded, forward-none, decode-incremental and forward-long, the heap's "
              "freed pages given back after each. Peak: resident memory over what the process held before loading. "
-             "Copies: the peak less the activations conformance.memory counts, over the weights at the dtype.", "",
+             "Copies: the peak less the activations conformance.plan.memory counts, over the weights at the dtype.", "",
              "| column | peak GB | kept after GB | weights GB | activations GB | copies | table's copies |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:

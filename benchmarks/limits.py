@@ -22,13 +22,13 @@ import time
 
 import numpy as np
 
-from conformance.cost import ffn_weights
+from conformance.plan.cost import ffn_weights
 from spec import ModelConfig
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
     """(a, g, F): the query heads' width, the key/value heads' width, the FFN's multiply-adds per token
-    (conformance.cost.ffn_weights: a mixture of experts' k experts and router)."""
+    (conformance.plan.cost.ffn_weights: a mixture of experts' k experts and router)."""
     a, g = cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
     return a, g, ffn_weights(cfg)
 

@@ -267,7 +267,7 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
         return _skip(results, contender, "generate", reason)
     quantized = {}
     if hasattr(contender, "judged_on"):  # a quantized export: judged on the weights it stores
-        from conformance.quantized import generation_cost
+        from conformance.deployment.quantized import generation_cost
 
         quantized = {"float_golden": vars(generation_cost(tokens, want_tokens))}
         if contender.judged_on is not None:
@@ -277,7 +277,7 @@ def _generate(results, contender, cfg, plan, src, want_tokens, step_logits) -> N
     if hasattr(contender, "judged_on") and contender.judged_on is None:
         same, note = True, "int8 activations: no golden computes its tokens"
     elif contender.dtype == "float16" or quantized:
-        from conformance.quantized import compute_mode
+        from conformance.deployment.quantized import compute_mode
 
         # a quantized export is judged as `rosetta check --quantized` judges it: at its kernel's compute mode
         # (int8-activations at accuracy_level 4), a token apart from the golden's only at a near-tie

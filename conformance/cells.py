@@ -14,9 +14,9 @@ import numpy as np
 from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import NEAR_TIE_CASES, SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
-from conformance.field_metrics import field_metrics
-from conformance.memory import golden_budget
-from conformance.routing import compare_router, near_ties, replayed_routing, replayed_training
+from conformance.diagnosis.field_metrics import field_metrics
+from conformance.plan.memory import golden_budget
+from conformance.diagnosis.routing import compare_router, near_ties, replayed_routing, replayed_training
 from conformance.tolerance import compare, compare_generation, compare_gradients
 from conformance.training_cells import NotJudged, TrainingReference, compare_training, step_tolerances
 from spec import ModelConfig
@@ -26,7 +26,7 @@ PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
 ABSENT = "absent"  # declared up front: the framework is not installed, the device not present, or the
 #                    backend does not run this dtype on this device (the plan's skipped columns)
 NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
-PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.budget)
+PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.plan.budget)
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
 NOT_JUDGED = "not judged"  # the cell ran but gave nothing its rule judges (a training run whose every step was skipped)
 
@@ -58,7 +58,7 @@ class CellResult:
     # a text generate case's tokens, the backend's and the golden's, rows of ids (the report decodes them)
     tokens: tuple[tuple[int, ...], ...] | None = None
     golden_tokens: tuple[tuple[int, ...], ...] | None = None
-    # a whole-model cell's metrics of the field (conformance.field_metrics): KL, top-1, top-5, ...
+    # a whole-model cell's metrics of the field (conformance.diagnosis.field_metrics): KL, top-1, top-5, ...
     field: dict | None = None
 
     @property
@@ -94,7 +94,7 @@ def cell_id(sublayer: str, mask_case: str, dtype: str, backend: str, device: str
 
 def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> NumpyRunner:
     """The golden at float64; streamed layer by layer where its whole cast would not fit here
-    (conformance.memory.golden_budget)."""
+    (conformance.plan.memory.golden_budget)."""
     return NumpyRunner(cfg, params, "float64", golden_budget(cfg, params))
 
 
@@ -188,7 +188,7 @@ def _routing_verdict(cfg, params, case: Case, runner, dtype: str, judge, failed)
 
 
 def _field_metrics(case: Case, output, reference, compared, dtype: str) -> dict | None:
-    """The field's metrics of a whole-model cell (conformance.field_metrics); None where the
+    """The field's metrics of a whole-model cell (conformance.diagnosis.field_metrics); None where the
     output is not what they read (the comparison has said why)."""
     try:
         return field_metrics(case.sublayer, output, reference, compared, dtype)

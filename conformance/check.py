@@ -21,21 +21,21 @@ from pathlib import Path
 import numpy as np
 
 from conformance.adapter import get_backend
-from conformance.budget import DEFAULT_BUDGET, BudgetPlan, fit_budget, format_seconds, larger_than_presets
+from conformance.plan.budget import DEFAULT_BUDGET, BudgetPlan, fit_budget, format_seconds, larger_than_presets
 from conformance.cases import case_names
 from conformance.cells import ERROR, FAIL, PASS, CellResult
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
 from conformance.harness import Plan, memory_ledger, plan_matrix, run_matrix, runnable_cells
-from conformance.explain import explain_failures
-from conformance.localize import localize_failures
-from conformance.memory import MemoryLedger, references_here
+from conformance.diagnosis.explain import explain_failures
+from conformance.diagnosis.localize import localize_failures
+from conformance.plan.memory import MemoryLedger, references_here
 from conformance.models import checkpoint_dtype, load_model, register_model_directory
-from conformance.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
+from conformance.output.report import (empty_columns, format_problems, format_table, generated_text, matrix_passed,
                                 summary_counts, write_report)
-from conformance.quantized import check_quantized, format_quantized, quantized_as_dict
-from conformance.routing import routing_margins
-from conformance.shards import shard_plan
+from conformance.deployment.quantized import check_quantized, format_quantized, quantized_as_dict
+from conformance.diagnosis.routing import routing_margins
+from conformance.output.shards import shard_plan
 from conformance.text import Prompts, decode_rows, prompts_for
 from spec import InputError, ModelConfig
 from spec.quantization import QuantizationScheme
@@ -54,9 +54,9 @@ class CheckRun:
     placements: dict | None = None  # the executor's, where it spreads columns over nodes
     text: list[dict] = field(default_factory=list)  # the text generate case's continuations (report.generated_text)
     plan: BudgetPlan | None = None  # where a budget chose the cells
-    explanations: dict = field(default_factory=dict)  # whole-model columns' failures by omissions (conformance.explain)
-    routing: list[dict] = field(default_factory=list)  # a mixture of experts' margins per case (conformance.routing)
-    quantized: list = field(default_factory=list)  # the quantized deployments' columns (conformance.quantized)
+    explanations: dict = field(default_factory=dict)  # whole-model columns' failures by omissions (conformance.diagnosis.explain)
+    routing: list[dict] = field(default_factory=list)  # a mixture of experts' margins per case (conformance.diagnosis.routing)
+    quantized: list = field(default_factory=list)  # the quantized deployments' columns (conformance.deployment.quantized)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -77,7 +77,7 @@ class CheckRun:
         return matrix_passed(self.results) and all(column.passed for column in self.quantized)
 
     def write_report(self, directory: str | Path) -> list[Path]:
-        """report.json, report.md and heatmap.png (conformance.report) into directory."""
+        """report.json, report.md and heatmap.png (conformance.output.report) into directory."""
         return write_report(Path(directory), self.results, self.cfg, self.source, self.params, self.seconds,
                             format_table(self.results), format_problems(self.results), self.localizations,
                             explanations=self.explanations, routing=self.routing,
@@ -107,18 +107,18 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                 ) -> CheckRun:
     """Check a model: weights (a file), else hf (a Hugging Face directory, whose transformers and
     onnxruntime-genai and ctranslate2 columns join the backends), else the preset's conformance weights of seed.
-    shard (I, N) runs the I-th of N slices of the columns (conformance.shards). The cells run on
+    shard (I, N) runs the I-th of N slices of the columns (conformance.output.shards). The cells run on
     `executor` (e.g. executors.ray_cluster.RayCluster, whose devices count as present), else in
     `jobs` local worker processes (None: one per core on the CPU), taken from `pool` where the
     caller started them ahead; both are closed here. prompts: texts that the hf directory's own
     tokenizer turns into the text cases (conformance.text; decoder-only checkpoints). budget:
-    seconds the cells are chosen to fit, by value (conformance.budget; BudgetTooSmall where not
+    seconds the cells are chosen to fit, by value (conformance.plan.budget; BudgetTooSmall where not
     one whole-model cell fits), the plan handed to on_plan before anything runs; size_aware:
     without a budget, DEFAULT_BUDGET where the model is larger than the presets (`rosetta
     check`'s default; --full runs everything). memory: bytes the whole check may hold, its
     processes together (`--memory`; else COLUMNS_SHARE of the memory available goes to the columns).
     quantized: weight-only schemes whose deployments (our float32 export quantized by onnxruntime)
-    are checked after the matrix (conformance.quantized), quant_budget the cost they may take."""
+    are checked after the matrix (conformance.deployment.quantized), quant_budget the cost they may take."""
     start = time.perf_counter()
     try:
         if hf:
@@ -177,11 +177,11 @@ def _columns_in_memory(ledger: MemoryLedger, plan: Plan) -> int:
 
 def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, backward: bool, pattern: str | None,
          text: Prompts | None, jobs: int, memory: int | None = None) -> tuple[Plan, BudgetPlan]:
-    """The plan with the cells a budget holds chosen (conformance.budget), and the choice."""
+    """The plan with the cells a budget holds chosen (conformance.plan.budget), and the choice."""
     names = case_names(cfg, backward, text=text is not None)
     cells = runnable_cells(plan, names, pattern)
     # the cells run in parallel on the workers, but no faster than the cores let them, and no more
-    # columns at once than the memory holds (conformance.memory: at a 0.5B model's size, one)
+    # columns at once than the memory holds (conformance.plan.memory: at a 0.5B model's size, one)
     workers = jobs if jobs > 1 else 0
     ledger = memory_ledger(cfg, params, plan, names, pattern, text, references_here=references_here(params, workers, memory),
                            memory_total=memory, workers=workers)

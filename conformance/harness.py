@@ -19,12 +19,12 @@ from conformance.cases import Case, build_case, case_names, is_backward
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
     ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, CellResult, cell_id, golden_runner_for,
     reference_for, run_cell, unavailable_kind)
-from conformance.cost import positions
+from conformance.plan.cost import positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
-from conformance.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
+from conformance.plan.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
                                golden_footprint, reference_bytes, references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
@@ -48,7 +48,7 @@ class Plan:
     cfg: ModelConfig
     columns: list[tuple[str, str, str]]  # (backend, dtype, device) that can run
     skipped_columns: dict[tuple[str, str, str], str]  # (backend, dtype, device) -> reason
-    # where a budget chose the cells (conformance.budget): (sublayer, mask case, column) of those
+    # where a budget chose the cells (conformance.plan.budget): (sublayer, mask case, column) of those
     # that run; the others are skip cells that give `left_out` as their reason
     chosen: frozenset[tuple[str, str, tuple[str, str, str]]] | None = None
     left_out: str = ""
@@ -115,7 +115,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     finished and the cells to run; one with a `planned` method is first given the number of
     cells each column will run. With `prompts` (conformance.text) the text cases run too.
     memory_total: the bytes the whole check may hold (`rosetta check --memory`); the columns are
-    scheduled within what is left of it (conformance.memory.columns_limit)."""
+    scheduled within what is left of it (conformance.plan.memory.columns_limit)."""
     executor = executor or (LocalPool(jobs, pool) if jobs > 1 else InProcess())
     try:
         return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts, memory_total)
@@ -220,13 +220,13 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
 def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
                   pattern: str | None, prompts: Prompts | None, references_here: bool = False,
                   memory_total: int | None = None, workers: int = 0) -> MemoryLedger:
-    """The ledger by which the columns run on this machine share its memory (conformance.memory):
+    """The ledger by which the columns run on this machine share its memory (conformance.plan.memory):
     COLUMNS_SHARE of what is available now, each column's footprint from its dtype and the longest
     case it runs, with the golden's where the process that runs it computes references: a worker
     does for the gradient and training cases, and for every case unless `references_here` (the
     local executor's harness computes them: the worker reads them mapped, and this process holds
     the golden and its activations, which the ledger's golden_activations says). memory_total: the
-    bytes the whole check may hold (conformance.memory.columns_limit; MemoryTooSmall where they do
+    bytes the whole check may hold (conformance.plan.memory.columns_limit; MemoryTooSmall where they do
     not hold this process, the golden it will cast and its workers)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
     longest: dict[tuple[str, str, str], int] = {}

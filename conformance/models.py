@@ -36,7 +36,7 @@ _STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float
 
 def checkpoint_dtype(source: dict) -> str:
     """The dtype a checkpoint was published in, which a budgeted plan checks first
-    (conformance.budget): a Hugging Face directory's config.json says it (dtype, or torch_dtype
+    (conformance.plan.budget): a Hugging Face directory's config.json says it (dtype, or torch_dtype
     in older files), else its first floating tensor's; a preset's or a weights file's is float32
     (the spec's weights are float32)."""
     if "hf" not in source:

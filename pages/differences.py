@@ -253,7 +253,7 @@ def _int8_paths() -> dict[str, object]:
     from conformance.backends.numpy_backend import golden_output
     from conformance.cases import build_case
     from conformance.machine import int8_path
-    from conformance.quantized import cost, real_tokens
+    from conformance.deployment.quantized import cost, real_tokens
     from export.cache import exported
     from export.integer_products import with_integer_products
     from export.quantize import quantize_graph
@@ -299,7 +299,7 @@ def _ctranslate2_int8() -> dict[str, float]:
     from conformance.backends.ctranslate2_backend import CTranslate2Runner, convert_model
     from conformance.backends.numpy_backend import golden_output
     from conformance.cases import build_case
-    from conformance.quantized import cost, real_tokens
+    from conformance.deployment.quantized import cost, real_tokens
     from importers.huggingface_writer import to_huggingface
     from spec import conformance_params, get_preset
 

@@ -28,7 +28,7 @@ from conformance.adapter import register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
-from conformance.localize import localize_backward_column, localize_column
+from conformance.diagnosis.localize import localize_backward_column, localize_column
 from conformance.training_cells import failing_step
 from spec import ModelConfig, conformance_params, get_preset, param_shapes
 

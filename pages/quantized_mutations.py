@@ -1,6 +1,6 @@
 """The quantized deployment's mistakes (`rosetta mutations --quantized`, docs/quantized-mutations.md):
 each planted in llama-tiny's int4 export (blocks of 16, the head at 8 bits) and run through the
-quantized column's checks (conformance.quantized): each must be caught and localized to its parameter.
+quantized column's checks (conformance.deployment.quantized): each must be caught and localized to its parameter.
 
 A mistake is planted in one of two places:
 - **the kernel**: it reads the stored tensors otherwise than SPEC §15 says (nibbles swapped, a zero
@@ -287,7 +287,7 @@ class QuantizedVerdict:
 
 def run_quantized_mistake(cfg: ModelConfig, params: Mapping[str, np.ndarray], mistake: QuantizedMistake,
                           scheme: QuantizationScheme = SCHEME) -> QuantizedVerdict:
-    from conformance.quantized import judge_quantized, products, stored_as_scheme
+    from conformance.deployment.quantized import judge_quantized, products, stored_as_scheme
 
     with tempfile.TemporaryDirectory(prefix="rosetta-quantized-mistake-") as scratch:
         try:

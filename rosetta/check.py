@@ -1,5 +1,5 @@
 """`rosetta check`, the conformance matrix against the golden, and `rosetta merge`, one matrix
-from the reports of several shards or machines (conformance.shards)."""
+from the reports of several shards or machines (conformance.output.shards)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,22 @@ from pathlib import Path
 
 from rich.console import Console
 
-from conformance import terminal
+from conformance.output import terminal
 from conformance.adapter import backend_names, importable_by_name
 from conformance.check import check_model
-from conformance.budget import DEFAULT_BUDGET, BudgetPlan, format_seconds, parse_budget
-from conformance.cost import matmul_speed
-from conformance.memory import parse_memory
+from conformance.plan.budget import DEFAULT_BUDGET, BudgetPlan, format_seconds, parse_budget
+from conformance.plan.cost import matmul_speed
+from conformance.plan.memory import parse_memory
 from conformance.cells import ERROR, FAIL, PASS, SKIP
 from conformance.executors.local_pool import WorkerPool
 from conformance.models import register_model_directory
 from conformance.machine import NVIDIA_DRIVER
-from conformance.report import (attention_paths, empty_columns, field_metrics_table, format_attention_paths,
+from conformance.output.report import (attention_paths, empty_columns, field_metrics_table, format_attention_paths,
                                 format_empty_columns, format_generated_text, format_graphs_served, format_placements,
                                 format_problems, format_table, graphs_served, summary_counts)
-from conformance.quantized import format_quantized, parse_budget as parse_quant_budget
-from conformance.routing import format_routing_margins
-from conformance.shards import MergeError, merge_into_report, parse_shard
+from conformance.deployment.quantized import format_quantized, parse_budget as parse_quant_budget
+from conformance.diagnosis.routing import format_routing_margins
+from conformance.output.shards import MergeError, merge_into_report, parse_shard
 from conformance.text import LONG_TEXT, load_tokenizer, read_prompts_file
 from conformance.tolerance import DTYPES
 from rosetta.arguments import UsageError, comma_list, positive_integer, writable_folder
@@ -206,7 +206,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    """One matrix from the reports of several shards or machines (conformance.shards)."""
+    """One matrix from the reports of several shards or machines (conformance.output.shards)."""
     out = writable_folder(Path(args.out), "--out")
     try:
         merged = merge_into_report([Path(path) for path in args.reports], out)

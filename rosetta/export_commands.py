@@ -15,7 +15,7 @@ from rosetta.arguments import UsageError, comma_list, writable_folder
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export the graphs, check the forward graph against the golden, optionally write a Triton repository."""
-    from conformance.export_check import check_exported_forward
+    from conformance.deployment.export_check import check_exported_forward
     from export.exporters import export_model
 
     cfg, params, _ = load_model(preset=args.preset, seed=args.seed, weights=args.weights)

@@ -1,7 +1,7 @@
 """Omissions: the features of a config that a port can leave out or miscount, each as the config
 that computes without it (SPEC §11, "Omissions"). A whole-model column that fails (a peer, whose graph has no
 sublayer entry points) is explained by the smallest set of omissions under which the golden
-computes what it computed (conformance/explain.py).
+computes what it computed (conformance/diagnosis/explain.py).
 
 Each omission changes the config only, never the weights: the golden of the changed config reads
 the same tensors. Omissions of one group exclude each other (a window cannot be both ignored and

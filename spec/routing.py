@@ -80,7 +80,7 @@ class RoutingLog:
 
     def see(self, layer: int, inputs: np.ndarray) -> None:
         """Decoder layer `layer`'s router input [N, d] at its last `choose`, recorded: its routing is
-        judged on what it saw (conformance.routing: the golden's router on the same input)."""
+        judged on what it saw (conformance.diagnosis.routing: the golden's router on the same input)."""
         index = self._layers[layer]
         batch, length = self.chosen[index][-1].shape[:2]
         self.inputs[index].append(np.asarray(inputs, dtype=np.float64).reshape(batch, length, -1))

@@ -1,5 +1,5 @@
-"""A plan that fits a budget (issue 38, conformance.budget): cells chosen by value while the
-estimate (conformance.cost) fits, the whole model first, the sublayers on the first, a middle and
+"""A plan that fits a budget (issue 38, conformance.plan.budget): cells chosen by value while the
+estimate (conformance.plan.cost) fits, the whole model first, the sublayers on the first, a middle and
 the last layer next; left-out cells reported, never a column that "ran nothing"; a budget too
 small for one whole-model cell refused with the estimate it would need."""
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance import cost
-from conformance.budget import (DEFAULT_BUDGET, WHOLE_MODEL, BudgetTooSmall, fit_budget, larger_than_presets,
+from conformance.plan import cost
+from conformance.plan.budget import (DEFAULT_BUDGET, WHOLE_MODEL, BudgetTooSmall, fit_budget, larger_than_presets,
                                 parse_budget, representative_cases, value_tier)
 from conformance.cases import applicable_cases, case_names, layer_of
 from conformance.cells import FAIL, PASS, PLANNED_OUT, SKIP
 from conformance.check import check_model
 from conformance.harness import plan_matrix, runnable_cells
-from conformance.report import empty_columns
+from conformance.output.report import empty_columns
 from conformance.tolerance import UNIT_ROUNDOFF
 from rosetta.main import main
 from spec import conformance_params, get_preset, save_weights

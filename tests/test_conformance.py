@@ -15,7 +15,7 @@ from conformance.cases import (MASK_CASES, SUBLAYERS, TEXT_CASES, applicable_cas
                                case_names, catalogue, choose_generation_rows)
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from pages.mutations import MUTATIONS, MutantBackend
-from conformance.report import empty_columns, format_problems
+from conformance.output.report import empty_columns, format_problems
 from conformance.tolerance import UNIT_ROUNDOFF, compare, tolerance
 from rosetta.main import main
 from spec import conformance_params, get_preset, list_presets

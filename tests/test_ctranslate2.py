@@ -1,6 +1,6 @@
 """The ctranslate2 column: CTranslate2's own converter (TransformersConverter) and Generator on a
 Hugging Face directory, checked against the golden; where it fails, what its converter left out
-is named by conformance.explain. Every finding and refusal below is measured here.
+is named by conformance.diagnosis.explain. Every finding and refusal below is measured here.
 
 The directories are the presets' conformance weights written by importers.huggingface_writer
 (every parameter perturbed, odd sizes) and read back by transformers before CTranslate2 sees them.
@@ -20,7 +20,7 @@ from conformance.adapter import NotSupported, register_backend, unregister_backe
 from conformance.backends.ctranslate2_backend import (AFTER_LAST, ALL_PAD, INNER_PAD, PADDED_PROMPT,  # noqa: E402
                                                       PAST_WINDOW, PHI3_LOADER, CTranslate2Backend,
                                                       convert_model)
-from conformance.explain import explain_failures  # noqa: E402
+from conformance.diagnosis.explain import explain_failures  # noqa: E402
 from conformance.harness import PASS, SKIP, plan_matrix, run_matrix  # noqa: E402
 from importers.huggingface_writer import to_huggingface  # noqa: E402
 from spec import conformance_params, get_preset  # noqa: E402
@@ -150,7 +150,7 @@ def test_its_int8_is_a_quantized_column_measured_against_the_float_golden(writte
     int8 quantizes its activations at run time, which no golden computes: the column has no
     implementation reference ('n/a') and no stored-weights check, and its cost is measured on every
     case it can express, the rows it cannot left out with their cause; a budget judges it."""
-    from conformance.quantized import check_quantized, format_quantized
+    from conformance.deployment.quantized import check_quantized, format_quantized
     from spec.quantization import CTRANSLATE2_INT8
 
     model = written("llama-tiny")

@@ -1,4 +1,4 @@
-"""conformance.explain: a failing whole-model column explained by the spec's omissions. Each
+"""conformance.diagnosis.explain: a failing whole-model column explained by the spec's omissions. Each
 planted port below computes the golden with one feature left out; the explanation must name that
 omission, and only it, at the smallest size; an output no omission explains stays unexplained."""
 
@@ -11,7 +11,7 @@ from conformance.adapter import NotSupported, register_backend, unregister_backe
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import build_case
 from conformance.cells import golden_runner_for
-from conformance.explain import explain, explain_failures, omission_sets
+from conformance.diagnosis.explain import explain, explain_failures, omission_sets
 from conformance.harness import FAIL, plan_matrix, run_matrix
 from spec import conformance_params, get_preset, list_presets
 from spec.omissions import OMISSIONS

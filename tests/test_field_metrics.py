@@ -1,4 +1,4 @@
-"""The field's metrics beside our verdict (issue 38, conformance.field_metrics): per-token KL,
+"""The field's metrics beside our verdict (issue 38, conformance.diagnosis.field_metrics): per-token KL,
 top-1 agreement, top-5 containment, and whether a cell would pass MaxText's KL ≤ 1e-4 or vLLM's
 top-5 criterion. A planted mistake that the field's criteria let by and ours does not shows why
 the verdict stays the tolerance policy."""
@@ -12,9 +12,9 @@ from hypothesis.extra.numpy import arrays
 
 import impl_torch.model as torch_model
 from conformance.cases import build_case
-from conformance.field_metrics import KL_LIMIT, field_metrics, generation_metrics, logit_metrics
+from conformance.diagnosis.field_metrics import KL_LIMIT, field_metrics, generation_metrics, logit_metrics
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
-from conformance.report import field_metrics_table
+from conformance.output.report import field_metrics_table
 from conformance.tolerance import tolerance
 from spec import conformance_params, get_preset
 from tests.bounds import assert_agrees

@@ -434,7 +434,7 @@ def test_genai_int4_is_judged_on_the_weights_its_builder_stores(tmp_path, family
     is matched to its parameter by content, every case it can express passes the int8-activations
     mode against the golden on those weights, they are stored as GENAI_INT4 says, and every product
     is within its tolerance; its cost is measured, the rows it cannot compute left out with why."""
-    from conformance.quantized import check_quantized, format_quantized
+    from conformance.deployment.quantized import check_quantized, format_quantized
     from spec.quantization import GENAI_INT4
 
     directory = build_checkpoint(family, GENAI_CONFIGS[family](), tmp_path / family)
@@ -459,7 +459,7 @@ def test_genai_int4_weights_that_match_no_parameter_are_refused_by_name(tmp_path
     import dataclasses
 
     import export.quantize as quantize
-    from conformance.quantized import check_quantized
+    from conformance.deployment.quantized import check_quantized
     from spec.quantization import GENAI_INT4
 
     directory = build_checkpoint("llama", GENAI_CONFIGS["llama"](), tmp_path / "llama")

@@ -447,7 +447,7 @@ def test_the_peers_that_lack_the_family_say_so_before_anything_runs(checkpoints,
     from conformance.cells import ABSENT
     from conformance.harness import plan_matrix, run_matrix
     from conformance.models import load_model, register_model_directory
-    from conformance.report import empty_columns
+    from conformance.output.report import empty_columns
 
     directory = checkpoints[kind]
     assert f"{kind}: CTranslate2's converter and the spec share" in CTranslate2Backend(directory).supports("float32", "cpu")

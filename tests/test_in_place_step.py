@@ -24,7 +24,7 @@ import impl_numpy as golden
 from conformance.tolerance import compare, tolerance
 from export.cache import exported
 from conformance.harness import PASS, plan_matrix, run_matrix
-from conformance.report import format_graphs_served, graphs_served
+from conformance.output.report import format_graphs_served, graphs_served
 from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, EXAMPLE_SIZES, cache_head_size, example_inputs,
                            in_place_unsupported_reason)
 from export.in_place_step import InPlaceDecoderStepGraph

@@ -112,7 +112,7 @@ def _dynamic_forward(cfg, params):
 
     from conformance.backends.numpy_backend import golden_output
     from conformance.cases import build_case
-    from conformance.quantized import real_tokens
+    from conformance.deployment.quantized import real_tokens
     from export.quantize import quantized_export
     from spec.masks import real_tokens as keep_of
 
@@ -131,7 +131,7 @@ def test_a_dynamic_deployments_logits_are_this_cpus_arithmetic_and_the_others_co
     arithmetic, to float32's tolerance of the case (the two differ at most in the order of their
     float operations), and beyond it from the other's: on llama-tiny some pairs saturate. Both
     costs are measured here, whichever CPU runs (SPEC §15.2: KL 4e-4 exact, 0.07 saturating)."""
-    from conformance.quantized import cost
+    from conformance.deployment.quantized import cost
     from conformance.tolerance import compare
 
     cfg = get_preset("llama-tiny")
@@ -154,7 +154,7 @@ def test_a_dynamic_deployment_has_its_cost_measured_and_no_implementation_refere
     its cost is measured and reported with the CPU's int8 path that sets it (llama-tiny's mean KL:
     4e-4 where the products are exact, 0.07 where VPMADDUBSW saturates, SPEC §15.2); a budget judges
     it, here set from what was measured: half the largest cost is broken, the largest is kept."""
-    from conformance.quantized import Cost, check_quantized, format_quantized
+    from conformance.deployment.quantized import Cost, check_quantized, format_quantized
 
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg)
@@ -183,7 +183,7 @@ def test_a_quantized_column_that_compared_nothing_ran_nothing(monkeypatch, capsy
     """A runner whose every case leaves out every row (adapter.Partial, nothing compared): each case is
     recorded as left out whole with its cause, and the column ran nothing: not a pass, as a matrix
     column that ran nothing is not, and `rosetta check` exits 1."""
-    import conformance.quantized as quantized
+    import conformance.deployment.quantized as quantized
     from conformance.adapter import Partial
     from conformance.cases import BATCH
     from rosetta.main import main

@@ -210,7 +210,7 @@ def test_each_cell_names_the_attention_path_it_took(cpu_matrix):
     """float64 and float16-on-CPU cells of the `jax` column run the explicit program jax-math runs:
     the report says so per cell and counts them apart, so they are not read as evidence for
     jax.nn.dot_product_attention."""
-    from conformance.report import attention_paths, format_attention_paths
+    from conformance.output.report import attention_paths, format_attention_paths
 
     expected = {("jax", "float64"): "explicit (jax.nn.dot_product_attention takes its softmax in float32)",
                 ("jax", "float32"): "jax.nn.dot_product_attention", ("jax-math", "float32"): "explicit",

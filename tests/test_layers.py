@@ -22,27 +22,30 @@ FLOORS = {"spec": 0, "impl_numpy": 1, "impl_torch": 1, "impl_jax": 1, "importers
 CONFORMANCE_FLOORS = {
     "tolerance": 0, "adapter": 0, "machine": 0,  # the policy, the protocol, where a run ran
     "text": 0,  # real text's token ids, the text cases' input
-    "field_metrics": 0,  # the field's metrics of a model's output
+    "diagnosis.field_metrics": 0,  # the field's metrics of a model's output
     "cases": 1,  # the catalogue
-    "memory": 2, "cost": 2, "budget": 2,  # what the catalogue's cells take, in memory and time, and what fits
-    "backends": 2, "byo": 2, "export_check": 2,  # what runs a case
-    "training_cells": 3, "observability": 3, "models": 3,  # what reads the golden or a backend's outputs
-    "quantized_serving": 3,  # who makes and runs a quantized column, and the weights it stores
-    "routing": 3,  # a mixture of experts' routing: the golden's margins, replayed in a column
+    "plan": 2,  # what the catalogue's cells take, in memory and time, and what fits (memory, cost, budget)
+    "backends": 2, "byo": 2, "deployment.export_check": 2,  # what runs a case
+    "training_cells": 3, "diagnosis.observability": 3, "models": 3,  # what reads the golden or a backend's outputs
+    "deployment.quantized_serving": 3,  # who makes and runs a quantized column, and the weights it stores
+    "diagnosis.routing": 3,  # a mixture of experts' routing: the golden's margins, replayed in a column
     "cells": 4,  # one cell run and judged
     "executors": 5,  # where cells run
     "harness": 6,  # the matrix planned and handed to an executor
-    "localize": 7, "report": 7,  # what is made of the results
-    "shards": 8, "terminal": 8,
-    "explain": 8,  # a whole-model column's failure explained by omissions, where localize has no layers to run
-    "quantized": 8,  # a quantized deployment held to the golden on its stored weights; its cost, stage by stage
+    "diagnosis.localize": 7, "output.report": 7,  # what is made of the results
+    "output.shards": 8, "output.terminal": 8,
+    "diagnosis.explain": 8,  # a whole-model column's failure explained by omissions, where localize has no layers
+    "deployment.quantized": 8,  # a quantized deployment held to the golden on its stored weights; its cost by stage
     "check": 9,  # one whole check
+    # a room's package (its __init__, a docstring) imports nothing: the floor of its lowest module
+    "diagnosis": 0, "deployment": 2, "output": 7,
 }
+WHOLE_ROOMS = {"plan", "backends", "executors"}  # packages whose every module shares the package's floor
 
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted, e.g. "conformance.report"; a package is its __init__
+    name: str  # dotted, e.g. "conformance.output.report"; a package is its __init__
     path: str  # relative to the tree's root, for messages
     source: str
     is_package: bool
@@ -108,8 +111,15 @@ def _floor(name: str) -> int:
 
 
 def conformance_floor(name: str) -> int:
-    """A conformance module's floor; KeyError for one CONFORMANCE_FLOORS does not place."""
-    return CONFORMANCE_FLOORS[name.split(".")[1]]
+    """A conformance module's floor: its own entry in CONFORMANCE_FLOORS (a room's module by its
+    dotted name under conformance, e.g. "diagnosis.routing"), or its package's where every module
+    of that package shares one floor (WHOLE_ROOMS); KeyError for one neither places."""
+    inside = name.split(".", 1)[1]
+    if inside in CONFORMANCE_FLOORS:
+        return CONFORMANCE_FLOORS[inside]
+    if inside.split(".")[0] in WHOLE_ROOMS:
+        return CONFORMANCE_FLOORS[inside.split(".")[0]]
+    raise KeyError(f"{name}: place it in CONFORMANCE_FLOORS")
 
 
 def upward_inside_conformance(found: list[Arrow]) -> list[str]:
@@ -197,7 +207,7 @@ PROJECT = read_tree(ROOT)
 
 def test_every_package_is_read():
     assert {name.split(".")[0] for name in PROJECT} == set(FLOORS)
-    assert "rosetta.main" in PROJECT and "conformance.report" in PROJECT
+    assert "rosetta.main" in PROJECT and "conformance.output.report" in PROJECT
 
 
 def test_no_import_points_up_a_floor():
@@ -205,10 +215,27 @@ def test_no_import_points_up_a_floor():
     assert not found, "imports of a higher package:\n" + "\n".join(found)
 
 
+def _placed(name: str) -> bool:
+    try:
+        conformance_floor(name)
+    except KeyError:
+        return False
+    return True
+
+
 def test_every_conformance_module_has_a_floor():
-    unplaced = [name for name in PROJECT if name.startswith("conformance.")
-                and name.split(".")[1] not in CONFORMANCE_FLOORS]
+    """Every module of conformance/ is placed: by its own name, or as a module of a room whose
+    modules share one floor; a module added to a room of mixed floors must be placed itself."""
+    unplaced = [name for name in PROJECT if name.startswith("conformance.") and not _placed(name)]
     assert not unplaced, f"place these in CONFORMANCE_FLOORS: {unplaced}"
+
+
+def test_the_root_of_conformance_holds_the_verdicts_core():
+    """conformance/'s root holds at most 15 modules (the verdict's core); the rest live in rooms
+    whose names say what they hold (plan, diagnosis, deployment, output, backends, executors)."""
+    root = [name for name, module in PROJECT.items() if name.count(".") == 1 and name.startswith("conformance.")
+            and not module.is_package]
+    assert len(root) + 1 <= 15, sorted(root)  # and its __init__
 
 
 def test_no_import_points_up_inside_conformance():
@@ -244,12 +271,12 @@ def test_a_planted_upward_import_and_cycle_are_reported(tmp_path):
 
 def test_an_executor_importing_the_report_is_reported(tmp_path):
     """The arrow issue 37 removed: an executor (floor 5) that imports the report (floor 7)."""
-    sources = {"conformance/__init__.py": "", "conformance/report.py": "",
+    sources = {"conformance/__init__.py": "", "conformance/output/report.py": "",
                "conformance/executors/__init__.py": "",
-               "conformance/executors/ray_cluster.py": "def where():\n    from conformance.report import device_facts\n"}
+               "conformance/executors/ray_cluster.py": "def where():\n    from conformance.output.report import device_facts\n"}
     for path, source in sources.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(source)
     found = upward_inside_conformance(arrows(read_tree(tmp_path, ("conformance",))))
-    assert found == ["conformance/executors/ray_cluster.py:2: conformance.executors.ray_cluster -> conformance.report "
+    assert found == ["conformance/executors/ray_cluster.py:2: conformance.executors.ray_cluster -> conformance.output.report "
                      "(floor 5 imports floor 7)"]

@@ -1,4 +1,4 @@
-"""Columns scheduled by memory (issue 38, conformance.memory): a column starts only where its
+"""Columns scheduled by memory (issue 38, conformance.plan.memory): a column starts only where its
 footprint fits beside the running ones', else its worker waits; one that cannot fit at all is
 skipped with its figure, never started to be killed by the kernel."""
 
@@ -11,7 +11,7 @@ import pytest
 from conformance import harness
 from conformance.cells import ABSENT, PASS, SKIP
 from conformance.harness import plan_matrix, run_matrix
-from conformance.memory import FOOTPRINTS, MemoryLedger, column_footprint
+from conformance.plan.memory import FOOTPRINTS, MemoryLedger, column_footprint
 from spec import conformance_params, get_preset
 
 CFG = get_preset("llama-tiny")
@@ -57,8 +57,8 @@ def test_a_footprint_grows_with_the_dtype_the_backend_and_the_longest_case():
 
 
 def _available(monkeypatch, size: int) -> None:
-    """The machine's available memory, as the harness and conformance.memory.columns_limit read it."""
-    from conformance import memory
+    """The machine's available memory, as the harness and conformance.plan.memory.columns_limit read it."""
+    from conformance.plan import memory
 
     monkeypatch.setattr(harness, "available_memory", lambda: size)
     monkeypatch.setattr(memory, "available_memory", lambda: size)
@@ -105,7 +105,7 @@ def test_freed_pages_are_given_back_to_the_kernel():
     """What a cell freed on the heap stays resident until the allocator is told to trim it (glibc)."""
     import numpy as np
 
-    from conformance.memory import _MALLOC_TRIM, give_back_freed, resident_memory
+    from conformance.plan.memory import _MALLOC_TRIM, give_back_freed, resident_memory
 
     if _MALLOC_TRIM is None:
         pytest.skip("this C library has no malloc_trim (not glibc): nothing to give back by hand")
@@ -196,14 +196,14 @@ def test_a_generate_case_goes_to_the_workers_whole(monkeypatch):
 @pytest.mark.parametrize("text, size", [("6G", 6 * GB), ("6 GB", 6 * GB), ("512M", 512 * 10 ** 6), ("1.5g", 1.5 * GB),
                                         ("2000000000", 2 * GB)])
 def test_a_memory_size_is_read_in_decimal_units(text, size):
-    from conformance.memory import parse_memory
+    from conformance.plan.memory import parse_memory
 
     assert parse_memory(text) == size
 
 
 @pytest.mark.parametrize("text", ["six", "-1G", "0", "G", "6Q"])
 def test_a_memory_size_that_is_not_one_is_refused_naming_it(text):
-    from conformance.memory import parse_memory
+    from conformance.plan.memory import parse_memory
 
     with pytest.raises(ValueError, match=f"--memory {text!r}"):
         parse_memory(text)
@@ -211,7 +211,7 @@ def test_a_memory_size_that_is_not_one_is_refused_naming_it(text):
 
 def test_a_memory_total_schedules_the_columns_within_what_is_left_of_it(monkeypatch):
     """--memory: the columns get the total less this process and its workers' frameworks."""
-    from conformance import memory
+    from conformance.plan import memory
 
     _Counting.most = 0
     monkeypatch.setattr(harness, "MemoryLedger", _Counting)
@@ -243,7 +243,7 @@ def test_the_harness_computes_the_references_where_the_workers_goldens_would_cro
     """Two workers' float64 goldens over a quarter of the memory: one golden, here, serves them."""
     import numpy as np
 
-    from conformance import memory
+    from conformance.plan import memory
 
     monkeypatch.setattr(memory, "available_memory", lambda: 24 * GB)
     # arrays of a checkpoint's sizes without their memory: SmolLM2-135M's and Qwen2.5-0.5B's

@@ -26,7 +26,7 @@ import impl_numpy as golden
 import impl_torch.model as torch_model
 from conformance import cells
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
-from conformance.routing import routing_margins
+from conformance.diagnosis.routing import routing_margins
 from impl_numpy.model import recorded_routing
 from impl_torch import Transformer
 import spec.routing
@@ -487,7 +487,7 @@ def test_a_routing_log_replayed_step_by_step_takes_each_steps_routing_before_it(
 
 
 def _localized(preset, backend, dtype, mask_case):
-    from conformance.localize import localize_column
+    from conformance.diagnosis.localize import localize_column
     cfg = get_preset(preset)
     return localize_column(cfg, conformance_params(cfg), backend, dtype, "cpu", mask_case)
 
@@ -500,7 +500,7 @@ def test_localization_replays_the_goldens_routing_in_each_moe_stage(monkeypatch)
     layers = [stage for stage in found.stages if stage.sublayer == "decoder_layer"]
     assert found.first_failure is None, found.table()
     assert layers and all("routing replayed" in stage.note for stage in layers)
-    monkeypatch.setattr("conformance.localize._replayed", lambda runner, chosen: contextlib.nullcontext())
+    monkeypatch.setattr("conformance.diagnosis.localize._replayed", lambda runner, chosen: contextlib.nullcontext())
     assert _localized("qwen3-moe-tiny", "torch", "bfloat16", "long").first_failure is not None
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapter import register_backend, unregister_backend
-from conformance.localize import localize_column
+from conformance.diagnosis.localize import localize_column
 from pages.mutations import MUTATIONS, MutantBackend, gallery_table, run_mutation
 from rosetta.main import main
 from spec import get_preset, conformance_params

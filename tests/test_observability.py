@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conformance.observability import INVISIBLE, input_observations, invisible_reason, parameter_observations
+from conformance.diagnosis.observability import INVISIBLE, input_observations, invisible_reason, parameter_observations
 from conformance.tolerance import tolerance
 from spec import conformance_params, get_preset, init_params, list_presets
 from tests.bounds import assert_agrees
@@ -99,7 +99,7 @@ def test_a_loose_cell_does_not_widen_the_perturbation(monkeypatch):
     tolerances: a catalogue that gains a cell a million times looser sees every tensor exactly as
     before. Under the old rule the loose cell widened the perturbation by a million, and every
     tensor read as seen, holes included."""
-    import conformance.observability as observability
+    import conformance.diagnosis.observability as observability
     from conformance.cases import catalogue
 
     cfg = get_preset("llama-tiny")

@@ -302,7 +302,7 @@ def test_a_window_mistake_is_localized_to_its_layer(monkeypatch, preset, layer):
     """SPEC §11: a sliding layer's stage is given the real tokens and builds its own mask, so a
     window that lets W + 1 keys in is named at the first sliding layer, not above it (given the
     golden's mask, every layer stage passed and the mistake surfaced only in the whole model)."""
-    from conformance.localize import localize_column
+    from conformance.diagnosis.localize import localize_column
 
     cfg = get_preset(preset)
     assert localize_column(cfg, conformance_params(cfg), "torch", "float32", "cpu").first_failure is None

@@ -62,7 +62,7 @@ def _run(model, a):
 @pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True), (8, False)])
 def test_the_kernel_computes_a_times_the_spec_s_dequantized_weight(bits, symmetric):
     """Y = A·dequantize(B) within SPEC §8's float32 tolerance of one product of K terms (the
-    harness's product-by-product check, conformance.quantized.products); each stored weight within
+    harness's product-by-product check, conformance.deployment.quantized.products); each stored weight within
     one quantization step of the float weight it was made from."""
     model, read, weight = _quantized(bits, symmetric)
     assert (read.zero_points is None) == symmetric

@@ -1,5 +1,5 @@
 """A weight-only quantized deployment judged twice (SPEC §15, export/quantize.py,
-conformance/quantized.py): our float32 export quantized by onnxruntime's own MatMulNBitsQuantizer
+conformance/deployment/quantized.py): our float32 export quantized by onnxruntime's own MatMulNBitsQuantizer
 agrees with the golden run on the weights it stores (the implementation reference), and what the
 quantization cost against the float golden is measured; each planted mistake is caught by the
 check it belongs to: a wrong reading of the layout by the implementation reference, a deployment
@@ -15,7 +15,7 @@ import pytest
 
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import build_case
-from conformance.quantized import (QUANTIZED_CASES, Cost, GenerationCost, cost, format_quantized, generation_cost,
+from conformance.deployment.quantized import (QUANTIZED_CASES, Cost, GenerationCost, cost, format_quantized, generation_cost,
                                   judge_quantized, parse_budget, real_tokens, stored_as_scheme)
 from conformance.tolerance import compare
 from spec import conformance_params, get_preset
@@ -182,7 +182,7 @@ def test_a_block_size_the_codes_do_not_have_is_refused_by_name(tmp_path):
 
 
 def test_a_generation_s_cost_is_where_its_tokens_part():
-    from conformance.quantized import generation_cost
+    from conformance.deployment.quantized import generation_cost
 
     float_tokens = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]])
     assert generation_cost(float_tokens, float_tokens) == GenerationCost(3, 0, None)
@@ -315,7 +315,7 @@ def test_the_cost_is_placed_stage_by_stage(tmp_path):
     costs on its own (beyond float32's tolerance of the stage: rounding would not explain it), the
     float embedding and norm nothing, the head only where the scheme quantizes it; the chained
     cost grows up the stack."""
-    from conformance.quantized import stage_costs
+    from conformance.deployment.quantized import stage_costs
 
     for scheme, head_costs in ((QuantizationScheme(4, 32, True), False), (QuantizationScheme(8, 128, False, 8), True)):
         cfg, params, _, deployed = _deployment("llama-tiny", scheme, tmp_path / scheme.name)
@@ -370,7 +370,7 @@ def test_a_wrong_reading_of_one_weight_is_localized_to_its_product(monkeypatch):
     """The golden's reading planted wrong only for the weights of K = d_ff (the FFNs' w2): the column
     fails, and product by product the first wrong one is named, decoder.layers.0.ffn.w2.weight, every
     product before it within its tolerance."""
-    from conformance.quantized import check_quantized
+    from conformance.deployment.quantized import check_quantized
 
     cfg = get_preset("qwen2-tiny")
     dequantize = quantize.dequantize
@@ -394,7 +394,7 @@ def test_a_tied_head_left_as_a_transpose_of_the_embedding_is_quantized_too(tmp_p
     read back: the head is stored at 8 bits, and the column computes the golden on it."""
     from onnx import helper as onnx_helper
 
-    from conformance.quantized import products
+    from conformance.deployment.quantized import products
 
     cfg = get_preset("qwen2-tiny")
     params = conformance_params(cfg)
@@ -440,8 +440,8 @@ def test_torchao_int8_is_judged_on_the_weights_it_stores(preset):
     nn.Linear's product within its own, the head left float as the scheme says; the cost measured,
     the stored weights' own."""
     pytest.importorskip("torchao")
-    from conformance.quantized import check_quantized
-    from conformance.quantized_serving import served
+    from conformance.deployment.quantized import check_quantized
+    from conformance.deployment.quantized_serving import served
     from spec.quantization import TORCHAO_INT8
 
     cfg = get_preset(preset)
@@ -461,7 +461,7 @@ def test_torchao_int8_misread_fails_where_it_is_misread(monkeypatch):
     a layout the spec does not read is refused by name."""
     pytest.importorskip("torchao")
     import spec.quantization as layouts
-    from conformance.quantized import check_quantized
+    from conformance.deployment.quantized import check_quantized
     from spec.quantization import TORCHAO_INT8, RowQuantized, dequantize_rows
 
     cfg = get_preset("llama-tiny")

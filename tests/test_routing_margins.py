@@ -1,5 +1,5 @@
 """The routing margins a check reports for a mixture of experts (SPEC §5.14,
-conformance.routing.routing_margins): each routed case's decisions, its smallest margin and
+conformance.diagnosis.routing.routing_margins): each routed case's decisions, its smallest margin and
 where, and per dtype how many decisions sit within rounding of a tie, in report.json and
 report.md."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from conformance.cases import build_case
 from conformance.check import check_model
-from conformance.routing import format_routing_margins, golden_routing, routing_margins
+from conformance.diagnosis.routing import format_routing_margins, golden_routing, routing_margins
 from spec import conformance_params, get_preset, save_weights
 
 
@@ -101,10 +101,10 @@ def test_the_near_tie_case_puts_every_token_at_a_tie_and_says_so(preset):
 
 def test_the_goldens_routing_is_the_same_streamed_layer_by_layer(monkeypatch):
     """golden_routing casts the weights to float64 as the check's golden does: whole where they fit,
-    else layer by layer (conformance.memory.golden_budget; a real-size Mixtral's check, casting its
+    else layer by layer (conformance.plan.memory.golden_budget; a real-size Mixtral's check, casting its
     5.6 GB whole for each routing it replayed, was killed for memory). Streamed, the routing is the
     same to the bit."""
-    import conformance.routing as routing
+    import conformance.diagnosis.routing as routing
 
     cfg = get_preset("mixtral-tiny")
     params = conformance_params(cfg)

@@ -1,4 +1,4 @@
-"""Sharded runs and their merge (conformance.shards, issue 26): `rosetta check --shard I/N` runs a
+"""Sharded runs and their merge (conformance.output.shards, issue 26): `rosetta check --shard I/N` runs a
 deterministic slice of the columns, `rosetta merge` puts the slices back together, equal cell for
 cell to the unsharded run; disagreeing duplicates are flagged and reports of other weights refused."""
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.harness import Plan
-from conformance.shards import MergeError, merge_reports, parse_shard, read_reports, shard_plan
+from conformance.output.shards import MergeError, merge_reports, parse_shard, read_reports, shard_plan
 from rosetta.main import main
 from spec import get_preset
 

@@ -11,7 +11,7 @@ import pytest
 
 from conformance.backends.numpy_backend import GradientReference, NumpyRunner, golden_output
 from conformance.cases import build_case, case_names
-from conformance.memory import GOLDEN_SHARE, golden_budget
+from conformance.plan.memory import GOLDEN_SHARE, golden_budget
 from impl_numpy.cast import CastOnRead, layer_bytes
 from spec import conformance_params, get_preset, params_under
 

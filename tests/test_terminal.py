@@ -1,4 +1,4 @@
-"""What a person at a terminal sees from `rosetta check` (conformance.terminal, rich): the
+"""What a person at a terminal sees from `rosetta check` (conformance.output.terminal, rich): the
 matrix colored by verdict, failures in a panel with their reasons shown literally, a progress
 bar that counts failures and shows the time left. Piped output stays plain text (tests/test_conformance.py),
 its progress a line per finished column."""
@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from conformance import terminal
+from conformance.output import terminal
 from conformance.cases import case_names
 from conformance.harness import ERROR, FAIL, PASS, plan_matrix, run_matrix
 from spec import get_preset, conformance_params

@@ -3,7 +3,7 @@
 CTranslate2's TransformersConverter reads the Hugging Face directory through transformers and
 writes its model with its own loader per family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
 Phi-3); its Generator runs it at float32 on the CPU. Nothing of ours is in between: a loader that
-leaves a feature out shows as a failing column, and conformance/explain.py names what it left out.
+leaves a feature out shows as a failing column, and conformance/diagnosis/explain.py names what it left out.
 The whole-model cases its API can express are checked against the golden:
 - forward: ``Generator.forward_batch``, the prompt's logits at every position in one call;
 - decode: its search constrained to the given tokens (``include_prompt_in_result=True``, which

@@ -152,7 +152,7 @@ class OnnxBackend:
         return None
 
     def load_is_cached(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str) -> bool:
-        """Whether load() finds its export made (conformance.cost: an export of a real checkpoint
+        """Whether load() finds its export made (conformance.plan.cost: an export of a real checkpoint
         takes minutes, a cached one seconds)."""
         return is_exported(cfg, params, framework=self.framework, dtype=_exported_dtype(dtype), opset=DEFAULT_OPSET)
 

@@ -11,7 +11,7 @@ from conformance.backends.numpy_backend import NumpyRunner
 from conformance.cells import golden_runner_for, reference_for, run_cell
 from conformance.executors import OnResult, WorkItem
 from conformance.executors.shared_references import SharedReferences, shared_reference
-from conformance.memory import MemoryLedger, give_back_freed
+from conformance.plan.memory import MemoryLedger, give_back_freed
 from spec import ModelConfig
 
 

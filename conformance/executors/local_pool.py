@@ -35,7 +35,7 @@ from conformance.cases import TEXT_CASES, Case, build_case, is_backward
 from conformance.cells import ERROR, CellResult, golden_runner_for, reference_for, run_cell
 from conformance.executors import Column, OnResult, WorkItem, column_groups, cost_rank
 from conformance.executors.shared_references import Producer, SharedReferences, shared_reference
-from conformance.memory import MemoryLedger, give_back_freed, resident_memory
+from conformance.plan.memory import MemoryLedger, give_back_freed, resident_memory
 from spec import ModelConfig
 from spec.weights import load_weights, save_weights
 
@@ -230,7 +230,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     builds each case from its name, but for `whole_cases`, which it is sent.
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run. With `memory`, a worker starts a column only when its footprint fits beside the
-    running ones' (conformance.memory.MemoryLedger); else it waits for one to finish. A worker
+    running ones' (conformance.plan.memory.MemoryLedger); else it waits for one to finish. A worker
     gives its freed pages back after each cell and says what it still holds after each column: the
     ledger counts that, and a worker that keeps RETIRE_SHARE of the limit is replaced (should_retire).
     With `produce` (case name -> the golden's reference), this process computes the references of

@@ -1,4 +1,4 @@
-"""What a check will cost, estimated before it runs (`rosetta check --budget`, conformance.budget).
+"""What a check will cost, estimated before it runs (`rosetta check --budget`, conformance.plan.budget).
 
 A cell's cost is its floating-point work, counted from the config and the case's shapes the way
 a matmul counts (2 per multiply-add: the projections, the FFN, the attention's scores and sums,
@@ -27,7 +27,7 @@ import numpy as np
 
 from conformance.cases import (BATCH, FAR_POSITION, GENERATION_CANDIDATES, LONG_PROMPT, MAX_NEW_TOKENS, SRC_LEN,
                                TGT_LEN, TEXT_CASES, TRAINING_STEPS, forward_of, is_gradient, is_training)
-from conformance.memory import BYTES
+from conformance.plan.memory import BYTES
 from conformance.text import LONG_TEXT, NEW_TOKENS
 from spec import ModelConfig
 from spec.params import count_params

@@ -2,7 +2,7 @@
 and summaries this ecosystem's tools use): a live progress bar with the time left, the matrix
 with each cell colored by its verdict, and the failures in a panel. Output that goes to a file
 or a pipe stays plain text: a line per finished column while it runs (ColumnLines), then
-conformance.report.format_table, which the reports and docs quote.
+conformance.output.report.format_table, which the reports and docs quote.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from conformance.harness import ERROR, FAIL, PASS, CellResult
-from conformance.report import columns_and_rows
+from conformance.output.report import columns_and_rows
 
 _STYLE = {PASS: "green", FAIL: "bold red", ERROR: "bold magenta"}
 

@@ -1,5 +1,5 @@
 """A plan that fits a time budget (`rosetta check --budget 10m`): the cells chosen by value, in
-this order, while the estimate (conformance.cost) stays within the budget:
+this order, while the estimate (conformance.plan.cost) stays within the budget:
 
 1. the whole model (forward, cached decoding, generation) at the checkpoint's own dtype and
    float32: what a port is for, and where every sublayer's mistake shows;
@@ -10,7 +10,7 @@ this order, while the estimate (conformance.cost) stays within the budget:
 
 Gradient and training cells (--backward) follow their forward's cells in each step. A failing
 whole-model column is localized over every layer after the run, whatever the budget
-(conformance.localize). A model larger than the conformance presets gets DEFAULT_BUDGET unless
+(conformance.diagnosis.localize). A model larger than the conformance presets gets DEFAULT_BUDGET unless
 the caller asks for everything (`--full`).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from conformance.cases import applicable_cases, forward_of, is_backward, layer_of
-from conformance.cost import Column, Estimate, case_work, cell_seconds, golden_seconds, load_seconds
+from conformance.plan.cost import Column, Estimate, case_work, cell_seconds, golden_seconds, load_seconds
 from spec import ModelConfig
 from spec.params import count_params
 

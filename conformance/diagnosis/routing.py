@@ -15,7 +15,7 @@ from conformance.adapter import NotSupported
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import (NEAR_TIE_CASES, ROUTER_OUTPUTS, TEXT_CASES, Case, build_case, forward_of, is_gradient,
                                is_training)
-from conformance.memory import golden_budget
+from conformance.plan.memory import golden_budget
 from conformance.tolerance import ACCUMULATE, SAFETY, UNIT_ROUNDOFF, Comparison, held_at, tolerance
 from conformance.training_cells import OPTIMIZER_QUANTITIES, failing_step
 from spec import ModelConfig

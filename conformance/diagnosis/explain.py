@@ -175,7 +175,7 @@ def explain_failures(cfg: ModelConfig, params: Mapping[str, np.ndarray], results
     first failing decode case (a cache's mistake shows there only). What `rosetta check` prints
     after the localizations and its report keeps."""
     from conformance.harness import FAIL
-    from conformance.localize import runs_layers
+    from conformance.diagnosis.localize import runs_layers
 
     failing: dict[tuple[str, str, str], dict[str, str]] = {}
     for r in results:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from conformance.harness import CellResult, Plan
-from conformance.report import format_problems, format_table, matrix_passed, write_report
+from conformance.output.report import format_problems, format_table, matrix_passed, write_report
 from spec import ModelConfig
 
 Column = tuple[str, str, str]  # (backend, dtype, device)

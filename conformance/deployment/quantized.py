@@ -9,7 +9,7 @@
    distribution from the float one's, the share of tokens whose top-1 agrees, the logits' relative
    error. A budget (`kl=1e-2,top1=0.99`) turns the cost into a verdict.
 The columns' makers and runners (onnxruntime's quantizer, onnxruntime-genai's builder, CTranslate2,
-torchao) are conformance.quantized_serving's.
+torchao) are conformance.deployment.quantized_serving's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 from conformance.adapter import Partial
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import applicable_cases, build_case
-from conformance.localize import Localization, localize
-from conformance.quantized_serving import column_name, served
+from conformance.diagnosis.localize import Localization, localize
+from conformance.deployment.quantized_serving import column_name, served
 from conformance.tolerance import Comparison, compare, compare_generation, tolerance
 from spec import ModelConfig
 from spec.quantization import QuantizationScheme, quantized_parameters
@@ -82,8 +82,8 @@ class Cost:
 
 def cost(logits: np.ndarray, float_logits: np.ndarray, real: np.ndarray) -> Cost:
     """The Cost of logits [B, T, V] against the float golden's, over the tokens real [B, T] marks
-    (KL and top-1 as the field's metrics take them: conformance.field_metrics.logit_metrics)."""
-    from conformance.field_metrics import logit_metrics
+    (KL and top-1 as the field's metrics take them: conformance.diagnosis.field_metrics.logit_metrics)."""
+    from conformance.diagnosis.field_metrics import logit_metrics
 
     metrics = logit_metrics(float_logits, logits, real)
     quantized, reference = np.asarray(logits, np.float64)[real], np.asarray(float_logits, np.float64)[real]
@@ -352,7 +352,7 @@ def _genai_feeds(cfg: ModelConfig, model, ids: np.ndarray) -> dict[str, np.ndarr
 
 
 def stage_costs(cfg: ModelConfig, params: Mapping[str, np.ndarray], deployed) -> Localization:
-    """Where quantization's cost arises, stage by stage (conformance.localize on forward-pad_right):
+    """Where quantization's cost arises, stage by stage (conformance.diagnosis.localize on forward-pad_right):
     the golden on the deployed weights held to the golden on the float ones, in float32 tolerances
     of each stage: isolated, a stage's own quantization on the float model's input; chained, the cost
     carried up to it. Both goldens run in float64, so every figure is quantization's, none rounding's."""

@@ -27,7 +27,7 @@ report.json (schema_version 1):
     explanations    (where a whole-model-only column's forward failed) {"<backend>/<dtype>/<device>
                     (forward-<mask case>)": {"case", "verdict", "sets", "explained_by": [[omission]],
                     "trials": [{"omissions", "ratio"}]}}: the smallest sets of the spec's omissions
-                    under which the golden computes what the column did (conformance.explain)
+                    under which the golden computes what the column did (conformance.diagnosis.explain)
     placements      (a run on a Ray cluster) {"<backend>/<dtype>/<device>": {"node_id", "hostname",
                     "device", "driver", "pid", "gpu_ids", "versions"}}: the node, device, driver and
                     package versions each column ran on (null where its actor died before saying)
@@ -38,7 +38,7 @@ report.json (schema_version 1):
     routing_margins (a mixture of experts) [{"case", "at_a_tie_by_construction", "decisions", "smallest_margin",
                     "at": {"layer", "row", "position"}, "near_ties": {dtype: decisions within rounding of a
                     tie}}] for each routed case, and each case meant to sit at a tie, that ran
-                    (conformance.routing.routing_margins)
+                    (conformance.diagnosis.routing.routing_margins)
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from pathlib import Path
 
 from conformance.adapter import get_backend
 from conformance.cells import ERROR, FAIL, NOT_JUDGED, PASS, REFUSED, SKIP, CellResult
-from conformance.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
+from conformance.diagnosis.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
-from conformance.routing import format_routing_margins
+from conformance.diagnosis.routing import format_routing_margins
 from conformance.tolerance import SAFETY
 from spec import SPEC_VERSION, ModelConfig, params_digest
 
@@ -304,7 +304,7 @@ def format_generated_text(entries: list[dict]) -> str:
 
 def field_metrics_table(results: list[CellResult]) -> str:
     """The whole-model cells that ran, our verdict beside the field's metrics and criteria
-    (conformance.field_metrics); '' where no cell has them."""
+    (conformance.diagnosis.field_metrics); '' where no cell has them."""
     cells = [{"id": r.test_id, "status": r.status, "field": r.field} for r in results if r.field]
     return format_field_metrics(cells) if cells else ""
 
@@ -316,14 +316,14 @@ def write_report(directory: Path, results: list[CellResult], cfg: ModelConfig, s
                  explanations: dict | None = None, routing: list[dict] | None = None,
                  quantized: Sequence[dict] = (), quantized_text: str = "") -> list[Path]:
     """Write report.json, report.md and heatmap.png into directory; return the paths written.
-    params: the weights, or (a merged report, conformance.shards) their digest; merged: the
+    params: the weights, or (a merged report, conformance.output.shards) their digest; merged: the
     merge's conflicts, columns and sources, which also decide `passed`; placements: where each
     column ran, from an executor that spreads them over nodes (the Ray executor's); text: the
     text generate case's continuations, decoded (generated_text); plan: a budgeted plan's
-    figures (conformance.budget.BudgetPlan.to_dict), its estimate beside the time taken;
-    explanations: the failing whole-model columns' omissions (conformance.explain); routing: a
-    mixture of experts' routing margins per case (conformance.routing.routing_margins); quantized:
-    the quantized deployments' columns as dicts, quantized_text as text (conformance.quantized), a
+    figures (conformance.plan.budget.BudgetPlan.to_dict), its estimate beside the time taken;
+    explanations: the failing whole-model columns' omissions (conformance.diagnosis.explain); routing: a
+    mixture of experts' routing margins per case (conformance.diagnosis.routing.routing_margins); quantized:
+    the quantized deployments' columns as dicts, quantized_text as text (conformance.deployment.quantized), a
     failing column failing the report."""
     counts = summary_counts(results)
     conflicts = (merged or {}).get("conflicts", [])
