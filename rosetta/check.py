@@ -146,13 +146,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     counts = run.counts
     label = source.get("preset") or source.get("weights") or source.get("hf")
     title = f"Conformance of every backend against the golden (impl_numpy, float64) - {label}"
-    problems = format_problems(results)
+    problems = format_problems(results, verbose=args.verbose)
     if sys.stdout.isatty():
         console = Console()
         console.print(terminal.matrix_table(results, title))
         if (panel := terminal.failure_panel(results)) is not None:
             console.print(panel)
-        skipped = [line for line in problems.splitlines() if line.startswith("skipped ")]
+        skipped = [line for line in problems.splitlines() if line.startswith(("skipped ", "(rosetta check --verbose"))]
         if skipped:
             console.print("\n".join(skipped), style="dim", markup=False, highlight=False)
     else:
@@ -279,6 +279,9 @@ def add_check(commands: argparse._SubParsersAction) -> None:
                             "not judged")
     check.add_argument("--quiet", action="store_true",
                        help="no progress (at a terminal the bar, piped a line per finished column)")
+    check.add_argument("--verbose", "-v", action="store_true",
+                       help="a line per column and reason for the skipped cells (default: a line per cause; the "
+                            "report lists them all)")
     check.add_argument("--jobs", default="auto",
                        help="worker processes for the columns (default auto: one per core on the CPU, 1 on a GPU)")
     check.add_argument("--executor", choices=("local", "ray"), default="local",

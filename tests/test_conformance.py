@@ -351,7 +351,8 @@ def test_a_column_that_ran_nothing_fails_the_check(tmp_path, capsys):
         report = json.loads((tmp_path / "report.json").read_text())
         assert report["passed"] is False and list(report["empty_columns"]) == ["refuses/float32/cpu"]
         assert main(["check", "--backends", "torch,ghost", *arguments]) == 0
-        assert "skipped ghost/float32/cpu (1 cells): not installed" in capsys.readouterr().out
+        assert "skipped 1 cell, not available here, in 1 column (ghost/float32/cpu): not installed" in \
+            capsys.readouterr().out
         assert main(["check", "--backends", "torch,broken", *arguments]) == 1
         assert "RAN NOTHING broken/float32/cpu: failed to load: RuntimeError: CUDA driver too old" in capsys.readouterr().out
         # a column whose cells are sublayers its backend says it lacks ran nothing it could run: no failure
@@ -441,3 +442,27 @@ def test_check_model_is_rosetta_check_from_python(tmp_path, capsys):
     assert cli["source"] == python["source"] and cli["params_sha256"] == python["params_sha256"]
     nothing = check_model(backends=["numpy-float32"], pattern="no-such-cell", jobs=1)
     assert not nothing.ran and not nothing.passed
+
+
+def test_the_table_shows_the_columns_that_ran_and_the_skips_by_cause(capsys):
+    """Issue 58: piped, the table holds only the columns that ran a cell (onnx's sublayer cells,
+    which it does not expose, no longer make a column of `skip`), and the skipped cells are a line
+    per cause with their counts; --verbose gives a line per column and reason, as the report."""
+    arguments = ["check", "--backends", "torch,onnx,ghost", "--dtypes", "float32", "-k", "ffn-none", "--quiet"]
+    register_backend("ghost", "no_such_framework_module:Backend")
+    try:
+        assert main(arguments) == 0
+        out = capsys.readouterr().out
+        header = next(line for line in out.splitlines() if line.startswith("case"))
+        assert "torch/float32/cpu" in header and "onnx" not in header and "ghost" not in header
+        skipped = [line for line in out.splitlines() if line.startswith("skipped ")]
+        assert len(skipped) == 2, skipped
+        assert skipped[0].startswith("skipped 1 cell, sublayers the column does not run, in 1 column "
+                                     "(onnx/float32/cpu): not supported: ")
+        assert skipped[1].startswith("skipped 1 cell, not available here, in 1 column (ghost/float32/cpu): not "
+                                     "installed")
+        assert main([*arguments, "--verbose"]) == 0
+        verbose = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped ")]
+        assert any(line.startswith("skipped ghost/float32/cpu (1 cells): not installed") for line in verbose)
+    finally:
+        unregister_backend("ghost")

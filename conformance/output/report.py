@@ -50,7 +50,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conformance.adapter import get_backend
-from conformance.cells import ERROR, FAIL, NOT_JUDGED, PASS, REFUSED, SKIP, CellResult
+from conformance.cells import (ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, NOT_JUDGED, PASS, PLANNED_OUT, REFUSED,
+                               SKIP, CellResult)
 from conformance.diagnosis.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
 from conformance.diagnosis.routing import format_routing_margins
@@ -141,11 +142,43 @@ def format_graphs_served(graphs: dict[str, dict[str, int]]) -> str:
 
 
 def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, str]], list[str]]:
-    """Columns (backend, dtype, device) and rows 'sublayer-mask_case' of the cells that ran."""
-    ran = [r for r in results if r.status != SKIP or r.reason.startswith("not supported")]
-    columns = list(dict.fromkeys((r.backend, r.dtype, r.device) for r in ran))
-    rows = list(dict.fromkeys(f"{r.sublayer}-{r.mask_case}" for r in ran))
+    """Columns (backend, dtype, device) that ran at least one cell, and the rows 'sublayer-mask_case'
+    those columns ran or refused while running; what was left out is said by format_skips."""
+    columns = list(dict.fromkeys((r.backend, r.dtype, r.device) for r in results if r.status != SKIP))
+    shown = set(columns)
+    rows = list(dict.fromkeys(f"{r.sublayer}-{r.mask_case}" for r in results if (r.backend, r.dtype, r.device) in shown
+                              and (r.status != SKIP or r.skip in (REFUSED, NOT_JUDGED))))
     return columns, rows
+
+
+# what a skipped cell's kind says of it, in the order the grouped lines take
+SKIP_CAUSES = {PLANNED_OUT: "left out by the plan's budget", NO_SUCH_SUBLAYER: "sublayers the column does not run",
+               ABSENT: "not available here", REFUSED: "refused by the backend while running",
+               NOT_JUDGED: "ran, nothing to judge"}
+
+
+def format_skips(results: list[CellResult], verbose: bool = False) -> list[str]:
+    """The skipped cells: a line per cause (SKIP_CAUSES) with its cells and columns, and the
+    reasons where a cause has few; verbose (and the report): a line per column and reason."""
+    skipped = [r for r in results if r.status == SKIP]
+    if verbose:
+        by_reason: dict[tuple[str, str], int] = {}
+        for r in skipped:
+            key = (f"{r.backend}/{r.dtype}/{r.device}", r.reason)
+            by_reason[key] = by_reason.get(key, 0) + 1
+        return [f"skipped {column} ({count} cells): {reason}" for (column, reason), count in by_reason.items()]
+    lines = []
+    for kind, cause in SKIP_CAUSES.items():
+        cells = [r for r in skipped if (r.skip or REFUSED) == kind]
+        if not cells:
+            continue
+        columns = list(dict.fromkeys(f"{r.backend}/{r.dtype}/{r.device}" for r in cells))
+        reasons = list(dict.fromkeys(r.reason for r in cells))
+        named = ", ".join(columns[:4]) + (f" and {len(columns) - 4} more" if len(columns) > 4 else "")
+        why = f": {reasons[0]}" if len(reasons) == 1 else f" ({len(reasons)} reasons)"
+        lines.append(f"skipped {len(cells)} cell{'s' * (len(cells) != 1)}, {cause}, in {len(columns)} "
+                     f"column{'s' * (len(columns) != 1)} ({named}){why}")
+    return lines + (["(rosetta check --verbose, or the report, lists every column's)"] if lines else [])
 
 
 def _cell_text(result: CellResult) -> str:
@@ -170,22 +203,17 @@ def format_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def format_problems(results: list[CellResult]) -> str:
-    """A line per failed or errored cell and per cell compared on some rows only, and one per
-    column and reason for the skipped cells."""
+def format_problems(results: list[CellResult], verbose: bool = True) -> str:
+    """A line per failed or errored cell and per cell compared on some rows only, and the skipped
+    cells (format_skips: a line per column and reason where verbose, as the report has them, else
+    grouped by cause)."""
     lines = []
     for r in results:
         if r.status in (FAIL, ERROR):
             lines.append(f"{r.status.upper()} {r.test_id}: {r.reason}")
         if r.left_out:  # adapter.Partial: some rows were not compared
             lines.append(f"partly compared {r.test_id}: left out {r.left_out}")
-    skipped: dict[tuple[str, str], list[str]] = {}
-    for r in results:
-        if r.status == SKIP:
-            skipped.setdefault((f"{r.backend}/{r.dtype}/{r.device}", r.reason), []).append(r.test_id)
-    for (column, reason), ids in skipped.items():
-        lines.append(f"skipped {column} ({len(ids)} cells): {reason}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_skips(results, verbose))
 
 
 def write_heatmap(path: Path, results: list[CellResult], title: str) -> bool:

@@ -45,12 +45,14 @@ def progress_bar(console: Console) -> Iterator[Callable[[CellResult, int, int], 
 
 class ColumnLines:
     """The progress of a run whose output goes to a file or a pipe: one line per finished column,
-    with its cells and failures, the time since the first cell was planned and an estimate of
-    the time left (the cells left at the pace so far). A log of a long check on a real
-    checkpoint shows where it is without a terminal."""
+    with its cells and failures, the time since the run started (this object's making: the
+    loading and the references count) and an estimate of the time left (the cells left at the
+    pace since the cells were planned). A log of a long check on a real checkpoint shows where it
+    is without a terminal."""
 
     def __init__(self, stream: TextIO):
         self.stream, self.start = stream, time.perf_counter()
+        self.planned_at = self.start
         self.cells: dict[tuple[str, str, str], int] = {}
         self.left: dict[tuple[str, str, str], int] = {}
         self.failed: dict[tuple[str, str, str], int] = {}
@@ -58,7 +60,7 @@ class ColumnLines:
 
     def planned(self, cells_by_column: Mapping[tuple[str, str, str], int]) -> None:
         """Told by the harness, before the first cell, how many cells each column will run."""
-        self.start = time.perf_counter()
+        self.planned_at = time.perf_counter()
         self.cells = {column: count for column, count in cells_by_column.items() if count}
         self.left, self.failed = dict(self.cells), dict.fromkeys(self.cells, 0)
 
@@ -71,8 +73,8 @@ class ColumnLines:
         if self.left[column]:
             return
         self.columns_done += 1
-        elapsed = time.perf_counter() - self.start
-        remaining = elapsed / done * (total - done)
+        now = time.perf_counter()
+        elapsed, remaining = now - self.start, (now - self.planned_at) / done * (total - done)
         print(f"column {self.columns_done}/{len(self.left)} done: {'/'.join(column)}, {self.cells[column]} cells, "
               f"{self.failed[column]} failed; {done}/{total} cells of the run, {clock(elapsed)} elapsed, "
               f"about {clock(remaining)} left", file=self.stream, flush=True)
