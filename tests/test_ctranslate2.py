@@ -170,3 +170,30 @@ def test_its_int8_is_a_quantized_column_measured_against_the_float_golden(writte
                             directory=model.directory)
     assert not over.passed and over.verdict == "fail"
     assert "n/a: int8 activations at run time" in format_quantized([over])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_directory_saved_in_float64_or_bfloat16_runs(written, tmp_path, dtype):
+    """save_pretrained of a float64 model writes float64 tensors and `"dtype": "float64"`, which
+    CTranslate2's converter refused on every cell ("float64 is not in list of supported dtypes"):
+    the staged config now loads it as float32, the column's compute type. A bfloat16 directory
+    runs as stored. The golden reads the same values (the importer's float32)."""
+    import torch
+    import transformers
+
+    from importers.huggingface import import_huggingface
+
+    source = written("llama-tiny").directory
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+    model.save_pretrained(tmp_path / dtype)
+    for path in source.iterdir():  # the tokenizer's files beside the weights
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            (tmp_path / dtype / path.name).write_bytes(path.read_bytes())
+    imported = import_huggingface(tmp_path / dtype)
+    register_backend("ctranslate2", lambda: CTranslate2Backend(tmp_path / dtype))
+    try:
+        plan = plan_matrix(imported.config, ["ctranslate2"], ["float32"], ["cpu"])
+        cell, = run_matrix(imported.config, imported.params, plan, pattern="forward-none")
+    finally:
+        unregister_backend("ctranslate2")
+    assert cell.status == PASS, cell.reason

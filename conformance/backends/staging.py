@@ -28,6 +28,20 @@ def longrope_spelled_both_ways(config: dict) -> dict:
     return config
 
 
+def float64_loaded_as_float32(config: dict) -> dict:
+    """config.json with a float64 dtype (what save_pretrained writes of a float64 model) read as
+    float32: the peers load a directory in its stored dtype, and neither converter takes float64
+    (CTranslate2's: "float64 is not in list of supported dtypes"); their columns compute in float32,
+    and the golden reads the same float32 values (the importer rounds float64 to float32)."""
+    keys = [key for key in ("dtype", "torch_dtype") if config.get(key) == "float64"]
+    return {**config, **dict.fromkeys(keys, "float32")} if keys else config
+
+
+def as_the_peers_read(config: dict) -> dict:
+    """config.json as both peers' loaders take it (longrope_spelled_both_ways, float64_loaded_as_float32)."""
+    return float64_loaded_as_float32(longrope_spelled_both_ways(config))
+
+
 def model_type(directory: Path) -> str | None:
     """config.json's model_type, read before anything loads (a peer's column refuses a family it
     lacks up front); None where the file or the field is missing (the load says why)."""
@@ -38,7 +52,7 @@ def model_type(directory: Path) -> str | None:
 
 
 def staged_directory(directory: Path, cfg: ModelConfig, into: Path,
-                     config_for_peer: Callable[[dict], dict] = longrope_spelled_both_ways) -> Path:
+                     config_for_peer: Callable[[dict], dict] = as_the_peers_read) -> Path:
     """`into`/huggingface: the directory's files linked, its config.json as `config_for_peer`
     rewrites it, and a tokenizer where the directory has none."""
     staged = into / "huggingface"
