@@ -466,3 +466,19 @@ def test_the_table_shows_the_columns_that_ran_and_the_skips_by_cause(capsys):
         assert any(line.startswith("skipped ghost/float32/cpu (1 cells): not installed") for line in verbose)
     finally:
         unregister_backend("ghost")
+
+
+def test_a_wide_plain_table_splits_into_blocks_of_columns():
+    """Piped, a table wider than 160 characters is split into blocks of columns, each beginning with
+    the cases; every column appears once, and one too wide for a block is a block of its own."""
+    from conformance.cells import CellResult
+    from conformance.output.report import TABLE_WIDTH, format_table
+
+    results = [CellResult(f"backend{i}", "cpu", "float32", "forward", case, PASS, max_abs_err=0.1, tol=1.0)
+               for i in range(12) for case in ("none", "pad_right")]
+    blocks = format_table(results).split("\n\n")
+    assert len(blocks) == 2 and all(block.startswith("case") for block in blocks)
+    assert max(len(line) for line in "\n".join(blocks).splitlines()) <= TABLE_WIDTH
+    headers = " ".join(block.splitlines()[0] for block in blocks).split()
+    assert [h for h in headers if h != "case"] == [f"backend{i}/float32/cpu" for i in range(12)]
+    assert format_table(results[:2], width=10).count("\n\n") == 0  # one column: one block, however wide

@@ -189,18 +189,37 @@ def _cell_text(result: CellResult) -> str:
     return "ERROR" if result.status == ERROR else "skip"
 
 
-def format_table(results: list[CellResult]) -> str:
-    """Rows sublayer-mask_case, columns backend/dtype/device; cells 'ok r' with r = error/tolerance."""
+TABLE_WIDTH = 160  # a plain table wider than this is split into blocks of columns, each beginning with the cases
+
+
+def format_table(results: list[CellResult], width: int = TABLE_WIDTH) -> str:
+    """Rows sublayer-mask_case, columns backend/dtype/device; cells 'ok r' with r = error/tolerance;
+    blocks of columns no wider than `width` (but one column a block, however wide), one after another."""
     columns, rows = columns_and_rows(results)
     cells = {(f"{r.sublayer}-{r.mask_case}", (r.backend, r.dtype, r.device)): _cell_text(r) for r in results
              if (r.backend, r.dtype, r.device) in columns}
-    headers = ["case"] + ["/".join(column) for column in columns]
-    body = [[row] + [cells.get((row, column), "") for column in columns] for row in rows]
-    widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(headers))]
-    lines = ["  ".join(text.ljust(width) for text, width in zip(headers, widths))]
-    lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(text.ljust(width) for text, width in zip(line, widths)) for line in body]
-    return "\n".join(lines)
+    texts = [["/".join(column)] + [cells.get((row, column), "") for row in rows] for column in columns]
+    cases = ["case"] + rows
+    case_width = max(len(text) for text in cases)
+    blocks, block, used = [], [], case_width
+    for column in texts:
+        column_width = max(len(text) for text in column)
+        if block and used + 2 + column_width > width:
+            blocks.append(block)
+            block, used = [], case_width
+        block.append(column)
+        used += 2 + column_width
+    blocks.append(block)
+    return "\n\n".join(_table_block(cases, block) for block in blocks)
+
+
+def _table_block(cases: list[str], columns: list[list[str]]) -> str:
+    """The cases' column then `columns` (each its header then its cells), padded, a rule under the headers."""
+    table = [cases, *columns]
+    widths = [max(len(text) for text in column) for column in table]
+    lines = ["  ".join(column[index].ljust(width) for column, width in zip(table, widths)).rstrip()
+             for index in range(len(cases))]
+    return "\n".join([lines[0], "  ".join("-" * width for width in widths), *lines[1:]])
 
 
 def format_problems(results: list[CellResult], verbose: bool = True) -> str:
