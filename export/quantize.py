@@ -375,8 +375,15 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
             Path(tempfile.mkdtemp(prefix="rosetta-quantized-"))
     directory = Path(directory)
     made_by = {"quantization": scheme.name, "quantizer": _quantizer_version()}
-    if (directory / "manifest.json").is_file() and all(
-            json.loads((directory / "manifest.json").read_text()).get(key) == value for key, value in made_by.items()):
+
+    def current() -> bool:
+        try:
+            written = json.loads((directory / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return all(written.get(key) == value for key, value in made_by.items())
+
+    if current():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
@@ -391,8 +398,15 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
                 if (staging / external_data_file(file)).is_file()}
         (staging / "manifest.json").write_text(json.dumps(
             {**manifest, "graphs": graphs, "external_data": data, **made_by}, indent=2) + "\n")
-        shutil.rmtree(directory, ignore_errors=True)
-        staging.rename(directory)
+        # as export.cache's entries: one that another process (a test worker beside this one) made
+        # meanwhile is kept, whole, since it may be reading it; only a stale or broken one is replaced
+        if not current():
+            shutil.rmtree(directory, ignore_errors=True)
+            try:
+                staging.rename(directory)
+            except OSError:  # another process's rename came first
+                if not current():
+                    raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
