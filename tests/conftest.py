@@ -16,16 +16,30 @@ settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+import pytest  # noqa: E402 - after the thread settings above, which must precede any framework's import
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's loadgroup (make test), a test that uses a fixture made once per module
     (a matrix run, a Ray cluster, models built) runs in the worker that holds it: every such test
-    of a module is one group, the rest go to whichever worker is free."""
-    import pytest
+    of a module is one group, the rest go to whichever worker is free.
 
+    xdist 3.8 tells its scheduler a test's group by appending "@group" to the test's id, written
+    into `item._nodeid`; pytest 9 reads a node's id from `item._id`, so that suffix never reached
+    the scheduler and every group was spread over the workers (each building the module's matrix
+    again: 195 s twice over in test_torch and test_jax). The suffix is written here where pytest
+    reads it."""
+    grouped = config.getvalue("dist") == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
     for item in items:
         definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if any(chain[-1].scope in ("module", "package", "session") for chain in definitions.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            group = item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(group))
+            if grouped and hasattr(item, "_id") and not item.nodeid.endswith(f"@{group}"):
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 # ---- the suite's budget (issue 58) ---------------------------------------------------------------
