@@ -32,9 +32,11 @@ from spec import ModelConfig
 
 
 def matches(test_id: str, pattern: str | None) -> bool:
-    """-k filter: a substring, or a glob when it holds * ? or [."""
+    """-k filter: a substring, or a glob when it holds * ? or [; alternatives joined by | (any)."""
     if not pattern:
         return True
+    if "|" in pattern:
+        return any(matches(test_id, part) for part in pattern.split("|") if part)
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(test_id, pattern)
     return pattern in test_id

@@ -237,7 +237,7 @@ def add_check(commands: argparse._SubParsersAction) -> None:
     check.add_argument("--backends", help=f"comma-separated (default all: {', '.join(backend_names())})")
     check.add_argument("--dtypes", help=f"comma-separated (default all: {', '.join(DTYPES)})")
     check.add_argument("--devices", help="comma-separated, or auto (default: every device present)")
-    check.add_argument("-k", help="only cells whose id contains this (or matches this glob)")
+    check.add_argument("-k", help="only cells whose id contains this (or matches this glob; alternatives joined by |)")
     check.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     check.add_argument("--backward", action="store_true",
                        help="add the gradient cells grad-<sublayer>-<mask case> (SPEC.md §13) and the training "
