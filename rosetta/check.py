@@ -66,6 +66,10 @@ def _print_plan(plan: BudgetPlan) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    # the peer columns' libraries draw progress bars of their own (transformers' "Loading weights"
+    # once per case, "Writing model shards"): huggingface_hub's switch turns them off, read by
+    # transformers when it is first imported, here and in the workers, which inherit it
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if args.weights and args.preset_given:
         raise UsageError("give either --preset or --weights, not both")
     if args.hf and args.preset_given:
