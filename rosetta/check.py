@@ -139,6 +139,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         showing = terminal.progress_bar(Console(stderr=True))
     else:
         showing = contextlib.nullcontext(terminal.ColumnLines(sys.stderr))
+        # a log's first line, before the minutes a real checkpoint's loading and references can take
+        model = args.hf or args.weights or args.preset
+        print(f"rosetta check {model}: loading the model, planning its cells and computing the golden's references",
+              file=sys.stderr, flush=True)
     with showing as progress:
         run = check_model(preset=args.preset, seed=args.seed, weights=args.weights, hf=args.hf, backends=backends,
                           dtypes=dtypes, devices=devices, shard=shard if args.shard else None, pattern=args.k,

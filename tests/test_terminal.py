@@ -94,3 +94,14 @@ def test_column_lines_count_failures_per_column(results):
 def test_clock():
     assert [terminal.clock(s) for s in (0, 59.6, 61, 3599, 3600, 7325)] == \
         ["0:00", "1:00", "1:01", "59:59", "1:00:00", "2:02:05"]
+
+
+def test_a_piped_check_says_what_it_is_doing_before_its_first_cell(capsys):
+    """Issue 58: piped, the run's first line comes at once and says what the check is doing while it
+    loads the model and computes the golden's references (a real checkpoint's take minutes)."""
+    from rosetta.main import main
+
+    assert main(["check", "--preset", "tiny", "--backends", "torch", "--dtypes", "float32", "-k", "embedding-none"]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == ("rosetta check tiny: loading the model, planning its cells and computing the golden's "
+                     "references"), first
