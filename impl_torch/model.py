@@ -743,14 +743,11 @@ class Transformer(nn.Module):
         """Inside, every MoE layer logs its choices and weights, or takes the forced ones (replayed
         routing)."""
         log = RoutingLog(forced, forced_weights)
-        layers = [module for module in self.modules() if isinstance(module, MixtureOfExperts)]
-        for layer in layers:
-            layer.log = log
+        self.attach_routing_log(log)
         try:
             yield log
         finally:
-            for layer in layers:
-                layer.log = None
+            self.attach_routing_log(None)
 
     def attach_routing_log(self, log: RoutingLog | None) -> None:
         """Every MoE layer writes to `log` (another model's, in use: a copy trained in its place)."""

@@ -12,7 +12,7 @@ import torch
 
 from impl_torch.model import Transformer, recorded_routers, training_loss
 from spec import ModelConfig
-from spec.training import TrainingConfig, decays, learning_rate, loss_scaling
+from spec.training import LossScaling, TrainingConfig, decays, learning_rate
 
 
 def make_optimizer(model: Transformer, training: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -45,14 +45,15 @@ class MixedPrecision:
     skips the step, doubled after 2000 steps without one). bfloat16 has float32's range: no scaling."""
 
     dtype: torch.dtype
+    scaling: LossScaling | None
     device: str = "cpu"
     scaler: torch.amp.GradScaler | None = None
 
     def __post_init__(self):
-        scaling = loss_scaling(str(self.dtype).removeprefix("torch."))
-        if scaling is not None and self.scaler is None:
-            self.scaler = torch.amp.GradScaler(self.device, init_scale=scaling.scale, growth_factor=scaling.growth,
-                                               backoff_factor=scaling.backoff, growth_interval=scaling.interval)
+        if self.scaling is not None and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device, init_scale=self.scaling.scale,
+                                               growth_factor=self.scaling.growth, backoff_factor=self.scaling.backoff,
+                                               growth_interval=self.scaling.interval)
 
 
 def train_step(cfg: ModelConfig, training: TrainingConfig, model: Transformer, optimizer: torch.optim.Optimizer,

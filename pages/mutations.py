@@ -26,6 +26,7 @@ import impl_numpy.model as model
 import impl_numpy.training as training
 from conformance.adapter import register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
+from conformance.tolerance import held_at
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
 from conformance.diagnosis.localize import localize_backward_column, localize_column
@@ -409,9 +410,7 @@ def _router_softmax_over_tokens(x, router):
 
 def _bfloat16(x):
     """x rounded to bfloat16 (to nearest, ties to even) and back to its dtype."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return rounded.view(np.float32).astype(np.asarray(x).dtype)
+    return held_at(x, "bfloat16").astype(np.asarray(x).dtype)
 
 
 def _router_in_bfloat16(x, router):

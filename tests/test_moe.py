@@ -404,7 +404,7 @@ def test_a_run_of_training_steps_is_replayed_step_by_step(monkeypatch):
     monkeypatch.undo()
     import conformance.backends.torch_backend as torch_backend
 
-    monkeypatch.setattr(torch_backend, "HALF", ())  # pure half precision: Adam in the column's dtype
+    monkeypatch.setattr(torch_backend, "master_dtype", lambda dtype: dtype)  # pure half precision: Adam in the column's dtype
     _, half = run_matrix(cfg, params, plan, pattern="train_steps-*", backward=True)
     assert half.status == FAIL and half.reason.startswith(
         "with the golden's routing replayed the run still fails, at step 1 params: in the optimizer's update"), half.reason

@@ -224,7 +224,7 @@ def test_pure_half_precision_adam_fails_saying_so(monkeypatch):
     says where the run keeps them."""
     import conformance.backends.torch_backend as torch_backend
 
-    monkeypatch.setattr(torch_backend, "HALF", ())  # the column's own dtype for everything
+    monkeypatch.setattr(torch_backend, "master_dtype", lambda dtype: dtype)  # the column's own dtype for everything
     cell = _training_cells("torch", ["bfloat16"])["bfloat16", "train_step-none"]
     assert cell.status == "fail" and failing_step(cell.reason) == "step 1 params", cell.reason
     assert "is a bfloat16 number: the run keeps its weights and Adam's moments in bfloat16" in cell.reason
@@ -239,7 +239,9 @@ def test_a_step_the_loss_scale_skips_moves_nothing_and_is_said(monkeypatch):
     cell says so, skipped (a column of such cells ran nothing, which fails the check)."""
     import spec.training
 
-    monkeypatch.setattr(torch_training, "loss_scaling", lambda dtype: spec.training.LossScaling(scale=2.0**21)
+    import conformance.backends.torch_backend as torch_backend
+
+    monkeypatch.setattr(torch_backend, "loss_scaling", lambda dtype: spec.training.LossScaling(scale=2.0**21)
                         if dtype == "float16" else None)
     cells = _training_cells("torch", ["float16"])
     steps = cells["float16", "train_steps-pad_right"]

@@ -49,7 +49,7 @@ def test_pure_float16_training_fails_at_step_one_and_says_why(monkeypatch):
     divides by zero. The cell fails at the first step's parameters with that explanation."""
     import conformance.backends.torch_backend as torch_backend
 
-    monkeypatch.setattr(torch_backend, "HALF", ())
+    monkeypatch.setattr(torch_backend, "master_dtype", lambda dtype: dtype)
     results = _run(["torch"], ["float16"], "train_step-none")
     assert [r.status for r in results] == [FAIL]
     assert failing_step(results[0].reason) == "step 1 params", results[0].reason

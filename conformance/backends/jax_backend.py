@@ -22,7 +22,7 @@ from conformance.cases import attention_queries, record_steps
 from impl_jax import Transformer, attention_path, on_device, scaled_dot_product_attention, view_mask
 from impl_jax.model import recorded_routers, training_loss
 from spec import ModelConfig
-from spec.training import HALF_DTYPES, loss_scaling
+from spec.training import loss_scaling, master_dtype
 
 NATIVE_PATH, EXPLICIT_PATH = "jax.nn.dot_product_attention", "explicit"
 JAX_DTYPES = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float16",
@@ -156,8 +156,10 @@ class JaxRunner(ModuleRunner):
 
         with self._gradient_scope():
             mixed = None
-            if self.dtype_name in HALF_DTYPES:  # mixed precision (SPEC §14.2): float32 master weights, the case's
-                model = Transformer.from_params(self.cfg, self.params, dtype="float32", attention=self.attention)
+            if master_dtype(self.dtype_name) != self.dtype_name:  # mixed precision (SPEC §14.2): the case's
+                # parameters as float32 master weights, the column's model the half-precision copy
+                model = Transformer.from_params(self.cfg, self.params, dtype=master_dtype(self.dtype_name),
+                                                attention=self.attention)
                 mixed = jax_training.MixedPrecision(nnx.clone(self.model), loss_scaling(self.dtype_name))
             else:
                 model = nnx.clone(self.model)

@@ -16,8 +16,8 @@ from impl_torch import Transformer, scaled_dot_product_attention, view_mask
 from impl_torch.model import recorded_routers, training_loss
 from impl_torch.model import _linear_weight_names
 from spec import ModelConfig
+from spec.training import loss_scaling, master_dtype
 
-HALF = (torch.float16, torch.bfloat16)
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
                 "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,7 +40,7 @@ class TorchRunner(ModuleRunner):
         self.dtype = TORCH_DTYPES[dtype]
         self.precision = "high" if dtype == "tf32" else "highest"
         self.model = Transformer.from_params(cfg, params, dtype=self.dtype, device=device, attention=attention)
-        self.params = params  # a half-precision column trains from them in float32 (mixed precision)
+        self.params, self.dtype_name = params, dtype  # a half-precision column trains from them in float32
 
     def _float(self, x):
         if isinstance(x, torch.Tensor):  # already the run's: a gradient case's leaf
@@ -87,15 +87,16 @@ class TorchRunner(ModuleRunner):
         """A training case (conformance/cases.py): torch.optim's steps (impl_torch.training) on a
         copy of the model, its parameters, gradients and moments read back by canonical name."""
         cfg, training = self.cfg, inputs["training"]
-        # the copy's MoE layers keep the caller's routing log (replayed routing), not a copy of it
-        logs = {id(module.log): module.log for module in self.model.modules() if getattr(module, "log", None) is not None}
         mixed = None
-        if self.dtype in HALF:  # mixed precision (SPEC §14.2): float32 master weights from the case's parameters
-            mixed = torch_training.MixedPrecision(self.dtype, self.device.type)
-            model = Transformer.from_params(cfg, self.params, dtype=torch.float32, device=self.device,
-                                            attention=self.attention)
+        if master_dtype(self.dtype_name) != self.dtype_name:  # mixed precision (SPEC §14.2): float32 master
+            # weights from the case's parameters, the caller's routing log (replayed routing) attached
+            mixed = torch_training.MixedPrecision(self.dtype, loss_scaling(self.dtype_name), self.device.type)
+            model = Transformer.from_params(cfg, self.params, dtype=TORCH_DTYPES[master_dtype(self.dtype_name)],
+                                            device=self.device, attention=self.attention)
             model.attach_routing_log(self.model.routing_log_in_use())
-        else:
+        else:  # the copy's MoE layers keep the caller's routing log, not a copy of it
+            logs = {id(module.log): module.log for module in self.model.modules()
+                    if getattr(module, "log", None) is not None}
             model = copy.deepcopy(self.model, memo=logs)
         optimizer, schedule = torch_training.make_optimizer(model, training)
         transposed = _linear_weight_names(model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -38,19 +39,24 @@ class LayerRouting:
     logits: np.ndarray  # [B, T, E]: z = x R
     absolute: np.ndarray  # [B, T, E]: Σ_d |x_d R_de|
 
-    @property
+    @cached_property
     def probabilities(self) -> np.ndarray:
         """[B, T, E]: p = softmax(z)."""
         from impl_numpy.model import softmax
 
         return softmax(self.logits)
 
-    @property
+    @cached_property
     def logit_margins(self) -> np.ndarray:
         """[B, T]: z_(k) − z_(k+1) = ln(p_(k) / p_(k+1)), the choice's distance from a tie in logits."""
         k = self.chosen.shape[-1]
         ordered = -np.sort(-self.logits, axis=-1)
         return ordered[..., k - 1] - ordered[..., k] if k < ordered.shape[-1] else np.full(ordered.shape[:-1], np.inf)
+
+    def differs(self, chosen: np.ndarray) -> np.ndarray:
+        """[B, T]: where the experts `chosen` [B, T, k] are not this routing's (as sets: a top-k may
+        give its k in any order)."""
+        return (np.sort(chosen, axis=-1) != np.sort(self.chosen, axis=-1)).any(axis=-1)
 
     def rounding(self, cfg: ModelConfig, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """(β, σ) [B, T, E], SPEC §5.14: how far rounding at dtype can move each logit of a router
@@ -146,7 +152,7 @@ def compare_router(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Cas
     relative = beta + (expected * beta).sum(axis=-1, keepdims=True) + sigma
     checks = [("probability", probabilities.astype(np.float64), expected, expected * np.expm1(relative))]
     chosen = chosen.astype(np.int64)
-    flipped = (np.sort(chosen, axis=-1) != np.sort(golden.chosen, axis=-1)).any(axis=-1)
+    flipped = golden.differs(chosen)
     margins, bound = golden.logit_margins, golden.bound(cfg, dtype)
     clear = flipped & (margins > bound)
     if clear.any():
@@ -359,8 +365,7 @@ def _split(cfg: ModelConfig, dtype: str, failed, replayed, layers: Sequence[np.n
         return failed
     weighed = bool(own) and [w.shape for w in own] == [layer.weights.shape for layer in given]
     what = "routing" if weighed else "expert choices"  # a runner whose log records no weights of its own
-    flips = [(np.sort(mine, axis=-1) != np.sort(layer.chosen, axis=-1)).any(axis=-1)  # [B, T] per layer
-             for mine, layer in zip(layers, golden)]
+    flips = [layer.differs(mine) for mine, layer in zip(layers, golden)]  # [B, T] per layer
     agreement = ("the routing agrees with the golden's at every token" if not any(f.any() for f in flips) else
                  f"the router chose differently at {sum(int(f.sum()) for f in flips)} token(s)")
     if not replayed.passed:
@@ -424,7 +429,7 @@ def _judged_on_own_inputs(cfg: ModelConfig, dtype: str, failed, replayed, layers
     weighed = [np.shape(w) for w in free_weights] == [np.shape(c) for c in layers]
     for index, (mine, routing) in enumerate(zip(layers, judged)):
         mine = np.asarray(mine, np.int64)
-        flipped = (np.sort(mine, axis=-1) != np.sort(routing.chosen, axis=-1)).any(axis=-1)  # [B, T]
+        flipped = routing.differs(mine)  # [B, T]
         margins, bound = routing.logit_margins, routing.bound(cfg, dtype)
         clear = flipped & (margins > bound)
         if clear.any():
