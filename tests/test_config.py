@@ -222,3 +222,25 @@ def test_every_number_a_port_writes_in_differs_from_its_default_in_some_preset()
             common = _DEFAULT[default](cfg) if default in _DEFAULT else float(default)
             assert _APPLIES[where](cfg), f"{name} is not a config where {field} ({where}) applies"
             assert value == stated != common, f"{name}.{field} is {value}; SPEC §2 says {stated}, default {common}"
+
+
+def test_the_real_size_presets_carry_no_option_the_property_configs_lack():
+    """The properties of options (observability, generation's variety, the streamed golden) run on
+    the tiny presets and the variants: each option of a real-size preset must be among theirs."""
+    from tests.variants import PROPERTY_CONFIGS, REAL_SIZE_PRESETS, option_features
+
+    carried = set().union(*(option_features(cfg) for cfg in PROPERTY_CONFIGS.values()))
+    assert {"paper-base", "paper-big", "llama-small", "gemma2-small"} <= set(REAL_SIZE_PRESETS)
+    for name in REAL_SIZE_PRESETS:
+        assert option_features(get_preset(name)) <= carried, (name, option_features(get_preset(name)) - carried)
+    # and the check can fail: an option no tiny configuration has
+    assert not option_features(get_preset("llama-tiny").replace(rope_fraction=0.5)) <= carried
+
+
+def test_the_property_presets_leave_out_only_real_size_presets_whose_options_they_carry():
+    from tests.variants import PROPERTY_PRESETS, option_features
+
+    carried = set().union(*(option_features(get_preset(name)) for name in PROPERTY_PRESETS))
+    left_out = [name for name in list_presets() if name not in PROPERTY_PRESETS]
+    assert left_out == ["paper-base", "paper-big", "gemma2-small", "llama-small"]
+    assert all(option_features(get_preset(name)) <= carried for name in left_out)
