@@ -25,7 +25,7 @@ from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
 from conformance.plan.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
-                               golden_footprint, reference_bytes, references_here)
+                               golden_budget_for, golden_footprint, reference_bytes, references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
@@ -172,6 +172,8 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
             if (sublayer, mask_case) not in built:
                 built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
             work.append(WorkItem(len(work), built[sublayer, mask_case], column))
+    if "p" not in vars(golden):  # not cast yet (a generate case's rows would have): its budget may change
+        golden.budget = golden_budget_for(cfg, params, [item.case for item in work])
     finished: dict[int, CellResult] = {}
     stopped = False
     if hasattr(progress, "planned"):  # a progress that reports by column (terminal.ColumnLines)

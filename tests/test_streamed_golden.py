@@ -85,3 +85,33 @@ def test_the_golden_streams_only_where_its_whole_cast_would_not_fit():
     assert golden_budget(cfg, params, available=int(whole / GOLDEN_SHARE) + 1) is None
     streamed = golden_budget(cfg, params, available=int(whole / GOLDEN_SHARE) - 8)
     assert streamed is not None and layer_bytes(cfg, params) <= streamed < whole
+
+
+def test_a_run_of_one_forward_case_streams_the_golden_and_drops_it_once_its_reference_is_made(monkeypatch):
+    """The one-cell check (-k forward-none): a whole float64 cast would hold every layer to read
+    each once; streamed, the golden holds about one layer, and once the run's every reference is
+    made it holds none under the column (Qwen2.5-0.5B's shape: 8.4 GB to 5.4 GB)."""
+    from conformance.executors.in_process import InProcess
+    from conformance.harness import PASS, plan_matrix, run_matrix
+    from conformance.plan.memory import golden_budget_for, reads_each_weight_once
+
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    forward, decode = (build_case(cfg, params, *name) for name in (("forward", "none"), ("decode", "incremental")))
+    assert reads_each_weight_once([forward]) and reads_each_weight_once([forward, forward])
+    assert not reads_each_weight_once([decode]) and not reads_each_weight_once([forward, decode])
+    assert golden_budget_for(cfg, params, [forward]) == 2 * layer_bytes(cfg, params)
+    assert golden_budget_for(cfg, params, [forward, decode]) is None  # a tiny model's whole cast fits
+    goldens, run = [], InProcess.run
+
+    def watched(self, cfg, params, work, on_result):
+        goldens.append(self.golden)
+        return run(self, cfg, params, work, on_result)
+
+    monkeypatch.setattr(InProcess, "run", watched)
+    plan = plan_matrix(cfg, ["numpy-float32"], ["float32"], ["cpu"])
+    one, = run_matrix(cfg, params, plan, pattern="forward-none-*", jobs=1)
+    assert one.status == PASS and goldens[-1].budget == 2 * layer_bytes(cfg, params)
+    assert "p" not in vars(goldens[-1])  # released: its reference was the run's last
+    cells = run_matrix(cfg, params, plan, pattern="forward-none-*|decode-incremental-*", jobs=1)
+    assert [cell.status for cell in cells] == [PASS, PASS] and goldens[-1].budget is None

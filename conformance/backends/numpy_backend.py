@@ -44,6 +44,11 @@ class NumpyRunner:
             return CastOnRead(self.cfg, self.params, self.dtype, self.budget)
         return golden.cast_params(self.cfg, self.params, self.dtype)
 
+    def release(self) -> None:
+        """Drop the cast parameters (cast again if read again); a runner made `at` float64 ones keeps them."""
+        if self.params is not None:
+            self.__dict__.pop("p", None)
+
     @classmethod
     def at(cls, cfg: ModelConfig, p: Mapping[str, np.ndarray]) -> NumpyRunner:
         """The golden at float64 on parameters given in float64 already (a point of a training

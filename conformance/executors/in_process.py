@@ -35,7 +35,7 @@ class InProcess:
         golden = self.golden if self.golden is not None and self.golden.params is params \
             else golden_runner_for(cfg, params)
         references, runners = {}, {}
-        column = None
+        column, waiting = None, {item.case.name for item in work}  # the cases whose reference is still to make
         try:
             for item in work:
                 self._start(item.column, column)
@@ -45,6 +45,9 @@ class InProcess:
                 kept = references if self.shared is None else {}
                 reference = shared_reference(self.shared, item.case.name,
                                              lambda: reference_for(cfg, params, item.case, golden, kept))
+                waiting.discard(item.case.name)
+                if not waiting and self.shared is None:
+                    golden.release()  # every reference made: its float64 weights need not sit under the columns
                 result = run_cell(cfg, params, item.case, name, dtype, device, reference, runners)
                 give_back_freed()  # what the cell freed, rather than kept under the next column's memory
                 if on_result(item.index, result):
