@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import functools
+import operator
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,12 +21,12 @@ from conformance.cases import Case, build_case, case_names, is_backward
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
     ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, CellResult, cell_id, golden_runner_for,
     reference_for, run_cell, unavailable_kind)
-from conformance.plan.cost import positions
+from conformance.plan.cost import logit_rows, positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
-from conformance.plan.memory import (COLUMNS_SHARE, MemoryLedger, available_memory, column_footprint, columns_limit,
+from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, available_memory, column_footprint, columns_limit,
                                golden_budget_for, golden_footprint, reference_bytes, references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
@@ -233,21 +235,22 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     bytes the whole check may hold (conformance.plan.memory.columns_limit; MemoryTooSmall where they do
     not hold this process, the golden it will cast and its workers)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
-    longest: dict[tuple[str, str, str], int] = {}
+    longest: dict[tuple[str, str, str], Extent] = {}
     backward: set[tuple[str, str, str]] = set()
     for sublayer, mask_case, column in runnable_cells(plan, names, pattern):
         if plan.chosen is None or (sublayer, mask_case, column) in plan.chosen:
-            longest[column] = max(longest.get(column, 1), positions(cfg, sublayer, mask_case, lengths))
+            extent = Extent(positions(cfg, sublayer, mask_case, lengths), logit_rows(cfg, sublayer, mask_case, lengths))
+            longest[column] = longest.get(column, Extent(1, 1)) | extent
             if is_backward(sublayer):
                 backward.add(column)
     available = available_memory()
-    longest_case = max(longest.values(), default=1)
+    longest_case = functools.reduce(operator.or_, longest.values(), Extent(1, 1))
     golden = golden_footprint(cfg, params, longest_case, available)
     reference = reference_bytes(cfg, longest_case)
 
     def footprint(column) -> int:
         own = golden if column in backward or not references_here else reference
-        return column_footprint(cfg, column, longest.get(column, 1)) + own
+        return column_footprint(cfg, column, longest.get(column, Extent(1, 1))) + own
 
     golden_weights = golden - reference  # cast here later, if not already
     ledger = MemoryLedger(columns_limit(memory_total, workers, golden_weights) if memory_total else

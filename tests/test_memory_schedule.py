@@ -11,7 +11,10 @@ import pytest
 from conformance import harness
 from conformance.cells import ABSENT, PASS, SKIP
 from conformance.harness import plan_matrix, run_matrix
-from conformance.plan.memory import FOOTPRINTS, MemoryLedger, column_footprint
+from conformance.backends.numpy_backend import golden_output
+from conformance.cases import build_case
+from conformance.plan.cost import logit_rows
+from conformance.plan.memory import FOOTPRINTS, Extent, MemoryLedger, column_footprint, reference_bytes
 from spec import conformance_params, get_preset
 
 CFG = get_preset("llama-tiny")
@@ -165,15 +168,21 @@ def test_a_worker_that_keeps_a_large_column_is_replaced_by_a_new_process(monkeyp
 
 
 def test_a_columns_footprint_counts_the_longest_case_it_runs(monkeypatch):
-    """-k forward-none on a rotary model: the 6 positions of that case, not decode-far's 1003."""
+    """-k forward-none on a rotary model: the 6 positions of that case, not decode-far's 1003; and
+    decode-far's 1003 positions hold two rows of logits, its steps after the prefix (its reference's
+    [3, 2, vocabulary]), not 1003: the memory once counted SmolLM2-135M's float32 columns 1.2 GB of
+    logits that no column holds."""
     seen = []
     monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: seen.append(longest) or GB)
     plan = plan_matrix(CFG, ["torch"], ["float32"], ["cpu"])
     assert [r.status for r in run_matrix(CFG, PARAMS, plan, pattern="forward-none")] == [PASS]
-    assert set(seen) == {6}
+    assert set(seen) == {Extent(6, 6)}
     seen.clear()
-    run_matrix(CFG, PARAMS, plan, pattern="decode-far")
-    assert set(seen) == {min(1003, CFG.max_len)}
+    far, = run_matrix(CFG, PARAMS, plan, pattern="decode-far")
+    assert set(seen) == {Extent(min(1003, CFG.max_len), 2)}
+    reference = build_case(CFG, PARAMS, "decode", "far")
+    assert golden_output(CFG, PARAMS, "decode", reference.inputs).shape[1] == 2 == \
+        logit_rows(CFG, "decode", "far") and reference_bytes(CFG, seen.pop()) == 3 * 2 * CFG.tgt_vocab_size * 8
 
 
 def test_a_generate_case_goes_to_the_workers_whole(monkeypatch):
@@ -263,3 +272,16 @@ def test_a_budget_spends_nothing_on_a_column_the_memory_cannot_hold(monkeypatch)
     plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
     _, budgeted = _fit(CFG, PARAMS, plan, {"preset": "llama-tiny"}, 3600.0, False, None, None, 2)
     assert budgeted.chosen and {column[0] for _, _, column in budgeted.chosen} == {"numpy-float32"}
+
+
+@pytest.mark.parametrize("sublayer, mask_case", [("forward", "none"), ("forward", "long"), ("loss", "none"),
+                                                 ("decode", "incremental"), ("decode", "far"), ("decode", "pad_left")])
+def test_the_rows_of_logits_counted_are_the_golden_references(sublayer, mask_case):
+    """What the memory counts of a case's logits (conformance.plan.cost.logit_rows) against the rows
+    of the golden's output (a loss is a number, computed from every position's logits)."""
+    case = build_case(CFG, PARAMS, sublayer, mask_case)
+    rows = logit_rows(CFG, sublayer, mask_case)
+    if sublayer == "loss":
+        assert rows == case.inputs["tgt_ids"].shape[1]
+    else:
+        assert golden_output(CFG, PARAMS, sublayer, case.inputs).shape[1] == rows

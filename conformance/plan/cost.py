@@ -161,6 +161,19 @@ def positions(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Seq
     return min(length, cfg.max_len)
 
 
+def logit_rows(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Sequence[int] = (),
+               long_text: int = LONG_TEXT) -> int:
+    """The positions whose logits a case's output holds: a forward's or a loss's every position, a
+    decoding's steps after its prefix (conformance.cases: decode-far's 2 after 1,001 positions), a
+    generation's one step at a time (its output is tokens); none for a sublayer's hidden states."""
+    length = positions(cfg, sublayer, mask_case, text_lengths, long_text)
+    if sublayer == "decode":
+        return 2 if mask_case == "far" else 4 if mask_case in TEXT_CASES else length - min(2, length - 1)
+    if sublayer == "generate":
+        return 1
+    return length if sublayer in ("forward", "loss") else 0
+
+
 # ---- this machine's speed -----------------------------------------------------------------------
 
 

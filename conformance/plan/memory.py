@@ -165,25 +165,26 @@ class Footprint:
     activation_copies: float = 3.0
 
 
-# Measured on SmolLM2-135M's shape (2 cores, 2026-11-26; benchmarks/footprints.py, its page in
-# reports/bench/footprints/): the peak resident memory of a fresh process loading the column and
-# running forward-none, decode-incremental and forward-long, freed pages given back after each
-# case as a worker does (its mapped weights' pages included), less the activations counted below,
-# over the weights at the column's dtype; about a tenth added. onnx-jax's figures are the earlier
-# measurement's, with a cold jax2onnx export (a cached one measured 1.5 copies).
+# Measured on SmolLM2-135M's shape (2 cores, 2026-11-28; benchmarks/footprints.py, its page in
+# reports/bench/footprints/): a fresh process loading the column and running forward-none,
+# decode-incremental, forward-long and decode-far, freed pages given back after each case as a worker
+# does (its mapped weights' pages included). `copies`: the peak through the loading and forward-none
+# over the weights at the column's dtype; `activation_copies`: what the longer cases took beyond that,
+# over their activations once (an ONNX column's second session, made at its first decoding, among
+# them); each about a tenth above the measurement. onnx-jax's export peaks above its cases (measured
+# 0 activation copies): one is counted.
 FOOTPRINTS: dict[str, Footprint] = {
-    "numpy-float32": Footprint(1.0),
-    "torch": Footprint(1.2, 0.7),
-    "torch-math": Footprint(1.2, 0.7),
-    "jax": Footprint(2.4, 2.4),
-    "jax-math": Footprint(2.4, 2.4),
-    "onnx": Footprint(4.1, 5.7),
-    "onnx-jax": Footprint(3.7, 6.5),
-    "transformers": Footprint(1.7, 1.1),
-    "onnxruntime-genai": Footprint(1.3, activation_copies=6.0),
-    # its converter holds transformers' model and its own spec at once (2.83 measured, 2026-11-26:
-    # reports/bench/footprints-ctranslate2/)
-    "ctranslate2": Footprint(3.1),
+    "numpy-float32": Footprint(1.0, activation_copies=2.6),
+    "torch": Footprint(1.3, 1.5, activation_copies=2.8),
+    "torch-math": Footprint(1.3, 1.5, activation_copies=2.8),
+    "jax": Footprint(1.4, 3.3, activation_copies=5.3),
+    "jax-math": Footprint(1.4, 3.3, activation_copies=5.3),
+    "onnx": Footprint(5.2, 10.3, activation_copies=4.5),
+    "onnx-jax": Footprint(5.3, activation_copies=1.0),
+    "transformers": Footprint(1.5, 3.9, activation_copies=3.3),
+    "onnxruntime-genai": Footprint(1.7, activation_copies=5.4),
+    # its converter holds transformers' model and its own spec at once
+    "ctranslate2": Footprint(3.1, activation_copies=3.0),
 }
 
 
@@ -193,35 +194,54 @@ def weight_copies(name: str, dtype: str) -> float:
     return figures.half_copies if BYTES.get(dtype, 4) == 2 and figures.half_copies is not None else figures.copies
 
 
-def activation_bytes(cfg, column: tuple[str, str, str], longest_positions: int) -> int:
-    """The activations a column is estimated to hold: its longest case's (BATCH rows of
-    `longest_positions`: the logits and the widest hidden states), activation_copies times."""
+@dataclass(frozen=True)
+class Extent:
+    """How far a column's cases reach: the most positions one runs (its hidden states, its caches)
+    and the most rows of logits one holds (conformance.plan.cost.logit_rows): decode-far runs 1,003
+    positions for 2 rows of logits, forward-long 520 for 520."""
+
+    positions: int
+    logit_rows: int
+
+    @classmethod
+    def of(cls, longest: Extent | int) -> Extent:
+        """An Extent, or a number of positions whose every row has logits."""
+        return longest if isinstance(longest, Extent) else cls(longest, longest)
+
+    def __or__(self, other: Extent) -> Extent:
+        return Extent(max(self.positions, other.positions), max(self.logit_rows, other.logit_rows))
+
+
+def activation_bytes(cfg, column: tuple[str, str, str], longest: Extent | int) -> int:
+    """The activations a column is estimated to hold: BATCH rows of its longest case's logits and
+    widest hidden states, activation_copies times (measured: benchmarks/footprints.py)."""
     name, dtype, _ = column
-    activations = BATCH * longest_positions * (cfg.tgt_vocab_size + 4 * max(cfg.d_model, cfg.d_ff))
+    extent = Extent.of(longest)
+    activations = BATCH * (extent.logit_rows * cfg.tgt_vocab_size + extent.positions * 4 * max(cfg.d_model, cfg.d_ff))
     return int(FOOTPRINTS.get(name, Footprint(2.0)).activation_copies * activations * max(BYTES.get(dtype, 4), 4))
 
 
-def column_footprint(cfg, column: tuple[str, str, str], longest_positions: int) -> int:
+def column_footprint(cfg, column: tuple[str, str, str], longest: Extent | int) -> int:
     """Bytes a column is estimated to hold while it runs: its weights' copies at its dtype and
     its longest case's activations."""
     name, dtype, _ = column
     return int(weight_copies(name, dtype) * count_params(cfg) * BYTES.get(dtype, 4)) + \
-        activation_bytes(cfg, column, longest_positions)
+        activation_bytes(cfg, column, longest)
 
 
-def reference_bytes(cfg, longest_positions: int) -> int:
+def reference_bytes(cfg, longest: Extent | int) -> int:
     """Bytes of the longest case's reference: its float64 logits (a worker reads them mapped)."""
-    return BATCH * longest_positions * cfg.tgt_vocab_size * 8
+    return BATCH * Extent.of(longest).logit_rows * cfg.tgt_vocab_size * 8
 
 
-def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest_positions: int,
+def golden_footprint(cfg, params: Mapping[str, np.ndarray], longest: Extent | int,
                      available: int | None = None) -> int:
     """Bytes the golden takes in a process that computes a reference (a worker may, and keeps its
     cast): its float64 weights, whole or streamed (golden_budget), and its longest case's logits."""
     weights = golden_budget(cfg, params, available)
     if weights is None:
         weights = float64_bytes(params)
-    return int(weights + reference_bytes(cfg, longest_positions))
+    return int(weights + reference_bytes(cfg, longest))
 
 
 class MemoryLedger:
