@@ -27,6 +27,7 @@ ABSENT = "absent"  # declared up front: the framework is not installed, the devi
 #                    backend does not run this dtype on this device (the plan's skipped columns)
 NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such sublayer (supports_sublayer)
 PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.plan.budget)
+TOO_LARGE = "memory"  # declared up front: the column's footprint is more than the memory the columns may take
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
 NOT_JUDGED = "not judged"  # the cell ran but gave nothing its rule judges (a training run whose every step was skipped)
 
@@ -53,7 +54,7 @@ class CellResult:
     seconds: float = 0.0
     path: str = ""  # the attention the cell ran, where the runner names it (Runner.attention_path)
     graph: str = ""  # the ONNX graph that served the cell, where the runner names it (Runner.graph_served)
-    skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER, PLANNED_OUT or REFUSED
+    skip: str = ""  # a skipped cell's kind: ABSENT, NO_SUCH_SUBLAYER, PLANNED_OUT, TOO_LARGE, REFUSED or NOT_JUDGED
     left_out: str = ""  # the rows a runner could not compute the spec's way, and why (adapter.Partial)
     # a text generate case's tokens, the backend's and the golden's, rows of ids (the report decodes them)
     tokens: tuple[tuple[int, ...], ...] | None = None

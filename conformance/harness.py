@@ -19,7 +19,7 @@ import numpy as np
 from conformance.adapter import backend_names, get_backend, importable_by_name
 from conformance.cases import Case, build_case, case_names, is_backward
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
-    ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, CellResult, cell_id, golden_runner_for,
+    ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, TOO_LARGE, CellResult, cell_id, golden_runner_for,
     reference_for, run_cell, unavailable_kind)
 from conformance.plan.cost import logit_rows, positions
 from conformance.executors import Executor, WorkItem
@@ -169,7 +169,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                 continue
             if too_large:  # never started, rather than killed by the kernel for want of memory
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=too_large,
-                                          skip=ABSENT))
+                                          skip=TOO_LARGE))
                 continue
             if (sublayer, mask_case) not in built:
                 built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conformance.adapter import get_backend
-from conformance.cells import (ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, NOT_JUDGED, PASS, PLANNED_OUT, REFUSED,
+from conformance.cells import (ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, NOT_JUDGED, PASS, PLANNED_OUT, REFUSED, TOO_LARGE,
                                SKIP, CellResult)
 from conformance.diagnosis.field_metrics import KL_LIMIT, TOP_K, format_field_metrics
 from conformance.machine import framework_versions, machine, project_version
@@ -152,8 +152,8 @@ def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, st
 
 
 # what a skipped cell's kind says of it, in the order the grouped lines take
-SKIP_CAUSES = {PLANNED_OUT: "left out by the plan's budget", NO_SUCH_SUBLAYER: "sublayers the column does not run",
-               ABSENT: "not available here", REFUSED: "refused by the backend while running",
+SKIP_CAUSES = {PLANNED_OUT: "left out by the plan's budget", TOO_LARGE: "more than the memory holds",
+               NO_SUCH_SUBLAYER: "sublayers the column does not run", ABSENT: "not available here", REFUSED: "refused by the backend while running",
                NOT_JUDGED: "ran, nothing to judge"}
 
 
