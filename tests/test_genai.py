@@ -13,6 +13,7 @@ compared; the tests below show each cause measured, so what is left out is a fin
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -125,6 +126,31 @@ def _case(model, sublayer, mask_case):
 
 
 # ---- the column -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_directory_saved_in_float64_or_bfloat16_runs(built, tmp_path, dtype):
+    """save_pretrained of a float64 model writes float64 tensors and `"dtype": "float64"`, which
+    CTranslate2's converter refuses (tests/test_ctranslate2.py); genai's builder takes them (with the
+    staged config's float32 rewrite, conformance.backends.staging, and without it: measured), and a
+    bfloat16 directory as stored. The golden reads the importer's float32 values of the same tensors."""
+    import torch
+
+    source = built["llama"].directory
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+    model.save_pretrained(tmp_path / dtype)
+    assert json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == dtype
+    for path in source.iterdir():  # the tokenizer's files beside the weights
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            (tmp_path / dtype / path.name).write_bytes(path.read_bytes())
+    imported = import_huggingface(tmp_path / dtype)
+    register_backend("onnxruntime-genai", lambda: GenaiBackend(tmp_path / dtype))
+    try:
+        plan = plan_matrix(imported.config, ["onnxruntime-genai"], ["float32"], ["cpu"])
+        cell, = run_matrix(imported.config, imported.params, plan, pattern="forward-none")
+    finally:
+        unregister_backend("onnxruntime-genai")
+    assert cell.status == PASS, cell.reason
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(GENAI_CONFIGS))
