@@ -4,7 +4,8 @@ Each column runs in a fresh process, as a worker of the local executor runs it: 
 memory-mapped, the column loaded, then forward-none, decode-incremental, forward-long and decode-far, the
 heap's freed pages given back after each (conformance.plan.memory.give_back_freed). Its footprint is
 the process's peak resident memory over what it held before loading; `copies` is the peak through
-the loading and forward-none (whose activations are next to nothing) over the weights at the dtype, `activation_copies` what the cases took beyond it over the
+the loading and forward-none (whose activations are next to nothing) over the weights at the dtype,
+`activation_copies` what the cases took beyond it over the
 activations once (conformance.plan.memory.activation_bytes at one copy); `kept` is what it still
 held once the column's runner was dropped (what a worker keeps).
 
@@ -94,9 +95,11 @@ def measure(weights: str, column: str, hf: str | None) -> dict:
 def markdown(rows: list[dict], source: str) -> str:
     lines = [f"# What a column holds in memory ({source})", "",
              f"Machine: {platform.machine()}, Python {platform.python_version()}. Each column a fresh process: "
-             "the weights mapped, the column loaded, forward-none, decode-incremental, forward-long and decode-far, the heap's "
+             "the weights mapped, the column loaded, forward-none, decode-incremental, forward-long and decode-far, "
+             "the heap's "
              "freed pages given back after each. Peak: resident memory over what the process held before loading. "
-             "Copies: the peak through the loading and forward-none over the weights at the dtype; activation copies: what the cases took beyond "
+             "Copies: the peak through the loading and forward-none over the weights at the dtype; "
+             "activation copies: what the cases took beyond "
              "it, over the activations once (BATCH rows of the longest case's logits and 4 widest hidden states).", "",
              "| column | peak GB | kept after GB | weights GB | activations once GB | copies | table's copies | "
              "activation copies | table's |",

@@ -26,8 +26,9 @@ from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
-from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, available_memory, column_footprint, columns_limit,
-                               golden_budget_for, golden_footprint, reference_bytes, references_here)
+from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, available_memory, column_footprint,
+                                     columns_limit, golden_budget_for, golden_footprint, reference_bytes,
+                                     references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig

@@ -153,7 +153,8 @@ def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, st
 
 # what a skipped cell's kind says of it, in the order the grouped lines take
 SKIP_CAUSES = {PLANNED_OUT: "left out by the plan's budget", TOO_LARGE: "more than the memory holds",
-               NO_SUCH_SUBLAYER: "sublayers the column does not run", ABSENT: "not available here", REFUSED: "refused by the backend while running",
+               NO_SUCH_SUBLAYER: "sublayers the column does not run", ABSENT: "not available here",
+               REFUSED: "refused by the backend while running",
                NOT_JUDGED: "ran, nothing to judge"}
 
 
