@@ -24,6 +24,7 @@ from conformance.diagnosis.explain import explain_failures  # noqa: E402
 from conformance.harness import PASS, SKIP, plan_matrix, run_matrix  # noqa: E402
 from importers.huggingface_writer import to_huggingface  # noqa: E402
 from spec import conformance_params, get_preset  # noqa: E402
+from tests.peer_directories import forward_none, saved_at  # noqa: E402
 
 CAUSES = (AFTER_LAST, ALL_PAD, INNER_PAD, PADDED_PROMPT, PAST_WINDOW)
 
@@ -178,22 +179,6 @@ def test_a_directory_saved_in_float64_or_bfloat16_runs(written, tmp_path, dtype)
     CTranslate2's converter refused on every cell ("float64 is not in list of supported dtypes"):
     the staged config now loads it as float32, the column's compute type. A bfloat16 directory
     runs as stored. The golden reads the same values (the importer's float32)."""
-    import torch
-    import transformers
-
-    from importers.huggingface import import_huggingface
-
-    source = written("llama-tiny").directory
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
-    model.save_pretrained(tmp_path / dtype)
-    for path in source.iterdir():  # the tokenizer's files beside the weights
-        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
-            (tmp_path / dtype / path.name).write_bytes(path.read_bytes())
-    imported = import_huggingface(tmp_path / dtype)
-    register_backend("ctranslate2", lambda: CTranslate2Backend(tmp_path / dtype))
-    try:
-        plan = plan_matrix(imported.config, ["ctranslate2"], ["float32"], ["cpu"])
-        cell, = run_matrix(imported.config, imported.params, plan, pattern="forward-none")
-    finally:
-        unregister_backend("ctranslate2")
+    directory = saved_at(written("llama-tiny").directory, dtype, tmp_path / dtype)
+    cell = forward_none("ctranslate2", lambda: CTranslate2Backend(directory), directory)
     assert cell.status == PASS, cell.reason

@@ -36,6 +36,7 @@ from conformance.tolerance import compare, tolerance  # noqa: E402
 from importers import import_huggingface  # noqa: E402
 from spec import WeightsError  # noqa: E402
 from tests.bounds import assert_agrees, assert_differs, model_bounds  # noqa: E402
+from tests.peer_directories import forward_none, saved_at  # noqa: E402
 from tests.test_huggingface_modern import QWEN2_HEADS_OF_16, build_checkpoint  # noqa: E402
 
 def PHI3_LONGROPE(**rope):  # noqa: N802 - a config factory, as the others
@@ -133,22 +134,9 @@ def test_a_directory_saved_in_float64_or_bfloat16_runs(built, tmp_path, dtype):
     CTranslate2's converter refuses (tests/test_ctranslate2.py); genai's builder takes them (with the
     staged config's float32 rewrite, conformance.backends.staging, and without it: measured), and a
     bfloat16 directory as stored. The golden reads the importer's float32 values of the same tensors."""
-    import torch
-
-    source = built["llama"].directory
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
-    model.save_pretrained(tmp_path / dtype)
-    assert json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == dtype
-    for path in source.iterdir():  # the tokenizer's files beside the weights
-        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
-            (tmp_path / dtype / path.name).write_bytes(path.read_bytes())
-    imported = import_huggingface(tmp_path / dtype)
-    register_backend("onnxruntime-genai", lambda: GenaiBackend(tmp_path / dtype))
-    try:
-        plan = plan_matrix(imported.config, ["onnxruntime-genai"], ["float32"], ["cpu"])
-        cell, = run_matrix(imported.config, imported.params, plan, pattern="forward-none")
-    finally:
-        unregister_backend("onnxruntime-genai")
+    directory = saved_at(built["llama"].directory, dtype, tmp_path / dtype)
+    assert json.loads((directory / "config.json").read_text())["dtype"] == dtype
+    cell = forward_none("onnxruntime-genai", lambda: GenaiBackend(directory), directory)
     assert cell.status == PASS, cell.reason
 
 

@@ -100,6 +100,7 @@ def test_a_run_of_one_forward_case_streams_the_golden_and_drops_it_once_its_refe
     forward, decode = (build_case(cfg, params, *name) for name in (("forward", "none"), ("decode", "incremental")))
     assert reads_each_weight_once([forward]) and reads_each_weight_once([forward, forward])
     assert not reads_each_weight_once([decode]) and not reads_each_weight_once([forward, decode])
+    assert not reads_each_weight_once([build_case(cfg, params, "grad-loss", "none")])  # a backward pass reads again
     assert golden_budget_for(cfg, params, [forward]) == 2 * layer_bytes(cfg, params)
     assert golden_budget_for(cfg, params, [forward, decode]) is None  # a tiny model's whole cast fits
     goldens, run = [], InProcess.run

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.cases import BATCH
+from conformance.cases import BATCH, is_backward
 from impl_numpy.cast import layer_bytes
 from spec.params import count_params
 
@@ -79,18 +79,15 @@ def golden_budget(cfg, params: Mapping[str, np.ndarray], available: int | None =
     return STREAMED_LAYERS * layer_bytes(cfg, params)
 
 
-# the sublayers whose golden reads each weight once: a run of one such case gains nothing from a whole cast
-ONE_READ = ("embedding", "attention", "mha", "ffn", "norm", "encoder_layer", "decoder_layer", "encoder", "decoder",
-            "forward", "loss")
-
-
 def reads_each_weight_once(cases) -> bool:
     """Whether the golden's work is one case that reads each weight at most once (one forward pass,
     not a decoding's steps nor a gradient's second pass): its whole float64 cast would hold every
     layer to be read once, where a streamed one holds about one layer (the one-cell check of
     Qwen2.5-0.5B's shape held its 4 GB cast beside the column's float32 copy: 8.4 GB)."""
-    names = {case.name for case in cases}
-    return len(names) == 1 and next(iter(cases)).sublayer in ONE_READ
+    if len({case.name for case in cases}) != 1:
+        return False
+    sublayer = next(iter(cases)).sublayer
+    return sublayer not in ("decode", "generate") and not is_backward(sublayer)
 
 
 def golden_budget_for(cfg, params: Mapping[str, np.ndarray], cases, available: int | None = None) -> int | None:
