@@ -19,7 +19,7 @@ from conformance.plan.memory import golden_budget
 from conformance.diagnosis.routing import compare_router, near_ties, replayed_routing, replayed_training
 from conformance.tolerance import compare, compare_generation, compare_gradients
 from conformance.training_cells import NotJudged, TrainingReference, compare_training, step_tolerances
-from spec import ModelConfig
+from spec import ModelConfig, params_digest
 
 PASS, FAIL, SKIP, ERROR = "pass", "fail", "skip", "error"
 # Why a cell was skipped, which decides whether a column that ran nothing fails the verdict:
@@ -97,6 +97,26 @@ def golden_runner_for(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> Num
     """The golden at float64; streamed layer by layer where its whole cast would not fit here
     (conformance.plan.memory.golden_budget)."""
     return NumpyRunner(cfg, params, "float64", golden_budget(cfg, params))
+
+
+class KeptGolden:
+    """The golden of one model kept by a caller across runs of the matrix (a gallery of mistakes,
+    each its own run on the same weights): each case built and its reference computed once,
+    however many runs ask for it. A reference is the golden's alone, whichever column a run checks."""
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray]):
+        self.cfg, self.params = cfg, params
+        self.runner = golden_runner_for(cfg, params)
+        self.cases: dict[tuple[str, str], Case] = {}
+        self.references: dict[str, object] = {}
+
+    def holds(self, cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> bool:
+        """Whether this is the golden of that model: the same config and the same weights (the
+        same arrays, or arrays of the same digest)."""
+        if cfg != self.cfg or params.keys() != self.params.keys():
+            return False
+        return all(params[name] is self.params[name] for name in params) or \
+            params_digest(params) == params_digest(self.params)
 
 
 def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):

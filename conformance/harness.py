@@ -19,8 +19,8 @@ import numpy as np
 from conformance.adapter import backend_names, get_backend, importable_by_name
 from conformance.cases import Case, build_case, case_names, is_backward
 from conformance.cells import (  # noqa: F401 - the cell's names, where callers have long found them
-    ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, TOO_LARGE, CellResult, cell_id, golden_runner_for,
-    reference_for, run_cell, unavailable_kind)
+    ABSENT, ERROR, FAIL, NO_SUCH_SUBLAYER, PASS, PLANNED_OUT, SKIP, TOO_LARGE, CellResult, KeptGolden, cell_id,
+    golden_runner_for, reference_for, run_cell, unavailable_kind)
 from conformance.plan.cost import logit_rows, positions
 from conformance.executors import Executor, WorkItem
 from conformance.executors.in_process import InProcess
@@ -109,7 +109,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
                progress: Callable[[CellResult, int, int], None] | None = None, jobs: int = 1,
                pool: WorkerPool | None = None, backward: bool = False,
                executor: Executor | None = None, prompts: Prompts | None = None,
-               memory_total: int | None = None) -> list[CellResult]:
+               memory_total: int | None = None, kept_golden: KeptGolden | None = None) -> list[CellResult]:
     """Run every planned cell whose id matches ``pattern``; skipped columns give skip cells.
     The gradient cases (grad-*, SPEC.md §13) run only with backward=True: JAX's autodiff, run
     eagerly per case, would triple a warm matrix (docs/backward.md has the figures).
@@ -120,10 +120,17 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     finished and the cells to run; one with a `planned` method is first given the number of
     cells each column will run. With `prompts` (conformance.text) the text cases run too.
     memory_total: the bytes the whole check may hold (`rosetta check --memory`); the columns are
-    scheduled within what is left of it (conformance.plan.memory.columns_limit)."""
+    scheduled within what is left of it (conformance.plan.memory.columns_limit).
+    kept_golden: the golden of this model (conformance.cells.KeptGolden) that the caller keeps across
+    runs, whose cases and references this run uses and adds to rather than making its own."""
+    if kept_golden is not None and not kept_golden.holds(cfg, params):
+        raise ValueError("kept_golden is the golden of another model: it serves the config and weights it was made for")
+    if kept_golden is not None and prompts is not None:
+        raise ValueError("kept_golden keeps the catalogue's cases; a run with prompts builds its own text cases")
     executor = executor or (LocalPool(jobs, pool) if jobs > 1 else InProcess())
     try:
-        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts, memory_total)
+        return _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor, prompts, memory_total,
+                           kept_golden)
     finally:
         executor.close()
         if pool is not None:
@@ -131,7 +138,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
 
 
 def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, executor: Executor,
-                prompts: Prompts | None, memory_total: int | None) -> list[CellResult]:
+                prompts: Prompts | None, memory_total: int | None, kept: KeptGolden | None) -> list[CellResult]:
     plan = plan or plan_matrix(cfg)
     names = case_names(cfg, backward, text=prompts is not None)
     results: list[CellResult] = []
@@ -142,8 +149,10 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=reason, skip=kind))
     # a case is built only when some column runs it: its inputs may take the golden to make (the
     # generate cases' rows), which at a real checkpoint's size costs more than the cell itself
-    built: dict[tuple[str, str], Case] = {}
-    golden = golden_runner_for(cfg, params)  # its float64 parameters cast when first needed, once
+    built: dict[tuple[str, str], Case] = {} if kept is None else kept.cases
+    # its float64 parameters cast when first needed, once
+    golden = golden_runner_for(cfg, params) if kept is None else kept.runner
+    params = params if kept is None else kept.params  # the same weights, the object the golden holds
     work: list[WorkItem] = []
     # the workers' references computed here where their float64 goldens would crowd the memory
     producing = hasattr(executor, "reference") and references_here(params, executor.jobs, memory_total)
@@ -196,6 +205,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     here = [item for item in work if not importable_by_name(item.column[0])]
     if isinstance(executor, InProcess):
         here, elsewhere = work, []
+    references = None if kept is None else kept.references
     with contextlib.ExitStack() as stack:
         shared = None
         if elsewhere and producing:
@@ -215,10 +225,10 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
         if here and elsewhere:
             # both at once: the executor's workers need not wait for this process's columns (a real
             # checkpoint's transformers and onnxruntime-genai columns take minutes)
-            _alongside(lambda: InProcess(golden, memory, shared).run(cfg, params, here, record),
+            _alongside(lambda: InProcess(golden, memory, shared, references).run(cfg, params, here, record),
                        lambda: executor.run(cfg, params, elsewhere, record))
         elif here:
-            InProcess(golden, memory).run(cfg, params, here, record)
+            InProcess(golden, memory, references=references).run(cfg, params, here, record)
         elif elsewhere:
             executor.run(cfg, params, elsewhere, record)
     return results + [finished[index] for index in sorted(finished)]

@@ -26,6 +26,7 @@ import impl_numpy.model as model
 import impl_numpy.training as training
 from conformance.adapter import register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend, NumpyRunner
+from conformance.cells import KeptGolden
 from conformance.tolerance import held_at
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, plan_matrix, run_matrix
@@ -693,12 +694,24 @@ def mutation_model(cfg: ModelConfig, params, mutation: Mutation) -> tuple[ModelC
     return cfg, {name: params[name] if name in params else added[name] for name in param_shapes(cfg)}
 
 
-def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
+def kept_golden(goldens: dict[str, KeptGolden], cfg: ModelConfig, params) -> KeptGolden:
+    """The golden of this model from `goldens` (by config), made there when it holds none of these weights."""
+    key = cfg.to_json()
+    if key not in goldens or not goldens[key].holds(cfg, params):
+        goldens[key] = KeptGolden(cfg, params)
+    return goldens[key]
+
+
+def run_mutation(cfg: ModelConfig, params, mutation: Mutation, goldens: dict[str, KeptGolden] | None = None) -> Verdict:
+    """A mutation's verdict. goldens: the goldens of the models earlier mutations ran on, kept by the
+    caller (every mistake of the gallery is checked against the same references), added to here."""
     cfg, params = mutation_model(cfg, params, mutation)
+    golden = None if goldens is None else kept_golden(goldens, cfg, params)
     name = f"mutant-{mutation.name}"
     register_backend(name, lambda: MutantBackend(mutation))
     try:
-        results = run_matrix(cfg, params, plan_matrix(cfg, [name], ["float32"], ["cpu"]), backward=mutation.backward)
+        results = run_matrix(cfg, params, plan_matrix(cfg, [name], ["float32"], ["cpu"]), backward=mutation.backward,
+                             kept_golden=golden)
         # a training mistake: the backward walk, and where no stage fails alone, the step and quantity
         # the training cell names
         localization = (localize_backward_column if mutation.backward else localize_column)(
@@ -720,7 +733,8 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation) -> Verdict:
 def run_gallery(cfg: ModelConfig, params, mutations: Sequence[Mutation] | None = None) -> list[Verdict]:
     """Every mistake of the gallery (MUTATIONS, or those given) applied in turn to the
     numpy-float32 backend, the golden unchanged: each must be caught and localized."""
-    return [run_mutation(cfg, params, mutation) for mutation in (MUTATIONS if mutations is None else mutations)]
+    goldens: dict[str, KeptGolden] = {}
+    return [run_mutation(cfg, params, mutation, goldens) for mutation in (MUTATIONS if mutations is None else mutations)]
 
 
 def gallery_table(verdicts: list[Verdict]) -> str:

@@ -26,9 +26,15 @@ def verdicts():
     return {}
 
 
-def _verdict(verdicts, mutation):
+@pytest.fixture(scope="module")
+def goldens():
+    """The goldens of the models the mutations run on, kept across them as run_gallery keeps them."""
+    return {}
+
+
+def _verdict(verdicts, goldens, mutation):
     if mutation.name not in verdicts:
-        verdicts[mutation.name] = run_mutation(TINY, PARAMS, mutation)
+        verdicts[mutation.name] = run_mutation(TINY, PARAMS, mutation, goldens)
     return verdicts[mutation.name]
 
 
@@ -39,29 +45,29 @@ def test_the_training_mistakes_are_in_the_gallery():
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
-def test_mutation_is_caught_and_localized(verdicts, mutation):
-    verdict = _verdict(verdicts, mutation)
+def test_mutation_is_caught_and_localized(verdicts, goldens, mutation):
+    verdict = _verdict(verdicts, goldens, mutation)
     assert verdict.caught, f"{mutation.name} was not caught"
     assert verdict.first_sublayer == mutation.expected_sublayer
     assert verdict.first_stage == mutation.expected_stage
 
 
-def test_the_committed_gallery_matches_the_code(verdicts):
+def test_the_committed_gallery_matches_the_code(verdicts, goldens):
     committed = Path(__file__).resolve().parents[1] / "docs" / "mutation-gallery.md"
     rows = [line.split("|") for line in committed.read_text().splitlines() if line.startswith("| `")]
-    table = gallery_table([_verdict(verdicts, m) for m in MUTATIONS])
+    table = gallery_table([_verdict(verdicts, goldens, m) for m in MUTATIONS])
     fresh = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
     verdict_columns = lambda row: [row[1], row[2], row[4], row[6], row[7]]  # noqa: E731 - not the error figures
     assert [verdict_columns(r) for r in rows] == [verdict_columns(r) for r in fresh]
 
 
-def test_the_committed_mistakes_page_matches_the_code(verdicts):
+def test_the_committed_mistakes_page_matches_the_code(verdicts, goldens):
     import re
 
     from pages.mutations import mistakes_page
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "mistakes.md").read_text()
-    fresh = mistakes_page([_verdict(verdicts, m) for m in MUTATIONS], "tiny")
+    fresh = mistakes_page([_verdict(verdicts, goldens, m) for m in MUTATIONS], "tiny")
     masked = lambda text: re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)  # noqa: E731 - the error figures
     assert masked(committed) == masked(fresh), "regenerate with: rosetta mutations --mistakes docs/mistakes.md"
 

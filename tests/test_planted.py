@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import impl_torch.model as torch_model
+from conformance.cells import KeptGolden
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
 from spec import conformance_params, get_preset
 
 TINY = get_preset("tiny")
 PARAMS = conformance_params(TINY)
+GOLDEN = KeptGolden(TINY, PARAMS)  # every planted run is judged against the same references
 
 
 def _torch_linear_without_bias(self, x):
@@ -85,7 +87,8 @@ def fresh_jax():
 
 
 def _failures(backend, pattern=None):
-    results = run_matrix(TINY, PARAMS, plan_matrix(TINY, [backend], ["float32"], ["cpu"]), pattern=pattern)
+    results = run_matrix(TINY, PARAMS, plan_matrix(TINY, [backend], ["float32"], ["cpu"]), pattern=pattern,
+                         kept_golden=GOLDEN)
     assert results, "no cell ran"
     return {r.sublayer for r in results if r.status == FAIL}, [r for r in results if r.status not in (PASS, FAIL)]
 
@@ -108,8 +111,14 @@ def test_a_mistake_planted_in_jax_fails_the_default_run(monkeypatch, fresh_jax, 
     assert not others, [f"{r.test_id}: {r.status} {r.reason}" for r in others]
 
 
+# One model mistake, exported afresh (~20 s an export of tiny's four graphs): whichever mistake the
+# torch model carries, the graph traces it and the column's forward cells compare it alike. The
+# other two model mistakes are held to the torch column (its whole default run) and the JAX column above.
+ONNX_MISTAKES = ["linear_without_bias", "generation_ignores_eos"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mistake", MISTAKES, ids=[f"{m}-float32-onnx-cpu" for m in MISTAKES])
+@pytest.mark.parametrize("mistake", ONNX_MISTAKES, ids=[f"{m}-float32-onnx-cpu" for m in ONNX_MISTAKES])
 def test_a_mistake_planted_in_the_onnx_column_fails_the_default_run(monkeypatch, tmp_path, mistake):
     """A model mistake is exported with the graph: the torch model is planted, then exported
     afresh (the export cache keys the source files, not a monkeypatch). Generation runs in the

@@ -17,6 +17,7 @@ import torch
 
 import impl_torch.model as torch_model
 from conformance.cases import build_case
+from conformance.cells import KeptGolden
 from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
 from conformance.tolerance import UNIT_ROUNDOFF
 from spec import conformance_params, get_preset
@@ -201,14 +202,24 @@ CAUGHT = [
 ]
 
 
+_GOLDENS: dict[str, KeptGolden] = {}  # each preset's references, made once for all its plants
+
+
+def _golden(preset: str) -> KeptGolden:
+    if preset not in _GOLDENS:
+        cfg = get_preset(preset)
+        _GOLDENS[preset] = KeptGolden(cfg, conformance_params(cfg))
+    return _GOLDENS[preset]
+
+
 def _column(monkeypatch, mistake, preset, dtype, fail_fast=False):
     """The default torch column of the preset at dtype, the mistake planted; fail_fast: only up to
     its first failing cell (the cells run in the catalogue's order, one at a time)."""
     if mistake:
         monkeypatch.setattr(*PLANTS[mistake])
-    cfg = get_preset(preset)
-    results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["torch"], [dtype], ["cpu"]),
-                         fail_fast=fail_fast)
+    golden = _golden(preset)
+    results = run_matrix(golden.cfg, golden.params, plan_matrix(golden.cfg, ["torch"], [dtype], ["cpu"]),
+                         fail_fast=fail_fast, kept_golden=golden)
     assert results and all(r.status in (PASS, FAIL) for r in results), [r.reason for r in results if r.status not in (PASS, FAIL)]
     return {f"{r.sublayer}-{r.mask_case}": r for r in results}
 

@@ -116,3 +116,41 @@ def test_a_run_of_one_forward_case_streams_the_golden_and_drops_it_once_its_refe
     assert "p" not in vars(goldens[-1])  # released: its reference was the run's last
     cells = run_matrix(cfg, params, plan, pattern="forward-none-*|decode-incremental-*", jobs=1)
     assert [cell.status for cell in cells] == [PASS, PASS] and goldens[-1].budget is None
+
+
+def test_a_kept_golden_makes_each_case_and_reference_once_across_runs(monkeypatch):
+    """A gallery of mistakes runs the matrix once per mistake on the same model: with a kept golden
+    (conformance.cells.KeptGolden) each case is built and its reference computed in the first run
+    that needs it, and every later run gets the same verdicts from them; a kept golden of other
+    weights, or of another config, is refused by name."""
+    import conformance.cells as cells
+    from conformance.cells import KeptGolden
+    from conformance.harness import plan_matrix, run_matrix
+
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    computed, compute = [], cells.golden_output
+
+    def counted(cfg, params, sublayer, inputs, runner=None):
+        computed.append(sublayer)
+        return compute(cfg, params, sublayer, inputs, runner)
+
+    monkeypatch.setattr(cells, "golden_output", counted)
+    plan, pattern = plan_matrix(cfg, ["numpy-float32"], ["float32"], ["cpu"]), "forward-*|decode-*|mha-*"
+    alone = run_matrix(cfg, params, plan, pattern=pattern)
+    made_alone = len(computed)
+    kept = KeptGolden(cfg, params)
+    first = run_matrix(cfg, params, plan, pattern=pattern, kept_golden=kept)
+    # the same weights in another mapping (as a mutation's model is given them) are the same model
+    second = run_matrix(cfg, dict(params), plan, pattern=pattern, kept_golden=kept)
+    assert made_alone >= 5 and len(computed) == 2 * made_alone  # the second run made none
+    assert [(r.test_id, r.status, r.max_abs_err) for r in alone] == [(r.test_id, r.status, r.max_abs_err)
+                                                                     for r in first] == \
+        [(r.test_id, r.status, r.max_abs_err) for r in second]
+    assert len(kept.references) == made_alone and len(kept.cases) == made_alone
+    name = next(iter(params))
+    other = {**params, name: 0.5 * params[name]}
+    with pytest.raises(ValueError, match="the golden of another model"):
+        run_matrix(cfg, other, plan, pattern=pattern, kept_golden=kept)
+    with pytest.raises(ValueError, match="the golden of another model"):
+        run_matrix(cfg.replace(norm_eps=1e-3), params, plan, pattern=pattern, kept_golden=kept)

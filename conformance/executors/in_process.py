@@ -21,10 +21,11 @@ class InProcess:
     `shared` where the run's worker processes compute references too (each computed once)."""
 
     def __init__(self, golden: NumpyRunner | None = None, memory: MemoryLedger | None = None,
-                 shared: SharedReferences | None = None):
+                 shared: SharedReferences | None = None, references: dict | None = None):
         self.golden = golden
         self.memory = memory  # where set (the harness's), a column starts when its memory is free
         self.shared = shared
+        self.references = references  # kept by the caller across runs (conformance.cells.KeptGolden)
 
     def _start(self, column, current) -> None:
         if self.memory is not None and column != current:
@@ -34,7 +35,8 @@ class InProcess:
             on_result: OnResult) -> None:
         golden = self.golden if self.golden is not None and self.golden.params is params \
             else golden_runner_for(cfg, params)
-        references, runners = {}, {}
+        references = {} if self.references is None else self.references
+        runners = {}
         column, waiting = None, {item.case.name for item in work}  # the cases whose reference is still to make
         try:
             for item in work:
@@ -46,7 +48,7 @@ class InProcess:
                 reference = shared_reference(self.shared, item.case.name,
                                              lambda: reference_for(cfg, params, item.case, golden, kept))
                 waiting.discard(item.case.name)
-                if not waiting and self.shared is None:
+                if not waiting and self.shared is None and self.references is None:
                     golden.release()  # every reference made: its float64 weights need not sit under the columns
                 result = run_cell(cfg, params, item.case, name, dtype, device, reference, runners)
                 give_back_freed()  # what the cell freed, rather than kept under the next column's memory
