@@ -734,7 +734,8 @@ def run_gallery(cfg: ModelConfig, params, mutations: Sequence[Mutation] | None =
     """Every mistake of the gallery (MUTATIONS, or those given) applied in turn to the
     numpy-float32 backend, the golden unchanged: each must be caught and localized."""
     goldens: dict[str, KeptGolden] = {}
-    return [run_mutation(cfg, params, mutation, goldens) for mutation in (MUTATIONS if mutations is None else mutations)]
+    return [run_mutation(cfg, params, mutation, goldens)
+            for mutation in (MUTATIONS if mutations is None else mutations)]
 
 
 def gallery_table(verdicts: list[Verdict]) -> str:
