@@ -4,6 +4,7 @@ run_cell, in whatever process or node holds the column's runner."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -115,8 +116,12 @@ class KeptGolden:
         same arrays, or arrays of the same digest)."""
         if cfg != self.cfg or params.keys() != self.params.keys():
             return False
-        return all(params[name] is self.params[name] for name in params) or \
-            params_digest(params) == params_digest(self.params)
+        return all(params[name] is self.params[name] for name in params) or params_digest(params) == self.digest
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The kept weights' digest, taken once: a gallery asks for it at every mistake on a model of its own."""
+        return params_digest(self.params)
 
 
 def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, references: dict):
