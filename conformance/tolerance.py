@@ -122,63 +122,69 @@ def compare(actual: object, expected: np.ndarray, relative_tol: float, floor: fl
         return _compare_exact(actual, expected)
     if not (np.issubdtype(actual.dtype, np.floating) or actual.dtype == bool or np.issubdtype(actual.dtype, np.integer)):
         return Comparison(False, math.inf, math.inf, 0.0, None, None, None, f"output dtype {actual.dtype} is not numeric")
-    # One float64 array the size of the output is made (the difference), besides the output's own
-    # float64 copy: a real vocabulary's logits are gigabytes each (Gemma's 262,144 × 520 positions
-    # × 3 rows: 3.3 GB), and a copy per step of the arithmetic once took a check past its memory.
-    actual64 = actual.astype(np.float64, copy=False)
-    expected64 = expected.astype(np.float64, copy=False)
-    finite_golden = np.isfinite(expected64)
+    kept = None
     if where is not None:
         where = np.asarray(where, dtype=bool)
         kept = np.broadcast_to(where.reshape(where.shape + (1,) * (expected.ndim - where.ndim)), expected.shape)
-        actual64 = np.where(kept, actual64, expected64)  # what was left out is not compared
-        finite_golden &= kept
-    scale = max(floor, _largest_magnitude(expected64, finite_golden))
+        kept = kept.reshape(-1)
+    scale = max(floor, max((float(np.abs(golden[compared]).max(initial=0.0))
+                            for _, golden, compared in _chunks(None, expected, kept)), default=0.0))
     tol = relative_tol * scale
-    same_special = ~finite_golden & ((actual64 == expected64) | (np.isnan(actual64) & np.isnan(expected64)))
-    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is handled just below
-        difference = np.subtract(actual64, expected64, out=np.empty(expected64.shape))  # an array, even 0-d
-        np.abs(difference, out=difference)
-    difference[same_special] = 0.0
-    difference[np.isnan(difference)] = np.inf  # NaN where a number was due
-    if difference.size == 0:
+    if expected.size == 0:
         return Comparison(True, 0.0, 0.0, tol, None, None, None)
-    worst = np.unravel_index(int(np.argmax(difference)), difference.shape)
-    max_abs = float(difference[worst])
-    finite = np.isfinite(difference)
-    reference_norm = _norm(expected64, finite_golden)  # of the entries compared
-    error_norm = float(np.linalg.norm(difference.reshape(-1))) if finite.all() else math.inf
+    # A float64 chunk of _CHUNK elements at a time, never the output whole: a real vocabulary's
+    # logits are gigabytes at float64 (Gemma's 262,144 × 520 positions × 3 rows: 3.3 GB), and a
+    # whole copy per step of the arithmetic once took a check past its memory.
+    max_abs, worst_flat, error_squares, reference_squares, non_finite = -1.0, 0, 0.0, 0.0, 0
+    for start, (output, golden, compared) in zip(range(0, expected.size, _CHUNK), _chunks(actual, expected, kept)):
+        same_special = ~compared & ((output == golden) | (np.isnan(output) & np.isnan(golden)))
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is handled just below
+            difference = np.abs(output - golden)
+            difference[same_special] = 0.0
+            difference[np.isnan(difference)] = np.inf  # NaN where a number was due
+            error_squares += float(np.square(difference).sum())
+            reference_squares += float(np.square(golden[compared]).sum())
+        at = int(np.argmax(difference))
+        if difference[at] > max_abs:  # the first of equal maxima, as argmax over the whole
+            max_abs, worst_flat = float(difference[at]), start + at
+        non_finite += int((~np.isfinite(output) & np.isfinite(golden)).sum())
+    worst = tuple(int(i) for i in np.unravel_index(worst_flat, expected.shape))
+    error_norm, reference_norm = math.sqrt(error_squares), math.sqrt(reference_squares)  # over the entries compared
     rel = error_norm / reference_norm if reference_norm > 0 else (0.0 if error_norm == 0 else math.inf)
+    worst_actual, worst_expected = float(actual[worst]), float(expected[worst])
+    if kept is not None and not kept[worst_flat]:
+        worst_actual = worst_expected  # what was left out is not compared
     passed = bool(max_abs <= tol)
-    reason = "" if passed else _describe(actual64, expected64, worst, max_abs, tol)
-    return Comparison(passed, max_abs, rel, tol, tuple(int(i) for i in worst),
-                      float(actual64[worst]), float(expected64[worst]), reason)
+    reason = "" if passed else _describe(worst_actual, worst_expected, worst, max_abs, tol, non_finite)
+    return Comparison(passed, max_abs, rel, tol, worst, worst_actual, worst_expected, reason)
 
 
-_CHUNK = 1 << 22  # elements at a time (32 MB of float64) for the reductions over a large output
+_CHUNK = 1 << 22  # elements at a time (32 MB of float64) for the arithmetic over a large output
 
 
-def _largest_magnitude(values: np.ndarray, keep: np.ndarray) -> float:
-    """max |values| over the entries `keep` marks (0 where none), a chunk at a time."""
-    flat, mask = values.reshape(-1), keep.reshape(-1)
-    return max((float(np.abs(flat[i:i + _CHUNK][mask[i:i + _CHUNK]]).max(initial=0.0))
-                for i in range(0, flat.size, _CHUNK)), default=0.0)
+def _chunks(actual: np.ndarray | None, expected: np.ndarray, kept: np.ndarray | None):
+    """(the output at float64, the golden at float64, the entries compared: golden finite and kept)
+    _CHUNK flattened elements at a time; where `kept` (flat) leaves an entry out, the output holds
+    the golden's value. Without `actual`, the output is None."""
+    flat_expected = expected.reshape(-1)
+    flat_actual = None if actual is None else actual.reshape(-1)
+    for start in range(0, flat_expected.size, _CHUNK):
+        golden = flat_expected[start:start + _CHUNK].astype(np.float64, copy=False)
+        compared = np.isfinite(golden)
+        output = None if flat_actual is None else flat_actual[start:start + _CHUNK].astype(np.float64)
+        if kept is not None:
+            compared &= kept[start:start + _CHUNK]
+            if output is not None:
+                output = np.where(kept[start:start + _CHUNK], output, golden)
+        yield output, golden, compared
 
 
-def _norm(values: np.ndarray, keep: np.ndarray) -> float:
-    """‖values‖₂ over the entries `keep` marks, a chunk at a time."""
-    flat, mask = values.reshape(-1), keep.reshape(-1)
-    return math.sqrt(sum(float(np.square(flat[i:i + _CHUNK][mask[i:i + _CHUNK]]).sum())
-                         for i in range(0, flat.size, _CHUNK)))
-
-
-def _describe(actual: np.ndarray, expected: np.ndarray, worst: tuple, max_abs: float, tol: float) -> str:
-    index = list(int(i) for i in worst)
-    if not np.isfinite(actual[worst]) and np.isfinite(expected[worst]):
-        count = int((~np.isfinite(actual) & np.isfinite(expected)).sum())
-        return f"{count} non-finite value(s) where the golden is finite, first worst at {index}: {actual[worst]}"
+def _describe(actual: float, expected: float, worst: tuple, max_abs: float, tol: float, non_finite: int) -> str:
+    index = list(worst)
+    if not math.isfinite(actual) and math.isfinite(expected):
+        return f"{non_finite} non-finite value(s) where the golden is finite, first worst at {index}: {actual}"
     return (f"max |error| {max_abs:.3g} > tol {tol:.3g} at {index}: "
-            f"got {actual[worst]:.6g}, golden {expected[worst]:.6g}")
+            f"got {actual:.6g}, golden {expected:.6g}")
 
 
 def compare_generation(actual: object, golden_tokens: np.ndarray, golden_step_logits: np.ndarray,

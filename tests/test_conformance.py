@@ -7,7 +7,10 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import conformance.tolerance
 from conformance.adapter import NotSupported, Partial, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
 import impl_numpy as golden
@@ -193,6 +196,52 @@ def test_compare_nan_and_inf():
     assert not compare(np.array([1.0, -np.inf, np.nan]), expected, 1e-6).passed
     nan_result = compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0)
     assert not nan_result.passed and math.isinf(nan_result.max_abs_err) and "non-finite" in nan_result.reason
+
+
+
+def _whole_array_comparison(actual, expected, relative_tol, where=None):
+    """compare's figures computed over the arrays whole (what compare did before it took them a
+    chunk at a time): (passed, max |error|, worst index, worst output, ‖error‖/‖golden‖)."""
+    actual, expected = actual.astype(np.float64), expected.astype(np.float64)
+    compared = np.isfinite(expected)
+    if where is not None:
+        kept = np.broadcast_to(where.reshape(where.shape + (1,) * (expected.ndim - where.ndim)), expected.shape)
+        actual, compared = np.where(kept, actual, expected), compared & kept
+    tol = relative_tol * max(1.0, np.abs(expected[compared]).max(initial=0.0))
+    with np.errstate(invalid="ignore"):
+        difference = np.abs(actual - expected)
+    difference[~compared & ((actual == expected) | (np.isnan(actual) & np.isnan(expected)))] = 0.0
+    difference[np.isnan(difference)] = np.inf
+    worst = np.unravel_index(int(np.argmax(difference)), difference.shape)
+    error_norm = np.linalg.norm(difference) if np.isfinite(difference).all() else math.inf
+    reference_norm = np.linalg.norm(expected[compared])
+    return (bool(difference[worst] <= tol), float(difference[worst]), tuple(int(i) for i in worst),
+            float(actual[worst]), error_norm / reference_norm if reference_norm else (0.0 if error_norm == 0 else math.inf))
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_compare_a_chunk_at_a_time_gives_the_whole_arrays_figures(data):
+    """compare takes a large output a chunk of its flattened elements at a time (no float64 copy of
+    it whole): the verdict, the worst element (the first of equal maxima), its values and the norms
+    are those of the arrays whole, chunks of 5 elements here, with NaN, ±inf, ties and a `where`."""
+    shape = data.draw(st.sampled_from([(3, 4, 5), (2, 7), (11,), (1, 3, 1, 4)]))
+    values = st.one_of(st.floats(-4, 4), st.sampled_from([0.0, 1.0, np.inf, -np.inf, np.nan]))
+    expected = np.array(data.draw(st.lists(values, min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(shape)
+    noise = np.array(data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, -0.5, 2.0, np.nan, np.inf]),
+                                        min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(shape)
+    with np.errstate(invalid="ignore"):
+        actual = (expected + noise).astype(data.draw(st.sampled_from([np.float64, np.float32])))
+    where = None
+    if data.draw(st.booleans()):
+        where = np.array(data.draw(st.lists(st.booleans(), min_size=shape[0], max_size=shape[0])))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conformance.tolerance, "_CHUNK", 5)
+        result = compare(actual, expected, 0.3, where=where)
+    passed, max_abs, worst, worst_actual, rel = _whole_array_comparison(actual, expected, 0.3, where)
+    assert (result.passed, result.max_abs_err, result.worst_index) == (passed, max_abs, worst)
+    assert result.worst_actual == worst_actual or (math.isnan(worst_actual) and math.isnan(result.worst_actual))
+    assert result.rel_err == pytest.approx(rel, rel=1e-12, nan_ok=True) or (math.isinf(rel) and math.isinf(result.rel_err))
 
 
 def test_compare_shapes_and_integers():

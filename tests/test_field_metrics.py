@@ -79,6 +79,19 @@ def test_partial_rows_keep_only_the_rows_computed():
     assert metrics["positions"] == 3 and metrics["kl_max"] == 0.0
 
 
+
+def test_the_rows_kept_are_read_a_chunk_of_positions_at_a_time_in_their_order():
+    """More positions than a chunk (CHUNK), one row left out: the figures are those of the kept rows
+    taken whole, the left-out row's wrong logits never read (they would make KL infinite)."""
+    generator = np.random.default_rng(3)
+    golden = generator.normal(size=(3, 50, 7))
+    actual = golden + generator.normal(scale=0.05, size=golden.shape)
+    actual[1] = np.inf
+    kept_whole = logit_metrics(golden[[0, 2]], actual[[0, 2]].astype(np.float32))
+    metrics = logit_metrics(golden, actual.astype(np.float32), rows=np.array([True, False, True]))
+    assert metrics["positions"] == 100 and metrics == kept_whole
+    assert 0 < metrics["kl_max"] < 1e-2
+
 def test_generation_parts_where_a_row_first_differs():
     golden_tokens = np.array([[5, 6, 7, 8], [1, 2, 3, 4]])
     step_logits = np.zeros((2, 4, 12))

@@ -17,6 +17,7 @@ pass them; our verdict stays the tolerance policy (SPEC §8), which is stricter 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -42,15 +43,20 @@ def logit_metrics(golden: np.ndarray, actual: np.ndarray, rows: np.ndarray | Non
                   dtype: str = "float32") -> dict:
     """The field's metrics of logits [..., V] against the golden's; `rows` (boolean over the
     leading axes, adapter.Partial's) keeps the rows a backend computed."""
-    golden, actual = np.asarray(golden), np.asarray(actual, dtype=np.float64)
+    golden, actual = np.asarray(golden), np.asarray(actual)
+    positions = np.arange(math.prod(golden.shape[:-1]))  # the rows [..., V] compared, flattened
     if rows is not None:
         keep = np.asarray(rows, bool)
-        if keep.shape == golden.shape[:keep.ndim]:
-            golden, actual = golden[keep], actual[keep]
+        if keep.ndim < golden.ndim and keep.shape == golden.shape[:keep.ndim]:
+            positions = positions[np.broadcast_to(keep.reshape(keep.shape + (1,) * (golden.ndim - 1 - keep.ndim)),
+                                                  golden.shape[:-1]).reshape(-1)]
+    # CHUNK positions at a time, cast there: neither side is copied whole (a real vocabulary's logits
+    # are gigabytes at float64)
     golden, actual = golden.reshape(-1, golden.shape[-1]), actual.reshape(-1, actual.shape[-1])
     kl, top1, contained = [], 0, 0
-    for start in range(0, golden.shape[0], CHUNK):
-        p_log, q_log = _log_softmax(golden[start:start + CHUNK]), _log_softmax(actual[start:start + CHUNK])
+    for start in range(0, positions.size, CHUNK):
+        chunk = positions[start:start + CHUNK]
+        p_log, q_log = _log_softmax(golden[chunk]), _log_softmax(actual[chunk])
         kl.append((np.exp(p_log) * (p_log - q_log)).sum(axis=-1))
         best_p, best_q = p_log.argmax(axis=-1), q_log.argmax(axis=-1)
         top1 += int((best_p == best_q).sum())
@@ -61,10 +67,10 @@ def logit_metrics(golden: np.ndarray, actual: np.ndarray, rows: np.ndarray | Non
         worst = float("inf")
     else:
         worst = float(per_position.max(initial=0.0))
-    count = max(1, golden.shape[0])
+    count = max(1, positions.size)
     return {"kl_max": worst, "kl_mean": float(per_position.mean()) if per_position.size else 0.0,
-            "top1": top1 / count, f"top{TOP_K}": contained / count, "positions": int(golden.shape[0]),
-            "maxtext": worst <= KL_LIMIT if dtype == "float32" else None, "vllm": contained == golden.shape[0]}
+            "top1": top1 / count, f"top{TOP_K}": contained / count, "positions": int(positions.size),
+            "maxtext": worst <= KL_LIMIT if dtype == "float32" else None, "vllm": contained == positions.size}
 
 
 def generation_metrics(tokens: np.ndarray, golden_tokens: np.ndarray, golden_step_logits: np.ndarray,
