@@ -27,7 +27,7 @@ from conformance.executors.in_process import InProcess
 from conformance.executors.local_pool import LocalPool, WorkerPool
 from conformance.executors.shared_references import SharedReferences
 from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, available_memory, column_footprint,
-                                     columns_limit, golden_budget_for, golden_footprint, reference_bytes,
+                                     columns_limit, export_bytes, golden_budget_for, golden_footprint, reference_bytes,
                                      references_here)
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
@@ -259,9 +259,16 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     golden = golden_footprint(cfg, params, longest_case, available)
     reference = reference_bytes(cfg, longest_case)
 
+    exporting = set()  # the columns whose load exports first (an uncached ONNX export holds more)
+    for column in longest:
+        cached = getattr(get_backend(column[0])[0], "load_is_cached", None)
+        if cached is not None and not cached(cfg, params, column[1]):
+            exporting.add(column)
+
     def footprint(column) -> int:
         own = golden if column in backward or not references_here else reference
-        return column_footprint(cfg, column, longest.get(column, Extent(1, 1))) + own
+        exporting_too = export_bytes(cfg, column) if column in exporting else 0
+        return column_footprint(cfg, column, longest.get(column, Extent(1, 1))) + own + exporting_too
 
     golden_weights = golden - reference  # cast here later, if not already
     ledger = MemoryLedger(columns_limit(memory_total, workers, golden_weights) if memory_total else

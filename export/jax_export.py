@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from export.graphs import ENCODER, FORWARD, FORWARD_ROUTED, GraphSignature, signature
-from export.onnx_model import OPSETS, ExportError, check_options, finish, quiet_loggers, save, write_manifest
+from export.onnx_model import OPSETS, ExportError, SharedWeights, check_options, finish, quiet_loggers, save, write_manifest
 from impl_jax.model import Transformer, graph_routing
 from spec import ModelConfig
 
@@ -145,7 +145,8 @@ def export_jax(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: st
     wanted = check_options(dtype, opset, graph_roles, available, "JAX")
     model = Transformer.from_params(cfg, params, dtype=dtype)
     directory = Path(directory)
-    paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")
+    weights = SharedWeights(directory)
+    paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx", weights)
              for role in wanted}
     write_manifest(directory, cfg, params, {role: path.name for role, path in paths.items()},
                    dtype=dtype, opset=opset, exporter=_version(), max_positions=cfg.max_len)

@@ -4,6 +4,7 @@ read, the metadata that ties it to the spec and the weights, and the full checke
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from export.graphs import GraphSignature
 from spec import SPEC_VERSION, ModelConfig, params_digest
@@ -24,6 +26,12 @@ METADATA_PREFIX = "rosetta."
 # protobuf cannot write a message over 2 GiB: a graph whose weights take more than this keeps them
 # in one file beside it (ONNX's external data, `<graph>.onnx.data`), which onnxruntime reads
 EXTERNAL_DATA_ABOVE = 1_800_000_000
+# An export's graphs keep their weights in one file they share (SharedWeights), each tensor of at
+# least SHARED_ABOVE bytes once, at an offset onnxruntime's CPU provider maps rather than copies (a
+# multiple of the page): the graphs' sessions read one copy of the weights where each held its own
+WEIGHTS_FILE = "weights.data"
+SHARED_ABOVE = 1024
+ALIGNMENT = 4096
 
 
 class ExportError(SpecError):
@@ -108,6 +116,15 @@ def external_data_file(graph: str | Path) -> str:
     return Path(graph).name + ".data"
 
 
+def external_data_files(directory: str | Path, graphs) -> dict[str, str]:
+    """{graph file: the file beside it that holds its weights}: the export's shared file
+    (SharedWeights), or a graph's own where it was too large to hold them (save)."""
+    directory = Path(directory)
+    shared = (directory / WEIGHTS_FILE).is_file()
+    return {name: WEIGHTS_FILE if shared else external_data_file(name) for name in graphs
+            if shared or (directory / external_data_file(name)).is_file()}
+
+
 def check_signature(model: onnx.ModelProto, signature: GraphSignature) -> None:
     """The graph's inputs and outputs must be exactly the signature's, in order."""
     got_in = [i.name for i in model.graph.input]
@@ -124,14 +141,57 @@ def metadata(model: onnx.ModelProto) -> dict[str, str]:
     return {p.key[len(METADATA_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(METADATA_PREFIX)}
 
 
-def save(model: onnx.ModelProto, path: Path) -> Path:
-    """Write a graph atomically (a temporary file renamed into place); one whose weights take more
-    than EXTERNAL_DATA_ABOVE with them in external_data_file(path), and checked from there (the
-    checker cannot take so large a graph in memory)."""
+class SharedWeights:
+    """The weights file of one export's graphs (WEIGHTS_FILE in its directory): each initializer
+    of at least SHARED_ABOVE bytes is written there once, whichever graphs hold it (the same bytes
+    are the same tensor), at an offset that is a multiple of ALIGNMENT, and the graph keeps only
+    where it lies (ONNX's external data)."""
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory) / WEIGHTS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_bytes(b"")
+        self.written: dict[bytes, tuple[int, int]] = {}  # sha256 of the bytes -> (offset, length)
+
+    def move_out(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """model, in place, with its large initializers' bytes in the shared file."""
+        with open(self.path, "ab") as data:
+            for tensor in model.graph.initializer:
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    continue
+                stored = tensor.raw_data if tensor.HasField("raw_data") else \
+                    numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
+                if len(stored) < SHARED_ABOVE:
+                    continue
+                key = hashlib.sha256(stored).digest()
+                if key not in self.written:
+                    data.write(b"\0" * (-data.tell() % ALIGNMENT))
+                    self.written[key] = (data.tell(), len(stored))
+                    data.write(stored)
+                offset, length = self.written[key]
+                for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
+                              "string_data", "external_data"):
+                    tensor.ClearField(field)
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                for key_name, value in (("location", WEIGHTS_FILE), ("offset", offset), ("length", length)):
+                    tensor.external_data.add(key=key_name, value=str(value))
+        return model
+
+
+def save(model: onnx.ModelProto, path: Path, weights: SharedWeights | None = None) -> Path:
+    """Write a graph atomically (a temporary file renamed into place): its weights in the export's
+    shared file where `weights` is given (SharedWeights), else in the graph, but for a graph whose
+    weights take more than EXTERNAL_DATA_ABOVE: those go to external_data_file(path), and the graph
+    is checked from there (the checker cannot take so large a graph in memory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(path.suffix + ".tmp")
-    if weight_bytes(model) > EXTERNAL_DATA_ABOVE:
+    if weights is not None:
+        large = weight_bytes(model) > EXTERNAL_DATA_ABOVE
+        onnx.save_model(weights.move_out(model), temporary)
+        if large:
+            onnx.checker.check_model(str(temporary), full_check=True)
+    elif weight_bytes(model) > EXTERNAL_DATA_ABOVE:
         data = path.parent / external_data_file(path)
         data.unlink(missing_ok=True)  # save_model appends to an existing file
         onnx.save_model(model, temporary, save_as_external_data=True, all_tensors_to_one_file=True,
@@ -154,9 +214,7 @@ def write_manifest(directory: Path, cfg: ModelConfig, params: Mapping[str, np.nd
         "opset": opset,
         "exporter": exporter,
         "graphs": dict(graphs),
-        # the weights of a graph too large to hold them (save), by graph file
-        "external_data": {name: external_data_file(name) for name in graphs.values()
-                          if (Path(directory) / external_data_file(name)).is_file()},
+        "external_data": external_data_files(directory, graphs.values()),
     }
     if max_positions is not None:
         manifest["max_positions"] = max_positions  # the graphs take sequences up to this length

@@ -27,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from export.cache import cache_root, exported
-from export.onnx_model import external_data_file, save
+from export.onnx_model import SharedWeights, external_data_files, save
 from spec import ModelConfig
 from spec.errors import WeightsError
 from spec.quantization import (BlockQuantized, QuantizationScheme, block_elements, check_block_quantized,
@@ -388,16 +388,15 @@ def quantized_export(cfg: ModelConfig, params: Mapping[str, np.ndarray], scheme:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
     try:
-        graphs = {}
+        graphs, weights = {}, SharedWeights(staging)
         for role, file in manifest["graphs"].items():
             if role not in QUANTIZED_ROLES:
                 continue  # the routed and in-place graphs stay with the float export
             graphs[role] = file
-            save(quantize_graph(onnx.load(str(source / file)), params, scheme), staging / file)
-        data = {file: external_data_file(file) for file in graphs.values()
-                if (staging / external_data_file(file)).is_file()}
+            save(quantize_graph(onnx.load(str(source / file)), params, scheme), staging / file, weights)
         (staging / "manifest.json").write_text(json.dumps(
-            {**manifest, "graphs": graphs, "external_data": data, **made_by}, indent=2) + "\n")
+            {**manifest, "graphs": graphs, "external_data": external_data_files(staging, graphs.values()), **made_by},
+            indent=2) + "\n")
         # as export.cache's entries: one that another process (a test worker beside this one) made
         # meanwhile is kept, whole, since it may be reading it; only a stale or broken one is replaced
         if not current():

@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,38 @@ def session_options(*, optimization: str, deterministic: bool, threads: int | No
     return options
 
 
+class Sessions(MutableMapping):
+    """role -> onnxruntime session, each made by make(role, file) when it is first asked for; the
+    roles are those of `graphs` (role -> file) from the start."""
+
+    def __init__(self, make: Callable[[str, str], ort.InferenceSession], graphs: Mapping[str, str]):
+        self.make, self.graphs, self.made = make, dict(graphs), {}
+
+    def __getitem__(self, role: str) -> ort.InferenceSession:
+        if role not in self.made:
+            if role not in self.graphs:
+                raise KeyError(role)
+            self.made[role] = self.make(role, self.graphs[role])
+        return self.made[role]
+
+    def __setitem__(self, role: str, session: ort.InferenceSession) -> None:
+        self.graphs.setdefault(role, "")
+        self.made[role] = session
+
+    def __delitem__(self, role: str) -> None:
+        del self.graphs[role]
+        self.made.pop(role, None)
+
+    def __iter__(self):
+        return iter(self.graphs)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __contains__(self, role: object) -> bool:
+        return role in self.graphs
+
+
 @dataclass(frozen=True)
 class OnnxCache:
     """The decoder's state between steps, as onnxruntime values on the session's device, for
@@ -254,20 +286,24 @@ class OnnxTransformer:
         self.providers = [(CUDA, cuda_provider_options(tf32)), CPU] if device == "cuda" else [CPU]
         self._placements: dict[str, list[PlacedNode]] = {}  # a CUDA session's, seen at load
         self.graphs = served_graphs(self.manifest["graphs"], device)
-        self.sessions = {role: self._session(role, file) for role, file in self.graphs.items()}
+        # On CUDA every session is made now, as the refusal of a fallback promises (its placement is
+        # seen at load); on the CPU each at its first use: each session holds its own prepacked copy
+        # of the weights, and a forward-only run never needs the step graphs'
+        for role, file in self.graphs.items():
+            self._check_stamp(role, file)
+        self.sessions = Sessions(self._session, self.graphs)
+        if device == "cuda":
+            for role in self.graphs:
+                self.sessions[role]
         self.in_place = DECODER_STEP_IN_PLACE in self.sessions
 
-    def _session(self, role: str, file: str) -> ort.InferenceSession:
+    def _check_stamp(self, role: str, file: str) -> None:
+        """The graph's own stamp (its metadata, read without its weights) must be this export's."""
         path = self.directory / file
-        if self.device == "cuda":
-            # the serving session's own first run, profiled: where its nodes really ran
-            session, self._placements[role] = profiled_session(path, self.options, self.providers,
-                                                               example_inputs(self.cfg, role, self.dtype))
-        else:
-            session = ort.InferenceSession(str(path), session_options(**self.options), providers=self.providers)
-        # the graph's own stamp, read from the loaded session rather than by parsing the file again
-        stamp = {key[len(METADATA_PREFIX):]: value for key, value in session.get_modelmeta().custom_metadata_map.items()
-                 if key.startswith(METADATA_PREFIX)}
+        graph = onnx.load(str(path), load_external_data=False)
+        stamp = {prop.key[len(METADATA_PREFIX):]: prop.value for prop in graph.metadata_props
+                 if prop.key.startswith(METADATA_PREFIX)}
+        del graph
         for key in ("config", "params_sha256", "dtype"):
             expected = self.manifest[key] if key != "config" else self.cfg.to_json()
             found = stamp.get(key)
@@ -278,6 +314,15 @@ class OnnxTransformer:
                                   "the directory mixes graphs from different exports")
         if stamp.get("role") != role:
             raise ExportError(f"{path.name}: its metadata says role {stamp.get('role')!r}, manifest.json says {role!r}")
+
+    def _session(self, role: str, file: str) -> ort.InferenceSession:
+        path = self.directory / file
+        if self.device == "cuda":
+            # the serving session's own first run, profiled: where its nodes really ran
+            session, self._placements[role] = profiled_session(path, self.options, self.providers,
+                                                               example_inputs(self.cfg, role, self.dtype))
+        else:
+            session = ort.InferenceSession(str(path), session_options(**self.options), providers=self.providers)
         if self.device == "cuda":
             if CUDA not in session.get_providers():
                 self._fallback(f"{path.name}: onnxruntime started the session on {session.get_providers()} only")

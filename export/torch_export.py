@@ -22,7 +22,7 @@ from torch import nn
 from export.graphs import (DECODER_STEP_IN_PLACE, DECODER_STEP_ROUTED, ENCODER, EXAMPLE_SIZES, FORWARD, FORWARD_ROUTED,
                            GraphSignature, cache_head_size, example_inputs, in_place_unsupported_reason, roles, signature)
 from export.in_place_step import InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx
-from export.onnx_model import OPSETS, check_options, finish, quiet_loggers, save, write_manifest
+from export.onnx_model import OPSETS, SharedWeights, check_options, finish, quiet_loggers, save, write_manifest
 from impl_torch.model import KVCache, Transformer, _decode_step_body
 from spec import ModelConfig
 
@@ -200,7 +200,8 @@ def export_torch(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
     wanted = check_options(dtype, opset, graph_roles, torch_roles(cfg, dtype), "torch")
     model = Transformer.from_params(cfg, params, dtype=TORCH_DTYPES[dtype])
     directory = Path(directory)
-    paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx")
+    weights = SharedWeights(directory)
+    paths = {role: save(export_graph(model, params, role, dtype=dtype, opset=opset), directory / f"{role}.onnx", weights)
              for role in wanted}
     write_manifest(directory, cfg, params, {role: path.name for role, path in paths.items()},
                    dtype=dtype, opset=opset, exporter=f"torch {torch.__version__}")

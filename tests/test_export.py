@@ -612,32 +612,81 @@ def test_the_modern_decoder_exports_pass_every_whole_model_cell(name):
         assert attention == [] and sum(node.op_type == "Tanh" for node in graph.node) >= cfg.n_decoder_layers + 1
 
 
+def _placed(model: onnx.ModelProto) -> dict[str, tuple[str, int, int]]:
+    """{initializer: (file, offset, length)} of a graph's weights kept outside it."""
+    placed = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            placed[tensor.name] = (info["location"], int(info["offset"]), int(info["length"]))
+    return placed
+
+
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_a_graph_too_large_for_protobuf_keeps_its_weights_beside_it(tmp_path, monkeypatch, framework):
-    """Issue 38: above protobuf's 2 GB a graph's weights go to `<graph>.onnx.data` (external data);
-    the threshold lowered here so that llama-tiny's graphs cross it. The cache stores both files,
-    onnxruntime serves the pair against the golden, and a Triton repository copies both."""
-    import export.onnx_model as onnx_model
+def test_an_exports_graphs_share_one_weights_file_each_tensor_once_where_onnxruntime_maps_it(tmp_path, framework):
+    """Issue 58: the graphs of an export keep their weights in one file (weights.data), each tensor
+    once whichever graphs hold it, at an offset onnxruntime's CPU provider maps rather than copies
+    (a multiple of the page), so the sessions of an export read one copy of the weights; the CPU
+    sessions are made at their first use. The cache's entry is whole only with the file, and a
+    Triton repository copies it beside each graph."""
+    from export import cache, onnx_model
     from export.triton import write_repository
 
-    monkeypatch.setattr(onnx_model, "EXTERNAL_DATA_ABOVE", 1000)
-    monkeypatch.setenv("ROSETTA_ONNX_CACHE", str(tmp_path / "cache"))
     cfg = get_preset("llama-tiny")
     params = conformance_params(cfg, seed=0)
     directory = exported(cfg, params, framework=framework, dtype="float32")
-    manifest = json.loads((directory / "manifest.json").read_text())
-    assert manifest["external_data"] == {name: name + ".data" for name in manifest["graphs"].values()}
-    forward = onnx.load(str(directory / "forward.onnx"), load_external_data=False)
-    assert (directory / "forward.onnx.data").stat().st_size > (directory / "forward.onnx").stat().st_size
-    assert any(tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in forward.graph.initializer)
+    graphs = json.loads((directory / "manifest.json").read_text())["graphs"]
+    assert json.loads((directory / "manifest.json").read_text())["external_data"] == {
+        file: onnx_model.WEIGHTS_FILE for file in graphs.values()}
+    placed = {file: _placed(onnx.load(str(directory / file), load_external_data=False)) for file in graphs.values()}
+    spans = {span for graph in placed.values() for span in graph.values()}
+    assert {location for location, _, _ in spans} == {onnx_model.WEIGHTS_FILE}
+    assert all(offset % onnx_model.ALIGNMENT == 0 for _, offset, _ in spans)
+    size = (directory / onnx_model.WEIGHTS_FILE).stat().st_size
+    distinct = sum(length for _, _, length in spans)
+    assert distinct <= size < distinct + onnx_model.ALIGNMENT * len(spans)  # each tensor once
+    assert distinct >= 0.9 * 4 * sum(array.size for array in params.values())  # and every weight there
+    if framework == "torch":  # forward, decoder_step and the in-place step read the same bytes
+        referenced = sum(length for graph in placed.values() for _, _, length in graph.values())
+        assert len(graphs) >= 3 and referenced > 2 * size
+    model = OnnxTransformer(directory, device="cpu")
+    assert model.sessions.made == {}
     ids = np.array([[5, 9, 3, 7], [2, 8, 4, 1]], dtype=np.int64)
-    logits = OnnxTransformer(directory).forward(None, ids)
+    logits = model.forward(None, ids)
+    assert list(model.sessions.made) == [FORWARD]
     expected = golden.forward(cfg, params, None, ids)
     assert compare(logits.astype(np.float64), expected, _tolerance(cfg, "float32", 0, ids.shape[1])).passed
-    (directory / "forward.onnx.data").rename(tmp_path / "moved")  # an entry without its weights is not whole
-    assert exported(cfg, params, framework=framework, dtype="float32") == directory
-    assert (directory / "forward.onnx.data").is_file()  # made again
+    whole = tmp_path / "entry"
+    shutil.copytree(directory, whole)
+    (whole / onnx_model.WEIGHTS_FILE).unlink()
+    assert cache._complete(directory) and not cache._complete(whole)  # exported() would write it again
     if framework == "torch":
         written = write_repository(directory, tmp_path / "triton")
         forward_model = next(path for path in written if path.name.endswith("_forward"))
-        assert (forward_model / "1" / "forward.onnx.data").is_file()
+        assert (forward_model / "1" / onnx_model.WEIGHTS_FILE).stat().st_size == size
+
+
+def test_a_graph_too_large_for_protobuf_is_checked_from_its_files(tmp_path, monkeypatch):
+    """Issue 38: above protobuf's 2 GB (the threshold lowered here) a graph cannot be checked in
+    memory: save checks it from its files, in the export's shared weights file or, for a graph
+    saved alone (a planted copy), in `<graph>.onnx.data` beside it; onnxruntime serves both."""
+    from export import onnx_model
+
+    monkeypatch.setattr(onnx_model, "EXTERNAL_DATA_ABOVE", 1000)
+    cfg = get_preset("llama-tiny")
+    params = conformance_params(cfg, seed=0)
+    source = exported(cfg, params, framework="torch", dtype="float32")
+    checked = []
+    monkeypatch.setattr(onnx.checker, "check_model", lambda model, **options: checked.append(model))
+    ids = np.array([[5, 9, 3, 7]], dtype=np.int64)
+    expected = golden.forward(cfg, params, None, ids)
+    for folder, weights in (("shared", True), ("alone", False)):
+        directory = tmp_path / folder
+        path = onnx_model.save(onnx.load(str(source / "forward.onnx")), directory / "forward.onnx",
+                               onnx_model.SharedWeights(directory) if weights else None)
+        assert checked[-1] == str(directory / "forward.onnx.tmp")  # from the file, before its rename
+        kept_in = onnx_model.WEIGHTS_FILE if weights else "forward.onnx.data"
+        assert {location for location, _, _ in _placed(onnx.load(str(path), load_external_data=False)).values()} == {kept_in}
+        session = ort.InferenceSession(str(path), providers=[CPU])
+        logits = session.run(None, {"tgt_ids": ids, "tgt_keep": np.ones_like(ids, dtype=bool)})[0]
+        assert compare(logits.astype(np.float64), expected, _tolerance(cfg, "float32", 0, ids.shape[1])).passed

@@ -162,6 +162,9 @@ class Footprint:
     copies: float
     half_copies: float | None = None
     activation_copies: float = 3.0
+    # the copies while the column first exports its model (its load not cached: export.cache), at
+    # float32 and at half precision, where they are more than `copies`
+    export_copies: tuple[float, float] | None = None
 
 
 # Measured on SmolLM2-135M's shape (2 cores, 2026-11-28; benchmarks/footprints.py, its page in
@@ -169,16 +172,18 @@ class Footprint:
 # decode-incremental, forward-long and decode-far, freed pages given back after each case as a worker
 # does (its mapped weights' pages included). `copies`: the peak through the loading and forward-none
 # over the weights at the column's dtype; `activation_copies`: what the longer cases took beyond that,
-# over their activations once (an ONNX column's second session, made at its first decoding, among
-# them); each about a tenth above the measurement. onnx-jax's export peaks above its cases (measured
-# 0 activation copies): one is counted.
+# over their activations once (an ONNX column's decoding session, made at its first decoding, among
+# them); each about a tenth above the measurement. The ONNX columns' figures are those of an export
+# whose graphs share one mapped weights file (export.onnx_model.SharedWeights) and whose sessions are
+# made at their first use; `export_copies`, those of the same run exporting first (not cached).
+# onnx-jax's export peaks above its cases (measured 0 activation copies): one is counted.
 FOOTPRINTS: dict[str, Footprint] = {
     "numpy-float32": Footprint(1.0, activation_copies=2.6),
     "torch": Footprint(1.3, 1.5, activation_copies=2.8),
     "torch-math": Footprint(1.3, 1.5, activation_copies=2.8),
     "jax": Footprint(1.4, 3.3, activation_copies=5.3),
     "jax-math": Footprint(1.4, 3.3, activation_copies=5.3),
-    "onnx": Footprint(5.2, 10.3, activation_copies=4.5),
+    "onnx": Footprint(1.4, 3.3, activation_copies=6.0, export_copies=(6.8, 8.1)),
     "onnx-jax": Footprint(5.3, activation_copies=1.0),
     "transformers": Footprint(1.5, 3.9, activation_copies=3.3),
     "onnxruntime-genai": Footprint(1.7, activation_copies=5.4),
@@ -191,6 +196,17 @@ def weight_copies(name: str, dtype: str) -> float:
     """The copies of its weights a backend's column holds at dtype (FOOTPRINTS)."""
     figures = FOOTPRINTS.get(name, Footprint(2.0))
     return figures.half_copies if BYTES.get(dtype, 4) == 2 and figures.half_copies is not None else figures.copies
+
+
+def export_bytes(cfg, column: tuple[str, str, str]) -> int:
+    """What a column holds beyond its footprint while it exports its model first (its load not
+    cached): the export's copies of the weights over its sessions' (FOOTPRINTS' export_copies)."""
+    name, dtype, _ = column
+    figures = FOOTPRINTS.get(name, Footprint(2.0))
+    if figures.export_copies is None:
+        return 0
+    extra = figures.export_copies[BYTES.get(dtype, 4) == 2] - weight_copies(name, dtype)
+    return max(0, int(extra * count_params(cfg) * BYTES.get(dtype, 4)))
 
 
 @dataclass(frozen=True)
