@@ -17,6 +17,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export the graphs, check the forward graph against the golden, optionally write a Triton repository."""
     from conformance.deployment.export_check import check_exported_forward
     from export.exporters import export_model
+    from export.onnx_model import WEIGHTS_FILE
 
     cfg, params, _ = load_model(preset=args.preset, seed=args.seed, weights=args.weights)
     writable_folder(args.out, "--out")
@@ -26,6 +27,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported from {args.framework} in {time.perf_counter() - start:.1f} s (opset {args.opset}, {args.dtype}):")
     for role, path in paths.items():
         print(f"  {role:18} {path}  {path.stat().st_size / 1e6:8.2f} MB")
+    if (weights := Path(args.out) / WEIGHTS_FILE).is_file():
+        print(f"  {'weights (shared)':18} {weights}  {weights.stat().st_size / 1e6:8.2f} MB")
     if "forward" in paths:
         result = check_exported_forward(args.out, cfg, params)
         print(f"forward graph vs golden (batch 2, onnxruntime CPU): max|error| / tolerance = "
