@@ -403,3 +403,24 @@ def test_rosetta_check_with_hf(tmp_path, checkpoints, capsys):
     assert main(["check", "--backends", "transformers"]) == 2
     assert "--hf DIR" in capsys.readouterr().err
     assert main(["check", "--preset", "tiny", "--hf", str(checkpoints["bart"])]) == 2
+
+
+def test_the_transformers_column_loads_without_other_libraries_lines(checkpoints):
+    """Issue 58: a check's output is its own. Loading a model class makes transformers import torchao
+    where it is installed (the tests' extra), which logs its CUDA libraries' absence and makes torch
+    log an enum's registration; transformers draws a loading bar. A fresh process that loads the
+    column's runner writes none of them."""
+    import subprocess
+    import sys
+
+    load = ("from pathlib import Path\n"
+            "from conformance.backends.transformers_backend import TransformersRunner\n"
+            "from importers import import_huggingface\n"
+            f"directory = Path({str(checkpoints['gpt2'])!r})\n"
+            "TransformersRunner(directory, import_huggingface(directory).config, 'float32', 'cpu')\n"
+            "print('loaded')\n")
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
+    for line in ("Failed to load", "_pytree", "Loading weights"):
+        assert line not in done.stderr, done.stderr[-2000:]

@@ -57,6 +57,18 @@ from spec.routing import RoutingLog
 
 MODEL_CASES = ("forward", "encoder", "decode", "generate")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
+# torchao, which transformers imports with a model class where it is installed (the tests' extra),
+# warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao
+# registers: lines in the middle of a check's output that concern no column
+NOISY_ON_IMPORT = ("torchao", "torch.utils._pytree")
+
+
+def quiet_noisy_imports() -> None:
+    """Raise NOISY_ON_IMPORT's loggers to ERROR (a failure still shows)."""
+    import logging
+
+    for name in NOISY_ON_IMPORT:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class TransformersRunner:
@@ -66,6 +78,7 @@ class TransformersRunner:
         from transformers.utils import logging
 
         logging.disable_progress_bar()  # a loading bar per column would bury the matrix's own progress
+        quiet_noisy_imports()
 
         self.torch, self.cfg, self.device = torch, cfg, torch.device(device)
         torch_dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,

@@ -73,17 +73,14 @@ def _torchao_served(cfg: ModelConfig, params: Mapping[str, np.ndarray]):
     """impl_torch's model (the torch column's runner, float32, CPU) with every nn.Linear made weight-only
     int8 by torchao (Int8WeightOnlyConfig), and the weights it stores read back under the spec's names
     (a module's path is its parameter's: impl_torch's state_dict keys are the canonical names)."""
-    import logging
-
     import torch
 
     from conformance.backends.torch_backend import TorchBackend
+    from conformance.backends.transformers_backend import quiet_noisy_imports
     from export.quantize import DeployedWeights, StoredWeight, unrounded
     from spec.quantization import RowQuantized, dequantize_rows
 
-    # torchao warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao registers
-    for logger in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(logger).setLevel(logging.ERROR)
+    quiet_noisy_imports()
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
