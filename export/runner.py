@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
@@ -147,16 +148,19 @@ def session_options(*, optimization: str, deterministic: bool, threads: int | No
 
 class Sessions(MutableMapping):
     """role -> onnxruntime session, each made by make(role, file) when it is first asked for; the
-    roles are those of `graphs` (role -> file) from the start."""
+    roles are those of `graphs` (role -> file) from the start. Callers on several threads share the
+    one session a role gets (the lock: two first calls at once would each make one)."""
 
     def __init__(self, make: Callable[[str, str], ort.InferenceSession], graphs: Mapping[str, str]):
         self.make, self.graphs, self.made = make, dict(graphs), {}
+        self.making = threading.Lock()
 
     def __getitem__(self, role: str) -> ort.InferenceSession:
-        if role not in self.made:
-            if role not in self.graphs:
-                raise KeyError(role)
-            self.made[role] = self.make(role, self.graphs[role])
+        if role not in self.graphs:
+            raise KeyError(role)
+        with self.making:
+            if role not in self.made:
+                self.made[role] = self.make(role, self.graphs[role])
         return self.made[role]
 
     def __setitem__(self, role: str, session: ort.InferenceSession) -> None:
@@ -286,11 +290,11 @@ class OnnxTransformer:
         self.providers = [(CUDA, cuda_provider_options(tf32)), CPU] if device == "cuda" else [CPU]
         self._placements: dict[str, list[PlacedNode]] = {}  # a CUDA session's, seen at load
         self.graphs = served_graphs(self.manifest["graphs"], device)
+        for role, file in self.graphs.items():
+            self._check_stamp(role, file)
         # On CUDA every session is made now, as the refusal of a fallback promises (its placement is
         # seen at load); on the CPU each at its first use: each session holds its own prepacked copy
         # of the weights, and a forward-only run never needs the step graphs'
-        for role, file in self.graphs.items():
-            self._check_stamp(role, file)
         self.sessions = Sessions(self._session, self.graphs)
         if device == "cuda":
             for role in self.graphs:

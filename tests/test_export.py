@@ -337,6 +337,17 @@ def test_one_session_shared_by_eight_threads():
     for (logits_a, tokens_a), (logits_b, tokens_b) in zip(sequential, concurrent):
         np.testing.assert_array_equal(logits_a, logits_b)
         np.testing.assert_array_equal(tokens_a, tokens_b)
+    # a CPU session is made at its first use: eight threads asking at once share the one made
+    fresh, made = OnnxTransformer(model.directory, device="cpu"), []
+    make = fresh.sessions.make
+    fresh.sessions.make = lambda role, file: (made.append(role), make(role, file))[1]
+    together = threading.Barrier(8)
+    threads = [threading.Thread(target=lambda: (together.wait(), fresh.forward(*jobs[0]))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert made == [FORWARD]
 
 
 def test_every_node_placed_on_the_cpu_provider():
