@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.adapter import get_backend
 from conformance.plan.budget import DEFAULT_BUDGET, BudgetPlan, fit_budget, format_seconds, larger_than_presets
 from conformance.cases import case_names
 from conformance.cells import ERROR, FAIL, PASS, CellResult
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
-from conformance.harness import Plan, memory_ledger, plan_matrix, run_matrix, runnable_cells
+from conformance.harness import Plan, cold_columns, memory_ledger, plan_matrix, run_matrix, runnable_cells
 from conformance.diagnosis.explain import explain_failures
 from conformance.diagnosis.localize import localize_failures
 from conformance.plan.memory import MemoryLedger, references_here
@@ -156,17 +155,6 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
                     routing=routing_margins(cfg, params, results), quantized=columns)
 
 
-def _cold(cfg: ModelConfig, params, plan: Plan) -> set:
-    """The columns whose load would export first: a backend that can say (load_is_cached) says not cached."""
-    cold = set()
-    for column in plan.columns:
-        backend, _ = get_backend(column[0])
-        cached = getattr(backend, "load_is_cached", None)
-        if cached is not None and not cached(cfg, params, column[1]):
-            cold.add(column)
-    return cold
-
-
 def _columns_in_memory(ledger: MemoryLedger, plan: Plan) -> int:
     """How many of the plan's columns the memory holds at once, by their median footprint."""
     if not plan.columns:
@@ -190,6 +178,6 @@ def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, back
     cells = [cell for cell in cells if ledger.why_not(cell[2]) is None]
     workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
     lengths = [len(row) for row in text.ids] if text else []
-    budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, _cold(cfg, params, plan))
+    budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, cold_columns(cfg, params, plan.columns))
     left_out = f"left out by the plan's budget of {format_seconds(budget)} (--full runs every cell)"
     return dataclasses.replace(plan, chosen=frozenset(budgeted.chosen), left_out=left_out), budgeted

@@ -234,6 +234,17 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     return results + [finished[index] for index in sorted(finished)]
 
 
+def cold_columns(cfg: ModelConfig, params: Mapping[str, np.ndarray], columns) -> set:
+    """The columns whose load would export first: a backend that can say (load_is_cached) says not
+    cached (conformance.plan.cost counts the export's minutes, the memory ledger its peak)."""
+    cold = set()
+    for column in columns:
+        cached = getattr(get_backend(column[0])[0], "load_is_cached", None)
+        if cached is not None and not cached(cfg, params, column[1]):
+            cold.add(column)
+    return cold
+
+
 def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan, names: Sequence[tuple[str, str]],
                   pattern: str | None, prompts: Prompts | None, references_here: bool = False,
                   memory_total: int | None = None, workers: int = 0) -> MemoryLedger:
@@ -259,11 +270,7 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     golden = golden_footprint(cfg, params, longest_case, available)
     reference = reference_bytes(cfg, longest_case)
 
-    exporting = set()  # the columns whose load exports first (an uncached ONNX export holds more)
-    for column in longest:
-        cached = getattr(get_backend(column[0])[0], "load_is_cached", None)
-        if cached is not None and not cached(cfg, params, column[1]):
-            exporting.add(column)
+    exporting = cold_columns(cfg, params, longest)  # an uncached ONNX export holds more than its sessions
 
     def footprint(column) -> int:
         own = golden if column in backward or not references_here else reference
