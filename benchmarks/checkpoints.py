@@ -116,7 +116,7 @@ class Measured:
     run: str
     command: list[str]
     seconds: float
-    peak_pss_gb: float
+    peak_pss_gb: float  # decimal GB, as --memory reads them and the targets are stated
     exit_code: int | None  # None: stopped at the time limit
     tail: list[str] = field(default_factory=list)
 
@@ -167,7 +167,7 @@ def measure(shape: str, run: str, argv: Sequence[str], limit: float, every: floa
         sampler.join()
         output.seek(0)
         tail = output.read().decode(errors="replace").splitlines()[-12:]
-    return Measured(shape, run, list(argv), round(time.perf_counter() - start, 1), round(peak / 2**30, 2), code, tail)
+    return Measured(shape, run, list(argv), round(time.perf_counter() - start, 1), round(peak / 1e9, 2), code, tail)
 
 
 def bench_checkpoints(shapes: Sequence[str], runs: Sequence[str], root: str | os.PathLike, limit: float,

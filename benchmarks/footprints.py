@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.plan.memory import BYTES, FOOTPRINTS, Extent, Footprint, activation_bytes, weight_copies
+from conformance.plan.memory import BYTES, Extent, activation_bytes, activation_copies, weight_copies
 
 CASES = (("forward", "none"), ("decode", "incremental"), ("forward", "long"), ("decode", "far"))
 DEFAULT_COLUMNS = ("torch/float32", "torch/bfloat16", "jax/float32", "jax/bfloat16", "onnx/float32",
@@ -82,14 +82,14 @@ def measure(weights: str, column: str, hf: str | None) -> dict:
     weights_bytes = count_params(cfg) * BYTES[dtype]
     extent = Extent(found["positions"], found["logit_rows"])
     activations = activation_bytes(cfg, (name, dtype, "cpu"), extent)
-    one_copy = activations / FOOTPRINTS.get(name, Footprint(2.0)).activation_copies  # the activations once
+    one_copy = activations / activation_copies(name, dtype)  # the activations once
     taken, loading = found["peak"] - found["before"], found["loaded"] - found["before"]
     return {"column": column, "cases": found["cases"], "peak_gb": round(taken / 1e9, 2),
             "kept_gb": round((found["after"] - found["before"]) / 1e9, 2),
             "weights_gb": round(weights_bytes / 1e9, 2), "activations_gb": round(one_copy / 1e9, 2),
             "copies": round(loading / weights_bytes, 2), "table_copies": weight_copies(name, dtype),
             "activation_copies": round((taken - loading) / one_copy, 2),
-            "table_activation_copies": FOOTPRINTS.get(name, Footprint(2.0)).activation_copies}
+            "table_activation_copies": activation_copies(name, dtype)}
 
 
 def markdown(rows: list[dict], source: str) -> str:

@@ -5,6 +5,7 @@ run_cell, in whatever process or node holds the column's runner."""
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import time
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from conformance.adapter import NotSupported, Partial, get_backend
 from conformance.backends.numpy_backend import NumpyRunner, golden_output
 from conformance.cases import NEAR_TIE_CASES, SUBLAYERS, TEXT_CASES, Case, forward_of, is_gradient, is_training
 from conformance.diagnosis.field_metrics import field_metrics
-from conformance.plan.memory import golden_budget
+from conformance.plan.memory import give_back_freed, golden_budget
 from conformance.diagnosis.routing import compare_router, near_ties, replayed_routing, replayed_training
 from conformance.tolerance import compare, compare_generation, compare_gradients
 from conformance.training_cells import NotJudged, TrainingReference, compare_training, step_tolerances
@@ -144,6 +145,10 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
             # every executor runs a column's cells together: the columns before it are done, and
             # their runners go before this one loads (at a real checkpoint's size each holds GBs)
             runners.clear()
+            # a runner in a reference cycle (an ONNX runner's sessions, SmolLM2-135M's: 1.9 GB) is
+            # freed only by the collector, which would run after the next column had loaded beside it
+            gc.collect()
+            give_back_freed()
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         if case.mask_case in NEAR_TIE_CASES and not hasattr(runners[key], "routing_log"):

@@ -173,13 +173,14 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
                                           reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
                 continue
-            if plan.chosen is not None and (sublayer, mask_case, column) not in plan.chosen:
-                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=plan.left_out,
-                                          skip=PLANNED_OUT))
-                continue
+            # a budget's plan has no cell of a column too large for the memory: the memory is the cause
             if too_large:  # never started, rather than killed by the kernel for want of memory
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=too_large,
                                           skip=TOO_LARGE))
+                continue
+            if plan.chosen is not None and (sublayer, mask_case, column) not in plan.chosen:
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=plan.left_out,
+                                          skip=PLANNED_OUT))
                 continue
             if (sublayer, mask_case) not in built:
                 built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
@@ -273,7 +274,9 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     exporting = cold_columns(cfg, params, longest)  # an uncached ONNX export holds more than its sessions
 
     def footprint(column) -> int:
-        own = golden if column in backward or not references_here else reference
+        # the golden a worker casts for itself; without workers, the columns run beside this
+        # process's golden, counted once in the limit (held_here)
+        own = golden if workers and (column in backward or not references_here) else reference
         exporting_too = export_bytes(cfg, column) if column in exporting else 0
         return column_footprint(cfg, column, longest.get(column, Extent(1, 1))) + own + exporting_too
 

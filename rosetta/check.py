@@ -36,11 +36,15 @@ from spec.quantization import parse_scheme
 
 
 def _early_workers(jobs: int | None, backends: list[str] | None, dtypes: list[str] | None,
-                   devices: list[str] | None) -> WorkerPool | None:
+                   devices: list[str] | None, memory: int | None = None) -> WorkerPool | None:
     """Worker processes started before the model is loaded and the matrix planned, importing the
     frameworks meanwhile (planning imports them here too): ~2 s of a warm check. None where the
     run will be one process: --jobs 1, or a GPU (auto gives one process where any column is on
-    a GPU, so none is started where a device other than the CPU is asked for or present)."""
+    a GPU, so none is started where a device other than the CPU is asked for or present); and
+    none with --memory and no --jobs, whose workers the plan counts (as many as the columns the
+    memory holds at once: conformance.check)."""
+    if jobs is None and memory is not None:
+        return None
     if jobs is None:
         if (devices and set(devices) != {"cpu"}) or (not devices and NVIDIA_DRIVER.exists()):
             return None
@@ -130,7 +134,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         # this machine's speed, for a plan that fits a budget, measured before the workers start
         # importing their frameworks beside it (a plan made on shared cores chose a third of the cells)
         matmul_speed("float64"), matmul_speed("float32")
-    pool = _early_workers(jobs, backends, dtypes, devices) if executor is None else None
+    pool = _early_workers(jobs, backends, dtypes, devices, memory) if executor is None else None
     # a person at a terminal gets rich's progress bar and colored table; a file or pipe, plain text
     # and a line per finished column
     if args.quiet:

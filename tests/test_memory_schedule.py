@@ -14,7 +14,8 @@ from conformance.harness import plan_matrix, run_matrix
 from conformance.backends.numpy_backend import golden_output
 from conformance.cases import build_case
 from conformance.plan.cost import logit_rows
-from conformance.plan.memory import FOOTPRINTS, Extent, MemoryLedger, column_footprint, export_bytes, reference_bytes
+from conformance.plan.memory import (FOOTPRINTS, WORKER_BYTES, Extent, MemoryLedger, column_footprint, export_bytes,
+                                     reference_bytes)
 from spec import conformance_params, get_preset
 
 CFG = get_preset("llama-tiny")
@@ -310,4 +311,103 @@ def test_the_rows_of_logits_counted_are_the_golden_references(sublayer, mask_cas
     if sublayer == "loss":
         assert rows == case.inputs["tgt_ids"].shape[1]
     else:
-        assert golden_output(CFG, PARAMS, sublayer, case.inputs).shape[1] == rows
+        output = golden_output(CFG, PARAMS, sublayer, case.inputs)
+        assert output.shape[1] == rows
+        # and they are all it keeps alive: a decode's steps sliced from the whole forward's logits
+        # as a view kept the prompt's rows with them (decode-far at SmolLM2-135M's size: 1.2 GB for 2 rows)
+        assert output.base is None or output.base.nbytes == output.nbytes
+
+
+def _memory_of(monkeypatch, column_bytes: int, golden_bytes: int = 0) -> None:
+    """A machine of 100 GB on which this process holds 1 GB, each column takes column_bytes and the
+    golden golden_bytes (its weights; its references nothing)."""
+    from conformance.plan import memory
+
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: column_bytes)
+    monkeypatch.setattr(harness, "golden_footprint", lambda cfg, params, longest, available: golden_bytes)
+    monkeypatch.setattr(harness, "reference_bytes", lambda cfg, longest: 0)
+    _available(monkeypatch, 100 * GB)
+    monkeypatch.setattr(memory, "resident_memory", lambda: GB)
+
+
+@pytest.mark.parametrize("columns_at_once, jobs", [(1.5, 1), (2.5, 2)])
+def test_a_memory_that_holds_one_column_at_a_time_runs_them_in_this_process(monkeypatch, columns_at_once, jobs):
+    """--memory without --jobs: no more workers than the columns it holds at once, and none where
+    that is one (a second would hold its frameworks while it waits)."""
+    from conformance import check
+    from conformance.plan import memory
+
+    _memory_of(monkeypatch, GB)
+    asked = []
+    monkeypatch.setattr(check, "run_matrix", lambda *args, **kwargs: asked.append(kwargs["jobs"]) or [])
+    total = GB + 2 * memory.WORKER_BYTES + int(columns_at_once * GB)
+    check.check_model(preset="llama-tiny", backends=["numpy-float32", "torch"], dtypes=["float32"], memory=total)
+    check.check_model(preset="llama-tiny", backends=["numpy-float32", "torch"], dtypes=["float32"], memory=total, jobs=2)
+    assert asked == [jobs, 2]  # a --jobs given is kept
+    # a total that holds this process but not two workers' frameworks: this process runs the columns
+    check.check_model(preset="llama-tiny", backends=["numpy-float32", "torch"], dtypes=["float32"],
+                      memory=GB + memory.WORKER_BYTES + int(0.3 * GB))
+    assert asked[-1] == 1
+
+
+def test_without_workers_the_golden_is_counted_once_beside_the_columns(monkeypatch):
+    """A worker that computes its own references casts a golden of its own: its column's footprint
+    counts it; the columns of this process run beside this process's golden, which the limit has
+    already taken (else a column fitting beside it was refused: SmolLM2-135M's jax and onnx at
+    --memory 6G)."""
+    from conformance.cases import case_names
+
+    _memory_of(monkeypatch, GB, golden_bytes=3 * GB)
+    plan = plan_matrix(CFG, ["torch"], ["float32"], ["cpu"])
+    names, column = case_names(CFG, False), ("torch", "float32", "cpu")
+    in_workers = harness.memory_ledger(CFG, PARAMS, plan, names, None, None, workers=2, memory_total=10 * GB)
+    here = harness.memory_ledger(CFG, PARAMS, plan, names, None, None, workers=0, memory_total=10 * GB)
+    assert in_workers.footprint(column) == 4 * GB and here.footprint(column) == GB
+    assert here.limit == 10 * GB - GB - 3 * GB  # this process, its golden's weights
+    assert in_workers.limit == 10 * GB - GB - 3 * GB - 2 * WORKER_BYTES
+
+
+def test_a_backend_may_take_more_activations_at_half_precision():
+    """ONNX's float16 graphs hold more than its float32 ones (their casts' copies): measured apart."""
+    from conformance.plan.memory import activation_bytes, activation_copies
+
+    assert activation_copies("onnx", "float16") > activation_copies("onnx", "float32")
+    assert activation_copies("torch", "float16") == activation_copies("torch", "float32")
+    assert activation_bytes(CFG, ("onnx", "float16", "cpu"), 64) > activation_bytes(CFG, ("onnx", "float32", "cpu"), 64)
+
+
+def test_a_columns_runner_is_freed_before_the_next_column_loads_even_in_a_reference_cycle(monkeypatch):
+    """A process runs its columns one after another: the last one's runner goes before the next
+    loads, where it sits in a reference cycle too (an ONNX runner's did: SmolLM2-135M's 1.9 GB stayed
+    under the next column until the collector ran)."""
+    import gc
+    import weakref
+
+    from conformance import cells
+    from conformance.backends.numpy_backend import NumpyRunner
+
+    freed, loaded_beside = [], []
+
+    class Cyclic:
+        def __init__(self):
+            self.runner, self.itself = NumpyRunner(CFG, PARAMS, "float32"), self  # a cycle
+            weakref.finalize(self, freed.append, True)
+
+        def run(self, sublayer, inputs):
+            return self.runner.run(sublayer, inputs)
+
+    class Backend:
+        def load(self, cfg, params, dtype, device):
+            loaded_beside.append(len(freed))
+            return Cyclic()
+
+    monkeypatch.setattr(cells, "get_backend", lambda name: (Backend(), None))
+    case = build_case(CFG, PARAMS, "forward", "none")
+    reference, runners = golden_output(CFG, PARAMS, "forward", case.inputs), {}
+    gc.disable()  # the collector may not run between the columns by chance
+    try:
+        for column in ("first", "second"):
+            assert cells.run_cell(CFG, PARAMS, case, column, "float32", "cpu", reference, runners).status == PASS
+    finally:
+        gc.enable()
+    assert loaded_beside == [0, 1]  # the first column's runner was gone when the second loaded

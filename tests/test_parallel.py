@@ -182,6 +182,9 @@ def test_workers_are_started_early_only_where_the_run_will_use_them(monkeypatch,
     assert cli._early_workers(1, None, None, None) is None  # --jobs 1: one process
     assert cli._early_workers(None, None, None, ["cuda"]) is None  # a GPU column: one process
     assert cli._early_workers(None, ["torch"], ["float32"], None) is None  # one column: no worker at all
+    # --memory: the plan counts the workers (as many as the columns it holds at once); a --jobs given is kept
+    assert cli._early_workers(None, ["numpy-float32", "torch"], None, None, memory=6 * 10 ** 9) is None
+    assert cli._early_workers(2, ["numpy-float32", "torch"], None, None, memory=6 * 10 ** 9) == "pool"
     (tmp_path / "driver").write_text("NVRM version: 580.95.05")
     monkeypatch.setattr(cli, "NVIDIA_DRIVER", tmp_path / "driver")
     assert cli._early_workers(None, None, None, None) is None  # every device present: a GPU here

@@ -157,11 +157,13 @@ class Footprint:
     """What a backend's column holds beyond its process's frameworks: `copies` of the weights at
     the column's dtype (a framework's own, an export's graph and its session's; `half_copies` at
     float16 and bfloat16, where some convert from float32), and its longest case's activations
-    `activation_copies` times (the logits, mostly, at float32 or wider)."""
+    `activation_copies` times (the logits, mostly, at float32 or wider; `half_activation_copies` at
+    float16 and bfloat16, where a backend takes more there)."""
 
     copies: float
     half_copies: float | None = None
     activation_copies: float = 3.0
+    half_activation_copies: float | None = None
     # the copies while the column first exports its model (its load not cached: export.cache), at
     # float32 and at half precision, where they are more than `copies`
     export_copies: tuple[float, float] | None = None
@@ -176,15 +178,16 @@ class Footprint:
 # them); each about a tenth above the measurement. The ONNX columns' figures are those of an export
 # whose graphs share one mapped weights file (export.onnx_model.SharedWeights) and whose sessions are
 # made at their first use; `export_copies`, those of the same run exporting first (not cached:
-# onnx/float32 6.18, onnx/float16 7.38, onnx-jax 4.78, measured before the shared file). One
-# activation figure serves both dtypes of a backend: the larger (onnx/float16's 6.19).
+# onnx/float32 6.18, onnx/float16 7.38, onnx-jax 4.78, measured before the shared file). A
+# backend's activation figure is its larger dtype's, but for ONNX's float16 graphs (6.19, their
+# casts' copies; float32's 5.21).
 FOOTPRINTS: dict[str, Footprint] = {
     "numpy-float32": Footprint(1.0, activation_copies=2.6),
     "torch": Footprint(1.3, 1.5, activation_copies=2.8),
     "torch-math": Footprint(1.3, 1.5, activation_copies=2.8),
     "jax": Footprint(1.4, 3.3, activation_copies=5.3),
     "jax-math": Footprint(1.4, 3.3, activation_copies=5.3),
-    "onnx": Footprint(1.4, 3.3, activation_copies=6.8, export_copies=(6.8, 8.1)),
+    "onnx": Footprint(1.4, 3.3, activation_copies=5.7, half_activation_copies=6.8, export_copies=(6.8, 8.1)),
     "onnx-jax": Footprint(1.4, activation_copies=3.5, export_copies=(5.3, 5.3)),
     "transformers": Footprint(1.5, 3.9, activation_copies=3.3),
     "onnxruntime-genai": Footprint(1.7, activation_copies=5.4),
@@ -197,6 +200,13 @@ def weight_copies(name: str, dtype: str) -> float:
     """The copies of its weights a backend's column holds at dtype (FOOTPRINTS)."""
     figures = FOOTPRINTS.get(name, Footprint(2.0))
     return figures.half_copies if BYTES.get(dtype, 4) == 2 and figures.half_copies is not None else figures.copies
+
+
+def activation_copies(name: str, dtype: str) -> float:
+    """The copies of its longest case's activations a backend's column holds at dtype (FOOTPRINTS)."""
+    figures = FOOTPRINTS.get(name, Footprint(2.0))
+    half = BYTES.get(dtype, 4) == 2 and figures.half_activation_copies is not None
+    return figures.half_activation_copies if half else figures.activation_copies
 
 
 def export_bytes(cfg, column: tuple[str, str, str]) -> int:
@@ -234,7 +244,7 @@ def activation_bytes(cfg, column: tuple[str, str, str], longest: Extent | int) -
     name, dtype, _ = column
     extent = Extent.of(longest)
     activations = BATCH * (extent.logit_rows * cfg.tgt_vocab_size + extent.positions * 4 * max(cfg.d_model, cfg.d_ff))
-    return int(FOOTPRINTS.get(name, Footprint(2.0)).activation_copies * activations * max(BYTES.get(dtype, 4), 4))
+    return int(activation_copies(name, dtype) * activations * max(BYTES.get(dtype, 4), 4))
 
 
 def column_footprint(cfg, column: tuple[str, str, str], longest: Extent | int) -> int:
