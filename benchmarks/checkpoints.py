@@ -95,6 +95,12 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
 
 def shaped_checkpoint(shape: str, directory: str | os.PathLike) -> Path:
     """The random checkpoint of a SHAPES entry (made once: an existing directory is kept)."""
+    # the bench's output is its table's lines: not transformers' "Writing model shards" bar (read
+    # when it is first imported) nor torchao's warnings of its absent CUDA kernels
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from conformance.backends.transformers_backend import quiet_noisy_imports
+
+    quiet_noisy_imports()
     import transformers
 
     family, fields = SHAPES[shape]

@@ -259,15 +259,21 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     not hold this process, the golden it will cast and its workers)."""
     lengths = [len(row) for row in prompts.ids] if prompts else []
     longest: dict[tuple[str, str, str], Extent] = {}
+    unchosen: dict[tuple[str, str, str], Extent] = {}  # the columns a budget's plan chose no cell of
     backward: set[tuple[str, str, str]] = set()
     for sublayer, mask_case, column in runnable_cells(plan, names, pattern):
+        extent = Extent(positions(cfg, sublayer, mask_case, lengths), logit_rows(cfg, sublayer, mask_case, lengths))
         if plan.chosen is None or (sublayer, mask_case, column) in plan.chosen:
-            extent = Extent(positions(cfg, sublayer, mask_case, lengths), logit_rows(cfg, sublayer, mask_case, lengths))
             longest[column] = longest.get(column, Extent(1, 1)) | extent
             if is_backward(sublayer):
                 backward.add(column)
+        else:
+            unchosen[column] = unchosen.get(column, Extent(1, 1)) | extent
     available = available_memory()
     longest_case = functools.reduce(operator.or_, longest.values(), Extent(1, 1))
+    # a column the plan left out whole is measured on its own cases, so that why_not says where the
+    # memory was the cause (the budget left it out for that: conformance.check._fit)
+    longest.update({column: extent for column, extent in unchosen.items() if column not in longest})
     golden = golden_footprint(cfg, params, longest_case, available)
     reference = reference_bytes(cfg, longest_case)
 

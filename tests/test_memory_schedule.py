@@ -411,3 +411,19 @@ def test_a_columns_runner_is_freed_before_the_next_column_loads_even_in_a_refere
     finally:
         gc.enable()
     assert loaded_beside == [0, 1]  # the first column's runner was gone when the second loaded
+
+
+def test_a_column_the_memory_cannot_hold_is_skipped_for_the_memory_not_for_the_budget(monkeypatch):
+    """A budget's plan leaves out a column the memory cannot hold: its cells say so, with the
+    figures, rather than that the budget left them out (Qwen2.5-0.5B's shape at --memory 12G said
+    the budget for 25 columns)."""
+    from conformance.check import _fit
+
+    # torch too large for its own cases, small where it runs none (as a footprint of no case was)
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest:
+                        50 * GB if column[0] == "torch" and Extent.of(longest).positions > 1 else GB)
+    _available(monkeypatch, 20 * GB)
+    plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
+    fitted, _ = _fit(CFG, PARAMS, plan, {"preset": "llama-tiny"}, 3600.0, False, "forward-none", None, 1)
+    results = run_matrix(CFG, PARAMS, fitted, pattern="forward-none", jobs=1)
+    assert {(r.backend, r.status, r.skip) for r in results} == {("numpy-float32", PASS, ""), ("torch", SKIP, TOO_LARGE)}
