@@ -25,7 +25,7 @@ from conformance.cases import case_names
 from conformance.cells import ERROR, FAIL, PASS, CellResult
 from conformance.executors import Executor
 from conformance.executors.local_pool import WorkerPool, auto_jobs
-from conformance.harness import Plan, cold_columns, memory_ledger, plan_matrix, run_matrix, runnable_cells
+from conformance.harness import Plan, cell_extent, cold_columns, memory_ledger, plan_matrix, run_matrix, runnable_cells
 from conformance.diagnosis.explain import explain_failures
 from conformance.diagnosis.localize import localize_failures
 from conformance.plan.memory import MemoryLedger, MemoryTooSmall, references_here
@@ -200,10 +200,11 @@ def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, back
     # columns at once than the memory holds (conformance.plan.memory: at a 0.5B model's size, one)
     ledger = _ledger(cfg, params, plan, backward, pattern, text, jobs, memory)
     in_memory = _columns_in_memory(ledger, plan)
-    # a column the memory cannot hold at all is skipped by the run: the budget goes to the others
-    cells = [cell for cell in cells if ledger.why_not(cell[2]) is None]
-    workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
+    # a cell whose case the memory cannot hold in its column is skipped by the run: the budget goes
+    # to the others (a column's shorter cases run where its longest does not fit)
     lengths = [len(row) for row in text.ids] if text else []
+    cells = [cell for cell in cells if ledger.why_not(cell[2], cell_extent(cfg, cell[0], cell[1], lengths)) is None]
+    workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
     budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, cold_columns(cfg, params, plan.columns))
     left_out = f"left out by the plan's budget of {format_seconds(budget)} (--full runs every cell)"
     return dataclasses.replace(plan, chosen=frozenset(budgeted.chosen), left_out=left_out), budgeted

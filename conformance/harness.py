@@ -179,8 +179,11 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                                           skip=TOO_LARGE))
                 continue
             if plan.chosen is not None and (sublayer, mask_case, column) not in plan.chosen:
-                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=plan.left_out,
-                                          skip=PLANNED_OUT))
+                # the budget's plan left out the cells whose case the memory cannot hold: said so
+                lengths = [len(row) for row in prompts.ids] if prompts else []
+                too_long = memory.why_not(column, cell_extent(cfg, sublayer, mask_case, lengths)) if memory else None
+                results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
+                                          reason=too_long or plan.left_out, skip=TOO_LARGE if too_long else PLANNED_OUT))
                 continue
             if (sublayer, mask_case) not in built:
                 built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
@@ -262,7 +265,7 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     unchosen: dict[tuple[str, str, str], Extent] = {}  # the columns a budget's plan chose no cell of
     backward: set[tuple[str, str, str]] = set()
     for sublayer, mask_case, column in runnable_cells(plan, names, pattern):
-        extent = Extent(positions(cfg, sublayer, mask_case, lengths), logit_rows(cfg, sublayer, mask_case, lengths))
+        extent = cell_extent(cfg, sublayer, mask_case, lengths)
         if plan.chosen is None or (sublayer, mask_case, column) in plan.chosen:
             longest[column] = longest.get(column, Extent(1, 1)) | extent
             if is_backward(sublayer):
@@ -274,23 +277,32 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     # a column the plan left out whole is measured on its own cases, so that why_not says where the
     # memory was the cause (the budget left it out for that: conformance.check._fit)
     longest.update({column: extent for column, extent in unchosen.items() if column not in longest})
-    golden = golden_footprint(cfg, params, longest_case, available)
     reference = reference_bytes(cfg, longest_case)
+    golden_weights = golden_footprint(cfg, params, longest_case, available) - reference  # cast here later, if not already
 
     exporting = cold_columns(cfg, params, longest)  # an uncached ONNX export holds more than its sessions
 
-    def footprint(column) -> int:
-        # the golden a worker casts for itself; without workers, the columns run beside this
-        # process's golden, counted once in the limit (held_here)
-        own = golden if workers and (column in backward or not references_here) else reference
+    def footprint_at(column, extent: Extent) -> int:
+        own = reference_bytes(cfg, extent)  # its case's reference, mapped
+        if workers and (column in backward or not references_here):
+            # the golden a worker casts for itself; without workers, the columns run beside this
+            # process's golden, counted once in the limit (held_here)
+            own += golden_weights
         exporting_too = export_bytes(cfg, column) if column in exporting else 0
-        return column_footprint(cfg, column, longest.get(column, Extent(1, 1))) + own + exporting_too
+        return column_footprint(cfg, column, extent) + own + exporting_too
 
-    golden_weights = golden - reference  # cast here later, if not already
+    def footprint(column) -> int:
+        return footprint_at(column, longest.get(column, Extent(1, 1)))
+
     ledger = MemoryLedger(columns_limit(memory_total, workers, golden_weights) if memory_total else
-                          int(COLUMNS_SHARE * available), footprint)
+                          int(COLUMNS_SHARE * available), footprint, footprint_at)
     ledger.golden_activations = 2 * reference if references_here else 0
     return ledger
+
+
+def cell_extent(cfg: ModelConfig, sublayer: str, mask_case: str, lengths: Sequence[int] = ()) -> Extent:
+    """How far a cell's case reaches: its positions and its rows of logits (conformance.plan.cost)."""
+    return Extent(positions(cfg, sublayer, mask_case, lengths), logit_rows(cfg, sublayer, mask_case, lengths))
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

@@ -427,3 +427,43 @@ def test_a_column_the_memory_cannot_hold_is_skipped_for_the_memory_not_for_the_b
     fitted, _ = _fit(CFG, PARAMS, plan, {"preset": "llama-tiny"}, 3600.0, False, "forward-none", None, 1)
     results = run_matrix(CFG, PARAMS, fitted, pattern="forward-none", jobs=1)
     assert {(r.backend, r.status, r.skip) for r in results} == {("numpy-float32", PASS, ""), ("torch", SKIP, TOO_LARGE)}
+
+
+def test_a_column_runs_the_cases_the_memory_holds_where_its_longest_does_not_fit(monkeypatch):
+    """A column whose longest case is over the memory still runs its shorter ones; the longest is
+    skipped for the memory, with the figures (Qwen2.5-0.5B's shape at --memory 12G ran no cell:
+    forward-long's 520 rows of 151,936 logits put every column over the limit)."""
+    from conformance.check import _fit
+
+    longest = harness.cell_extent(CFG, "forward", "long")
+    assert longest.positions > harness.cell_extent(CFG, "forward", "none").positions
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, extent:
+                        50 * GB if column[0] == "torch" and Extent.of(extent).positions >= longest.positions else GB)
+    _available(monkeypatch, 20 * GB)
+    plan = plan_matrix(CFG, ["numpy-float32", "torch"], ["float32"], ["cpu"])
+    fitted, _ = _fit(CFG, PARAMS, plan, {"preset": "llama-tiny"}, 3600.0, False, "forward-none|forward-long", None, 1)
+    results = run_matrix(CFG, PARAMS, fitted, pattern="forward-none|forward-long", jobs=1)
+    assert {(r.backend, r.mask_case): (r.status, r.skip) for r in results} == {
+        ("numpy-float32", "none"): (PASS, ""), ("numpy-float32", "long"): (PASS, ""),
+        ("torch", "none"): (PASS, ""), ("torch", "long"): (SKIP, TOO_LARGE)}
+    assert "needs about 50.0 GB" in next(r.reason for r in results if r.skip == TOO_LARGE)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_a_decode_reference_is_the_whole_forwards_rows_from_its_first_step(preset):
+    """The golden's decode reference runs the output head on the steps' rows only: the same numbers
+    as the whole forward's logits sliced (an encoder-decoder and a decoder-only model)."""
+    import numpy as np
+
+    from conformance.backends.numpy_backend import NumpyRunner
+
+    cfg = get_preset(preset)
+    params = conformance_params(cfg)
+    for mask_case in ("incremental", "pad_left", "far"):
+        if mask_case == "far" and cfg.positional != "rope":
+            continue
+        case = build_case(cfg, params, "decode", mask_case)
+        runner = NumpyRunner(cfg, params, "float64")
+        whole = runner.run("forward", {"src_ids": case.inputs["src_ids"], "tgt_ids": case.inputs["tgt_ids"]})
+        np.testing.assert_allclose(golden_output(cfg, params, "decode", case.inputs, runner),
+                                   whole[:, case.inputs["prefix"]:], rtol=1e-12, atol=1e-12)

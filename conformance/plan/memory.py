@@ -276,16 +276,19 @@ class MemoryLedger:
     one whose footprint is over the limit alone does not run at all (why_not says so, with the
     figures). Shared by the executor's workers and the in-process columns' thread."""
 
-    def __init__(self, limit: int, footprint):
+    def __init__(self, limit: int, footprint, footprint_at=None):
         self.limit, self.footprint = limit, footprint  # footprint(column) -> bytes
+        # footprint_at(column, extent) -> bytes: the column where its longest case reaches extent
+        self.footprint_at = footprint_at or (lambda column, extent: footprint(column))
         self.held: dict[object, int] = {}
         self.kept: dict[object, int] = {}  # what an owner's process measured it still holds after its last column
         self.golden_activations = 0  # what the golden's references take while the harness computes them
         self.changed = threading.Condition()
 
-    def why_not(self, column) -> str | None:
-        """None where the column fits alone; else why it cannot run here."""
-        need = self.footprint(column)
+    def why_not(self, column, extent: Extent | None = None) -> str | None:
+        """None where the column fits alone (running cases no longer than `extent`, where given);
+        else why it cannot run here."""
+        need = self.footprint(column) if extent is None else self.footprint_at(column, extent)
         if need <= self.limit:
             return None
         return (f"needs about {need / 1e9:.1f} GB (its weights and activations at {column[1]}, estimated), more than "
