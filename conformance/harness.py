@@ -159,6 +159,7 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
     memory = memory_ledger(cfg, params, plan, names, pattern, prompts, references_here=producing,
                            memory_total=memory_total, workers=getattr(executor, "jobs", 0)) \
         if hasattr(executor, "memory") else None
+    lengths = [len(row) for row in prompts.ids] if prompts else []
     for column in plan.columns:
         name, dtype, device = column
         # a backend may say up front which sublayers it has, so a costly load (an ONNX export)
@@ -173,14 +174,13 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
                                           reason=f"not supported: {why}", skip=NO_SUCH_SUBLAYER))
                 continue
-            # a budget's plan has no cell of a column too large for the memory: the memory is the cause
+            # the memory first: a budget's plan chose no cell that the memory cannot hold
             if too_large:  # never started, rather than killed by the kernel for want of memory
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP, reason=too_large,
                                           skip=TOO_LARGE))
                 continue
             if plan.chosen is not None and (sublayer, mask_case, column) not in plan.chosen:
                 # the budget's plan left out the cells whose case the memory cannot hold: said so
-                lengths = [len(row) for row in prompts.ids] if prompts else []
                 too_long = memory.why_not(column, cell_extent(cfg, sublayer, mask_case, lengths)) if memory else None
                 results.append(CellResult(name, device, dtype, sublayer, mask_case, SKIP,
                                           reason=too_long or plan.left_out, skip=TOO_LARGE if too_long else PLANNED_OUT))
