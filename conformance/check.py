@@ -130,13 +130,15 @@ def check_model(*, preset: str = "tiny", seed: int = 0, weights: str | Path | No
         if shard:
             plan = shard_plan(plan, *shard)
             source = {**source, "shard": f"{shard[0]}/{shard[1]}"}
+        if budget is None and size_aware and larger_than_presets(cfg):
+            budget = DEFAULT_BUDGET
+        if memory is not None or budget is not None:  # asked once for the workers, the budget and the ledger
+            plan = dataclasses.replace(plan, cold=frozenset(cold_columns(cfg, params, plan.columns)))
         if jobs is None:
             jobs = auto_jobs(plan.columns)
             if memory is not None and jobs > 1:
                 jobs = _workers_in_memory(cfg, params, plan, backward, pattern, text, jobs, memory)
         budgeted = None
-        if budget is None and size_aware and larger_than_presets(cfg):
-            budget = DEFAULT_BUDGET
         if budget is not None:
             plan, budgeted = _fit(cfg, params, plan, source, budget, backward, pattern, text, jobs, memory)
             if on_plan:
@@ -205,6 +207,7 @@ def _fit(cfg: ModelConfig, params, plan: Plan, source: dict, budget: float, back
     lengths = [len(row) for row in text.ids] if text else []
     cells = [cell for cell in cells if ledger.why_not(cell[2], cell_extent(cfg, cell[0], cell[1], lengths)) is None]
     workers = max(1, min(jobs, os.cpu_count() or 1, len(plan.columns), in_memory))
-    budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, cold_columns(cfg, params, plan.columns))
+    cold = plan.cold if plan.cold is not None else cold_columns(cfg, params, plan.columns)
+    budgeted = fit_budget(cfg, cells, budget, checkpoint_dtype(source), workers, lengths, cold)
     left_out = f"left out by the plan's budget of {format_seconds(budget)} (--full runs every cell)"
     return dataclasses.replace(plan, chosen=frozenset(budgeted.chosen), left_out=left_out), budgeted

@@ -57,6 +57,10 @@ class Plan:
     # that run; the others are skip cells that give `left_out` as their reason
     chosen: frozenset[tuple[str, str, tuple[str, str, str]]] | None = None
     left_out: str = ""
+    # the columns whose load would export first (cold_columns), where the planner has asked once: each
+    # asking hashes the weights per ONNX column (2.2 s at SmolLM2-135M's size), and a check's plan,
+    # budget and memory ledger each need them
+    cold: frozenset[tuple[str, str, str]] | None = None
 
 
 def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
@@ -280,7 +284,8 @@ def memory_ledger(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan
     reference = reference_bytes(cfg, longest_case)
     golden_weights = golden_footprint(cfg, params, longest_case, available) - reference  # cast here later, if not already
 
-    exporting = cold_columns(cfg, params, longest)  # an uncached ONNX export holds more than its sessions
+    # an uncached ONNX export holds more than its sessions
+    exporting = plan.cold if plan.cold is not None else cold_columns(cfg, params, longest)
 
     def footprint_at(column, extent: Extent) -> int:
         own = reference_bytes(cfg, extent)  # its case's reference, mapped

@@ -467,3 +467,22 @@ def test_a_decode_reference_is_the_whole_forwards_rows_from_its_first_step(prese
         whole = runner.run("forward", {"src_ids": case.inputs["src_ids"], "tgt_ids": case.inputs["tgt_ids"]})
         np.testing.assert_allclose(golden_output(cfg, params, "decode", case.inputs, runner),
                                    whole[:, case.inputs["prefix"]:], rtol=1e-12, atol=1e-12)
+
+
+def test_a_check_asks_once_which_columns_export_first(monkeypatch):
+    """Each asking hashes the weights per ONNX column: the plan carries the answer to the workers'
+    count, the budget and the memory ledger."""
+    from conformance import check
+
+    asked = []
+
+    def cold_columns(cfg, params, columns):
+        asked.append(list(columns))
+        return set()
+
+    monkeypatch.setattr(check, "cold_columns", cold_columns)
+    monkeypatch.setattr(harness, "cold_columns", cold_columns)
+    _memory_of(monkeypatch, GB)
+    run = check.check_model(preset="llama-tiny", backends=["numpy-float32", "torch"], dtypes=["float32"],
+                            pattern="forward-none", budget=3600.0, memory=GB + 2 * WORKER_BYTES + int(2.5 * GB))
+    assert run.counts["pass"] == 2 and len(asked) == 1
