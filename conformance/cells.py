@@ -8,6 +8,7 @@ import functools
 import gc
 import math
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
@@ -133,6 +134,21 @@ def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, ref
     return references[case.name]
 
 
+def _drop(runners: dict) -> None:
+    """Drop a process's runners and give their memory back before the next column loads. One that
+    outlives the drop sits in a reference cycle, which only the collector frees, and it would run
+    after the next column had loaded beside it (an ONNX runner's sessions did: 1.9 GB at
+    SmolLM2-135M's size); it is collected (0.15 s with the frameworks imported), only then."""
+    try:
+        dropped = [weakref.ref(runner) for runner in runners.values()]
+    except TypeError:  # a runner that cannot be weakly referenced cannot say: collected
+        dropped = None
+    runners.clear()
+    if dropped is None or any(reference() is not None for reference in dropped):
+        gc.collect()
+    give_back_freed()
+
+
 def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, reference,
               runners: dict) -> CellResult:
     """Run one cell on the column's runner from `runners` (loaded there when it is not: the one
@@ -144,11 +160,7 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         if key not in runners:
             # every executor runs a column's cells together: the columns before it are done, and
             # their runners go before this one loads (at a real checkpoint's size each holds GBs)
-            runners.clear()
-            # a runner in a reference cycle (an ONNX runner's sessions, SmolLM2-135M's: 1.9 GB) is
-            # freed only by the collector, which would run after the next column had loaded beside it
-            gc.collect()
-            give_back_freed()
+            _drop(runners)
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         if case.mask_case in NEAR_TIE_CASES and not hasattr(runners[key], "routing_log"):

@@ -20,11 +20,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -152,7 +154,11 @@ class Sessions(MutableMapping):
     one session a role gets (the lock: two first calls at once would each make one)."""
 
     def __init__(self, make: Callable[[str, str], ort.InferenceSession], graphs: Mapping[str, str]):
-        self.make, self.graphs, self.made = make, dict(graphs), {}
+        # a bound method held weakly: its object owns these sessions, and a strong reference back
+        # would be a cycle that keeps both, every session's memory with them, until the collector
+        # runs (an ONNX column's 1.9 GB at SmolLM2-135M's size stayed under the next column's)
+        self._make = weakref.WeakMethod(make) if inspect.ismethod(make) else (lambda: make)
+        self.graphs, self.made = dict(graphs), {}
         self.making = threading.Lock()
 
     def __getitem__(self, role: str) -> ort.InferenceSession:
@@ -160,7 +166,10 @@ class Sessions(MutableMapping):
             raise KeyError(role)
         with self.making:
             if role not in self.made:
-                self.made[role] = self.make(role, self.graphs[role])
+                make = self._make()
+                if make is None:
+                    raise ReferenceError(f"the {role!r} session's model is gone: its sessions cannot be made")
+                self.made[role] = make(role, self.graphs[role])
         return self.made[role]
 
     def __setitem__(self, role: str, session: ort.InferenceSession) -> None:

@@ -10,10 +10,12 @@ machine makes each one once.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import json
 import shutil
 import threading
+import weakref
 
 import numpy as np
 import onnx
@@ -339,8 +341,8 @@ def test_one_session_shared_by_eight_threads():
         np.testing.assert_array_equal(tokens_a, tokens_b)
     # a CPU session is made at its first use: eight threads asking at once share the one made
     fresh, made = OnnxTransformer(model.directory, device="cpu"), []
-    make = fresh.sessions.make
-    fresh.sessions.make = lambda role, file: (made.append(role), make(role, file))[1]
+    make = fresh.sessions._make()
+    fresh.sessions._make = lambda: lambda role, file: (made.append(role), make(role, file))[1]
     together = threading.Barrier(8)
     threads = [threading.Thread(target=lambda: (together.wait(), fresh.forward(*jobs[0]))) for _ in range(8)]
     for thread in threads:
@@ -348,6 +350,16 @@ def test_one_session_shared_by_eight_threads():
     for thread in threads:
         thread.join()
     assert made == [FORWARD]
+    # the sessions hold their model weakly: dropped, it is freed at once, not when the collector runs
+    gc.disable()
+    try:
+        dropped = OnnxTransformer(model.directory, device="cpu")
+        dropped.forward(*jobs[0])
+        gone = weakref.ref(dropped)
+        del dropped
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_every_node_placed_on_the_cpu_provider():
