@@ -553,18 +553,18 @@ def test_the_k_outputs_summed_in_another_order_at_bfloat16_stay_inside_the_deriv
 
 # ---- the exported graphs: routing as tensors (export/torch_export.RoutedForwardGraph) ----
 
-def _routed_export(tmp_path, preset, dtype="float32"):
+def _routed_export(preset, dtype="float32"):
+    """The export the onnx column would load (export.cache: made once, kept between runs)."""
+    from export.cache import exported
     from export.runner import OnnxTransformer
-    from export.torch_export import export_torch
     cfg = get_preset(preset)
     params = conformance_params(cfg)
-    export_torch(cfg, params, tmp_path, dtype=dtype)
-    return cfg, params, OnnxTransformer(tmp_path, device="cpu")
+    return cfg, params, OnnxTransformer(exported(cfg, params, dtype=dtype), device="cpu")
 
 
 @pytest.mark.slow
-def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_path):
-    cfg, params, model = _routed_export(tmp_path, "qwen3-moe-tiny")
+def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones():
+    cfg, params, model = _routed_export("qwen3-moe-tiny")
     ids = _ids(cfg)
     with recorded_routing() as calls:
         want = _golden_logits(cfg, params, ids)
@@ -613,16 +613,15 @@ def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_jax_exports_routed_forward_gives_its_choices_and_takes_forced_ones(tmp_path):
+def test_the_jax_exports_routed_forward_gives_its_choices_and_takes_forced_ones():
     """onnx-jax's forward_routed: jax2onnx's graph of impl_jax's routing, the choices and weights its
     own (the golden's here) or the forced ones, int64 choices out as the torch export's, the logits
     impl_jax's with the same routing forced, its own weights at the forced choices impl_jax's."""
-    from export.jax_export import export_jax
+    from export.cache import exported
     from export.runner import OnnxTransformer
     cfg = get_preset("mixtral-tiny")
     params = conformance_params(cfg)
-    export_jax(cfg, params, tmp_path)
-    model = OnnxTransformer(tmp_path, device="cpu")
+    model = OnnxTransformer(exported(cfg, params, framework="jax"), device="cpu")
     ids = _ids(cfg)
     with recorded_routing() as calls:
         want = _golden_logits(cfg, params, ids)
