@@ -564,7 +564,9 @@ def _routed_export(preset, dtype="float32"):
 
 @pytest.mark.slow
 def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones():
-    cfg, params, model = _routed_export("qwen3-moe-tiny")
+    # mixtral-tiny: its weights renormalised over the chosen (the onnx column's replay below serves
+    # qwen3-moe-tiny's, as they are), so both routings pass through a torch export
+    cfg, params, model = _routed_export("mixtral-tiny")
     ids = _ids(cfg)
     with recorded_routing() as calls:
         want = _golden_logits(cfg, params, ids)
@@ -576,7 +578,7 @@ def test_the_routed_forward_graph_gives_its_choices_and_takes_forced_ones():
     assert_agrees(weights, np.stack([call.weights for call in calls]), **bounds, what="its own weights")
     assert_agrees(logits, want, **bounds, what="logits")
     assert np.abs(model.forward(None, ids) - logits).max() == 0  # the same forward as the deployed graph's
-    forced = np.broadcast_to(np.array([5, 0]), chosen.shape).copy()
+    forced = np.broadcast_to(np.array([4, 0]), chosen.shape).copy()
     forced_weights = np.broadcast_to(np.array([0.75, 0.5], np.float32), chosen.shape).copy()
     logits, taken, own = model.forward_routed(ids, forced=forced, forced_weights=forced_weights)
     torch_model_forced = Transformer.from_params(cfg, params, dtype=torch.float32)
@@ -650,19 +652,54 @@ def test_the_onnx_jax_column_replays_the_forward(monkeypatch):
         cell.reason
 
 
+def _experts_gate_and_up_swapped(source, planted):
+    """A copy of the export at source whose every graph reads each expert's gate weight (w1) where
+    its up weight (w3) lies and back: _gate_and_up_swapped as a served graph would carry it, made
+    from the cached export instead of a second one (a torch export of an MoE preset is ~35 s)."""
+    import json
+    import shutil
+
+    import onnx
+
+    shutil.copytree(source, planted)
+    swapped = 0
+    for file in json.loads((planted / "manifest.json").read_text())["graphs"].values():
+        graph = onnx.load(str(planted / file), load_external_data=False)
+        stored = {tensor.name: tensor for tensor in graph.graph.initializer}
+        for name, gate in stored.items():
+            if re.fullmatch(r".*\.experts\.\d+\.w1\.weight", name):
+                up = stored[name.replace(".w1.", ".w3.")]
+                gate_at, up_at = list(gate.external_data), list(up.external_data)
+                del gate.external_data[:], up.external_data[:]
+                gate.external_data.extend(up_at)
+                up.external_data.extend(gate_at)
+                swapped += 1
+        onnx.save(graph, str(planted / file))
+    assert swapped, "the export stores no expert's gate weight apart"
+
+
 @pytest.mark.slow
-def test_the_onnx_column_replays_the_forward_and_names_an_expert_mistake(monkeypatch):
+def test_the_onnx_column_replays_the_forward_and_names_an_expert_mistake(monkeypatch, tmp_path):
     """qwen3-moe-tiny's forward-long at float16 flips a choice near a tie: it passes with the
-    golden's routing replayed in the routed graph; an expert mistake exported into the graphs still
-    fails with the routing replayed. decode-incremental the same, through decoder_step_routed."""
+    golden's routing replayed in the routed graph; an expert mistake in the served graphs (each
+    expert's gate and up weights swapped) still fails with the routing replayed. decode-incremental
+    the same, through decoder_step_routed."""
+    from conformance.backends import onnx_backend
+
     # forward-long and decode-incremental (and the decoder sublayer's cells, which onnx skips)
     both = "[fd]*-[li][on]*"
     cells = _cells(monkeypatch, "qwen3-moe-tiny", "float16", both, backend="onnx")
     for name in ("forward-long", "decode-incremental"):
         assert cells[name].status == PASS and cells[name].reason.startswith("routing replayed:"), cells[name].reason
-    monkeypatch.setenv("ROSETTA_ONNX_CACHE", "0")  # the mistake's export is not the cached one
-    cells = _cells(monkeypatch, "mixtral-tiny", "float32", both,
-                   (torch_model.FeedForward, "forward", _gate_and_up_swapped), backend="onnx")
+    served = onnx_backend.exported
+
+    def planted(cfg, params, **options):
+        if not (tmp_path / "planted").exists():
+            _experts_gate_and_up_swapped(served(cfg, params, **options), tmp_path / "planted")
+        return tmp_path / "planted"
+
+    monkeypatch.setattr(onnx_backend, "exported", planted)
+    cells = _cells(monkeypatch, "qwen3-moe-tiny", "float16", both, backend="onnx")
     for name in ("forward-long", "decode-incremental"):
         assert cells[name].status == FAIL and cells[name].reason.startswith(
             "with the golden's routing replayed the cell still fails"), cells[name].reason
