@@ -34,7 +34,7 @@ import impl_numpy as golden
 from benchmarks.contenders import BOS_ID, EOS_ID, Contender, Skip, contenders
 from benchmarks.limits import (cuda_matmul_flops_per_second, decode_step_flops, forward_flops,
                                generation_roofline, matmul_flops_per_second, memory_bytes_per_second, streamed_bytes)
-from spec import ModelConfig, conformance_params, get_preset, init_params
+from spec import ModelConfig, conformance_params, get_preset
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def run_bench(preset: str = "tiny", *, plan: Plan | None = None, names: tuple[st
     quantized: the weight-only schemes whose onnxruntime exports join the CPU's contenders."""
     cfg = get_preset(preset)
     plan = plan or plan_for(preset, devices)
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)  # the weights `rosetta check --preset` runs on, and their exports
     rng = np.random.default_rng(0)
     log("measuring the machine's limits ...")
     results = Results(preset, cfg.to_dict(), _machine(quick=preset == "tiny", devices=devices), _versions())

@@ -29,7 +29,7 @@ from benchmarks.run import PLANS, _machine, _versions
 from export.cache import exported
 from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE
 from export.runner import CPU, OnnxTransformer, session_options
-from spec import get_preset, init_params
+from spec import conformance_params, get_preset
 
 STEPS = {DECODER_STEP: False, DECODER_STEP_IN_PLACE: True}  # role -> served in place
 
@@ -60,7 +60,7 @@ def compare_steps(preset: str, *, batch: int | None = None, new_tokens: int | No
     cfg = get_preset(preset)
     plan = PLANS.get(preset, PLANS["tiny"])
     batch, new_tokens = batch or plan.generate_batch, new_tokens or plan.new_tokens
-    params = init_params(cfg, seed=0)
+    params = conformance_params(cfg, seed=0)
     directory = exported(cfg, params)
     if quantized:  # the float32 in-place step, then each scheme's
         graphs = {DECODER_STEP_IN_PLACE: (directory, DECODER_STEP_IN_PLACE),
