@@ -32,6 +32,7 @@ from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, availa
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
+from spec.config import check_computed_by
 
 
 def matches(test_id: str, pattern: str | None) -> bool:
@@ -127,6 +128,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     scheduled within what is left of it (conformance.plan.memory.columns_limit).
     kept_golden: the golden of this model (conformance.cells.KeptGolden) that the caller keeps across
     runs, whose cases and references this run uses and adds to rather than making its own."""
+    check_computed_by(cfg, "the conformance matrix")
     if kept_golden is not None and not kept_golden.holds(cfg, params):
         raise ValueError("kept_golden is the golden of another model: it serves the config and weights it was made for")
     if kept_golden is not None and prompts is not None:

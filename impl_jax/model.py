@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import io_callback
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.config import check_computed_by
 from spec.inputs import (
     check_cache_capacity,
     check_cache_room,
@@ -810,6 +811,7 @@ class Transformer(nnx.Module):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        check_computed_by(cfg, "impl_jax")
         if dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("a float64 model needs JAX's x64 mode: build and run it inside "
                              "`with jax.enable_x64(True):` (JAX would silently use float32)")

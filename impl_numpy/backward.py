@@ -62,6 +62,7 @@ from impl_numpy.model import (
     top_experts,
 )
 from spec import ModelConfig, params_under
+from spec.config import check_computed_by
 from spec.dropout import masks_under
 from spec.inputs import check_targets
 from spec.masks import key_mask
@@ -621,6 +622,7 @@ def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: 
     """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
     in the computation dtype), and ∂L/∂p on every MoE layer's router probabilities [B, T, E] where
     the loss reads them (load balancing). Every canonical name is present; a row no token reached is 0."""
+    check_computed_by(cfg, "the golden's backward")
     src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
     memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep, dropout_masks)
     h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep, dropout_masks)

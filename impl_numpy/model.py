@@ -56,6 +56,17 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """σ(x) = 1 / (1 + e^(−x)), computed without overflow at either end."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + eˣ) = max(x, 0) + log(1 + e^(−|x|)), without overflow."""
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
 def swish(x: np.ndarray) -> np.ndarray:
     """x σ(x), written as x (1 + tanh(x/2)) / 2, which cannot overflow."""
     return 0.5 * x * (1.0 + np.tanh(0.5 * x))
@@ -288,7 +299,15 @@ def attend(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.ndar
     q = q if positions is None else rotary(cfg, q, positions)
     heads = scaled_dot_product_attention(q, group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads), mask,
                                          cfg.score_scale, cfg.attention_softcap)
-    return linear(merge_heads(heads), p["o.weight"], p.get("o.bias"))  # heads [B, H, Q, d_k]
+    return linear(output_gate(cfg, p, x, merge_heads(heads)), p["o.weight"], p.get("o.bias"))  # heads [B, H, Q, d_k]
+
+
+def output_gate(cfg: ModelConfig, p: Params, x: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """The gated attention's heads (SPEC §5.15): Concat(head_i) ⊙ σ(x W_gate + b) before W^O; the
+    heads as they are without it. x [B, Q, d], heads [B, Q, H·d_k] -> [B, Q, H·d_k]"""
+    if not cfg.attention_output_gate:
+        return heads
+    return heads * sigmoid(linear(x, p["gate.weight"], p.get("gate.bias")))
 
 
 def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset: int = 0) -> tuple[np.ndarray | None, ...]:
@@ -539,6 +558,97 @@ def load_balancing_loss(probabilities: Sequence[np.ndarray], chosen: Sequence[np
     return float(experts * (expert_shares(chosen, keep, experts) * mean_probability).sum())
 
 
+# ---- gated DeltaNet: linear attention with a recurrent state (SPEC §5.15: Qwen3.5, Qwen3-Next) ---
+# Each value head keeps a state S [d_k, d_v] in place of a KV cache. Per real token t:
+#     q, k, v = SiLU(causal depthwise convs of x W_q, x W_k, x W_v over the last K real tokens)
+#     q ← q / ‖q‖ / √d_k,  k ← k / ‖k‖  (‖·‖ with ε = 1e-6 inside the root);  β = σ(x W_β);
+#     g = −exp(log_rate) · softplus(x W_decay + b_decay) ≤ 0;
+#     S_t = e^g S_{t−1} + β k (v − e^g S_{t−1}ᵀ k)ᵀ   (the delta rule: write v where k reads);
+#     o_t = S_tᵀ q;  out = (RMSNorm(o) γ ⊙ SiLU(x W_z)) W_o  per head, then the heads merged.
+# A pad token moves neither state and outputs zeros: a padded row computes what its real tokens
+# alone compute. The golden runs the recurrence token by token, the definition.
+
+@dataclass(frozen=True)
+class LinearState:
+    """What a linear layer keeps between tokens: each convolution's last K − 1 real inputs (zeros
+    before the first), and each value head's state."""
+
+    windows: tuple[np.ndarray, np.ndarray, np.ndarray]  # q, k, v: [B, K − 1, H_k·d_k or H_v·d_v]
+    recurrent: np.ndarray  # S [B, H_v, d_k, d_v]
+
+
+def start_linear_state(cfg: ModelConfig, batch: int, dtype: np.dtype) -> LinearState:
+    """The state before the first token: zero windows and zero S."""
+    mixer = cfg.linear_attention
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    window = (batch, mixer.conv_kernel - 1)
+    return LinearState((np.zeros((*window, keys), dtype), np.zeros((*window, keys), dtype),
+                        np.zeros((*window, values), dtype)),
+                       np.zeros((batch, mixer.value_heads, mixer.key_head_dim, mixer.value_head_dim), dtype))
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / √(Σ x² + ε) over the last axis."""
+    return x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def short_convolution(window: np.ndarray, u: np.ndarray, kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One token of a causal depthwise convolution: c[j] = Σ_i kernel[j, i] · (window, u)[i, j], the
+    oldest input first, then the window moved on by one. window [B, K − 1, C], u [B, C], kernel [C, K]
+    -> (c [B, C], window [B, K − 1, C])"""
+    inputs = np.concatenate([window, u[:, None]], axis=1)  # [B, K, C]
+    return (inputs * kernel.T).sum(axis=1), inputs[:, 1:]
+
+
+def gated_delta_rule(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+                     beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """S ← e^g S + β k (v − e^g Sᵀ k)ᵀ, o = Sᵀ q. state [B, H, d_k, d_v], q and k [B, H, d_k],
+    v [B, H, d_v], decay (g) and beta [B, H] -> (o [B, H, d_v], state)"""
+    state = np.exp(decay)[..., None, None] * state
+    written = beta[..., None] * (v - np.einsum("bhkv,bhk->bhv", state, k))  # what k reads, corrected toward v
+    state = state + np.einsum("bhk,bhv->bhkv", k, written)
+    return np.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def gated_rms_norm(o: np.ndarray, scale: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm(o) γ ⊙ SiLU(gate), over each head's d_v (γ as stored). [.., d_v] -> [.., d_v]"""
+    return rms_norm(o, scale, None, eps) * swish(gate)
+
+
+def gated_delta_net(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray,
+                    state: LinearState | None = None) -> tuple[np.ndarray, LinearState]:
+    """A linear layer's mixer over x from state (the start's where None), token by token; pads move
+    nothing and give zeros. p: its "linear_attn" parameters. x [B, T, d], keep [B, T]
+    -> ([B, T, d], the state after the last token)"""
+    mixer = cfg.linear_attention
+    batch, length = x.shape[:2]
+    state = start_linear_state(cfg, batch, x.dtype) if state is None else state
+    groups = mixer.value_heads // mixer.key_heads  # value head h reads key head h // groups
+    projected = [linear(x, p[f"{name}.weight"]) for name in ("q", "k", "v")]  # [B, T, H·d]
+    kernels = [p[f"{name}_conv.weight"] for name in ("q", "k", "v")]
+    beta = sigmoid(linear(x, p["beta.weight"]))  # [B, T, H_v]
+    decay = -np.exp(p["decay.log_rate"]) * softplus(linear(x, p["decay.weight"], p["decay.bias"]))  # g ≤ 0
+    windows, recurrent, outputs = list(state.windows), state.recurrent, np.zeros((batch, length, mixer.value_heads,
+                                                                                  mixer.value_head_dim), x.dtype)
+    for t in range(length):
+        real = keep[:, t]
+        mixed = []
+        for index, (u, kernel) in enumerate(zip(projected, kernels)):
+            c, moved = short_convolution(windows[index], u[:, t], kernel)
+            windows[index] = np.where(real[:, None, None], moved, windows[index])
+            mixed.append(swish(c))
+        q = l2_normalize(mixed[0].reshape(batch, mixer.key_heads, mixer.key_head_dim)) / math.sqrt(mixer.key_head_dim)
+        k = l2_normalize(mixed[1].reshape(batch, mixer.key_heads, mixer.key_head_dim))
+        v = mixed[2].reshape(batch, mixer.value_heads, mixer.value_head_dim)
+        o, written = gated_delta_rule(recurrent, np.repeat(q, groups, axis=1), np.repeat(k, groups, axis=1), v,
+                                      decay[:, t], beta[:, t])
+        recurrent = np.where(real[:, None, None, None], written, recurrent)
+        outputs[:, t] = np.where(real[:, None, None], o, 0.0)
+    gate = split_heads(linear(x, p["z.weight"]), mixer.value_heads).swapaxes(1, 2)  # [B, T, H_v, d_v]
+    heads = gated_rms_norm(outputs, p["norm.scale"], gate, float(cfg.norm_eps))
+    return linear(heads.reshape(batch, length, -1), p["o.weight"]), LinearState(tuple(windows), recurrent)
+
+
 # ---- layers and stacks ----------------------------------------------------------------------
 
 def encoder_layer(cfg: ModelConfig, p: Params, x: np.ndarray, mask: np.ndarray | None,
@@ -564,6 +674,21 @@ def decoder_layer(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.ndarray
         y = block(cfg, p, "cross_attn", y, lambda h: multi_head_attention(cfg, cross_attention, h, memory, cross_mask),
                   drop.get("cross_attn"))
     return ffn_block(cfg, p, y, drop.get("ffn"))
+
+
+def linear_layer(cfg: ModelConfig, p: Params, y: np.ndarray, keep: np.ndarray,
+                 state: LinearState | None = None) -> tuple[np.ndarray, LinearState]:
+    """A hybrid's linear layer (SPEC §5.15): y = Block(y, gated DeltaNet); y = Block(y, FFN), the
+    mixer's state carried from `state`. cfg: the model's. y [B, T, d], keep [B, T] -> ([B, T, d], state)"""
+    mixer, after = params_under(p, "linear_attn"), []
+
+    def mix(h: np.ndarray) -> np.ndarray:
+        out, moved = gated_delta_net(cfg, mixer, h, keep, state)
+        after.append(moved)
+        return out
+
+    y = block(cfg, p, "linear_attn", y, mix)
+    return ffn_block(cfg, p, y), after[0]
 
 
 def final_norm(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray) -> np.ndarray:
@@ -592,6 +717,9 @@ def decoder(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep: np.
     self_masks = decoder_self_masks(cfg, tgt_keep)  # by window: [B, 1, T, T]
     cross_mask = None if memory is None else key_mask(src_keep)  # [B, 1, 1, S]
     for i in range(cfg.n_decoder_layers):
+        if cfg.layer_kind(i) == "linear":  # gated DeltaNet in self-attention's place (SPEC §5.15)
+            y, _ = linear_layer(cfg, params_under(params, f"decoder.layers.{i}"), y, tgt_keep)
+            continue
         layer_cfg = cfg.layer(i)  # its window and its rotary (SPEC §6)
         y = decoder_layer(layer_cfg, params_under(params, f"decoder.layers.{i}"), y, memory,
                           self_masks[layer_cfg.sliding_window], cross_mask,
@@ -725,6 +853,7 @@ class KVCache:
     cross_keys: tuple[np.ndarray, ...] | None = None  # L × [B, H_kv, S, d_k], computed once
     cross_values: tuple[np.ndarray, ...] | None = None
     src_keep: np.ndarray | None = None  # [B, S]
+    linear_states: tuple[LinearState | None, ...] | None = None  # L: a linear layer's state, else None (§5.15)
 
     @property
     def length(self) -> int:
@@ -738,7 +867,10 @@ def start_cache(cfg: ModelConfig, p: Params, batch: int, src_ids: np.ndarray | N
     dtype = p["tgt_embed.weight"].dtype
     empty = np.zeros((batch, cfg.kv_heads, 0, cfg.d_head), dtype)
     layers = range(cfg.n_decoder_layers)
-    cache = KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), np.zeros((batch, 0), bool))
+    states = None if cfg.linear_attention is None else tuple(
+        start_linear_state(cfg, batch, dtype) if cfg.layer_kind(i) == "linear" else None for i in layers)
+    cache = KVCache(tuple(empty for _ in layers), tuple(empty for _ in layers), np.zeros((batch, 0), bool),
+                    linear_states=states)
     if not cfg.has_encoder:
         return cache
     check_source(cfg, src_ids, batch)
@@ -762,9 +894,16 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
     cross_mask = None if cache.src_keep is None else key_mask(cache.src_keep)
     y = embed(cfg, p, tgt_ids, "tgt", offset=cache.length)
     positions, _ = attention_positions(cfg, n_new, n_all)  # RoPE's: the new ones
-    keys, values = [], []
+    keys, values, states = [], [], []
     for i in range(cfg.n_decoder_layers):
         layer, layer_cfg = params_under(p, f"decoder.layers.{i}"), cfg.layer(i)
+        if cfg.layer_kind(i) == "linear":  # its state carried on; no keys or values (SPEC §5.15)
+            y, state = linear_layer(cfg, layer, y, keep[:, -n_new:], cache.linear_states[i])
+            keys.append(cache.self_keys[i])
+            values.append(cache.self_values[i])
+            states.append(state)
+            continue
+        states.append(None)
         self_attention = params_under(layer, "self_attn")
 
         def cached_self_attention(h: np.ndarray) -> np.ndarray:
@@ -782,7 +921,8 @@ def decode_step(cfg: ModelConfig, p: Params, cache: KVCache, tgt_ids: np.ndarray
                       lambda h: attend(cfg, cross_attention, h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = ffn_block(layer_cfg, layer, y)
     logits = output_logits(cfg, p, final_norm(cfg, p, "decoder", y))
-    new_cache = KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep)
+    new_cache = KVCache(tuple(keys), tuple(values), keep, cache.cross_keys, cache.cross_values, cache.src_keep,
+                        None if cache.linear_states is None else tuple(states))
     return logits, new_cache
 
 

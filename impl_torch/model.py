@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
+from spec.config import check_computed_by
 from spec.inputs import (
     CacheWrites,
     check_cache_capacity,
@@ -689,6 +690,7 @@ class Transformer(nn.Module):
         super().__init__()
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
+        check_computed_by(cfg, "impl_torch")
         self.cfg = cfg
         if cfg.has_encoder and not cfg.share_src_tgt_embed:
             self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)

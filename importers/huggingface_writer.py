@@ -23,6 +23,7 @@ import numpy as np
 
 from importers.huggingface import FAMILIES, Rule, import_huggingface, rotary_mapping
 from spec import ModelConfig, check_params, params_digest
+from spec.config import check_computed_by
 from spec.errors import ConfigError, WeightsError
 
 _MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
@@ -81,6 +82,7 @@ def family_of(cfg: ModelConfig) -> str:
     biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
     norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
     field none of them has."""
+    check_computed_by(cfg, "the Hugging Face writer")
     if cfg.post_norms or cfg.norm_scale_plus_one:
         return _gemma_family(cfg)
     gemma_only = [name for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar",

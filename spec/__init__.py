@@ -3,8 +3,8 @@
 Depends on NumPy and safetensors only. The prose contract is spec/SPEC.md.
 """
 
-from spec.config import (ACTIVATIONS, ARCHS, NORM_POSITIONS, NORMS, POSITIONALS, ROPE_SCALINGS, MixtureOfExperts,
-                         ModelConfig, RopeScaling)
+from spec.config import (ACTIVATIONS, ARCHS, NORM_POSITIONS, NORMS, POSITIONALS, ROPE_SCALINGS, GatedDeltaNet,
+                         MixtureOfExperts, ModelConfig, RopeScaling)
 from spec.errors import ConfigError, InputError, SpecError, WeightsError
 from spec.masks import (
     causal_mask,
@@ -32,7 +32,7 @@ from spec.weights import load_weights, read_config, save_weights
 
 __all__ = [
     "ACTIVATIONS", "ARCHS", "NORMS", "NORM_POSITIONS", "POSITIONALS", "ROPE_SCALINGS",
-    "ModelConfig", "RopeScaling", "MixtureOfExperts", "get_preset", "list_presets", "describe_preset",
+    "ModelConfig", "RopeScaling", "MixtureOfExperts", "GatedDeltaNet", "get_preset", "list_presets", "describe_preset",
     "init_params", "conformance_params", "param_shapes", "count_params", "check_params", "params_digest", "params_under",
     "PARAM_DTYPE", "save_weights", "load_weights", "read_config",
     "padding_mask", "key_mask", "causal_mask", "combine_masks", "normalize_mask",

@@ -16,7 +16,8 @@ NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # SPEC §5.12
-LAYER_TYPES = ("full", "sliding")  # SPEC §6: a decoder layer's self-attention sees every earlier key, or the last W
+LAYER_TYPES = ("full", "sliding", "linear")  # SPEC §6: a decoder layer's self-attention sees every earlier key,
+# or the last W; "linear": the layer's mixer is gated DeltaNet's recurrence instead (SPEC §5.15)
 ROUTER_SOFTMAXES = ("float32", "activation")  # SPEC §5.14: the dtype of the router's softmax
 
 _CHOICES = {
@@ -88,6 +89,23 @@ class MixtureOfExperts:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GatedDeltaNet:
+    """The mixer of the "linear" layers of layer_types: gated DeltaNet's linear attention, a recurrent
+    state per value head in place of a KV cache (SPEC §5.15: Qwen3.5, Qwen3-Next)."""
+
+    key_heads: int  # H_k: q and k heads
+    value_heads: int  # H_v: v heads, each reading key head h // (H_v / H_k); its own state [d_k, d_v]
+    key_head_dim: int  # d_k
+    value_head_dim: int  # d_v
+    conv_kernel: int = 4  # K: the causal depthwise convolution over q, k and v, K positions wide
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "GatedDeltaNet":
+        _check_fields(cls, data, "linear_attention", "a JSON object or null")
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The whole architecture of one Transformer. See spec/SPEC.md §1 for each field's meaning.
 
@@ -139,6 +157,9 @@ class ModelConfig:
     query_pre_attention_scalar: float | None = None  # scores divided by √(this) instead of √d_k (Gemma)
     # mixture of experts (SPEC §5.14)
     moe: MixtureOfExperts | None = None  # every decoder layer's FFN a mixture of gated experts; None: one FFN
+    # the hybrids (SPEC §5.15: Qwen3.5, Qwen3-Next)
+    linear_attention: GatedDeltaNet | None = None  # the mixer of layer_types' "linear" layers
+    attention_output_gate: bool = False  # self-attention's heads times σ(x W_gate) before W_o (the gated attention)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -188,13 +209,23 @@ class ModelConfig:
         unrescaled. The config itself for a model whose layers are all alike."""
         return _layer_config(self, index)
 
+    def layer_kind(self, index: int) -> str:
+        """Decoder layer `index`'s kind: "full", "sliding" (its window) or "linear" (gated DeltaNet)."""
+        if self.layer_types is not None:
+            return self.layer_types[index]
+        return "full" if self.sliding_window is None else "sliding"
+
     def first_layers(self, count: int) -> "ModelConfig":
         """This model cut to its first `count` decoder layers, each keeping its kind (a model whose
-        remaining layers are all full has no window left)."""
+        remaining layers have no window has no window left, nor a linear mixer without linear layers)."""
         kinds = None if self.layer_types is None else self.layer_types[:count]
         changes: dict[str, Any] = {"n_decoder_layers": count, "layer_types": kinds}
         if kinds is not None and "sliding" not in kinds:
-            changes.update(layer_types=None, sliding_window=None, local_rope_theta=None)
+            changes.update(sliding_window=None, local_rope_theta=None)
+        if kinds is not None and "linear" not in kinds:
+            changes.update(linear_attention=None)
+        if kinds is not None and set(kinds) == {"full"}:
+            changes.update(layer_types=None)
         return self.replace(**changes)
 
     def module_config(self, module: str | None) -> "ModelConfig":
@@ -241,6 +272,8 @@ class ModelConfig:
             data = {**data, "rope_scaling": RopeScaling.from_dict(data["rope_scaling"])}
         if data.get("moe") is not None:
             data = {**data, "moe": MixtureOfExperts.from_dict(data["moe"])}
+        if data.get("linear_attention") is not None:
+            data = {**data, "linear_attention": GatedDeltaNet.from_dict(data["linear_attention"])}
         if isinstance(data.get("layer_types"), list):  # a JSON array: the frozen config holds a tuple
             data = {**data, "layer_types": tuple(data["layer_types"])}
         return cls(**data)
@@ -258,10 +291,30 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def golden_only_features(cfg: ModelConfig) -> tuple[str, ...]:
+    """The features of cfg that the spec defines and only the golden computes so far (SPEC §5.15):
+    the frameworks, the exports, the importers and the conformance matrix refuse such a config by
+    name (check_computed_by) rather than compute another model."""
+    found = []
+    if cfg.linear_attention is not None:
+        found.append("gated DeltaNet's linear layers (linear_attention)")
+    if cfg.attention_output_gate:
+        found.append("the attention's output gate (attention_output_gate)")
+    return tuple(found)
+
+
+def check_computed_by(cfg: ModelConfig, who: str) -> None:
+    """A ConfigError naming what `who` (a framework, the golden's backward, ...) does not compute
+    yet, for a config with golden_only_features."""
+    if features := golden_only_features(cfg):
+        raise ConfigError(f"{who} does not compute {' or '.join(features)} yet: the spec and the golden's forward and "
+                          "cached decode do (SPEC §5.15)")
+
+
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
     "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
-    "query_pre_attention_scalar": None, "moe": None,
+    "query_pre_attention_scalar": None, "moe": None, "linear_attention": None, "attention_output_gate": False,
 }
 
 
@@ -272,7 +325,8 @@ def _layer_config(cfg: ModelConfig, index: int) -> ModelConfig:
     if cfg.layer_types is None:
         return cfg
     sliding = cfg.layer_types[index] == "sliding"
-    changes: dict[str, Any] = {"layer_types": None, "local_rope_theta": None,
+    # a uniform layer: its kind is the model's to say (layer_kind), a linear layer's mixer the model's
+    changes: dict[str, Any] = {"layer_types": None, "local_rope_theta": None, "linear_attention": None,
                                "sliding_window": cfg.sliding_window if sliding else None}
     if sliding and cfg.local_rope_theta is not None:
         changes.update(rope_theta=cfg.local_rope_theta, rope_scaling=None)
@@ -287,7 +341,7 @@ _INT_FIELDS = (
 )
 _BOOL_FIELDS = (
     "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
-    "gated_ffn", "qk_norm", "norm_scale_plus_one", "post_norms",
+    "gated_ffn", "qk_norm", "norm_scale_plus_one", "post_norms", "attention_output_gate",
 )
 _OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim", "sliding_window")
 
@@ -354,6 +408,7 @@ def _validate(cfg: ModelConfig) -> None:
             raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
     if cfg.moe is not None:
         _validate_moe(cfg)
+    _validate_hybrid(cfg)
     if cfg.norm_scale_plus_one and cfg.norm != "rmsnorm":
         raise ConfigError(f"norm_scale_plus_one is Gemma's RMSNorm, γ = 1 + scale; it needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")
@@ -418,6 +473,9 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
         unknown = sorted({str(kind) for kind in kinds if kind not in LAYER_TYPES})
         if unknown:
             raise ConfigError(f"layer_types must hold {' or '.join(LAYER_TYPES)}; got {', '.join(unknown)}")
+        if "linear" in kinds and cfg.linear_attention is None:
+            raise ConfigError("layer_types has linear layers but linear_attention is null: give their gated DeltaNet "
+                              "(heads, head sizes, conv_kernel)")
         if "sliding" in kinds and cfg.sliding_window is None:
             raise ConfigError("layer_types has sliding layers but sliding_window is null: give their window W")
         if cfg.sliding_window is not None and "sliding" not in kinds:
@@ -431,6 +489,41 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
         raise ConfigError(f"local_rope_theta applies to positional='rope' only, got {cfg.positional!r}")
     if kinds is None:
         raise ConfigError("local_rope_theta is the θ of the sliding layers of layer_types; give layer_types")
+
+
+def _validate_hybrid(cfg: ModelConfig) -> None:
+    """linear_attention and attention_output_gate (SPEC §5.15): a decoder-only model's linear layers
+    and its gated self-attention."""
+    if cfg.attention_output_gate and cfg.has_encoder:
+        raise ConfigError("attention_output_gate gates a decoder-only model's self-attention (Qwen3.5, "
+                          "Qwen3-Next); use arch='decoder-only'")
+    mixer = cfg.linear_attention
+    if mixer is None:
+        return
+    if not isinstance(mixer, GatedDeltaNet):
+        raise ConfigError(f"linear_attention must be a GatedDeltaNet or null, got {mixer!r}")
+    for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+        value = getattr(mixer, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"linear_attention.{name} must be a positive integer, got {value!r}")
+    if mixer.value_heads % mixer.key_heads:
+        raise ConfigError(f"linear_attention.key_heads ({mixer.key_heads}) must divide value_heads "
+                          f"({mixer.value_heads}): each key head serves a whole group of value heads")
+    if cfg.layer_types is None or "linear" not in cfg.layer_types:
+        raise ConfigError("linear_attention is the mixer of the linear layers of layer_types, and no layer is linear: "
+                          "name them in layer_types")
+    if cfg.has_encoder:
+        raise ConfigError("linear_attention is defined for decoder-only models here (Qwen3.5, Qwen3-Next); "
+                          "use arch='decoder-only'")
+    if cfg.norm != "rmsnorm" or cfg.norm_position != "pre":
+        raise ConfigError("gated DeltaNet's layers are pre-RMSNorm layers (its output norm is an RMSNorm); it needs "
+                          f"norm='rmsnorm' and norm_position='pre', got {cfg.norm!r} and {cfg.norm_position!r}")
+    if cfg.post_norms or cfg.moe is not None:
+        raise ConfigError("linear_attention's models here have neither post norms nor experts (Qwen3.5's dense "
+                          "layers); a hybrid with either is not in the spec yet")
+    if cfg.bias or cfg.dropout:
+        raise ConfigError("gated DeltaNet's projections have no biases and no dropout here (Qwen3.5's, Qwen3-Next's); "
+                          f"it needs bias=false and dropout=0, got bias={cfg.bias}, dropout={cfg.dropout}")
 
 
 def _validate_moe(cfg: ModelConfig) -> None:

@@ -15,6 +15,9 @@ from spec.config import ModelConfig
 from spec.errors import WeightsError
 
 PARAM_DTYPE = np.dtype("float32")  # the dtype of canonical parameters and of weight files
+# norms that multiply by their scale as stored whatever norm_scale_plus_one says: gated DeltaNet's
+# output norm (SPEC §5.15; Qwen3.5's (1 + w) norms are the layers' and the heads')
+PLAIN_SCALES = ("linear_attn.norm.scale",)
 
 
 def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> dict[str, tuple[int, ...]]:
@@ -31,7 +34,26 @@ def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> di
     if cfg.qk_norm and self_attention:
         shapes[f"{prefix}.q_norm.scale"] = (cfg.d_head,)
         shapes[f"{prefix}.k_norm.scale"] = (cfg.d_head,)
+    if cfg.attention_output_gate and self_attention:  # SPEC §5.15: σ(x W_gate) [d, H·d_k] on the heads
+        shapes[f"{prefix}.gate.weight"] = (d, queries)
+        if cfg.qkv_bias:
+            shapes[f"{prefix}.gate.bias"] = (queries,)
     return shapes
+
+
+def _gated_delta_net_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """SPEC §5.15: q and k [d, H_k·d_k], v and the output gate z [d, H_v·d_v], each of q, k, v's causal
+    depthwise convolution [channels, K], β's and the decay's projections [d, H_v], the decay's bias
+    and log rate [H_v], the gated output norm's scale [d_v], o [H_v·d_v, d]."""
+    mixer, d = cfg.linear_attention, cfg.d_model
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    return {f"{prefix}.q.weight": (d, keys), f"{prefix}.k.weight": (d, keys), f"{prefix}.v.weight": (d, values),
+            f"{prefix}.q_conv.weight": (keys, mixer.conv_kernel), f"{prefix}.k_conv.weight": (keys, mixer.conv_kernel),
+            f"{prefix}.v_conv.weight": (values, mixer.conv_kernel),
+            f"{prefix}.z.weight": (d, values), f"{prefix}.beta.weight": (d, mixer.value_heads),
+            f"{prefix}.decay.weight": (d, mixer.value_heads), f"{prefix}.decay.bias": (mixer.value_heads,),
+            f"{prefix}.decay.log_rate": (mixer.value_heads,), f"{prefix}.norm.scale": (mixer.value_head_dim,),
+            f"{prefix}.o.weight": (values, d)}
 
 
 def _norm_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -81,8 +103,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(_norm_shapes("decoder.embed_norm", cfg))
     for i in range(cfg.n_decoder_layers):
         layer = f"decoder.layers.{i}"
-        shapes.update(_attention_shapes(f"{layer}.self_attn", cfg, True))
-        shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
+        if cfg.layer_kind(i) == "linear":  # SPEC §5.15: gated DeltaNet in self-attention's place
+            shapes.update(_gated_delta_net_shapes(f"{layer}.linear_attn", cfg))
+            shapes.update(_norm_shapes(f"{layer}.linear_attn_norm", cfg))
+        else:
+            shapes.update(_attention_shapes(f"{layer}.self_attn", cfg, True))
+            shapes.update(_norm_shapes(f"{layer}.self_attn_norm", cfg))
         if cfg.post_norms:
             shapes.update(_norm_shapes(f"{layer}.self_attn_post_norm", cfg))
         if cfg.has_encoder:
@@ -149,8 +175,14 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         stream = _name_stream(int(seed), name)
         if name.endswith("embed.weight") or name.endswith("pos.weight"):
             values = _normal(stream, shape, cfg.d_model ** -0.5)
+        elif name.endswith(PLAIN_SCALES):
+            values = np.ones(shape)
         elif name.endswith(".scale"):
             values = np.full(shape, 0.0 if cfg.norm_scale_plus_one else 1.0)
+        elif name.endswith("_conv.weight"):  # a depthwise kernel [channels, K]: each channel's fan-in is K
+            values = _uniform(stream, shape, shape[1] ** -0.5)
+        elif name.endswith("decay.log_rate"):  # A = exp(log_rate) drawn from U(1, 16) (SPEC §5.15)
+            values = np.log(1.0 + 15.0 * stream.random(shape))
         elif name.endswith(".bias"):
             values = np.zeros(shape)
         else:  # a [in, out] matrix
@@ -215,7 +247,10 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
         if name.endswith(".scale"):
             gain = POST_NORM_GAINS.get(name.split(".")[-2], 1.0)
             applied = gain * (1.0 + _uniform(stream, value.shape, CONFORMANCE_SCALE))  # γ about the gain
-            value = applied - 1.0 if cfg.norm_scale_plus_one else applied  # Gemma stores γ − 1
+            plus_one = cfg.norm_scale_plus_one and not name.endswith(PLAIN_SCALES)
+            value = applied - 1.0 if plus_one else applied  # Gemma stores γ − 1
+        elif name.endswith("decay.log_rate"):
+            pass  # init_params' rates, each its own already
         elif name.endswith(".bias"):
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
         elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix

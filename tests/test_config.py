@@ -25,7 +25,8 @@ def test_json_round_trip(name):
     # and longrope's factors in another rule's rope_scaling (a config written before they existed reads the same)
     newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
              "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
-             "query_pre_attention_scalar": None, "moe": None}
+             "query_pre_attention_scalar": None, "moe": None, "linear_attention": None,
+             "attention_output_gate": False}
     expected = {key: list(value) if key == "layer_types" and value else value
                 for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):

@@ -1,0 +1,239 @@
+"""Gated DeltaNet's linear layers and the gated attention in the spec and the golden (SPEC §5.15):
+the golden's layer against transformers' own Qwen3.5 modules, its cached decode against its
+forward, pads that move no state, and the refusals of everything that does not compute it yet."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import impl_numpy as golden
+from impl_numpy.model import attend, gated_delta_net, rope_tables
+from spec import ConfigError, GatedDeltaNet, ModelConfig, conformance_params, params_under
+from tests.bounds import assert_agrees, assert_differs, model_bounds
+
+MIXER = GatedDeltaNet(key_heads=2, value_heads=4, key_head_dim=6, value_head_dim=5, conv_kernel=3)
+# a Qwen3.5-like hybrid whose every number differs from its neighbour's: three linear layers and a
+# gated full-attention one, (1 + w) norms, q/k norms, a partial rotary
+HYBRID = ModelConfig(arch="decoder-only", d_model=24, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=20,
+                     n_decoder_layers=4, tgt_vocab_size=53, max_len=128, norm="rmsnorm", norm_position="pre",
+                     norm_eps=1e-6, final_norm=True, positional="rope", rope_fraction=0.25, embed_scale=False,
+                     activation="swish", gated_ffn=True, bias=False, qkv_bias=False, qk_norm=True,
+                     norm_scale_plus_one=True, attention_output_gate=True,
+                     layer_types=("linear", "linear", "linear", "full"), linear_attention=MIXER)
+
+
+def _transformers_text_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers.Qwen3_5TextConfig(
+        hidden_size=HYBRID.d_model, num_attention_heads=HYBRID.n_heads, num_key_value_heads=HYBRID.n_kv_heads,
+        head_dim=HYBRID.d_head, linear_num_key_heads=MIXER.key_heads, linear_num_value_heads=MIXER.value_heads,
+        linear_key_head_dim=MIXER.key_head_dim, linear_value_head_dim=MIXER.value_head_dim,
+        linear_conv_kernel_dim=MIXER.conv_kernel, num_hidden_layers=4, rms_norm_eps=HYBRID.norm_eps,
+        intermediate_size=HYBRID.d_ff, vocab_size=HYBRID.tgt_vocab_size)
+
+
+def _drawn(module, seed: int) -> None:
+    """Every parameter drawn away from its trivial value (no unit scale, no zero)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+
+
+def _canonical_mixer(layer) -> dict[str, np.ndarray]:
+    """transformers' Qwen3_5GatedDeltaNet as canonical parameters: in_proj_qkv and the conv split into
+    q, k and v, every matrix [in, out]."""
+    weights = {name: value.detach().numpy() for name, value in layer.named_parameters()}
+    keys = MIXER.key_heads * MIXER.key_head_dim
+    fused, conv = weights["in_proj_qkv.weight"], weights["conv1d.weight"][:, 0, :]
+    splits = {"q": slice(0, keys), "k": slice(keys, 2 * keys), "v": slice(2 * keys, None)}
+    params = {f"{name}.weight": fused[rows].T for name, rows in splits.items()}
+    params |= {f"{name}_conv.weight": conv[rows] for name, rows in splits.items()}
+    return params | {"z.weight": weights["in_proj_z.weight"].T, "beta.weight": weights["in_proj_b.weight"].T,
+                     "decay.weight": weights["in_proj_a.weight"].T, "decay.bias": weights["dt_bias"],
+                     "decay.log_rate": weights["A_log"], "norm.scale": weights["norm.weight"],
+                     "o.weight": weights["out_proj.weight"].T}
+
+
+def _mixer_bounds(length: int) -> dict:
+    """SPEC §5.15's count: the state chains the updates of `length` tokens, each non-expansive (a
+    rounding carried on, never grown), so a linear layer is `length` sublayers deep; its longest sum
+    a d_k or d_v product, or d."""
+    return {"n": max(HYBRID.d_model, MIXER.key_head_dim, MIXER.value_head_dim), "depth": length}
+
+
+def _hybrid_bounds(length: int) -> dict:
+    """The whole model's bounds with each linear layer `length` sublayers deep."""
+    bounds = model_bounds(HYBRID, length)
+    linear = HYBRID.layer_types.count("linear")
+    return bounds | {"depth": bounds["depth"] + linear * (length - 1)}
+
+
+def test_the_golden_mixer_is_transformers_gated_delta_net():
+    """transformers' Qwen3_5GatedDeltaNet (its torch chunked path, chunks of 64, and its recurrent
+    step) on float64 inputs: its kernels compute the recurrence in float32 whatever the input, so
+    the two agree to float32's tolerance, and a planted mistake (β's and the decay's projections
+    swapped) is far outside it."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    layer = Qwen3_5GatedDeltaNet(_transformers_text_config(), 0).double()
+    _drawn(layer, 0)
+    x = np.random.default_rng(0).standard_normal((2, 9, HYBRID.d_model))
+    with torch.no_grad():
+        theirs = layer(torch.from_numpy(x)).numpy()
+    params = _canonical_mixer(layer)
+    keep = np.ones(x.shape[:2], bool)
+    ours, _ = gated_delta_net(HYBRID, params, x, keep)
+    assert_agrees(ours, theirs, **_mixer_bounds(9), dtype="float32", what="the mixer")
+    swapped = params | {"beta.weight": params["decay.weight"], "decay.weight": params["beta.weight"]}
+    assert_differs(gated_delta_net(HYBRID, swapped, x, keep)[0], theirs, **_mixer_bounds(9), dtype="float32")
+
+
+def test_the_golden_gated_attention_is_transformers():
+    """transformers' Qwen3_5Attention (its q_proj holds each head's query and gate side by side) on
+    the golden's own rotary tables: the heads times σ(x W_gate) before W_o; without the gate the
+    output is another one."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+
+    layer = Qwen3_5Attention(_transformers_text_config(), 3).double()
+    layer.config._attn_implementation = "eager"
+    _drawn(layer, 1)
+    heads, size = HYBRID.n_heads, HYBRID.d_head
+    fused = layer.q_proj.weight.detach().numpy().reshape(heads, 2 * size, HYBRID.d_model)
+    params = {"q.weight": fused[:, :size].reshape(heads * size, -1).T,
+              "gate.weight": fused[:, size:].reshape(heads * size, -1).T,
+              "k.weight": layer.k_proj.weight.detach().numpy().T, "v.weight": layer.v_proj.weight.detach().numpy().T,
+              "o.weight": layer.o_proj.weight.detach().numpy().T,
+              "q_norm.scale": layer.q_norm.weight.detach().numpy(), "k_norm.scale": layer.k_norm.weight.detach().numpy()}
+    length = 7
+    x = np.random.default_rng(1).standard_normal((2, length, HYBRID.d_model))
+    positions = np.arange(length)
+    cos, sin = (torch.from_numpy(table)[None] for table in rope_tables(HYBRID, positions))
+    causal = torch.triu(torch.full((length, length), -torch.inf, dtype=torch.float64), 1)[None, None]
+    with torch.no_grad():
+        theirs, _ = layer(torch.from_numpy(x), (cos, sin), causal)
+    layer_cfg = HYBRID.layer(3)
+    k, v = golden.key_value_heads(layer_cfg, params, x, positions)
+    mask = np.tril(np.ones((length, length), bool))[None, None]
+    ours = attend(layer_cfg, params, x, k, v, mask, positions)
+    # transformers' eager softmax runs in float32 whatever the input
+    bounds = {"n": max(HYBRID.d_model, length), "depth": 1, "dtype": "float32"}
+    assert_agrees(ours, theirs.numpy(), **bounds, what="the gated attention")
+    ungated = attend(layer_cfg.replace(attention_output_gate=False), params, x, k, v, mask, positions)
+    assert_differs(ungated, theirs.numpy(), **bounds)
+
+
+def _ids(rows: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, HYBRID.tgt_vocab_size, (rows, length))
+
+
+@pytest.mark.parametrize("chunks", [(1,) * 9, (4, 1, 1, 3), (9,)], ids=["steps", "prefix-steps-chunk", "whole"])
+def test_the_cached_decode_carries_each_linear_layers_state(chunks):
+    """The hybrid's decode in chunks (a prefix, then steps, then a chunk), the linear layers'
+    windows and states handed on, against the full forward; a decode that restarts each chunk's
+    linear states from zero is far from it."""
+    params = conformance_params(HYBRID)
+    ids = _ids(2, 9)
+    want = golden.forward(HYBRID, params, None, ids)
+    p = golden.cast_params(HYBRID, params)
+
+    def decoded(zeroed: bool) -> np.ndarray:
+        cache, logits, start = golden.start_cache(HYBRID, p, 2), [], 0
+        for size in chunks:
+            if zeroed:
+                cache = type(cache)(**{**cache.__dict__,
+                                       "linear_states": golden.start_cache(HYBRID, p, 2).linear_states})
+            step, cache = golden.decode_step(HYBRID, p, cache, ids[:, start:start + size])
+            logits.append(step)
+            start += size
+        return np.concatenate(logits, axis=1)
+
+    assert_agrees(decoded(False), want, **_hybrid_bounds(9), what="cached decode")
+    if len(chunks) > 1:
+        assert_differs(decoded(True), want, **_hybrid_bounds(9))
+
+
+def _padded(real: np.ndarray, before: int, inside: int, after: int, pad) -> np.ndarray:
+    """real [1, T, ...] with `before` pads, `inside` pads after its third token and `after` pads."""
+    def pads(count: int) -> np.ndarray:
+        return np.broadcast_to(pad, (1, count, *real.shape[2:]))
+    return np.concatenate([pads(before), real[:, :3], pads(inside), real[:, 3:], pads(after)], axis=1)
+
+
+@given(pads=st.lists(st.integers(0, 3), min_size=3, max_size=3), seed=st.integers(0, 3))
+def test_a_pad_moves_no_state(pads, seed):
+    """The mixer on a row padded at its start, inside and at its end gives its real tokens what they
+    alone give, and the same state after them (SPEC §5.15): the pads move neither a convolution's
+    window nor the recurrent state, and they get zeros. A pad that moved the state (its keep
+    ignored) is seen."""
+    params = params_under(golden.cast_params(HYBRID, conformance_params(HYBRID)), "decoder.layers.0.linear_attn")
+    real = np.random.default_rng(seed).standard_normal((1, 6, HYBRID.d_model))
+    x = _padded(real, *pads, pad=np.random.default_rng(seed + 1).standard_normal(HYBRID.d_model))
+    keep = _padded(np.ones((1, 6), bool), *pads, pad=False)
+    want, want_state = gated_delta_net(HYBRID, params, real, np.ones((1, 6), bool))
+    got, state = gated_delta_net(HYBRID, params, x, keep)
+    bounds = _mixer_bounds(x.shape[1])
+    assert_agrees(got[:, keep[0]], want, **bounds, what=f"pads {pads}")
+    assert_agrees(state.recurrent, want_state.recurrent, **bounds, what="the state after them")
+    assert not got[~keep].any()
+    if sum(pads[:2]):  # a pad before a real token: read as one, it moves what follows
+        assert_differs(gated_delta_net(HYBRID, params, x, np.ones_like(keep))[0][:, keep[0]], want, **bounds)
+
+
+@pytest.mark.parametrize("before, after", [(3, 0), (0, 2), (2, 1)])
+def test_a_padded_row_of_the_hybrid_is_its_real_tokens(before, after):
+    """The whole hybrid with its pads at the start or the end: the rotary attention reads distances
+    only, the linear layers skip the pads, so the real tokens' logits are the unpadded row's."""
+    params = conformance_params(HYBRID)
+    real = _ids(1, 6)
+    padded = _padded(real, before, 0, after, pad=HYBRID.pad_id)
+    keep = padded != HYBRID.pad_id
+    want = golden.forward(HYBRID, params, None, real)
+    got = golden.forward(HYBRID, params, None, padded, tgt_keep=keep)
+    assert_agrees(got[:, keep[0]], want, **_hybrid_bounds(padded.shape[1]), what=f"{before} before, {after} after")
+
+
+def test_the_config_refuses_what_the_hybrid_does_not_define():
+    with pytest.raises(ConfigError, match="layer_types has linear layers but linear_attention is null"):
+        HYBRID.replace(linear_attention=None)
+    with pytest.raises(ConfigError, match="no layer is linear"):
+        HYBRID.replace(layer_types=None)
+    with pytest.raises(ConfigError, match=r"key_heads \(3\) must divide value_heads \(4\)"):
+        HYBRID.replace(linear_attention=GatedDeltaNet(key_heads=3, value_heads=4, key_head_dim=6, value_head_dim=5))
+    with pytest.raises(ConfigError, match="conv_kernel must be a positive integer"):
+        HYBRID.replace(linear_attention=GatedDeltaNet(key_heads=2, value_heads=4, key_head_dim=6, value_head_dim=5,
+                                                      conv_kernel=0))
+    assert ModelConfig.from_json(HYBRID.to_json()) == HYBRID
+    assert HYBRID.first_layers(2).linear_attention == MIXER and HYBRID.first_layers(2).layer_kind(1) == "linear"
+
+
+@pytest.mark.parametrize("who", ["impl_torch", "impl_jax", "the golden's backward", "the conformance matrix",
+                                 "the Hugging Face writer"])
+def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
+    """Only the spec and the golden's forward and cached decode compute it so far: each other path
+    refuses a hybrid naming the feature, rather than compute another model."""
+    params = conformance_params(HYBRID)
+    match = f"{who} does not compute gated DeltaNet's linear layers"
+    with pytest.raises(ConfigError, match=match):
+        if who == "impl_torch":
+            from impl_torch import Transformer
+            Transformer.from_params(HYBRID, params)
+        elif who == "impl_jax":
+            from impl_jax import Transformer
+            Transformer.from_params(HYBRID, params)
+        elif who == "the golden's backward":
+            from impl_numpy.backward import model_vjp
+            model_vjp(HYBRID, golden.cast_params(HYBRID, params), None, _ids(1, 3), np.ones((1, 3, 53)))
+        elif who == "the conformance matrix":
+            from conformance.harness import run_matrix
+            run_matrix(HYBRID, params)
+        else:
+            from importers.huggingface_writer import to_huggingface
+            to_huggingface(HYBRID, params, tmp_path)
