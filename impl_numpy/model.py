@@ -628,8 +628,8 @@ def gated_delta_net(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray
     kernels = [p[f"{name}_conv.weight"] for name in ("q", "k", "v")]
     beta = sigmoid(linear(x, p["beta.weight"]))  # [B, T, H_v]
     decay = -np.exp(p["decay.log_rate"]) * softplus(linear(x, p["decay.weight"], p["decay.bias"]))  # g ≤ 0
-    windows, recurrent, outputs = list(state.windows), state.recurrent, np.zeros((batch, length, mixer.value_heads,
-                                                                                  mixer.value_head_dim), x.dtype)
+    windows, recurrent = list(state.windows), state.recurrent
+    outputs = np.zeros((batch, length, mixer.value_heads, mixer.value_head_dim), x.dtype)  # o_t per value head
     for t in range(length):
         real = keep[:, t]
         mixed = []

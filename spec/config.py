@@ -472,7 +472,8 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
                               f"got {kinds!r}")
         unknown = sorted({str(kind) for kind in kinds if kind not in LAYER_TYPES})
         if unknown:
-            raise ConfigError(f"layer_types must hold {' or '.join(LAYER_TYPES)}; got {', '.join(unknown)}")
+            raise ConfigError(f"layer_types must hold {', '.join(LAYER_TYPES[:-1])} or {LAYER_TYPES[-1]}; "
+                              f"got {', '.join(unknown)}")
         if "linear" in kinds and cfg.linear_attention is None:
             raise ConfigError("layer_types has linear layers but linear_attention is null: give their gated DeltaNet "
                               "(heads, head sizes, conv_kernel)")

@@ -38,7 +38,7 @@ def test_each_decoder_layer_has_its_own_config():
 
 @pytest.mark.parametrize("changes, message", [
     ({"layer_types": ("sliding",)}, r"layer_types must list one kind per decoder layer \(2\)"),
-    ({"layer_types": ("sliding", "local")}, "layer_types must hold full or sliding; got local"),
+    ({"layer_types": ("sliding", "local")}, "layer_types must hold full, sliding or linear; got local"),
     ({"sliding_window": None}, "layer_types has sliding layers but sliding_window is null"),
     ({"layer_types": ("full", "full")}, "sliding_window 4 is given but no layer of layer_types is sliding"),
     ({"local_rope_theta": 1.0}, "local_rope_theta must be a number greater than 1"),
