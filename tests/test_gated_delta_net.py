@@ -4,6 +4,8 @@ forward, pads that move no state, and the refusals of everything that does not c
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -79,10 +81,11 @@ def test_the_golden_mixer_is_transformers_gated_delta_net():
     step) on float64 inputs: its kernels compute the recurrence in float32 whatever the input, so
     the two agree to float32's tolerance, and a planted mistake (β's and the decay's projections
     swapped) is far outside it."""
+    text_config = _transformers_text_config()  # skips where transformers is not installed
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    layer = Qwen3_5GatedDeltaNet(_transformers_text_config(), 0).double()
+    layer = Qwen3_5GatedDeltaNet(text_config, 0).double()
     _drawn(layer, 0)
     x = np.random.default_rng(0).standard_normal((2, 9, HYBRID.d_model))
     with torch.no_grad():
@@ -99,10 +102,11 @@ def test_the_golden_gated_attention_is_transformers():
     """transformers' Qwen3_5Attention (its q_proj holds each head's query and gate side by side) on
     the golden's own rotary tables: the heads times σ(x W_gate) before W_o; without the gate the
     output is another one."""
+    text_config = _transformers_text_config()  # skips where transformers is not installed
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
 
-    layer = Qwen3_5Attention(_transformers_text_config(), 3).double()
+    layer = Qwen3_5Attention(text_config, 3).double()
     layer.config._attn_implementation = "eager"
     _drawn(layer, 1)
     heads, size = HYBRID.n_heads, HYBRID.d_head
@@ -148,8 +152,7 @@ def test_the_cached_decode_carries_each_linear_layers_state(chunks):
         cache, logits, start = golden.start_cache(HYBRID, p, 2), [], 0
         for size in chunks:
             if zeroed:
-                cache = type(cache)(**{**cache.__dict__,
-                                       "linear_states": golden.start_cache(HYBRID, p, 2).linear_states})
+                cache = dataclasses.replace(cache, linear_states=golden.start_cache(HYBRID, p, 2).linear_states)
             step, cache = golden.decode_step(HYBRID, p, cache, ids[:, start:start + size])
             logits.append(step)
             start += size
