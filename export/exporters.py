@@ -10,6 +10,7 @@ import numpy as np
 
 from export.onnx_model import DEFAULT_OPSET
 from spec import ModelConfig
+from spec.config import check_computed_by
 
 FRAMEWORKS = ("torch", "jax")
 
@@ -22,6 +23,7 @@ def export_model(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
     Returns {role: path}."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    check_computed_by(cfg, "the ONNX export")
     if framework == "torch":
         from export.torch_export import export_torch as export
     else:

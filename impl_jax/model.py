@@ -38,7 +38,6 @@ from jax import lax
 from jax.experimental import io_callback
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.config import check_computed_by
 from spec.inputs import (
     check_cache_capacity,
     check_cache_room,
@@ -368,6 +367,7 @@ class MultiHeadAttention(nnx.Module):
         head_norms = cfg.qk_norm and self_attention
         self.q_norm = HeadNorm(cfg, dtype) if head_norms else None
         self.k_norm = HeadNorm(cfg, dtype) if head_norms else None
+        self.gate = linear(d, queries, use_bias=cfg.qkv_bias) if cfg.attention_output_gate and self_attention else None
 
     def head_norm(self, name: str, x: jax.Array) -> jax.Array:
         """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
@@ -389,7 +389,12 @@ class MultiHeadAttention(nnx.Module):
         q = q if positions is None else rotary(self.cfg, q, positions)
         heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision, self.cfg.score_scale,
                                              self.cfg.attention_softcap)  # [B, H, Q, d_k]
-        return self.o(merge_heads(heads))
+        return self.o(self.output_gate(x, merge_heads(heads)))
+
+    def output_gate(self, x: jax.Array, heads: jax.Array) -> jax.Array:
+        """The gated attention's heads (SPEC §5.15): Concat(head_i) ⊙ σ(x W_gate + b) before W^O; the
+        heads as they are without it. x [B, Q, d], heads [B, Q, H·d_k] -> [B, Q, H·d_k]"""
+        return heads if self.gate is None else heads * jax.nn.sigmoid(self.gate(x))
 
     def __call__(self, x: jax.Array, context: jax.Array, mask, offset=0) -> jax.Array:
         """x [B, Q, d], context [B, K, d], mask any shape the spec accepts -> [B, Q, d]; RoPE
@@ -640,6 +645,215 @@ def block(cfg: ModelConfig, layer: nnx.Module, name: str, x: jax.Array, sublayer
                     getattr(layer, f"{name}_post_norm", None))
 
 
+# ---- gated DeltaNet: linear attention with a recurrent state (SPEC §5.15: Qwen3.5, Qwen3-Next) ---
+# The golden runs the recurrence token by token. A prefill here takes the chunked form deployments
+# run (SPEC §5.15): C tokens at a time, a chunk's writes solved together as one unit lower-triangular
+# system, the state carried from chunk to chunk. A decode step of one token runs the recurrence.
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LinearState:
+    """What a linear layer keeps between tokens: each convolution's last K − 1 real inputs (zeros
+    before the first), and each value head's state."""
+
+    windows: tuple[jax.Array, jax.Array, jax.Array]  # q, k, v: [B, K − 1, H_k·d_k or H_v·d_v]
+    recurrent: jax.Array  # S [B, H_v, d_k, d_v], float32 at least (state_dtype)
+
+
+def state_dtype(dtype):
+    """S and the recurrence's arithmetic: float32 at half precision, as the reference kernels keep it."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def start_linear_state(cfg: ModelConfig, batch: int, dtype) -> LinearState:
+    """The state before the first token: zero windows and zero S."""
+    mixer = cfg.linear_attention
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    window = (batch, mixer.conv_kernel - 1)
+    return LinearState((jnp.zeros((*window, keys), dtype), jnp.zeros((*window, keys), dtype),
+                        jnp.zeros((*window, values), dtype)),
+                       jnp.zeros((batch, mixer.value_heads, mixer.key_head_dim, mixer.value_head_dim),
+                                 state_dtype(dtype)))
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / √(Σ x² + ε) over the last axis."""
+    return x * lax.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def short_convolution(window: jax.Array, u: jax.Array, keep: jax.Array, kernel: jax.Array,
+                      precision: str) -> tuple[jax.Array, jax.Array]:
+    """A causal depthwise convolution over the real tokens, c[j] = Σ_i kernel[j, i] · u[j] of the
+    K − 1 real tokens before and the token itself (the window's first), and the window moved on past
+    the last real token. window [B, K − 1, C], u [B, T, C], keep [B, T], kernel [C, K]
+    -> (c [B, T, C]: anything at pads, window [B, K − 1, C])"""
+    batch, length, channels = u.shape
+    # the golden moves the window one real token at a time; here the real tokens are packed to the
+    # front of their row (pads to a spare slot past the end), convolved in one call, and read back
+    rank = jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1  # [B, T]: each real token's place among the real ones
+    slot = jnp.where(keep, rank, length)
+    rows = jnp.arange(batch)[:, None]
+    packed = jnp.zeros((batch, length + 1, channels), u.dtype).at[rows, slot].set(u)[:, :length]
+    inputs = jnp.concatenate([window, packed], axis=1)  # [B, K − 1 + T, C]
+    c = lax.conv_general_dilated(inputs, kernel.T[:, None, :], window_strides=(1,), padding="VALID",
+                                 dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=channels,
+                                 precision=precision)  # [B, T, C] packed
+    c = jnp.take_along_axis(c, jnp.maximum(rank, 0)[..., None], axis=1)
+    last = keep.sum(axis=1)[:, None] + jnp.arange(window.shape[1])  # [B, K − 1]
+    return c, jnp.take_along_axis(inputs, last[..., None], axis=1)
+
+
+def gated_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array,
+                     beta: jax.Array, precision: str) -> tuple[jax.Array, jax.Array]:
+    """S ← e^g S + β k (v − e^g Sᵀ k)ᵀ, o = Sᵀ q. state [B, H, d_k, d_v], q and k [B, H, d_k],
+    v [B, H, d_v], decay (g) and beta [B, H] -> (o [B, H, d_v], state)"""
+    state = jnp.exp(decay)[..., None, None] * state
+    written = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", state, k, precision=precision))
+    state = state + jnp.einsum("bhk,bhv->bhkv", k, written, precision=precision)
+    return jnp.einsum("bhkv,bhk->bhv", state, q, precision=precision), state
+
+
+def decay_ratios(decay: jax.Array) -> jax.Array:
+    """Γ_t / Γ_s = exp(Σ_{s<r≤t} g_r) for s ≤ t within a chunk, 0 above the diagonal. [.., C] -> [.., C, C]"""
+    size = decay.shape[-1]
+    below = jnp.tril(jnp.ones((size, size), bool), -1)
+    # each sum taken over its own terms, not as a difference of two cumulative sums: those reach
+    # hundreds within a chunk, and their difference would keep only float32's absolute accuracy
+    sums = jnp.cumsum(jnp.where(below, decay[..., :, None], 0.0), axis=-2)  # [t, s] = Σ_{s<r≤t} g_r
+    return jnp.where(below | jnp.eye(size, dtype=bool), jnp.exp(sums), 0.0)
+
+
+def chunked_gated_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array,
+                             beta: jax.Array, chunk_size: int, precision: str) -> tuple[jax.Array, jax.Array]:
+    """The recurrence over T tokens, C at a time (SPEC §5.15's chunked form). Within a chunk from S₀,
+    with Γ_t = Π_{s≤t} e^{g_s}, the writes u_t = β_t (v_t − e^{g_t} S_{t−1}ᵀ k_t) solve
+    (I + L) U = β ⊙ (V − Γ ⊙ K S₀), L_ts = β_t (Γ_t/Γ_s) k_t·k_s for s < t; then
+    O = (Γ ⊙ Q) S₀ + ((Γ_t/Γ_s)_{s≤t} ⊙ Q Kᵀ) U and S_C = Γ_C S₀ + (K ⊙ Γ_C/Γ)ᵀ U.
+    state [B, H, d_k, d_v], q and k [B, H, T, d_k], v [B, H, T, d_v], decay (g) and beta [B, H, T]
+    -> (o [B, H, T, d_v], state)"""
+    length, size = q.shape[2], chunk_size
+    spare = -length % size
+    matmul = partial(jnp.matmul, precision=precision)
+    # the last chunk filled out with tokens that write nothing (β = 0) and keep the state (g = 0)
+    batch, heads = q.shape[:2]
+    q, k, v = (jnp.pad(t, ((0, 0), (0, 0), (0, spare), (0, 0))).reshape(batch, heads, -1, size, t.shape[-1])
+               for t in (q, k, v))  # [B, H, N, C, d]
+    decay, beta = (jnp.pad(t, ((0, 0), (0, 0), (0, spare))).reshape(batch, heads, -1, size)
+                   for t in (decay, beta))  # [B, H, N, C]
+    ratios = decay_ratios(decay)  # [B, H, N, C, C]
+    growth = jnp.exp(jnp.cumsum(decay, axis=-1))  # Γ_t [B, H, N, C]
+    strict = jnp.tril(jnp.ones((size, size), bool), -1)
+    system = jnp.eye(size, dtype=q.dtype) + jnp.where(
+        strict, beta[..., :, None] * ratios * matmul(k, k.swapaxes(-1, -2)), 0.0)  # I + L
+    # the writes, less what the state reads: U = Y − W S₀ (both solved for every chunk at once)
+    solve = partial(jax.scipy.linalg.solve_triangular, lower=True, unit_diagonal=True)
+    reads = solve(system, (beta * growth)[..., None] * k)
+    values = solve(system, beta[..., None] * v)
+    scores = ratios * matmul(q, k.swapaxes(-1, -2))  # [B, H, N, C, C]
+    outputs = []
+    for n in range(q.shape[2]):
+        written = values[:, :, n] - matmul(reads[:, :, n], state)  # U [B, H, C, d_v]
+        outputs.append(matmul(growth[:, :, n, :, None] * q[:, :, n], state) + matmul(scores[:, :, n], written))
+        left = ratios[:, :, n, -1]  # Γ_C / Γ_s [B, H, C]
+        state = growth[:, :, n, -1, None, None] * state + matmul((left[..., None] * k[:, :, n]).swapaxes(-1, -2),
+                                                                 written)
+    return jnp.stack(outputs, axis=2).reshape(batch, heads, -1, v.shape[-1])[:, :, :length], state
+
+
+class ShortConvolution(nnx.Module):
+    """q's, k's or v's causal depthwise convolution, its weight [channels, K] as the spec stores it
+    (a module so that its path is the canonical q_conv.weight)."""
+
+    def __init__(self, channels: int, kernel: int, precision: str, dtype):
+        self.weight = nnx.Param(jnp.zeros((channels, kernel), dtype))
+        self.precision = precision
+
+    def __call__(self, window: jax.Array, u: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return short_convolution(window, u, keep, self.weight[...], self.precision)
+
+
+class Decay(Linear):
+    """g = −exp(log_rate) · softplus(x W_decay + b_decay) ≤ 0 per value head: a Linear (its kernel
+    the canonical decay.weight) with the log rate beside it."""
+
+    def __init__(self, d_model: int, heads: int, precision: str, dtype, rngs: nnx.Rngs):
+        super().__init__(d_model, heads, use_bias=True, dtype=dtype, param_dtype=dtype, precision=precision,
+                         rngs=rngs)
+        self.log_rate = nnx.Param(jnp.zeros(heads, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # in float32 at least, as the reference kernels take g: a half-precision softplus would
+        # round the decay that every later token's state is multiplied by
+        wide = state_dtype(x.dtype)
+        logits = jnp.matmul(x, self.kernel[...], precision=self.precision, preferred_element_type=wide)
+        return -jnp.exp(self.log_rate[...].astype(wide)) * jax.nn.softplus(logits + self.bias[...].astype(wide))
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm(o) γ ⊙ SiLU(gate) over each head's d_v (γ as stored, never 1 + γ)."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        self.scale = nnx.Param(jnp.ones(cfg.linear_attention.value_head_dim, dtype))
+        self.eps = float(cfg.norm_eps)
+
+    def __call__(self, o: jax.Array, gate: jax.Array) -> jax.Array:
+        return rms_norm(o, self.scale[...], None, self.eps) * jax.nn.silu(gate)
+
+
+class GatedDeltaNet(nnx.Module):
+    """A linear layer's mixer (SPEC §5.15); cfg: the model's."""
+
+    def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs):
+        mixer, d = cfg.linear_attention, cfg.d_model
+        keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+        self.cfg, self.precision = cfg, precision
+        linear = partial(Linear, use_bias=False, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
+        self.q = linear(d, keys)
+        self.k = linear(d, keys)
+        self.v = linear(d, values)
+        self.q_conv = ShortConvolution(keys, mixer.conv_kernel, precision, dtype)
+        self.k_conv = ShortConvolution(keys, mixer.conv_kernel, precision, dtype)
+        self.v_conv = ShortConvolution(values, mixer.conv_kernel, precision, dtype)
+        self.z = linear(d, values)
+        self.beta = linear(d, mixer.value_heads)
+        self.decay = Decay(d, mixer.value_heads, precision, dtype, rngs)
+        self.norm = GatedRMSNorm(cfg, dtype)
+        self.o = linear(values, d)
+
+    def __call__(self, x: jax.Array, keep: jax.Array, state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
+        """The mixer over x from state (the start's where None): one token by the recurrence, more
+        in chunks; pads move nothing and give zeros. x [B, T, d], keep [B, T] -> ([B, T, d], state)"""
+        mixer = self.cfg.linear_attention
+        batch, length = x.shape[:2]
+        state = start_linear_state(self.cfg, batch, x.dtype) if state is None else state
+        wide = state_dtype(x.dtype)
+        projected = [self.q(x), self.k(x), self.v(x)]  # [B, T, H·d]
+        convolutions = [self.q_conv, self.k_conv, self.v_conv]
+        # a pad writes nothing (β = 0) and keeps S (g = 0): the recurrence needs no mask beyond these
+        beta = jnp.where(keep[..., None], jax.nn.sigmoid(self.beta(x)), 0.0).astype(wide).swapaxes(1, 2)  # [B, H_v, T]
+        decay = jnp.where(keep[..., None], self.decay(x), 0.0).swapaxes(1, 2)  # g ≤ 0 [B, H_v, T]
+        mixed, windows = [], []
+        for u, convolution, window in zip(projected, convolutions, state.windows):
+            c, moved = convolution(window, u, keep)
+            mixed.append(jax.nn.silu(c))
+            windows.append(moved)
+        q = l2_normalize(split_heads(mixed[0], mixer.key_heads).astype(wide)) / math.sqrt(mixer.key_head_dim)
+        k = l2_normalize(split_heads(mixed[1], mixer.key_heads).astype(wide))
+        v = split_heads(mixed[2], mixer.value_heads).astype(wide)  # [B, H_v, T, d_v]
+        q, k = group_heads(q, mixer.value_heads), group_heads(k, mixer.value_heads)  # value head h reads h // groups
+        if length == 1:
+            o, recurrent = gated_delta_rule(state.recurrent, q[:, :, 0], k[:, :, 0], v[:, :, 0], decay[..., 0],
+                                            beta[..., 0], self.precision)
+            o = o[:, :, None]
+        else:
+            o, recurrent = chunked_gated_delta_rule(state.recurrent, q, k, v, decay, beta, mixer.chunk_size,
+                                                    self.precision)
+        outputs = jnp.where(keep[..., None, None], o.swapaxes(1, 2).astype(x.dtype), 0.0)  # [B, T, H_v, d_v]
+        gate = split_heads(self.z(x), mixer.value_heads).swapaxes(1, 2)  # [B, T, H_v, d_v]
+        heads = self.norm(outputs, gate)
+        return self.o(heads.reshape(batch, length, -1)), LinearState(tuple(windows), recurrent)
+
+
 # ---- layers and stacks ----------------------------------------------------------------------
 
 class EncoderLayer(nnx.Module):
@@ -689,6 +903,33 @@ class DecoderLayer(nnx.Module):
         return self.ffn_block(y, drop.get("ffn"))
 
 
+class LinearLayer(nnx.Module):
+    """A hybrid's linear layer (SPEC §5.15): y = Block(y, gated DeltaNet); y = Block(y, FFN), the
+    mixer's state carried from `state`. cfg: the model's (its linear_attention)."""
+
+    def __init__(self, cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.linear_attn = GatedDeltaNet(cfg, precision, dtype, rngs)
+        self.linear_attn_norm = Norm(cfg, dtype)
+        self.ffn = FeedForward(cfg, precision, dtype, rngs)
+        self.ffn_norm = Norm(cfg, dtype)
+
+    def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
+
+    def __call__(self, y: jax.Array, keep: jax.Array, state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
+        """y [B, T, d], keep [B, T] -> ([B, T, d], the mixer's state after the last token)"""
+        after = []
+
+        def mix(h: jax.Array) -> jax.Array:
+            out, moved = self.linear_attn(h, keep, state)
+            after.append(moved)
+            return out
+
+        y = block(self.cfg, self, "linear_attn", y, mix)
+        return self.ffn_block(y), after[0]
+
+
 class Stack(nnx.Module):
     """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them (with
     cfg.embed_norm, the norm of its embeddings too)."""
@@ -697,7 +938,13 @@ class Stack(nnx.Module):
         self.embed_norm = Norm(cfg, dtype) if cfg.embed_norm else None
         # each decoder layer with its own config (its window, its rotary: SPEC §6)
         layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
-        self.layers = nnx.List([layer(layer_config(i), path, precision, dtype, rngs) for i in range(count)])
+
+        def make(index: int) -> nnx.Module:
+            if layer is DecoderLayer and cfg.layer_kind(index) == "linear":
+                return LinearLayer(cfg, path, precision, dtype, rngs)  # the model's config: its mixer is the model's
+            return layer(layer_config(index), path, precision, dtype, rngs)
+
+        self.layers = nnx.List([make(i) for i in range(count)])
         for index, each in enumerate(self.layers):
             if isinstance(getattr(each, "ffn", None), MixtureOfExperts):
                 each.ffn.index = index
@@ -811,7 +1058,6 @@ class Transformer(nnx.Module):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        check_computed_by(cfg, "impl_jax")
         if dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("a float64 model needs JAX's x64 mode: build and run it inside "
                              "`with jax.enable_x64(True):` (JAX would silently use float32)")
@@ -934,6 +1180,9 @@ class Transformer(nnx.Module):
         self_masks = self.decoder_self_masks(tgt_keep)
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
+            if isinstance(layer, LinearLayer):  # its own state from zeros; it reads the keep-vector, no mask
+                y, _ = layer(y, tgt_keep)
+                continue
             y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,
                       masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
@@ -1057,6 +1306,7 @@ class KVCache:
     cross_keys: jax.Array | None = None  # [L, B, H_kv, S, d_k], computed once
     cross_values: jax.Array | None = None
     src_keep: jax.Array | None = None  # [B, S]
+    linear_states: tuple[LinearState | None, ...] | None = None  # L: a linear layer's state, else None (§5.15)
 
     @property
     def capacity(self) -> int:
@@ -1070,14 +1320,18 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     capacity = check_cache_capacity(cfg, capacity)
     shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
     empty = jnp.zeros(shape, model.dtype)
-    cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32))
+    states = None if cfg.linear_attention is None else tuple(
+        start_linear_state(cfg, batch, model.dtype) if cfg.layer_kind(i) == "linear" else None
+        for i in range(cfg.n_decoder_layers))
+    cache = KVCache(empty, empty, jnp.zeros((batch, capacity), bool), jnp.zeros((), jnp.int32), linear_states=states)
     if not cfg.has_encoder:
         return cache
     check_source(cfg, src_ids, batch)
     src_keep = model._keep(src_ids, src_keep, "src")
     with jax.default_matmul_precision(model.precision):
         cross_keys, cross_values = _encode_for_cache(model, _as_ids(src_ids), src_keep)
-    return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep, cache.length, cross_keys, cross_values, src_keep)
+    return KVCache(cache.self_keys, cache.self_values, cache.tgt_keep, cache.length, cross_keys, cross_values, src_keep,
+                   cache.linear_states)
 
 
 @nnx.jit
@@ -1116,7 +1370,11 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     y = model.embed(tgt_ids, "tgt", offset=start, table_rows=capacity)
     positions, _ = attention_positions(cfg, n_new, n_new, start)  # RoPE's: the new ones, after the cached
     keys, values = cache.self_keys, cache.self_values
+    states = None if cache.linear_states is None else list(cache.linear_states)
     for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer, LinearLayer):  # its state carried on; no keys or values (§5.15)
+            y, states[i] = layer(y, new_keep, states[i])
+            continue
 
         def cached_self_attention(h: jax.Array) -> jax.Array:
             # write K (rotated) and V of the new positions into the preallocated cache at `length`
@@ -1133,7 +1391,8 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
                       lambda h: layer.cross_attn.attend(h, cache.cross_keys[i], cache.cross_values[i], cross_mask))
         y = layer.ffn_block(y)
     logits = model.output_logits(model.decoder.final_norm(y))
-    new_cache = KVCache(keys, values, keep, cache.length + n_new, cache.cross_keys, cache.cross_values, cache.src_keep)
+    new_cache = KVCache(keys, values, keep, cache.length + n_new, cache.cross_keys, cache.cross_values, cache.src_keep,
+                        None if states is None else tuple(states))
     return logits, new_cache
 
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from spec import ModelConfig, check_params, load_weights, param_shapes
-from spec.config import check_computed_by
 from spec.inputs import (
     CacheWrites,
     check_cache_capacity,
@@ -303,6 +302,8 @@ class MultiHeadAttention(nn.Module):
         if cfg.qk_norm and self_attention:
             self.q_norm = HeadNorm(cfg)
             self.k_norm = HeadNorm(cfg)
+        if cfg.attention_output_gate and self_attention:
+            self.gate = nn.Linear(d, queries, bias=cfg.qkv_bias)
 
     def head_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
@@ -325,7 +326,12 @@ class MultiHeadAttention(nn.Module):
         # K and V go in as H_kv heads, not the golden's group_heads copies: SDPA groups them itself
         heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.cfg.score_scale,
                                              self.cfg.attention_softcap)  # [B, H, Q, d_k]
-        return self.o(merge_heads(heads))
+        return self.o(self.output_gate(x, merge_heads(heads)))
+
+    def output_gate(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The gated attention's heads (SPEC §5.15): Concat(head_i) ⊙ σ(x W_gate + b) before W^O; the
+        heads as they are without it. x [B, Q, d], heads [B, Q, H·d_k] -> [B, Q, H·d_k]"""
+        return heads * torch.sigmoid(self.gate(x)) if hasattr(self, "gate") else heads
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None,
                 offset: int | torch.Tensor = 0) -> torch.Tensor:
@@ -511,6 +517,206 @@ def block(cfg: ModelConfig, layer: nn.Module, name: str, x: torch.Tensor,
                     getattr(layer, f"{name}_post_norm", None))
 
 
+# ---- gated DeltaNet: linear attention with a recurrent state (SPEC §5.15: Qwen3.5, Qwen3-Next) ---
+# The golden runs the recurrence token by token. A prefill here takes the chunked form deployments
+# run (SPEC §5.15): C tokens at a time, a chunk's writes solved together as one unit lower-triangular
+# system, the state carried from chunk to chunk. A decode step of one token runs the recurrence.
+
+@dataclass(frozen=True)
+class LinearState:
+    """What a linear layer keeps between tokens: each convolution's last K − 1 real inputs (zeros
+    before the first), and each value head's state."""
+
+    windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v: [B, K − 1, H_k·d_k or H_v·d_v]
+    recurrent: torch.Tensor  # S [B, H_v, d_k, d_v], float32 at least (state_dtype)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """S and the recurrence's arithmetic: float32 at half precision, as the reference kernels keep it."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def start_linear_state(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device) -> LinearState:
+    """The state before the first token: zero windows and zero S."""
+    mixer = cfg.linear_attention
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    window = (batch, mixer.conv_kernel - 1)
+    return LinearState((torch.zeros(*window, keys, dtype=dtype, device=device),
+                        torch.zeros(*window, keys, dtype=dtype, device=device),
+                        torch.zeros(*window, values, dtype=dtype, device=device)),
+                       torch.zeros(batch, mixer.value_heads, mixer.key_head_dim, mixer.value_head_dim,
+                                   dtype=state_dtype(dtype), device=device))
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / √(Σ x² + ε) over the last axis."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def short_convolution(window: torch.Tensor, u: torch.Tensor, keep: torch.Tensor,
+                      kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal depthwise convolution over the real tokens, c[j] = Σ_i kernel[j, i] · u[j] of the
+    K − 1 real tokens before and the token itself (the window's first), and the window moved on past
+    the last real token. window [B, K − 1, C], u [B, T, C], keep [B, T], kernel [C, K]
+    -> (c [B, T, C]: anything at pads, window [B, K − 1, C])"""
+    batch, length, channels = u.shape
+    # the golden moves the window one real token at a time; here the real tokens are packed to the
+    # front of their row (pads to a spare slot past the end), convolved in one call, and read back
+    rank = keep.long().cumsum(dim=1) - 1  # [B, T]: each real token's place among its row's real ones
+    slot = torch.where(keep, rank, length)[..., None].expand(batch, length, channels)
+    packed = u.new_zeros(batch, length + 1, channels).scatter(1, slot, u)[:, :length]
+    inputs = torch.cat([window, packed], dim=1)  # [B, K − 1 + T, C]
+    c = F.conv1d(inputs.transpose(1, 2), kernel[:, None, :], groups=channels).transpose(1, 2)  # [B, T, C] packed
+    c = c.gather(1, rank.clamp(min=0)[..., None].expand(batch, length, channels))
+    last = keep.sum(dim=1)[:, None] + torch.arange(window.shape[1], device=u.device)  # [B, K − 1]
+    return c, inputs.gather(1, last[..., None].expand(batch, window.shape[1], channels))
+
+
+def gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S ← e^g S + β k (v − e^g Sᵀ k)ᵀ, o = Sᵀ q. state [B, H, d_k, d_v], q and k [B, H, d_k],
+    v [B, H, d_v], decay (g) and beta [B, H] -> (o [B, H, d_v], state)"""
+    state = torch.exp(decay)[..., None, None] * state
+    written = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))  # what k reads, corrected toward v
+    state = state + torch.einsum("bhk,bhv->bhkv", k, written)
+    return torch.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def decay_ratios(decay: torch.Tensor) -> torch.Tensor:
+    """Γ_t / Γ_s = exp(Σ_{s<r≤t} g_r) for s ≤ t within a chunk, 0 above the diagonal. [.., C] -> [.., C, C]"""
+    size = decay.shape[-1]
+    below = torch.ones(size, size, dtype=torch.bool, device=decay.device).tril(-1)
+    # each sum taken over its own terms, not as a difference of two cumulative sums: those reach
+    # hundreds within a chunk, and their difference would keep only float32's absolute accuracy
+    sums = torch.where(below, decay[..., :, None], 0.0).cumsum(dim=-2)  # [t, s] = Σ_{s<r≤t} g_r
+    return torch.where(below | torch.eye(size, dtype=torch.bool, device=decay.device), torch.exp(sums), 0.0)
+
+
+def chunked_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             decay: torch.Tensor, beta: torch.Tensor,
+                             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over T tokens, C at a time (SPEC §5.15's chunked form). Within a chunk from S₀,
+    with Γ_t = Π_{s≤t} e^{g_s}, the writes u_t = β_t (v_t − e^{g_t} S_{t−1}ᵀ k_t) solve
+    (I + L) U = β ⊙ (V − Γ ⊙ K S₀), L_ts = β_t (Γ_t/Γ_s) k_t·k_s for s < t; then
+    O = (Γ ⊙ Q) S₀ + ((Γ_t/Γ_s)_{s≤t} ⊙ Q Kᵀ) U and S_C = Γ_C S₀ + (K ⊙ Γ_C/Γ)ᵀ U.
+    state [B, H, d_k, d_v], q and k [B, H, T, d_k], v [B, H, T, d_v], decay (g) and beta [B, H, T]
+    -> (o [B, H, T, d_v], state)"""
+    length, size = q.shape[2], chunk_size
+    spare = -length % size
+    # the last chunk filled out with tokens that write nothing (β = 0) and keep the state (g = 0)
+    q, k, v = (F.pad(t, (0, 0, 0, spare)).unflatten(2, (-1, size)) for t in (q, k, v))  # [B, H, N, C, d]
+    decay, beta = (F.pad(t, (0, spare)).unflatten(2, (-1, size)) for t in (decay, beta))  # [B, H, N, C]
+    ratios = decay_ratios(decay)  # [B, H, N, C, C]
+    growth = torch.exp(decay.cumsum(dim=-1))  # Γ_t [B, H, N, C]
+    strict = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
+    system = torch.eye(size, dtype=q.dtype, device=q.device) + torch.where(
+        strict, beta[..., :, None] * ratios * (k @ k.transpose(-1, -2)), 0.0)  # I + L
+    # the writes, less what the state reads: U = Y − W S₀ (both solved for every chunk at once)
+    reads = torch.linalg.solve_triangular(system, (beta * growth)[..., None] * k, upper=False, unitriangular=True)
+    values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    scores = ratios * (q @ k.transpose(-1, -2))  # [B, H, N, C, C]
+    outputs = []
+    for n in range(q.shape[2]):
+        written = values[:, :, n] - reads[:, :, n] @ state  # U [B, H, C, d_v]
+        outputs.append((growth[:, :, n, :, None] * q[:, :, n]) @ state + scores[:, :, n] @ written)
+        left = ratios[:, :, n, -1]  # Γ_C / Γ_s [B, H, C]
+        state = growth[:, :, n, -1, None, None] * state + (left[..., None] * k[:, :, n]).transpose(-1, -2) @ written
+    return torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :length], state
+
+
+class ShortConvolution(nn.Module):
+    """q's, k's or v's causal depthwise convolution, its weight [channels, K] as the spec stores it
+    (a module so that its key is the canonical q_conv.weight)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+
+    def forward(self, window: torch.Tensor, u: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return short_convolution(window, u, keep, self.weight)
+
+
+class Decay(nn.Linear):
+    """g = −exp(log_rate) · softplus(x W_decay + b_decay) ≤ 0 per value head: an nn.Linear (its weight
+    transposed like every Linear's) with the log rate beside it."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__(d_model, heads)
+        self.log_rate = nn.Parameter(torch.zeros(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 at least, as the reference kernels take g: a half-precision softplus would
+        # round the decay that every later token's state is multiplied by
+        wide = state_dtype(x.dtype)
+        return -torch.exp(self.log_rate.to(wide)) * F.softplus(F.linear(x, self.weight).to(wide) + self.bias.to(wide))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(o) γ ⊙ SiLU(gate) over each head's d_v (γ as stored, never 1 + γ)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(cfg.linear_attention.value_head_dim))
+        self.eps = float(cfg.norm_eps)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return rms_norm(o, self.scale, None, self.eps) * F.silu(gate)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear layer's mixer (SPEC §5.15); cfg: the model's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        mixer, d = cfg.linear_attention, cfg.d_model
+        keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+        self.cfg = cfg
+        self.q = nn.Linear(d, keys, bias=False)
+        self.k = nn.Linear(d, keys, bias=False)
+        self.v = nn.Linear(d, values, bias=False)
+        self.q_conv = ShortConvolution(keys, mixer.conv_kernel)
+        self.k_conv = ShortConvolution(keys, mixer.conv_kernel)
+        self.v_conv = ShortConvolution(values, mixer.conv_kernel)
+        self.z = nn.Linear(d, values, bias=False)
+        self.beta = nn.Linear(d, mixer.value_heads, bias=False)
+        self.decay = Decay(d, mixer.value_heads)
+        self.norm = GatedRMSNorm(cfg)
+        self.o = nn.Linear(values, d, bias=False)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor,
+                state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
+        """The mixer over x from state (the start's where None): one token by the recurrence, more
+        in chunks; pads move nothing and give zeros. x [B, T, d], keep [B, T] -> ([B, T, d], state)"""
+        mixer = self.cfg.linear_attention
+        batch, length = x.shape[:2]
+        state = start_linear_state(self.cfg, batch, x.dtype, x.device) if state is None else state
+        wide = state_dtype(x.dtype)
+        projected = [self.q(x), self.k(x), self.v(x)]  # [B, T, H·d]
+        convolutions = [self.q_conv, self.k_conv, self.v_conv]
+        # a pad writes nothing (β = 0) and keeps S (g = 0): the recurrence needs no mask beyond these
+        beta = torch.where(keep[..., None], torch.sigmoid(self.beta(x)), 0.0).to(wide).transpose(1, 2)  # [B, H_v, T]
+        decay = torch.where(keep[..., None], self.decay(x), 0.0).transpose(1, 2)  # g ≤ 0 [B, H_v, T]
+        mixed, windows = [], []
+        for u, convolution, window in zip(projected, convolutions, state.windows):
+            c, moved = convolution(window, u, keep)
+            mixed.append(F.silu(c))
+            windows.append(moved)
+        q = l2_normalize(split_heads(mixed[0], mixer.key_heads).to(wide)) / math.sqrt(mixer.key_head_dim)
+        k = l2_normalize(split_heads(mixed[1], mixer.key_heads).to(wide))
+        v = split_heads(mixed[2], mixer.value_heads).to(wide)  # [B, H_v, T, d_v]
+        q, k = group_heads(q, mixer.value_heads), group_heads(k, mixer.value_heads)  # value head h reads h // groups
+        if length == 1:
+            o, recurrent = gated_delta_rule(state.recurrent, q[:, :, 0], k[:, :, 0], v[:, :, 0], decay[..., 0],
+                                            beta[..., 0])
+            o = o[:, :, None]
+        else:
+            o, recurrent = chunked_gated_delta_rule(state.recurrent, q, k, v, decay, beta, mixer.chunk_size)
+        outputs = torch.where(keep[..., None, None], o.transpose(1, 2).to(x.dtype), 0.0)  # [B, T, H_v, d_v]
+        gate = split_heads(self.z(x), mixer.value_heads).transpose(1, 2)  # [B, T, H_v, d_v]
+        heads = self.norm(outputs, gate)
+        return self.o(heads.reshape(batch, length, -1)), LinearState(tuple(windows), recurrent)
+
+
 # ---- layers and stacks ----------------------------------------------------------------------
 
 class EncoderLayer(nn.Module):
@@ -563,6 +769,35 @@ class DecoderLayer(nn.Module):
         return self.ffn_block(y, drop.get("ffn"))
 
 
+class LinearLayer(nn.Module):
+    """A hybrid's linear layer (SPEC §5.15): y = Block(y, gated DeltaNet); y = Block(y, FFN), the
+    mixer's state carried from `state`. cfg: the model's (its linear_attention)."""
+
+    def __init__(self, cfg: ModelConfig, path: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.linear_attn = GatedDeltaNet(cfg)
+        self.linear_attn_norm = Norm(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_norm = Norm(cfg)
+
+    def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
+
+    def forward(self, y: torch.Tensor, keep: torch.Tensor,
+                state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
+        """y [B, T, d], keep [B, T] -> ([B, T, d], the mixer's state after the last token)"""
+        after = []
+
+        def mix(h: torch.Tensor) -> torch.Tensor:
+            out, moved = self.linear_attn(h, keep, state)
+            after.append(moved)
+            return out
+
+        y = block(self.cfg, self, "linear_attn", y, mix)
+        return self.ffn_block(y), after[0]
+
+
 class Stack(nn.Module):
     """The encoder or the decoder: its layers and, with cfg.final_norm, the norm after them (with
     cfg.embed_norm, the norm of its embeddings too)."""
@@ -573,7 +808,13 @@ class Stack(nn.Module):
             self.embed_norm = Norm(cfg)
         # each decoder layer with its own config (its window, its rotary: SPEC §6)
         layer_config = cfg.layer if layer is DecoderLayer else (lambda i: cfg)
-        self.layers = nn.ModuleList(layer(layer_config(i), path) for i in range(count))
+
+        def make(index: int) -> nn.Module:
+            if layer is DecoderLayer and cfg.layer_kind(index) == "linear":
+                return LinearLayer(cfg, path)  # the model's config: its mixer is the model's
+            return layer(layer_config(index), path)
+
+        self.layers = nn.ModuleList(make(i) for i in range(count))
         for index, each in enumerate(self.layers):
             if isinstance(getattr(each, "ffn", None), MixtureOfExperts):
                 each.ffn.index = index
@@ -690,7 +931,6 @@ class Transformer(nn.Module):
         super().__init__()
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, got {attention!r}")
-        check_computed_by(cfg, "impl_torch")
         self.cfg = cfg
         if cfg.has_encoder and not cfg.share_src_tgt_embed:
             self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
@@ -814,6 +1054,9 @@ class Transformer(nn.Module):
         self_masks = self.decoder_self_masks(tgt_keep)
         cross_mask = None if memory is None else _key_mask(src_keep)
         for i, layer in enumerate(self.decoder.layers):
+            if isinstance(layer, LinearLayer):  # its own state from zeros; it reads the keep-vector, no mask
+                y, _ = layer(y, tgt_keep)
+                continue
             y = layer(y, memory, self_masks[layer.cfg.sliding_window], cross_mask,
                       masks_under(dropout_masks, f"decoder.layers.{i}"))
         return self.decoder.final_norm(y)
@@ -889,6 +1132,7 @@ class KVCache:
     cross_keys: torch.Tensor | None = None  # [L, B, H_kv, S, d_k], computed once
     cross_values: torch.Tensor | None = None
     src_keep: torch.Tensor | None = None  # [B, S]
+    linear_states: tuple[LinearState | None, ...] | None = None  # L: a linear layer's state, else None (§5.15)
     writes: CacheWrites = field(default_factory=CacheWrites, repr=False, compare=False)
     version: int = 0
 
@@ -900,7 +1144,17 @@ class KVCache:
         """A cache with buffers of its own, to continue independently of this one."""
         self.writes.check(self.version)
         keys, values, keep = (t.clone() for t in (self.self_keys, self.self_values, self.tgt_keep))
-        return replace(self, self_keys=keys, self_values=values, tgt_keep=keep, writes=CacheWrites(), version=0)
+        states = None if self.linear_states is None else tuple(
+            None if state is None else LinearState(tuple(w.clone() for w in state.windows), state.recurrent.clone())
+            for state in self.linear_states)
+        return replace(self, self_keys=keys, self_values=values, tgt_keep=keep, linear_states=states,
+                       writes=CacheWrites(), version=0)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step writes in place."""
+        states = [] if self.linear_states is None else [t for state in self.linear_states if state is not None
+                                                        for t in (*state.windows, state.recurrent)]
+        return [self.self_keys, self.self_values, self.tgt_keep, *states]
 
 
 @torch.inference_mode()
@@ -912,7 +1166,11 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     weight = model.tgt_embed.weight
     shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
     keys, values = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(2))
-    cache = KVCache(keys, values, torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0)
+    states = None if cfg.linear_attention is None else tuple(
+        start_linear_state(cfg, batch, weight.dtype, weight.device) if cfg.layer_kind(i) == "linear" else None
+        for i in range(cfg.n_decoder_layers))
+    cache = KVCache(keys, values, torch.zeros(batch, capacity, dtype=torch.bool, device=weight.device), 0,
+                    linear_states=states)
     if not cfg.has_encoder:
         return cache
     check_source(cfg, src_ids, batch)
@@ -974,6 +1232,12 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     y = model.embed(tgt_ids, "tgt", offset=start)
     rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)  # RoPE's: the new ones
     for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer, LinearLayer):  # its state carried on, written in place; no keys or values (§5.15)
+            state = cache.linear_states[i]
+            y, moved = layer(y, new_keep, state)
+            for buffer, value in zip((*state.windows, state.recurrent), (*moved.windows, moved.recurrent)):
+                buffer.copy_(value)
+            continue
 
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
             # write K (rotated) and V of the new positions into the preallocated cache at their positions
@@ -1019,7 +1283,7 @@ def greedy_generate(model: Transformer, src_ids=None, *, prompt_ids=None, bos_id
     if step is not None:
         # the buffers written in place keep their addresses: a CUDA graph may then write into
         # them rather than into copies of them
-        for buffer in (cache.self_keys, cache.self_values, cache.tgt_keep):
+        for buffer in cache.buffers():
             torch._dynamo.mark_static_address(buffer)
     body = step or _decode_step_body
     tokens = torch.full((batch, max_new_tokens), cfg.pad_id, dtype=torch.long, device=device)

@@ -98,6 +98,9 @@ class GatedDeltaNet:
     key_head_dim: int  # d_k
     value_head_dim: int  # d_v
     conv_kernel: int = 4  # K: the causal depthwise convolution over q, k and v, K positions wide
+    # C: the tokens a chunked prefill takes at once (torch, JAX, the exports); the golden's recurrence
+    # has none, and any C computes the same sums (SPEC §5.15). Qwen3.5's kernels take 64.
+    chunk_size: int = 64
 
     @classmethod
     def from_dict(cls, data: Any) -> "GatedDeltaNet":
@@ -291,24 +294,27 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def golden_only_features(cfg: ModelConfig) -> tuple[str, ...]:
-    """The features of cfg that the spec defines and only the golden computes so far (SPEC §5.15):
-    the frameworks, the exports, the importers and the conformance matrix refuse such a config by
-    name (check_computed_by) rather than compute another model."""
-    found = []
-    if cfg.linear_attention is not None:
-        found.append("gated DeltaNet's linear layers (linear_attention)")
-    if cfg.attention_output_gate:
-        found.append("the attention's output gate (attention_output_gate)")
-    return tuple(found)
+# The features the spec defines that not everything computes yet (SPEC §5.15), with what does: the
+# rest (the exports, the importers' writer, the golden's backward, the conformance matrix) refuse
+# such a config by name (check_computed_by) rather than compute another model.
+NEWER_FEATURES = {
+    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", ("impl_numpy", "impl_torch", "impl_jax")),
+    "attention_output_gate": ("the attention's output gate (attention_output_gate)", ("impl_numpy", "impl_torch", "impl_jax")),
+}
+
+
+def uncomputed_features(cfg: ModelConfig, who: str) -> tuple[str, ...]:
+    """The features of cfg that `who` does not compute yet, by name."""
+    return tuple(name for field, (name, computers) in NEWER_FEATURES.items()
+                 if getattr(cfg, field) not in (None, False) and who not in computers)
 
 
 def check_computed_by(cfg: ModelConfig, who: str) -> None:
     """A ConfigError naming what `who` (a framework, the golden's backward, ...) does not compute
-    yet, for a config with golden_only_features."""
-    if features := golden_only_features(cfg):
-        raise ConfigError(f"{who} does not compute {' or '.join(features)} yet: the spec and the golden's forward and "
-                          "cached decode do (SPEC §5.15)")
+    yet, for a config with such features."""
+    if features := uncomputed_features(cfg, who):
+        raise ConfigError(f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached "
+                          "decode, impl_torch and impl_jax do (SPEC §5.15)")
 
 
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
@@ -503,7 +509,7 @@ def _validate_hybrid(cfg: ModelConfig) -> None:
         return
     if not isinstance(mixer, GatedDeltaNet):
         raise ConfigError(f"linear_attention must be a GatedDeltaNet or null, got {mixer!r}")
-    for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+    for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel", "chunk_size"):
         value = getattr(mixer, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"linear_attention.{name} must be a positive integer, got {value!r}")

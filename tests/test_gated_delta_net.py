@@ -1,6 +1,7 @@
-"""Gated DeltaNet's linear layers and the gated attention in the spec and the golden (SPEC §5.15):
-the golden's layer against transformers' own Qwen3.5 modules, its cached decode against its
-forward, pads that move no state, and the refusals of everything that does not compute it yet."""
+"""Gated DeltaNet's linear layers and the gated attention (SPEC §5.15): the golden's layer against
+transformers' own Qwen3.5 modules, its cached decode against its forward, pads that move no state;
+torch's and JAX's chunked prefill and recurrent steps against the golden, with planted mistakes
+seen; and the refusals of everything that does not compute it yet."""
 
 from __future__ import annotations
 
@@ -217,20 +218,129 @@ def test_the_config_refuses_what_the_hybrid_does_not_define():
     assert HYBRID.first_layers(2).linear_attention == MIXER and HYBRID.first_layers(2).layer_kind(1) == "linear"
 
 
-@pytest.mark.parametrize("who", ["impl_torch", "impl_jax", "the golden's backward", "the conformance matrix",
+# ---- the frameworks: the chunked prefill and the recurrent step against the golden's recurrence ----
+
+# chunks of 4 over 11 tokens: two whole chunks and a part; the decode's pieces end one token before,
+# on and after a chunk boundary
+CHUNKED = HYBRID.replace(linear_attention=dataclasses.replace(MIXER, chunk_size=4))
+PIECES = (3, 1, 1, 6)
+
+
+def _padded_batch() -> tuple[np.ndarray, np.ndarray]:
+    """Three rows of 11: pads at the start, inside, at the end; and the keep-vector."""
+    ids = _ids(3, 11, seed=2)
+    ids[0, :3] = ids[1, 5:7] = ids[2, -2:] = HYBRID.pad_id
+    return ids, ids != HYBRID.pad_id
+
+
+def _framework(name: str, dtype: str):
+    """(model, start_cache, decode_step, logits of ids) of impl_torch or impl_jax at dtype."""
+    params = conformance_params(CHUNKED)
+    if name == "torch":
+        import torch
+
+        from impl_torch import Transformer
+        from impl_torch.model import decode_step, start_cache
+        model = Transformer.from_params(CHUNKED, params, dtype=getattr(torch, dtype))
+
+        def logits(ids, keep):
+            with torch.no_grad():
+                return model(None, ids, tgt_keep=keep).double().numpy()
+    else:
+        import jax
+
+        from impl_jax import Transformer
+        from impl_jax.model import decode_step, start_cache
+        jax.clear_caches()  # a planted mistake is traced anew, not read from a compiled program
+        model = Transformer.from_params(CHUNKED, params, dtype=dtype)
+
+        def logits(ids, keep):
+            return np.asarray(model(None, ids, tgt_keep=keep), np.float64)
+    return model, start_cache, decode_step, logits
+
+
+def _framework_run(name: str, dtype: str, forward: bool = True,
+                   decode: bool = True) -> tuple[np.ndarray | None, np.ndarray | None, object]:
+    """The framework's forward of the padded batch, its decode of it in PIECES and the cache after
+    (each None where not asked for)."""
+    ids, keep = _padded_batch()
+    model, start_cache, decode_step, logits = _framework(name, dtype)
+    cache, steps, start = start_cache(model, 3, ids.shape[1]), [], 0
+    for size in PIECES if decode else ():
+        step, cache = decode_step(model, cache, ids[:, start:start + size], keep[:, start:start + size])
+        steps.append(step.double().numpy() if hasattr(step, "double") else np.asarray(step, np.float64))
+        start += size
+    return logits(ids, keep) if forward else None, np.concatenate(steps, axis=1) if decode else None, cache
+
+
+def _x64(name: str, dtype: str):
+    import contextlib
+    if name == "jax" and dtype == "float64":
+        import jax
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_the_frameworks_chunked_prefill_and_steps_are_the_recurrence(name, dtype):
+    """hybrid-pads-{dtype}-{name}-cpu: a padded batch (pads at the start, inside, at the end) through
+    the chunked forward (chunks of 4 over 11 tokens) and through the cached decode in pieces that
+    end before, on and after a chunk boundary (the steps by the recurrence), both against the
+    golden's token-by-token forward; the state kept in float32 at float16 (SPEC §5.15)."""
+    pytest.importorskip(name)
+    ids, keep = _padded_batch()
+    want = golden.forward(CHUNKED, conformance_params(CHUNKED), None, ids, tgt_keep=keep)
+    with _x64(name, dtype):
+        forward, decoded, cache = _framework_run(name, dtype)
+    bounds = _hybrid_bounds(ids.shape[1]) | {"dtype": dtype}
+    assert_agrees(forward, want, **bounds, what=f"{name} {dtype} forward")
+    assert_agrees(decoded, want, **bounds, what=f"{name} {dtype} cached decode")
+    state = cache.linear_states[0].recurrent
+    assert str(state.dtype).split(".")[-1] == ("float64" if dtype == "float64" else "float32")
+
+
+def _planted(name: str, mistake: str, monkeypatch) -> None:
+    """One of the bugs of record planted in the framework's module."""
+    module = __import__(f"impl_{name}.model", fromlist=["model"])
+    if mistake == "zero-start":  # a prefill after a prefix starts from a zero state
+        chunked = module.chunked_gated_delta_rule
+        monkeypatch.setattr(module, "chunked_gated_delta_rule",
+                            lambda state, *rest: chunked(state * 0, *rest))
+    elif mistake == "pads-write":  # the pads' keep ignored: they write, decay and enter the windows
+        net = module.GatedDeltaNet
+        call = "forward" if name == "torch" else "__call__"
+        original = getattr(net, call)
+        monkeypatch.setattr(net, call, lambda self, x, keep, state=None: original(self, x, keep | True, state))
+    else:  # the gated attention's gate dropped
+        monkeypatch.setattr(module.MultiHeadAttention, "output_gate", lambda self, x, heads: heads)
+
+
+@pytest.mark.parametrize("mistake", ["zero-start", "pads-write", "ungated"])
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_a_planted_mistake_in_the_frameworks_hybrid_is_seen(name, mistake, monkeypatch):
+    """Each plant moves the forward or the cached decode beyond float32's tolerance of the golden."""
+    pytest.importorskip(name)
+    _planted(name, mistake, monkeypatch)
+    ids, keep = _padded_batch()
+    want = golden.forward(CHUNKED, conformance_params(CHUNKED), None, ids, tgt_keep=keep)
+    in_decode = mistake == "zero-start"  # the others show in the forward already
+    forward, decoded, _ = _framework_run(name, "float32", forward=not in_decode, decode=in_decode)
+    bounds = _hybrid_bounds(ids.shape[1]) | {"dtype": "float32"}
+    assert_differs(decoded if in_decode else forward, want, **bounds)
+
+
+@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward", "the conformance matrix",
                                  "the Hugging Face writer"])
 def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
-    """Only the spec and the golden's forward and cached decode compute it so far: each other path
-    refuses a hybrid naming the feature, rather than compute another model."""
+    """The spec, the golden's forward and cached decode, impl_torch and impl_jax compute it so far:
+    each other path refuses a hybrid naming the feature, rather than compute another model."""
     params = conformance_params(HYBRID)
     match = f"{who} does not compute gated DeltaNet's linear layers"
     with pytest.raises(ConfigError, match=match):
-        if who == "impl_torch":
-            from impl_torch import Transformer
-            Transformer.from_params(HYBRID, params)
-        elif who == "impl_jax":
-            from impl_jax import Transformer
-            Transformer.from_params(HYBRID, params)
+        if who == "the ONNX export":
+            from export.exporters import export_model
+            export_model(HYBRID, params, tmp_path)
         elif who == "the golden's backward":
             from impl_numpy.backward import model_vjp
             model_vjp(HYBRID, golden.cast_params(HYBRID, params), None, _ids(1, 3), np.ones((1, 3, 53)))
