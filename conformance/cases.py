@@ -13,6 +13,8 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
                    keys at positions offset.., the queries the last Q of them; offset with RoPE only)
     mha_cross      module, x [B,Q,d], context [B,K,d], mask           -> [B,Q,d]   (cross-attention)
     ffn            module, x [B,T,d]                                  -> [B,T,d]
+    linear_attn    module (a hybrid's gated DeltaNet), x [B,T,d], tgt_keep [B,T] -> [B,T,d]   (from the
+                   zero state, pads moving nothing: SPEC §5.15)
     router         module (a mixture of experts), x [B,T,d]           -> {probabilities [B,T,E], chosen and
                    weights [B,T,k]}
     experts        module, x [B,T,d], chosen [B,T,k], weights [B,T,k] -> [B,T,d]   (the block on the given
@@ -28,8 +30,9 @@ Sublayers and the inputs each receives (the adapter protocol's contract, see ada
     logits         h [B,T,d]                                          -> [B,T,V]
     log_probs      h [B,T,d]                                          -> [B,T,V]
     forward        src_ids [B,S]|None, tgt_ids [B,T]                  -> [B,T,V]
-    decode         src_ids|None, tgt_ids [B,T], prefix               -> [B,T-prefix,V]
-                   (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step)
+    decode         src_ids|None, tgt_ids [B,T], prefix (, resume)     -> [B,T-prefix,V]
+                   (prefill tgt_ids[:, :prefix] into a KV cache, then one token per step; with resume,
+                   the next `resume` tokens first as one chunk after the prefix, the hybrids' chunk cases)
     generate       src_ids|None, prompt_ids|None, bos_id, eos_id, max_new_tokens -> tokens [B,N]
     loss           src_ids [B,S]|None, tgt_ids [B,T], targets [B,T]   -> the loss, a scalar (SPEC §5.9)
                    (+ dropout_masks {site: keep [B,T,d]} in the 'dropout' case: training mode, SPEC §5.10)
@@ -66,7 +69,7 @@ from conformance.text import LONG_TEXT, NEW_TOKENS, Prompts
 from conformance.tolerance import rotary_angle, tolerance
 from spec import ModelConfig, params_under
 from spec.dropout import draw_dropout_masks
-from spec.masks import causal_mask, combine_masks, key_mask
+from spec.masks import causal_mask, combine_masks, decoder_self_mask, key_mask, normalize_mask
 from spec.training import TrainingConfig
 
 BATCH = 3
@@ -140,6 +143,12 @@ MASK_CASES.update({
     "near_tie": "every token at a tie between its k-th and (k+1)-th expert, by construction: which of the two a "
                 "column chooses is rounding's to decide (ffn of a mixture of experts; SPEC §5.14)"})
 NEAR_TIE_CASES = ("near_tie",)  # cases meant to sit at a routing tie: the report says so
+MASK_CASES.update({
+    "chunk_less": "every row real, one token short of a chunk (C − 1 tokens, C the linear layers' chunk_size): the "
+                  "chunked prefill's only chunk filled out (hybrids; SPEC §5.15)",
+    "chunk_more": "C + 1 tokens, padding at the start: a second chunk of one token, the state handed over (hybrids)",
+    "chunks": "2C + 3 tokens, padding inside: three chunks, the last partial, pads in every one (hybrids)"})
+CHUNK_CASES = ("chunk_less", "chunk_more", "chunks")  # only configs with linear layers run them
 _MOE_CASES = ("unchosen", *NEAR_TIE_CASES)  # only a mixture of experts' sublayers run them
 _SCALED = tuple(name for name in MASK_CASES if name.split("_")[0] in _SIZES)
 
@@ -160,7 +169,10 @@ def norm_modules(cfg: ModelConfig, role: str) -> list[str]:
     stacks = [("encoder", cfg.n_encoder_layers)] * cfg.has_encoder + [("decoder", cfg.n_decoder_layers)]
     within = {"ffn": "ffn_norm", "attn": "self_attn_norm", "cross": "cross_attn_norm"}
     if role in within:
-        return [f"{stack}.layers.{i}.{within[role]}" for stack, count in stacks for i in range(count)
+        # a hybrid's linear layer norms its gated DeltaNet's input where the others norm the attention's
+        def name(stack: str, index: int) -> str:
+            return "linear_attn_norm" if role == "attn" and _is_linear(cfg, stack, index) else within[role]
+        return [f"{stack}.layers.{i}.{name(stack, i)}" for stack, count in stacks for i in range(count)
                 if role != "cross" or stack == "decoder" and cfg.has_encoder]
     present = {"final": cfg.final_norm, "embed": cfg.embed_norm}[role]
     return [f"{stack}.{'norm' if role == 'final' else 'embed_norm'}" for stack, _ in stacks if present]
@@ -176,6 +188,10 @@ _STACK_CASES = ("none", "pad_right", "pad_left", "pad_middle", "single_token", "
 _MODEL_CASES = ("none", "pad_right", "pad_left", "pad_middle", "cross_pad", "lq_ne_lk", "single_token", "all_pad",
                 "pad_start")
 _NEEDS_SOURCE = {"cross_pad", "lq_ne_lk", "pad_start"}  # meaningless without an encoder (model-level cases)
+
+
+def _is_linear(cfg: ModelConfig, stack: str, index: int) -> bool:
+    return stack == "decoder" and cfg.layer_kind(index) == "linear"
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,10 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
     Sublayer("mha_cross", "multi-head cross-attention (the decoder's layers in turn)", _CROSS_CASES, lambda c: 1, True),
     Sublayer("ffn", "position-wise feed-forward network (near_tie: a mixture of experts' every token at a routing "
              "tie)", ("none", "near_tie"), lambda c: 1),
+    Sublayer("linear_attn", "a hybrid's gated DeltaNet (its linear layers in turn) over the real tokens, from the "
+             "zero state: the chunked prefill against the golden's recurrence", ("none", "pad_right", "pad_left",
+                                                                                "pad_middle", "all_pad", *CHUNK_CASES),
+             lambda c: 1),
     Sublayer("router", "a mixture of experts' router: every expert's probability, softmax(x R), the k it chooses "
              "and their weights", ("none",),
              lambda c: 1),
@@ -219,10 +239,10 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              lambda c: (3 if c.has_encoder else 2) * c.n_decoder_layers + 2),
     Sublayer("logits", "output projection (tied or not)", ("none",), lambda c: 1),
     Sublayer("log_probs", "log-softmax of the logits", ("none",), lambda c: 2),
-    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long", *SWITCH_CASES, *TEXT_CASES),
-             _layers_depth),
+    Sublayer("forward", "the whole model, teacher-forced", (*_MODEL_CASES, "long", *SWITCH_CASES, *CHUNK_CASES,
+                                                             *TEXT_CASES), _layers_depth),
     Sublayer("decode", "incremental decoding with a KV cache vs. the full forward",
-             ("incremental", "pad_right", "pad_left", "pad_start", "far", "text"), _layers_depth),
+             ("incremental", "pad_right", "pad_left", "pad_start", "far", *CHUNK_CASES, "text"), _layers_depth),
     Sublayer("generate", "greedy generation with the KV cache (token ids, exact)",
              ("none", "pad_right", "pad_left", "pad_start", "text"), _layers_depth),
     Sublayer("loss", "the label-smoothed token cross-entropy of the teacher-forced logits",
@@ -321,6 +341,8 @@ class Case:
     inputs: dict[str, Any] = field(compare=False, repr=False)
     reduction_length: int = 1  # the longest inner product or sum in the case
     angle: float = 0.0  # the rotary angle whose rounding its rotations carry (tolerance.rotary_angle)
+    depth: int | None = None  # the sublayers it chains, where its length adds to its sublayer's (recurrent_depth)
+    amplification: float = 1.0  # how much a hybrid's output norms magnify rounding on its inputs (amplification)
 
     @property
     def name(self) -> str:
@@ -334,8 +356,9 @@ class Case:
 
     def tolerance(self, cfg: ModelConfig, dtype: str, depth: int | None = None) -> float:
         """SPEC §8's relative tolerance of this case at dtype (at `depth`, else its sublayer's)."""
-        return tolerance(dtype, self.reduction_length, SUBLAYERS[self.sublayer].depth(cfg) if depth is None else depth,
-                         self.angle)
+        if depth is None:
+            depth = SUBLAYERS[self.sublayer].depth(cfg) if self.depth is None else self.depth
+        return max(1.0, self.amplification) * tolerance(dtype, self.reduction_length, depth, self.angle)
 
 
 def case_seed(sublayer: str, mask_case: str) -> int:
@@ -438,13 +461,26 @@ def layer_of(cfg: ModelConfig, sublayer: str, mask_case: str) -> int:
     layer's attention is checked on its own inputs (a deep layer's parameters reach the whole
     model's output only faintly). A stack deeper than the cases are many has them spread from
     its first layer to its last (a real checkpoint's 24 or 30 layers)."""
-    stack = cfg.n_encoder_layers if sublayer == "encoder_layer" or (sublayer == "mha" and cfg.has_encoder) \
-        else cfg.n_decoder_layers
+    layers = _layers_of(cfg, sublayer)
+    stack = len(layers)
     cases = applicable_cases(cfg, sublayer)
     index = cases.index(mask_case)
     if stack <= len(cases) or len(cases) == 1:
-        return index % stack
-    return round(index * (stack - 1) / (len(cases) - 1))
+        return layers[index % stack]
+    return layers[round(index * (stack - 1) / (len(cases) - 1))]
+
+
+def _layers_of(cfg: ModelConfig, sublayer: str) -> list[int]:
+    """The layers a layer-level sublayer's cases take in turn: a hybrid's attention cases its
+    attention layers, its linear_attn cases its linear layers (SPEC §5.15)."""
+    if sublayer == "encoder_layer" or (sublayer == "mha" and cfg.has_encoder):
+        return list(range(cfg.n_encoder_layers))
+    linear = [i for i in range(cfg.n_decoder_layers) if cfg.layer_kind(i) == "linear"]
+    if sublayer == "linear_attn":
+        return linear
+    if sublayer in ("mha", "decoder_layer"):
+        return [i for i in range(cfg.n_decoder_layers) if i not in linear]
+    return list(range(cfg.n_decoder_layers))
 
 
 _MOE_SUBLAYERS = ("router", "experts")
@@ -487,13 +523,15 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
         tgt_len = min(FAR_POSITION + 3 if mask_case == "far" else LONG_PROMPT, cfg.max_len)
     elif mask_case in SWITCH_CASES:  # ℓ = 1 + the largest position: every row real to its end
         tgt_len = cfg.switch_lengths[0] + (mask_case == "past_switch")
+    elif mask_case in CHUNK_CASES:
+        tgt_len = min(chunk_case_length(cfg, mask_case), cfg.max_len)
     if mask_case == "single_token":
         src_len = tgt_len = 1
     elif mask_case == "lq_ne_lk":
         src_len = min(SRC_LEN + 3, cfg.max_len)
     target_padding = {"cross_pad": "none", "lq_ne_lk": "none", "pad_start": "pad_right",
                       "dropout": "pad_right", "far": "pad_right", "long": "pad_right", "at_switch": "none",
-                      "past_switch": "none"}.get(mask_case, mask_case)
+                      "past_switch": "none", **CHUNK_PADDING}.get(mask_case, mask_case)
     source_padding = "pad_right" if mask_case == "cross_pad" else target_padding
     tgt = _token_ids(rng, BATCH, tgt_len, cfg.tgt_vocab_size, cfg.pad_id, target_padding)
     if mask_case == "pad_start":
@@ -501,6 +539,15 @@ def _model_ids(cfg: ModelConfig, rng: np.random.Generator, mask_case: str) -> tu
     if not cfg.has_encoder:
         return None, tgt
     return _token_ids(rng, BATCH, src_len, cfg.src_vocab_size, cfg.pad_id, source_padding), tgt
+
+
+CHUNK_PADDING = {"chunk_less": "none", "chunk_more": "pad_left", "chunks": "pad_middle"}
+
+
+def chunk_case_length(cfg: ModelConfig, mask_case: str) -> int:
+    """A chunk case's token count: C − 1, C + 1 or 2C + 3 (C the linear layers' chunk_size), at least 2."""
+    size = cfg.linear_attention.chunk_size
+    return max(2, {"chunk_less": size - 1, "chunk_more": size + 1, "chunks": 2 * size + 3}[mask_case])
 
 
 def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_case: str,
@@ -555,6 +602,12 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         if mask_case == "near_tie":
             x = _at_routing_ties(cfg, params_under(golden_params(), module)["router.weight"], x)
         return {key: module, "x": x}, max(d, d_ff)
+    if sublayer == "linear_attn":
+        length = min(chunk_case_length(cfg, mask_case) if mask_case in CHUNK_CASES else TGT_LEN, cfg.max_len)
+        keep = _keep(BATCH, length, CHUNK_PADDING.get(mask_case, mask_case))
+        mixer = cfg.linear_attention
+        return {"module": f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.linear_attn",
+                "x": _normal(rng, BATCH, length, d), "tgt_keep": keep}, max(d, mixer.key_head_dim, mixer.value_head_dim)
     if sublayer in _MOE_SUBLAYERS:
         module = f"decoder.layers.{layer_of(cfg, sublayer, mask_case)}.ffn"
         x = _normal(rng, BATCH, TGT_LEN, d)
@@ -599,8 +652,12 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
     if sublayer == "forward":
         return {"src_ids": src_ids, "tgt_ids": tgt_ids}, reduction
     if sublayer == "decode":
-        prefix = tgt_ids.shape[1] - 2 if mask_case == "far" else min(2, tgt_ids.shape[1] - 1)
-        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": prefix}, reduction
+        prefix = tgt_ids.shape[1] - 2 if mask_case == "far" else min(2, tgt_ids.shape[1] - 1)  # far: a long prefix
+        inputs = {"src_ids": src_ids, "tgt_ids": tgt_ids, "prefix": prefix}
+        if mask_case in CHUNK_CASES and tgt_ids.shape[1] - prefix > 2:
+            # a chunked prefill resumed after a prefix: the state handed over, never zeros (SPEC §5.15)
+            inputs["resume"] = tgt_ids.shape[1] - prefix - 2
+        return inputs, reduction
     if sublayer == "generate":
         return _generation_inputs(cfg, golden_params, rng, mask_case), reduction
     if sublayer == "loss":
@@ -774,8 +831,8 @@ def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
         return encoder
     if sublayer in ("decoder", "forward", "loss", *TRAINING_SUBLAYERS):
         return {np.shape(inputs["tgt_ids"])[-1]} | encoder
-    if sublayer == "decode":  # the prefix in one chunk, then one token a step
-        return {inputs["prefix"], 1} | encoder
+    if sublayer == "decode":  # the prefix in one chunk (and the resumed one), then one token a step
+        return {inputs["prefix"], 1, *([inputs["resume"]] if inputs.get("resume") else [])} | encoder
     if sublayer == "generate":  # a decoder-only model prefills its prompt first
         prompt = inputs.get("prompt_ids")
         return {1} | encoder | (set() if prompt is None else {np.shape(prompt)[1]})
@@ -784,10 +841,15 @@ def attention_queries(sublayer: str, inputs: Mapping[str, Any]) -> set[int]:
 
 def decode_steps(inputs: dict[str, Any], cache: Any, decode_step: Callable[[Any, np.ndarray], tuple[Any, Any]]) -> list:
     """The decode case's protocol, for every backend: prefill tgt_ids[:, :prefix] into `cache` in
-    one chunk, then feed one token per step; returns each step's logits [B, 1, V]."""
+    one chunk, then (with `resume`) the next tokens as one more chunk, then one token per step;
+    returns the logits of each chunk after the prefix and each step, [B, n, V]."""
     tgt_ids, prefix = np.asarray(inputs["tgt_ids"]), inputs["prefix"]
     _, cache = decode_step(cache, tgt_ids[:, :prefix])
     steps = []
+    if resume := inputs.get("resume", 0):
+        logits, cache = decode_step(cache, tgt_ids[:, prefix:prefix + resume])
+        steps.append(logits)
+        prefix += resume
     for t in range(prefix, tgt_ids.shape[1]):
         logits, cache = decode_step(cache, tgt_ids[:, t:t + 1])
         steps.append(logits)
@@ -800,9 +862,13 @@ def applicable_cases(cfg: ModelConfig, sublayer: str, text: bool = False) -> tup
     spec_ = SUBLAYERS[sublayer]
     if spec_.needs_encoder and not cfg.has_encoder or sublayer in _MOE_SUBLAYERS and cfg.moe is None:
         return ()
+    if sublayer == "linear_attn" and cfg.linear_attention is None or not _layers_of(cfg, forward_of(sublayer)):
+        return ()  # (a hybrid of linear layers only has no layer for mha's or decoder_layer's cases)
     cases = tuple(c for c in spec_.mask_cases if c not in TEXT_CASES or text and not cfg.has_encoder)
     if cfg.moe is None:
         cases = tuple(c for c in cases if c not in _MOE_CASES)
+    if cfg.linear_attention is None:
+        cases = tuple(c for c in cases if c not in CHUNK_CASES)
     if cfg.positional == "rope":
         if forward_of(sublayer) == "positional":
             return ()
@@ -846,7 +912,57 @@ def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str
         build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
         inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
                                   mask_case, rng)
-    return Case(sublayer, mask_case, inputs, reduction, rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs)))
+    angle = rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs))
+    return Case(sublayer, mask_case, inputs, reduction, angle, recurrent_depth(cfg, sublayer, inputs),
+                amplification(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer, inputs))
+
+
+def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, inputs: Mapping[str, Any]) -> float:
+    """SPEC §8's factor for a hybrid's case: the most that a gated DeltaNet's output norm magnifies
+    the rounding of o (impl_numpy.model.output_norm_amplification), or a gated attention's gate the
+    rounding of its logits (output_gate_amplification), on the case's inputs, found by the golden
+    over them; 1 for the other configs and sublayers. A generate case takes its prompt's (the
+    tokens it generates are the columns' own)."""
+    forward = forward_of(sublayer)
+    whole = ("decoder", "forward", "decode", "loss", "generate", *TRAINING_SUBLAYERS)
+    gated = cfg.attention_output_gate and forward in ("mha", *whole)  # a layer's gate reads its norm's outputs
+    if not gated and (cfg.linear_attention is None or forward not in ("linear_attn", *whole)):
+        return 1.0
+    p = golden_params()
+    with golden.recorded_amplification() as found:
+        if forward == "mha":
+            layer_cfg = cfg.module_config(inputs["module"])
+            x, context = (np.asarray(inputs[name], np.float64) for name in ("x", "context"))
+            mask = (decoder_self_mask(np.asarray(inputs["tgt_keep"]), None, layer_cfg.sliding_window)
+                    if "tgt_keep" in inputs else normalize_mask(inputs["mask"], x.shape[0], cfg.n_heads, x.shape[1],
+                                                                context.shape[1]))
+            golden.multi_head_attention(layer_cfg, params_under(p, inputs["module"]), x, context, mask,
+                                        inputs.get("offset", 0))
+        elif forward == "linear_attn":
+            golden.gated_delta_net(cfg, params_under(p, inputs["module"]), np.asarray(inputs["x"], np.float64),
+                                   np.asarray(inputs["tgt_keep"], bool))
+        else:
+            ids = inputs["prompt_ids"] if forward == "generate" else inputs["tgt_ids"]
+            for batch in np.asarray(ids).reshape(-1, *np.shape(ids)[-2:]):  # a training case's N batches
+                golden.model_logits(cfg, p, None, batch)
+    return max(found, default=1.0)
+
+
+def recurrent_depth(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> int | None:
+    """A case's depth where its length adds to it (SPEC §8's count for §5.15): a linear layer's
+    state chains the updates of its T tokens, so it is T sublayers deep; None where the
+    sublayer's own depth stands."""
+    if cfg.linear_attention is None:
+        return None
+    forward = forward_of(sublayer)
+    if forward == "linear_attn":
+        return np.shape(inputs["x"])[1]
+    if forward in ("decoder", "forward", "decode", "loss", "generate", *TRAINING_SUBLAYERS):
+        tokens = (np.shape(inputs["prompt_ids"])[1] + inputs["max_new_tokens"] if forward == "generate"
+                  else np.shape(inputs["tgt_ids"])[-1])
+        linear = sum(cfg.layer_kind(i) == "linear" for i in range(cfg.n_decoder_layers))
+        return SUBLAYERS[sublayer].depth(cfg) + linear * (tokens - 1)
+    return None
 
 
 def _text_inputs(cfg: ModelConfig, prompts: Prompts, sublayer: str, mask_case: str) -> tuple[dict[str, Any], int]:

@@ -30,7 +30,7 @@ from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, availa
                                      columns_limit, export_bytes, golden_budget_for, golden_footprint, reference_bytes,
                                      references_here)
 from conformance.text import Prompts
-from conformance.tolerance import DTYPES
+from conformance.tolerance import DTYPES, unjudged
 from spec import ModelConfig
 from spec.config import check_computed_by
 
@@ -90,6 +90,10 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
                     skipped[key] = f"device {device} not present for {name}"
                 elif (why := backend.supports(dtype, device)) is not None:
                     skipped[key] = why
+                elif (why := getattr(backend, "supports_config", lambda cfg: None)(cfg)) is not None:
+                    skipped[key] = why  # a feature of this model it does not compute (SPEC §5.15)
+                elif (why := unjudged(cfg, dtype)) is not None:
+                    skipped[key] = why
                 else:
                     columns.append(key)
     return Plan(cfg, columns, skipped)
@@ -128,7 +132,8 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     scheduled within what is left of it (conformance.plan.memory.columns_limit).
     kept_golden: the golden of this model (conformance.cells.KeptGolden) that the caller keeps across
     runs, whose cases and references this run uses and adds to rather than making its own."""
-    check_computed_by(cfg, "the conformance matrix")
+    if backward:  # the gradient and training cases' reference is the golden's backward
+        check_computed_by(cfg, "the golden's backward")
     if kept_golden is not None and not kept_golden.holds(cfg, params):
         raise ValueError("kept_golden is the golden of another model: it serves the config and weights it was made for")
     if kept_golden is not None and prompts is not None:

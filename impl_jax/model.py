@@ -820,7 +820,8 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg, dtype)
         self.o = linear(values, d)
 
-    def __call__(self, x: jax.Array, keep: jax.Array, state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
+    def __call__(self, x: jax.Array, keep: jax.Array,
+                 state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
         """The mixer over x from state (the start's where None): one token by the recurrence, more
         in chunks; pads move nothing and give zeros. x [B, T, d], keep [B, T] -> ([B, T, d], state)"""
         mixer = self.cfg.linear_attention
@@ -917,7 +918,8 @@ class LinearLayer(nnx.Module):
     def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:
         return block(self.cfg, self, "ffn", x, self.ffn, dropout_mask)
 
-    def __call__(self, y: jax.Array, keep: jax.Array, state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
+    def __call__(self, y: jax.Array, keep: jax.Array,
+                 state: LinearState | None = None) -> tuple[jax.Array, LinearState]:
         """y [B, T, d], keep [B, T] -> ([B, T, d], the mixer's state after the last token)"""
         after = []
 

@@ -307,7 +307,20 @@ def output_gate(cfg: ModelConfig, p: Params, x: np.ndarray, heads: np.ndarray) -
     heads as they are without it. x [B, Q, d], heads [B, Q, H·d_k] -> [B, Q, H·d_k]"""
     if not cfg.attention_output_gate:
         return heads
-    return heads * sigmoid(linear(x, p["gate.weight"], p.get("gate.bias")))
+    gate = sigmoid(linear(x, p["gate.weight"], p.get("gate.bias")))
+    if (found := _AMPLIFICATIONS.get()) is not None:
+        found.append(output_gate_amplification(x, p["gate.weight"], p.get("gate.bias"), heads, gate))
+    return heads * gate
+
+
+def output_gate_amplification(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, heads: np.ndarray,
+                              gate: np.ndarray) -> float:
+    """How much the gate magnifies the rounding of its logits g = x W + b (SPEC §8): each logit
+    rounded relative to the size of its terms, Σ|x W| + |b|, moves heads ⊙ σ(g) by heads σ(g)(1 − σ(g))
+    times that; the largest such move over the largest gated head. x [B, Q, d], heads and gate [B, Q, H·d_k]"""
+    terms = np.abs(x) @ np.abs(weight) + (0.0 if bias is None else np.abs(bias))
+    gated = np.abs(heads * gate).max()
+    return float((np.abs(heads) * gate * (1 - gate) * terms).max() / gated) if gated > 0 else 1.0
 
 
 def attention_positions(cfg: ModelConfig, q_len: int, k_len: int, offset: int = 0) -> tuple[np.ndarray | None, ...]:
@@ -610,6 +623,30 @@ def gated_delta_rule(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndar
     return np.einsum("bhkv,bhk->bhv", state, q), state
 
 
+def output_norm_amplification(state: np.ndarray, q: np.ndarray, o: np.ndarray, eps: float) -> np.ndarray:
+    """How much the output norm magnifies the rounding of o = Sᵀq (SPEC §8): the size of o's terms,
+    ‖S‖_F ‖q‖ / √d_v, over what the norm divides o by, √(mean(o²) + ε). state [B, H, d_k, d_v],
+    q [B, H, d_k], o [B, H, d_v] -> [B, H]"""
+    terms = np.sqrt((state * state).sum(axis=(-2, -1)) * (q * q).sum(axis=-1) / o.shape[-1])
+    return terms / np.sqrt((o * o).mean(axis=-1) + eps)
+
+
+_AMPLIFICATIONS: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("amplifications", default=None)
+
+
+@contextlib.contextmanager
+def recorded_amplification() -> Iterator[list[float]]:
+    """Inside, each gated_delta_net call appends the largest output_norm_amplification of its real
+    tokens, each gated attention its output_gate_amplification (the conformance tolerance's factor
+    for a hybrid's cases, SPEC §8)."""
+    found: list[float] = []
+    token = _AMPLIFICATIONS.set(found)
+    try:
+        yield found
+    finally:
+        _AMPLIFICATIONS.reset(token)
+
+
 def gated_rms_norm(o: np.ndarray, scale: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm(o) γ ⊙ SiLU(gate), over each head's d_v (γ as stored). [.., d_v] -> [.., d_v]"""
     return rms_norm(o, scale, None, eps) * swish(gate)
@@ -644,6 +681,9 @@ def gated_delta_net(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray
                                       decay[:, t], beta[:, t])
         recurrent = np.where(real[:, None, None, None], written, recurrent)
         outputs[:, t] = np.where(real[:, None, None], o, 0.0)
+        if (found := _AMPLIFICATIONS.get()) is not None and real.any():
+            grouped = np.repeat(q, groups, axis=1)
+            found.append(float(output_norm_amplification(written, grouped, o, float(cfg.norm_eps))[real].max()))
     gate = split_heads(linear(x, p["z.weight"]), mixer.value_heads).swapaxes(1, 2)  # [B, T, H_v, d_v]
     heads = gated_rms_norm(outputs, p["norm.scale"], gate, float(cfg.norm_eps))
     return linear(heads.reshape(batch, length, -1), p["o.weight"]), LinearState(tuple(windows), recurrent)

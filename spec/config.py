@@ -297,9 +297,10 @@ class ModelConfig:
 # The features the spec defines that not everything computes yet (SPEC §5.15), with what does: the
 # rest (the exports, the importers' writer, the golden's backward, the conformance matrix) refuse
 # such a config by name (check_computed_by) rather than compute another model.
+_FRAMEWORKS = ("impl_numpy", "impl_torch", "impl_jax")
 NEWER_FEATURES = {
-    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", ("impl_numpy", "impl_torch", "impl_jax")),
-    "attention_output_gate": ("the attention's output gate (attention_output_gate)", ("impl_numpy", "impl_torch", "impl_jax")),
+    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", _FRAMEWORKS),
+    "attention_output_gate": ("the attention's output gate (attention_output_gate)", _FRAMEWORKS),
 }
 
 
@@ -309,12 +310,19 @@ def uncomputed_features(cfg: ModelConfig, who: str) -> tuple[str, ...]:
                  if getattr(cfg, field) not in (None, False) and who not in computers)
 
 
-def check_computed_by(cfg: ModelConfig, who: str) -> None:
-    """A ConfigError naming what `who` (a framework, the golden's backward, ...) does not compute
-    yet, for a config with such features."""
+def not_computed_by(cfg: ModelConfig, who: str) -> str | None:
+    """Why `who` (a framework, an export, the golden's backward, ...) cannot compute cfg yet, naming
+    the features; None where it can."""
     if features := uncomputed_features(cfg, who):
-        raise ConfigError(f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached "
-                          "decode, impl_torch and impl_jax do (SPEC §5.15)")
+        return (f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached decode, "
+                "impl_torch and impl_jax do (SPEC §5.15)")
+    return None
+
+
+def check_computed_by(cfg: ModelConfig, who: str) -> None:
+    """A ConfigError saying not_computed_by's reason, for a config `who` does not compute yet."""
+    if reason := not_computed_by(cfg, who):
+        raise ConfigError(reason)
 
 
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values

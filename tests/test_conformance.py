@@ -14,8 +14,8 @@ import conformance.tolerance
 from conformance.adapter import NotSupported, Partial, get_backend, register_backend, unregister_backend
 from conformance.backends.numpy_backend import NumpyFloat32Backend
 import impl_numpy as golden
-from conformance.cases import (MASK_CASES, SUBLAYERS, TEXT_CASES, applicable_cases, attention_queries, build_case,
-                               case_names, catalogue, choose_generation_rows)
+from conformance.cases import (CHUNK_CASES, MASK_CASES, SUBLAYERS, TEXT_CASES, applicable_cases, attention_queries,
+                               build_case, case_names, catalogue, choose_generation_rows)
 from conformance.harness import ERROR, FAIL, PASS, SKIP, plan_matrix, run_matrix
 from pages.mutations import MUTATIONS, MutantBackend
 from conformance.output.report import empty_columns, format_problems
@@ -58,8 +58,9 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     text_only = set(TEXT_CASES)  # a check given prompts runs them (tests/test_text_cases.py)
     experts_only = {"unchosen", "near_tie"}
     switch_only = {"at_switch", "past_switch"}  # configs whose computation switches at a length (longrope)
+    hybrid_only = set(CHUNK_CASES)  # configs with linear layers (tests/test_gated_delta_net.py runs them)
     assert {c.mask_case for c in cases} == (set(MASK_CASES) - rotary_only - norms_tiny_lacks - text_only
-                                            - experts_only - switch_only)
+                                            - experts_only - switch_only - hybrid_only)
     llama = get_preset("llama-tiny")
     llama_cases = {c.mask_case for c in catalogue(llama, conformance_params(llama))}
     assert rotary_only <= llama_cases and not switch_only & llama_cases
@@ -68,7 +69,8 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     assert phi3.switch_lengths == (1002,) and llama.switch_lengths == ()
     embed_norm = VARIANTS["tiny.learned_swish_shared_embednorm"].replace(final_norm=True)
     assert norms_tiny_lacks <= {mask_case for mask_case in applicable_cases(embed_norm, "norm")}
-    assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts"}  # a mixture of experts' only
+    # a mixture of experts' only, and a hybrid's only
+    assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts", "linear_attn"}
     mixtral = get_preset("mixtral-tiny")
     assert {("router", "none"), ("experts", "unchosen"), ("ffn", "near_tie")} <= {(c.sublayer, c.mask_case)
                                                              for c in catalogue(mixtral, conformance_params(mixtral))}

@@ -330,11 +330,84 @@ def test_a_planted_mistake_in_the_frameworks_hybrid_is_seen(name, mistake, monke
     assert_differs(decoded if in_decode else forward, want, **bounds)
 
 
-@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward", "the conformance matrix",
-                                 "the Hugging Face writer"])
+# ---- the conformance matrix: the hybrid's cells, its amplification, what is left out ------------
+
+def _matrix(backends, dtypes, pattern=None):
+    from conformance.harness import plan_matrix, run_matrix
+    plan = plan_matrix(CHUNKED, backends, dtypes, ["cpu"])
+    return plan, run_matrix(CHUNKED, conformance_params(CHUNKED), plan, pattern=pattern)
+
+
+def test_the_hybrids_matrix_passes_in_torch_and_jax():
+    """Every cell of the hybrid's catalogue in torch at float64 and float32 (the linear_attn cells on
+    each linear layer, the chunk cases C − 1, C + 1 and 2C + 3 tokens long, the gated attention's
+    mha cells on its attention layer, decode through the carried states) and jax's linear_attn,
+    forward and decode cells at float32, against the golden; the cells include the chunk cases."""
+    from conformance.cases import case_names
+
+    names = case_names(CHUNKED)
+    assert {("linear_attn", "chunks"), ("forward", "chunk_more"), ("decode", "chunk_less")} <= set(names)
+    _, results = _matrix(["torch"], ["float64", "float32"])
+    _, jax_results = _matrix(["jax"], ["float32"], pattern="linear_attn-|forward-|decode-")
+    failed = [f"{r.test_id}: {r.status} {r.reason}" for r in results + jax_results if r.status != "pass"]
+    assert not failed, "\n".join(failed)
+    assert len(results) == 2 * len(names) and jax_results
+
+
+@pytest.mark.parametrize("mistake, cells", [("pads-write", "linear_attn-pad"), ("zero-start", "decode-")])
+def test_the_matrix_localizes_a_planted_mistake_to_its_cells(mistake, cells, monkeypatch):
+    """Pads that write fail the linear_attn cells with padding (and the models' padded cases); a zero
+    state after a prefix fails the decode cells only: each mistake where it lives."""
+    _planted("torch", mistake, monkeypatch)
+    _, results = _matrix(["torch"], ["float32"], pattern="linear_attn-|forward-|decode-")
+    failing = {r.test_id for r in results if r.status == "fail"}
+    assert failing and any(cells in test_id for test_id in failing)
+    if mistake == "zero-start":
+        assert all(test_id.startswith("decode-") for test_id in failing), failing
+
+
+def test_half_precision_is_left_out_of_a_hybrid_saying_why():
+    """SPEC §8: a hybrid's bound, times its amplification, exceeds its outputs at half precision,
+    where no cell could fail: those columns are skipped with the reason, not passed."""
+    from conformance.harness import plan_matrix
+
+    plan = plan_matrix(CHUNKED, ["torch", "jax"], ["float32", "float16", "bfloat16"], ["cpu"])
+    assert plan.columns == [("torch", "float32", "cpu"), ("jax", "float32", "cpu")]
+    assert all("not judged on a hybrid" in reason for reason in plan.skipped_columns.values())
+    assert plan_matrix(golden_free_config(), ["torch"], ["float16"], ["cpu"]).columns == [("torch", "float16", "cpu")]
+
+
+def golden_free_config() -> ModelConfig:
+    """The hybrid's attention alone: no linear layer, no gate (half precision is judged there)."""
+    return HYBRID.replace(layer_types=None, linear_attention=None, attention_output_gate=False)
+
+
+def test_the_amplification_is_the_output_norms_magnification():
+    """output_norm_amplification: a state that q reads nothing of (q orthogonal to every key
+    written) gives o = 0 while its terms are of size ‖S‖ ‖q‖ / √d_v, magnified by 1/√ε; a q along
+    the key gives o its terms' size, amplification about 1. The hybrid's cases carry the largest
+    over their tokens: above 1 on these weights, and 1 where the config has no linear layer."""
+    from conformance.cases import build_case
+    from impl_numpy.model import output_norm_amplification
+
+    key, value = np.array([1.0, 0.0]), np.array([0.6, 0.8])
+    state = np.outer(key, value)[None, None]  # S = k vᵀ [1, 1, d_k, d_v]
+    across, along = np.array([[[0.0, 1.0]]]), np.array([[[1.0, 0.0]]])
+    for q, want in ((across, 1 / (np.sqrt(2) * 1e-3)), (along, 1 / np.sqrt(2) / np.sqrt(0.5 + 1e-6))):
+        o = np.einsum("bhkv,bhk->bhv", state, q)
+        assert output_norm_amplification(state, q, o, 1e-6)[0, 0] == pytest.approx(want, rel=1e-9)
+    params = conformance_params(CHUNKED)
+    assert build_case(CHUNKED, params, "forward", "pad_middle").amplification > 1
+    assert build_case(CHUNKED, params, "linear_attn", "none").amplification > 1
+    plain = golden_free_config()
+    assert build_case(plain, conformance_params(plain), "forward", "pad_middle").amplification == 1
+
+
+@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward", "the Hugging Face writer"])
 def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
     """The spec, the golden's forward and cached decode, impl_torch and impl_jax compute it so far:
-    each other path refuses a hybrid naming the feature, rather than compute another model."""
+    each other path refuses a hybrid naming the feature, rather than compute another model (the
+    matrix asked for its backward cases, whose reference is the golden's backward, too)."""
     params = conformance_params(HYBRID)
     match = f"{who} does not compute gated DeltaNet's linear layers"
     with pytest.raises(ConfigError, match=match):
@@ -344,9 +417,10 @@ def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
         elif who == "the golden's backward":
             from impl_numpy.backward import model_vjp
             model_vjp(HYBRID, golden.cast_params(HYBRID, params), None, _ids(1, 3), np.ones((1, 3, 53)))
-        elif who == "the conformance matrix":
-            from conformance.harness import run_matrix
-            run_matrix(HYBRID, params)
         else:
             from importers.huggingface_writer import to_huggingface
             to_huggingface(HYBRID, params, tmp_path)
+    if who == "the golden's backward":
+        from conformance.harness import run_matrix
+        with pytest.raises(ConfigError, match=match):
+            run_matrix(HYBRID, params, backward=True)

@@ -40,6 +40,7 @@ import numpy as np
 from conformance.adapter import NotSupported, Partial
 from conformance.backends.staging import model_type, staged_directory, token_name
 from spec import ModelConfig
+from spec.config import not_computed_by
 
 MODEL_CASES = ("forward", "decode", "generate")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")  # its loaders' and the spec's
@@ -203,6 +204,9 @@ class CTranslate2Backend:
             return f"dtype {dtype}: the column runs CTranslate2's float32 compute type (its int8 is issue 41's)"
         family = model_type(self.directory)  # a family its converter lacks is known before anything runs
         return None if family is None else ctranslate2_unsupported_reason(family)
+
+    def supports_config(self, cfg: ModelConfig) -> str | None:
+        return not_computed_by(cfg, "the ctranslate2 column (its model converted from the Hugging Face writer's)")
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:

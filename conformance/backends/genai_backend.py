@@ -53,6 +53,7 @@ import numpy as np
 from conformance.adapter import NotSupported, Partial
 from conformance.backends.staging import model_type, staged_directory
 from spec import ModelConfig
+from spec.config import not_computed_by
 
 MODEL_CASES = ("forward", "decode", "generate")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # the builder's and the spec's
@@ -280,6 +281,9 @@ class GenaiBackend:
             return f"dtype {dtype}: the builder's CPU model is float32 (its float16 and bfloat16 models are CUDA's)"
         family = model_type(self.directory)  # a family its builder lacks is known before anything runs
         return None if family is None or family in FAMILIES else family_refusal(family)
+
+    def supports_config(self, cfg: ModelConfig) -> str | None:
+        return not_computed_by(cfg, "the genai column (its model built from the Hugging Face writer's directory)")
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:

@@ -109,6 +109,9 @@ class ModuleRunner:
                                                          offset=inputs.get("offset", 0))
         if sublayer in ("ffn", "norm"):
             return self._module(inputs["module"], model)(self._float(inputs["x"]))
+        if sublayer == "linear_attn":  # from the zero state; the keep-vector is what it masks by
+            check_activations(inputs["x"], "x", cfg.d_model)
+            return self._module(inputs["module"], model)(self._float(inputs["x"]), self._array(inputs["tgt_keep"]))[0]
         if sublayer == "router":
             x = self._float(inputs["x"])
             routed = self._module(inputs["module"], model).route(x.reshape(-1, x.shape[-1]))

@@ -100,6 +100,11 @@ class NumpyRunner:
                                                inputs.get("offset", 0))
         if sublayer == "ffn":
             return golden.ffn(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
+        if sublayer == "linear_attn":  # the model's config: a layer's own has no mixer (SPEC §5.15)
+            check_activations(inputs["x"], "x", cfg.d_model)
+            keep = np.asarray(inputs["tgt_keep"], bool)
+            mixer = params_under(p, inputs["module"])
+            return golden.gated_delta_net(self.cfg, mixer, self._float(inputs["x"]), keep)[0]
         if sublayer == "router":
             x = self._float(inputs["x"])
             router, k = p[f"{inputs['module']}.router.weight"], cfg.moe.experts_per_token

@@ -21,6 +21,7 @@ from export.graphs import DECODER_STEP, DECODER_STEP_ROUTED, ENCODER, FORWARD, F
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
+from spec.config import not_computed_by
 from spec.routing import RoutingLog
 
 WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
@@ -139,6 +140,9 @@ class OnnxBackend:
         if dtype not in DTYPES:
             return f"ONNX exports are {' and '.join(DTYPES)} (dtype {dtype} is not exported)"
         return None
+
+    def supports_config(self, cfg: ModelConfig) -> str | None:
+        return not_computed_by(cfg, "the ONNX export")
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if is_backward(sublayer) or sublayer == "loss":

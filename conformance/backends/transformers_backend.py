@@ -52,6 +52,7 @@ import numpy as np
 
 from conformance.adapter import NotSupported
 from spec import ROPE_SCALINGS, ModelConfig
+from spec.config import not_computed_by
 from spec.masks import real_tokens
 from spec.routing import RoutingLog
 
@@ -384,6 +385,9 @@ class TransformersBackend:
         if dtype not in DTYPES:
             return f"dtype {dtype} is not run by transformers (it runs {', '.join(DTYPES)})"
         return None
+
+    def supports_config(self, cfg: ModelConfig) -> str | None:
+        return not_computed_by(cfg, "the transformers column (its directory written by the Hugging Face writer)")
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:
