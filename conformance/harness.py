@@ -30,7 +30,7 @@ from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, availa
                                      columns_limit, export_bytes, golden_budget_for, golden_footprint, reference_bytes,
                                      references_here)
 from conformance.text import Prompts
-from conformance.tolerance import DTYPES, unjudged
+from conformance.tolerance import DTYPES
 from spec import ModelConfig
 from spec.config import check_computed_by
 
@@ -92,8 +92,6 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
                     skipped[key] = why
                 elif (why := getattr(backend, "supports_config", lambda cfg: None)(cfg)) is not None:
                     skipped[key] = why  # a feature of this model it does not compute (SPEC §5.15)
-                elif (why := unjudged(cfg, dtype)) is not None:
-                    skipped[key] = why
                 else:
                     columns.append(key)
     return Plan(cfg, columns, skipped)

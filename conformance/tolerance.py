@@ -54,19 +54,6 @@ def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0)
     return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * (math.sqrt(max(1, reduction_length)) + angle))
 
 
-def unjudged(cfg: ModelConfig, dtype: str) -> str | None:
-    """Why a column of cfg at dtype is not judged, or None. A hybrid's (gated DeltaNet, the gated
-    attention) cases carry their amplification (SPEC §8): the most that the output norm or the gate
-    magnifies a rounding, a worst case over tokens and heads that reaches 10² on random weights.
-    At a half-precision storage roundoff that bound exceeds the outputs' own size, where no cell
-    could fail: such a column is left out, saying so, rather than passed."""
-    hybrid = cfg.linear_attention is not None or cfg.attention_output_gate
-    if hybrid and dtype in UNIT_ROUNDOFF and UNIT_ROUNDOFF[dtype] > UNIT_ROUNDOFF["float32"]:
-        return (f"{dtype} is not judged on a hybrid yet: SPEC §8's bound there, times its gated norms' and gates' "
-                "amplification, exceeds the outputs' own size, so no cell could fail (SPEC §8)")
-    return None
-
-
 def held_at(values: np.ndarray, dtype: str) -> np.ndarray:
     """values as a column at dtype holds them (rounded to nearest, ties to even), in float64."""
     values = np.asarray(values, np.float64)

@@ -316,9 +316,10 @@ def output_gate(cfg: ModelConfig, p: Params, x: np.ndarray, heads: np.ndarray) -
 def output_gate_amplification(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, heads: np.ndarray,
                               gate: np.ndarray) -> float:
     """How much the gate magnifies the rounding of its logits g = x W + b (SPEC §8): each logit
-    rounded relative to the size of its terms, Σ|x W| + |b|, moves heads ⊙ σ(g) by heads σ(g)(1 − σ(g))
-    times that; the largest such move over the largest gated head. x [B, Q, d], heads and gate [B, Q, H·d_k]"""
-    terms = np.abs(x) @ np.abs(weight) + (0.0 if bias is None else np.abs(bias))
+    rounded relative to the size of its terms as a sum of random signs, √(Σ_i (x_i W_ij)² + b_j²),
+    moves heads ⊙ σ(g) by heads σ(g)(1 − σ(g)) times that; the largest such move over the largest
+    gated head. x [B, Q, d], heads and gate [B, Q, H·d_k]"""
+    terms = np.sqrt((x * x) @ (weight * weight) + (0.0 if bias is None else bias * bias))
     gated = np.abs(heads * gate).max()
     return float((np.abs(heads) * gate * (1 - gate) * terms).max() / gated) if gated > 0 else 1.0
 
@@ -624,10 +625,11 @@ def gated_delta_rule(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndar
 
 
 def output_norm_amplification(state: np.ndarray, q: np.ndarray, o: np.ndarray, eps: float) -> np.ndarray:
-    """How much the output norm magnifies the rounding of o = Sᵀq (SPEC §8): the size of o's terms,
-    ‖S‖_F ‖q‖ / √d_v, over what the norm divides o by, √(mean(o²) + ε). state [B, H, d_k, d_v],
+    """How much the output norm magnifies the rounding of o = Sᵀq (SPEC §8): the size o's terms
+    S_ij q_i would give a sum of random signs, √(mean_j Σ_i S_ij² q_i²), over what the norm divides o
+    by, √(mean(o²) + ε); about 1 where o is as large as its terms make it. state [B, H, d_k, d_v],
     q [B, H, d_k], o [B, H, d_v] -> [B, H]"""
-    terms = np.sqrt((state * state).sum(axis=(-2, -1)) * (q * q).sum(axis=-1) / o.shape[-1])
+    terms = np.sqrt(np.einsum("bhkv,bhk->bh", state * state, q * q) / o.shape[-1])
     return terms / np.sqrt((o * o).mean(axis=-1) + eps)
 
 
