@@ -32,7 +32,8 @@ NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such subl
 PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.plan.budget)
 TOO_LARGE = "memory"  # declared up front: the column's footprint is more than the memory the columns may take
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
-NOT_JUDGED = "not judged"  # the cell ran but gave nothing its rule judges (a training run whose every step was skipped)
+NOT_JUDGED = "not judged"  # nothing its rule could judge: a training run whose every step was skipped, or a
+#                          bound of the outputs' own size (SPEC §8: any output would pass)
 
 
 def unavailable_kind(reason: str) -> str:

@@ -405,6 +405,23 @@ def test_the_amplification_is_the_output_norms_magnification():
     assert build_case(plain, conformance_params(plain), "forward", "pad_middle").amplification == 1
 
 
+def test_a_budgeted_plan_costs_and_ranks_the_hybrids_cells():
+    """The planner prices every hybrid cell (linear_attn's from its own FLOPs, the chunk cases at
+    their lengths) and ranks linear_attn as a layered sublayer: its first, middle and last linear
+    layer come before the other cases."""
+    from conformance.cases import case_names, layer_of
+    from conformance.harness import cell_extent
+    from conformance.plan.budget import representative_cases
+    from conformance.plan.cost import case_work
+
+    for sublayer, mask_case in case_names(CHUNKED):
+        assert case_work(CHUNKED, sublayer, mask_case).flops > 0 and cell_extent(CHUNKED, sublayer, mask_case)
+    assert case_work(CHUNKED, "linear_attn", "chunks").flops > case_work(CHUNKED, "linear_attn", "none").flops
+    assert cell_extent(CHUNKED, "decode", "chunks").positions == 2 * CHUNKED.linear_attention.chunk_size + 3
+    layers = {layer_of(CHUNKED, "linear_attn", case) for case in representative_cases(CHUNKED, "linear_attn")}
+    assert layers == {0, 1, 2}
+
+
 @pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward", "the Hugging Face writer"])
 def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
     """The spec, the golden's forward and cached decode, impl_torch and impl_jax compute it so far:

@@ -155,7 +155,7 @@ def columns_and_rows(results: list[CellResult]) -> tuple[list[tuple[str, str, st
 SKIP_CAUSES = {PLANNED_OUT: "left out by the plan's budget", TOO_LARGE: "more than the memory holds",
                NO_SUCH_SUBLAYER: "sublayers the column does not run", ABSENT: "not available here",
                REFUSED: "refused by the backend while running",
-               NOT_JUDGED: "ran, nothing to judge"}
+               NOT_JUDGED: "nothing its rule could judge"}
 
 
 def format_skips(results: list[CellResult], verbose: bool = False) -> list[str]:

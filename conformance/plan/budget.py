@@ -29,7 +29,7 @@ from spec.params import count_params
 DEFAULT_BUDGET = 600.0  # seconds: the size-aware default of a model larger than the presets
 SIZE_AWARE_ABOVE = 1_000_000  # parameters: above every conformance preset (char-lm has 858,880)
 WHOLE_MODEL = ("forward", "decode", "generate")
-LAYERED = ("mha", "mha_cross", "encoder_layer", "decoder_layer")
+LAYERED = ("mha", "mha_cross", "linear_attn", "encoder_layer", "decoder_layer")
 TIERS = ("the whole model at {dtypes}", "every sublayer on the first, a middle and the last layer at {dtypes}",
          "the whole model at the other dtypes", "every sublayer on the first, a middle and the last layer at the "
          "other dtypes", "the other mask cases and layers")

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.cases import (BATCH, FAR_POSITION, GENERATION_CANDIDATES, LONG_PROMPT, MAX_NEW_TOKENS, SRC_LEN,
-                               TGT_LEN, TEXT_CASES, TRAINING_STEPS, forward_of, is_gradient, is_training)
+from conformance.cases import (BATCH, CHUNK_CASES, FAR_POSITION, GENERATION_CANDIDATES, LONG_PROMPT, MAX_NEW_TOKENS,
+                               SRC_LEN, TGT_LEN, TEXT_CASES, TRAINING_STEPS, chunk_case_length, forward_of, is_gradient,
+                               is_training)
 from conformance.plan.memory import BYTES
 from conformance.text import LONG_TEXT, NEW_TOKENS
 from spec import ModelConfig
@@ -71,6 +72,16 @@ def layer_flops(cfg: ModelConfig, positions: int, keys: int, cross_keys: int = 0
     return 2 * multiplies
 
 
+def linear_attention_flops(cfg: ModelConfig, positions: int) -> int:
+    """A hybrid's gated DeltaNet (SPEC §5.15) on `positions` positions: its projections (q, k, v, z,
+    β, the decay, o), its convolutions and the state's read and write per value head."""
+    mixer = cfg.linear_attention
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    projections = cfg.d_model * (2 * keys + 3 * values + 2 * mixer.value_heads)
+    state = 3 * mixer.value_heads * mixer.key_head_dim * mixer.value_head_dim
+    return 2 * positions * (projections + mixer.conv_kernel * (2 * keys + values) + state)
+
+
 def head_flops(cfg: ModelConfig, positions: int) -> int:
     """The output projection onto the vocabulary."""
     return 2 * positions * cfg.d_model * cfg.tgt_vocab_size
@@ -90,8 +101,10 @@ def _stack(cfg: ModelConfig, positions: int) -> tuple[float, int]:
     """(FLOPs, calls) of the model's stacks on `positions` target positions of BATCH rows (and
     the source's, through the encoder)."""
     src = SRC_LEN if cfg.has_encoder else 0
-    flops = BATCH * (cfg.n_encoder_layers * layer_flops(cfg, src, src)
-                     + cfg.n_decoder_layers * layer_flops(cfg, positions, positions, src))
+    linear = sum(cfg.layer_kind(i) == "linear" for i in range(cfg.n_decoder_layers))  # a hybrid's (SPEC §5.15)
+    mixing = linear * (linear_attention_flops(cfg, positions) + 2 * positions * ffn_weights(cfg)) if linear else 0
+    flops = BATCH * (cfg.n_encoder_layers * layer_flops(cfg, src, src) + mixing
+                     + (cfg.n_decoder_layers - linear) * layer_flops(cfg, positions, positions, src))
     return flops, (cfg.n_encoder_layers + cfg.n_decoder_layers) * calls_per_layer(cfg)
 
 
@@ -118,6 +131,8 @@ def case_work(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Seq
         return Work(2 * tokens * ffn_weights(cfg), 1)
     if sublayer == "router":
         return Work(2 * tokens * d * cfg.moe.n_experts, 1)
+    if sublayer == "linear_attn":
+        return Work(BATCH * linear_attention_flops(cfg, positions(cfg, sublayer, mask_case)), 1)
     if sublayer in ("encoder_layer", "decoder_layer"):
         return Work(BATCH * layer_flops(cfg, TGT_LEN, SRC_LEN + 3, SRC_LEN * cfg.has_encoder), calls_per_layer(cfg))
     if sublayer in ("logits", "log_probs"):
@@ -148,6 +163,8 @@ def positions(cfg: ModelConfig, sublayer: str, mask_case: str, text_lengths: Seq
               long_text: int = LONG_TEXT) -> int:
     """The target positions of a case: a model-level case's (conformance.cases._model_ids,
     _text_inputs), else TGT_LEN (a sublayer's case runs a few)."""
+    if mask_case in CHUNK_CASES:  # a hybrid's (linear_attn's too)
+        return min(chunk_case_length(cfg, mask_case), cfg.max_len)
     if sublayer not in ("encoder", "decoder", "forward", "loss", "decode", "generate") and mask_case not in TEXT_CASES:
         return TGT_LEN
     if mask_case == "text":
