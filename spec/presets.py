@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec.config import MixtureOfExperts, ModelConfig, RopeScaling
+from spec.config import GatedDeltaNet, MixtureOfExperts, ModelConfig, RopeScaling
 from spec.errors import ConfigError
 
 _PRESETS: dict[str, tuple[str, ModelConfig]] = {
@@ -247,6 +247,22 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             final_norm=True, positional="rope", rope_theta=1000000.0, embed_scale=False, activation="swish",
             gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False,
             moe=MixtureOfExperts(n_experts=6, experts_per_token=2, renormalize=False),
+        ),
+    ),
+    "qwen35-tiny": (
+        "A Qwen3.5-family hybrid at odd sizes (SPEC §5.15): three gated DeltaNet layers, then a gated "
+        "full-attention one (q/k head norms, a quarter of each head rotated, theta 1e7), zero-centred "
+        "(1 + w) norms, eps 1e-6, SwiGLU, tied head. Its linear layers: 2 key heads of 8, 4 value heads "
+        "of 6 (two per key head), a convolution 3 wide, chunks of 5, so the catalogue's 6-token cases "
+        "already cross a chunk: d 40, 4 heads of 16 over 2 key/value heads, d_ff 56, vocabulary 97.",
+        ModelConfig(
+            arch="decoder-only", d_model=40, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=56, n_decoder_layers=4,
+            tgt_vocab_size=97, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6, final_norm=True,
+            positional="rope", rope_theta=10000000.0, rope_fraction=0.25, embed_scale=False, activation="swish",
+            gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False, norm_scale_plus_one=True,
+            tie_head=True, attention_output_gate=True, layer_types=("linear", "linear", "linear", "full"),
+            linear_attention=GatedDeltaNet(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=6,
+                                           conv_kernel=3, chunk_size=5),
         ),
     ),
     "gemma2-small": (

@@ -13,7 +13,7 @@ def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
-                            "qwen3-moe-tiny", "gemma2-small",
+                            "qwen3-moe-tiny", "qwen35-tiny", "gemma2-small",
                             "llama-small"]
 
 

@@ -29,7 +29,8 @@ def _checked(name):
     cut = {}
     if cfg.n_encoder_layers > layers:
         cut["n_encoder_layers"] = layers
-    if cfg.n_decoder_layers > layers:
+    # a hybrid keeps its layers: its first two are linear, its attention the fourth (SPEC §5.15)
+    if cfg.n_decoder_layers > layers and cfg.linear_attention is None:
         cut["n_decoder_layers"] = layers
     if cfg.tgt_vocab_size > 512:
         cut["tgt_vocab_size"] = 512
@@ -61,7 +62,8 @@ def test_every_behavioural_input_is_seen(preset):
     # RoPE's offset enters attention only, where a shift of every position moves no score
     # a learned table as short as tiny.nobias_gelutanh's (6 positions) has no room for an offset one further
     offsets = cfg.positional != "rope" and (cfg.positional != "learned" or cfg.max_len > TGT_LEN + 1)
-    assert {"eos_id", "mask", "self_mask"} | ({"position offset"} if offsets else set()) <= subjects
+    linear = {"tgt_keep"} if cfg.linear_attention is not None else set()  # a linear layer's pads
+    assert {"eos_id", "mask", "self_mask"} | linear | ({"position offset"} if offsets else set()) <= subjects
     assert ("bos_id" in subjects) == cfg.has_encoder
     unseen = [f"{o.subject} (moved {o.ratio:.2g} tol)" for o in observations if o.seen_by is None]
     assert not unseen, "inputs no case observes:\n" + "\n".join(unseen)

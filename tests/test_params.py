@@ -39,6 +39,12 @@ EXPECTED_COUNTS = {
     "mixtral-tiny": 2 * 83 * 40 + 40 + 2 * (2 * 40 * 40 + 2 * 40 * 20 + 2 * 40 + 40 * 5 + 5 * 3 * 40 * 36),  # 60,040
     "qwen3-moe-tiny": 2 * 91 * 36 + 36 + 2 * (2 * 36 * 48 + 2 * 36 * 24 + 2 * 12 + 2 * 36 + 36 * 6
                                               + 6 * 3 * 36 * 28),  # 53,868
+    # a tied 97-row table; three linear layers (q, k [40, 2·8], v, z [40, 4·6], the convolutions [channels, 3], β and
+    # the decay [40, 4] with its bias and log rate, the output norm [6], o, SwiGLU, two norms) and a gated attention
+    # (q and gate [40, 4·16], k and v [40, 2·16], o, q/k norms [16], SwiGLU, two norms)
+    "qwen35-tiny": 97 * 40 + 40 + 3 * (2 * 40 * 16 + 2 * 40 * 24 + 3 * (2 * 16 + 24) + 2 * 40 * 4 + 2 * 4 + 6 + 24 * 40
+                                      + 3 * 40 * 56 + 2 * 40)
+                   + (2 * 40 * 64 + 2 * 40 * 32 + 64 * 40 + 2 * 16 + 3 * 40 * 56 + 2 * 40),
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "gemma2-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 4 * 576) + 576,
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,

@@ -127,7 +127,8 @@ def _input_changes(cfg: ModelConfig, case: Case) -> Iterator[tuple[str, dict]]:
     moves = case.sublayer not in ("mha", "grad-mha")
     if moves and "offset" in inputs and (cfg.positional != "learned" or inputs["offset"] + TGT_LEN < cfg.max_len):
         yield "position offset", {**inputs, "offset": inputs["offset"] + 1}
-    for key in ("mask", "self_mask", "cross_mask"):
+    # tgt_keep: the real tokens a sliding layer builds its own mask from, and a linear layer's pads
+    for key in ("mask", "self_mask", "cross_mask", "tgt_keep"):
         mask = inputs.get(key)
         if mask is not None and np.asarray(mask).any():
             flipped = np.array(mask, copy=True)
