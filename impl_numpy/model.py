@@ -679,13 +679,12 @@ def gated_delta_net(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray
         q = l2_normalize(mixed[0].reshape(batch, mixer.key_heads, mixer.key_head_dim)) / math.sqrt(mixer.key_head_dim)
         k = l2_normalize(mixed[1].reshape(batch, mixer.key_heads, mixer.key_head_dim))
         v = mixed[2].reshape(batch, mixer.value_heads, mixer.value_head_dim)
-        o, written = gated_delta_rule(recurrent, np.repeat(q, groups, axis=1), np.repeat(k, groups, axis=1), v,
-                                      decay[:, t], beta[:, t])
+        q, k = np.repeat(q, groups, axis=1), np.repeat(k, groups, axis=1)  # [B, H_v, d_k]
+        o, written = gated_delta_rule(recurrent, q, k, v, decay[:, t], beta[:, t])
         recurrent = np.where(real[:, None, None, None], written, recurrent)
         outputs[:, t] = np.where(real[:, None, None], o, 0.0)
         if (found := _AMPLIFICATIONS.get()) is not None and real.any():
-            grouped = np.repeat(q, groups, axis=1)
-            found.append(float(output_norm_amplification(written, grouped, o, float(cfg.norm_eps))[real].max()))
+            found.append(float(output_norm_amplification(written, q, o, float(cfg.norm_eps))[real].max()))
     gate = split_heads(linear(x, p["z.weight"]), mixer.value_heads).swapaxes(1, 2)  # [B, T, H_v, d_v]
     heads = gated_rms_norm(outputs, p["norm.scale"], gate, float(cfg.norm_eps))
     return linear(heads.reshape(batch, length, -1), p["o.weight"]), LinearState(tuple(windows), recurrent)

@@ -5,6 +5,7 @@ seen; and the refusals of everything that does not compute it yet."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -274,7 +275,7 @@ def _framework_run(name: str, dtype: str, forward: bool = True,
 
 
 def _x64(name: str, dtype: str):
-    import contextlib
+    """JAX's x64 mode for its float64 run; nothing for the others."""
     if name == "jax" and dtype == "float64":
         import jax
         return jax.enable_x64(True)
