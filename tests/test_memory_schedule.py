@@ -154,6 +154,22 @@ def test_freed_pages_are_given_back_to_the_kernel():
     del above
 
 
+def test_a_trim_waits_for_enough_freed_heap(monkeypatch):
+    """A trim gives back pages the next cell faults in again: below TRIM_ABOVE of freed heap none is
+    made (the tiny presets' cells), at or above it one is (a real-size cell's hundreds of MB)."""
+    import conformance.plan.memory as memory
+
+    if memory._MALLINFO2 is None:
+        pytest.skip("this C library has no mallinfo2 (glibc before 2.33): every call trims")
+    trims = []
+    monkeypatch.setattr(memory, "_MALLOC_TRIM", trims.append)
+    free = memory.heap_free_bytes()
+    memory.give_back_freed(above=free + 2**30)
+    assert trims == []
+    memory.give_back_freed(above=free)
+    assert trims == [0]
+
+
 def test_what_a_process_keeps_after_its_column_is_held_until_its_next_one():
     ledger = MemoryLedger(10 * GB, lambda column: {"small": 2 * GB, "large": 6 * GB}[column])
     ledger.try_take("worker 1", "large")

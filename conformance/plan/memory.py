@@ -42,24 +42,46 @@ def resident_memory() -> int:
         return 0
 
 
-def _trim():
-    """glibc's malloc_trim where this process runs on glibc, else None."""
+def _libc(function: str, result=None):
+    """One of glibc's functions where this process runs on glibc and has it, else None."""
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        found = getattr(ctypes.CDLL(name), function, None) if name else None
     except OSError:
         return None
+    if found is not None and result is not None:
+        found.restype = result
+    return found
 
 
-_MALLOC_TRIM = _trim()
+class _HeapInfo(ctypes.Structure):  # glibc's struct mallinfo2 (2.33 and later): every field a size_t
+    _fields_ = [(field, ctypes.c_size_t) for field in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
 
-def give_back_freed() -> None:
-    """Return the pages the heap holds free to the kernel (glibc's malloc_trim; nothing elsewhere).
-    An allocator keeps what a large case freed, and the next column's memory lands beside it:
-    measured on SmolLM2-135M's shape, a JAX column's process kept 1.3 GB of its 2.7 GB after one
-    cached decoding, and gave it back here (benchmarks/footprints.py)."""
-    if _MALLOC_TRIM is not None:
+_MALLOC_TRIM = _libc("malloc_trim")
+_MALLINFO2 = _libc("mallinfo2", _HeapInfo)
+# Freed heap below this stays where it is: a trim gives pages back that the next cell faults in
+# again (on the tiny presets, trimming after every cell made a run 25-40% slower and took 44 s of the
+# mutation gallery's 95 s in the suite), while what a real-size cell frees is hundreds of MB.
+TRIM_ABOVE = 64 * 2**20
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes the heap holds free (freed, not yet given back), where glibc says; else None."""
+    return None if _MALLINFO2 is None else int(_MALLINFO2().fordblks)
+
+
+def give_back_freed(above: int = TRIM_ABOVE) -> None:
+    """Return the pages the heap holds free to the kernel (glibc's malloc_trim; nothing elsewhere)
+    once they come to `above` bytes. An allocator keeps what a large case freed, and the next
+    column's memory lands beside it: measured on SmolLM2-135M's shape, a JAX column's process kept
+    1.3 GB of its 2.7 GB after one cached decoding, and gave it back here (benchmarks/footprints.py)."""
+    if _MALLOC_TRIM is None:
+        return
+    free = heap_free_bytes()
+    if free is None or free >= above:
         _MALLOC_TRIM(0)
 
 
