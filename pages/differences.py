@@ -11,6 +11,7 @@ writes it; a test regenerates the page and compares.
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from collections import Counter
 from collections.abc import Callable
@@ -25,10 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = {"NumPy (golden)": "impl_numpy/model.py", "PyTorch": "impl_torch/model.py", "JAX / Flax": "impl_jax/model.py"}
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: str, modified: int) -> tuple[ast.Module, list[str]]:
+    """A file's syntax tree and lines, parsed once per version of it (the page quotes each
+    implementation dozens of times: parsing it anew each time took half the page's build)."""
+    text = (ROOT / path).read_text()
+    return ast.parse(text), text.splitlines()
+
+
+def _source(path: str) -> tuple[ast.Module, list[str]]:
+    return _parsed(path, (ROOT / path).stat().st_mtime_ns)
+
+
 def excerpt(path: str, name: str) -> str:
     """The source of a top-level function or class, or Class.method, in a file of this repository."""
-    tree = ast.parse((ROOT / path).read_text())
-    lines = (ROOT / path).read_text().splitlines()
+    tree, lines = _source(path)
     scope: list[ast.stmt] = tree.body
     node = None
     for part in name.split("."):
@@ -42,8 +54,7 @@ def excerpt(path: str, name: str) -> str:
 
 def _assignment(path: str, name: str) -> str:
     """The source of a top-level assignment (e.g. a dict of activations)."""
-    tree = ast.parse((ROOT / path).read_text())
-    lines = (ROOT / path).read_text().splitlines()
+    tree, lines = _source(path)
     for node in tree.body:
         targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
