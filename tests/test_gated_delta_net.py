@@ -282,8 +282,10 @@ def _x64(name: str, dtype: str):
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
-@pytest.mark.parametrize("name", ["torch", "jax"])
+# JAX at float32 is the hybrid matrix's JAX column (its chunk cases' forwards and resumed decodes, and
+# the padded forwards): the same program as here at float64 and float16 but for the dtype (issue 58)
+@pytest.mark.parametrize("name, dtype", [("torch", "float64"), ("torch", "float32"), ("torch", "float16"),
+                                         ("jax", "float64"), ("jax", "float16")])
 def test_the_frameworks_chunked_prefill_and_steps_are_the_recurrence(name, dtype):
     """hybrid-pads-{dtype}-{name}-cpu: a padded batch (pads at the start, inside, at the end) through
     the chunked forward (chunks of 4 over 11 tokens) and through the cached decode in pieces that
@@ -317,8 +319,11 @@ def _planted(name: str, mistake: str, monkeypatch) -> None:
         monkeypatch.setattr(module.MultiHeadAttention, "output_gate", lambda self, x, heads: heads)
 
 
-@pytest.mark.parametrize("mistake", ["zero-start", "pads-write", "ungated"])
-@pytest.mark.parametrize("name", ["torch", "jax"])
+# Each mistake in torch; in JAX the one whose code is a framework's own state handling (a prefill after
+# a prefix): the comparison that sees them is the same for both, and the JAX model's pads and gate run
+# in the JAX tests above at float64 and float16 and in the matrix's JAX column (issue 58: 5 s of compiles)
+@pytest.mark.parametrize("name, mistake", [("torch", "zero-start"), ("torch", "pads-write"), ("torch", "ungated"),
+                                           ("jax", "zero-start")])
 def test_a_planted_mistake_in_the_frameworks_hybrid_is_seen(name, mistake, monkeypatch):
     """Each plant moves the forward or the cached decode beyond float32's tolerance of the golden."""
     pytest.importorskip(name)
