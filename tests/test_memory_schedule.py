@@ -166,7 +166,7 @@ def test_a_trim_waits_for_enough_freed_heap(monkeypatch):
     free = memory.heap_free_bytes()
     memory.give_back_freed(above=free + 2**30)
     assert trims == []
-    memory.give_back_freed(above=free)
+    memory.give_back_freed(above=free // 2)  # not `free`: what the calls between allocate may take a few bytes
     assert trims == [0]
 
 
