@@ -139,6 +139,7 @@ def test_freed_pages_are_given_back_to_the_kernel():
 
     if _MALLOC_TRIM is None:
         pytest.skip("this C library has no malloc_trim (not glibc): nothing to give back by hand")
+    give_back_freed(above=0)  # as after a trim: what follows is measured from there
     before = resident_memory()
     blocks = [np.ones(8192) for _ in range(2000)]  # 64 KiB each: below the mmap threshold, on the heap
     above = np.ones(8192)  # so the heap's top is not free and a plain free() trims nothing
@@ -154,20 +155,28 @@ def test_freed_pages_are_given_back_to_the_kernel():
     del above
 
 
-def test_a_trim_waits_for_enough_freed_heap(monkeypatch):
-    """A trim gives back pages the next cell faults in again: below TRIM_ABOVE of freed heap none is
-    made (the tiny presets' cells), at or above it one is (a real-size cell's hundreds of MB)."""
+def test_a_trim_waits_until_the_process_grew_and_its_heap_holds_enough_free(monkeypatch):
+    """A trim gives back pages the next cell faults in again: until the process has grown by
+    TRIM_ABOVE since the last trim, with as much free on its heap, none is made (the tiny presets'
+    cells), then one is (a real-size cell's hundreds of MB). A heap that holds much free in fragments
+    after a trim (a test worker after a catalogue) is not trimmed again for it, nor a process that grew
+    by what it keeps (a column's weights loaded)."""
     import conformance.plan.memory as memory
 
-    if memory._MALLINFO2 is None:
-        pytest.skip("this C library has no mallinfo2 (glibc before 2.33): every call trims")
-    trims = []
-    monkeypatch.setattr(memory, "_MALLOC_TRIM", trims.append)
-    free = memory.heap_free_bytes()
-    memory.give_back_freed(above=free + 2**30)
-    assert trims == []
-    memory.give_back_freed(above=free // 2)  # not `free`: what the calls between allocate may take a few bytes
-    assert trims == [0]
+    megabyte = 2**20
+    trims, now = [], {}
+    monkeypatch.setattr(memory, "_MALLOC_TRIM", lambda pad: trims.append((now["resident"], now["free"])))
+    monkeypatch.setattr(memory, "heap_free_bytes", lambda: now["free"] * megabyte)
+    monkeypatch.setattr(memory, "resident_memory", lambda: now["resident"] * megabyte)
+    monkeypatch.setattr(memory, "_resident_since_trim", 0)
+    for resident, free in ((100, 10), (150, 60), (900, 500), (900, 500), (950, 520), (800, 400), (860, 450),
+                           (860, 470), (1200, 20), (1200, 470), (1300, 30), (1300, 100)):
+        now.update(resident=resident, free=free)
+        memory.give_back_freed(above=64 * megabyte)
+    # 900: grown by 900 with 500 free; then 50 grown since it; 800 a low point, from which 860 is less
+    # than 64 grown, whatever the free heap; 1200 grown by what it keeps (20 free), then trimmed once 470
+    # are free; from there 100 grown with only 30 free, then with 100 free
+    assert trims == [(900, 500), (1200, 470), (1300, 100)]
 
 
 def test_what_a_process_keeps_after_its_column_is_held_until_its_next_one():

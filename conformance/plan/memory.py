@@ -62,10 +62,17 @@ class _HeapInfo(ctypes.Structure):  # glibc's struct mallinfo2 (2.33 and later):
 
 _MALLOC_TRIM = _libc("malloc_trim")
 _MALLINFO2 = _libc("mallinfo2", _HeapInfo)
-# Freed heap below this stays where it is: a trim gives pages back that the next cell faults in
-# again (measured alone: the tiny matrix of numpy-float32 and torch 15-30% slower with a trim after
-# every cell, the mutation gallery's tests 59 s against 53 s), while a real-size cell frees hundreds of MB.
+# A trim gives back pages the next cell faults in again (measured alone: the tiny matrix of
+# numpy-float32 and torch 15-30% slower with a trim after every cell, the mutation gallery's tests 59 s
+# against 53 s), while a real-size cell frees hundreds of MB: a trim waits until the process has grown
+# by this much since the last one and its heap holds at least this much free.
 TRIM_ABOVE = 64 * 2**20
+# The least resident memory seen since the last trim. Growth, not the free heap's figure, says a
+# trim has something to give back: a trim leaves the free chunks free (it gives their pages back), so
+# a long-lived process (a test worker after a catalogue) holds hundreds of MB free in fragments after
+# it, and trimming whenever that figure passed TRIM_ABOVE trimmed after every cell, each trim walking
+# the whole heap (6,746 trims, 23 s, in the mutation gallery's tests run after test_jax in one process).
+_resident_since_trim = 0
 
 
 def heap_free_bytes() -> int | None:
@@ -75,14 +82,24 @@ def heap_free_bytes() -> int | None:
 
 def give_back_freed(above: int = TRIM_ABOVE) -> None:
     """Return the pages the heap holds free to the kernel (glibc's malloc_trim; nothing elsewhere)
-    once they come to `above` bytes. An allocator keeps what a large case freed, and the next
-    column's memory lands beside it: measured on SmolLM2-135M's shape, a JAX column's process kept
-    1.3 GB of its 2.7 GB after one cached decoding, and gave it back here (benchmarks/footprints.py)."""
+    once the process has grown by `above` bytes since the last trim and its heap holds as much free.
+    An allocator keeps what a large case freed, and the next column's memory lands beside it:
+    measured on SmolLM2-135M's shape, a JAX column's process kept 1.3 GB of its 2.7 GB after one
+    cached decoding, and gave it back here (benchmarks/footprints.py). Where the resident memory or
+    the free heap cannot be read, that condition is taken as met."""
+    global _resident_since_trim
     if _MALLOC_TRIM is None:
         return
+    resident = resident_memory()
+    _resident_since_trim = min(_resident_since_trim, resident)
+    if resident and resident - _resident_since_trim < above:
+        return
+    # only then the free heap: mallinfo2 walks every free chunk, which took as long as the trims it
+    # spared on a fragmented heap (8 s in the mutation gallery's tests after test_jax)
     free = heap_free_bytes()
     if free is None or free >= above:
         _MALLOC_TRIM(0)
+        _resident_since_trim = resident_memory()
 
 
 def float64_bytes(params: Mapping[str, np.ndarray]) -> int:
