@@ -401,7 +401,7 @@ def _serve() -> None:
             _send(answers, ["cell", [index, _result_message(result)]])
         runners.clear()  # its weights' copies go now, not when the next column loads
         gc.collect()
-        give_back_freed()
+        give_back_freed(above=0)  # as cells._drop: the figure sent next is what the process keeps
         _send(answers, ["column done", resident_memory()])
 
 
