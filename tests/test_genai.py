@@ -439,6 +439,44 @@ def test_genai_cannot_build_gemma_3_from_a_transformers_5_directory(tmp_path):
         GenaiBackend(directory).load(cfg, import_huggingface(directory).params, "float32", "cpu")
 
 
+# ---- the builder, run from a process that imported torch and transformers once -----------------------
+
+def _digests(folder):
+    import hashlib
+
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
+
+
+def test_a_build_forked_from_the_builder_server_is_the_command_lines_build(tmp_path, monkeypatch):
+    """A fork of the server (conformance.backends.genai_builder) writes what `python -m
+    onnxruntime_genai.models.builder` writes, byte for byte, after another family was built by the
+    same server (nothing one build sets reaches the next); where the server is gone (killed here), the
+    build runs afresh and a later one starts a server again."""
+    import conformance.backends.genai_builder as builder
+
+    built = {}
+    for family in ("qwen2", "gemma2"):
+        directory = build_checkpoint(family, GENAI_CONFIGS[family](), tmp_path / family / "hf")
+        cfg = import_huggingface(directory).config
+        (tmp_path / family / "server").mkdir()
+        built[family] = build_model(directory, cfg, tmp_path / family / "server")
+    server = builder._SERVER
+    assert server is not None and server.process.poll() is None  # both builds were the server's
+    with monkeypatch.context() as patched:
+        patched.setattr(builder, "_server", lambda: None)  # the command line, as before the server
+        (tmp_path / "gemma2" / "fresh").mkdir()
+        fresh = build_model(directory, cfg, tmp_path / "gemma2" / "fresh")
+    assert _digests(fresh) == _digests(built["gemma2"])
+    server.process.kill()
+    server.process.wait()
+    (tmp_path / "gemma2" / "after").mkdir()
+    assert _digests(build_model(directory, cfg, tmp_path / "gemma2" / "after")) == _digests(fresh)
+    assert builder._SERVER is None  # the dead server was closed; the next build starts another
+    (tmp_path / "gemma2" / "again").mkdir()
+    assert _digests(build_model(directory, cfg, tmp_path / "gemma2" / "again")) == _digests(fresh)
+    assert builder._SERVER is not None and builder._SERVER is not server
+
+
 # ---- its int4 model (rosetta check --hf DIR --quantized genai-int4, SPEC §15.1) ---------------------------
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

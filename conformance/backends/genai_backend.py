@@ -41,8 +41,6 @@ from __future__ import annotations
 import atexit
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import NotSupported, Partial
+from conformance.backends.genai_builder import run_builder
 from conformance.backends.staging import model_type, staged_directory
 from spec import ModelConfig
 from spec.config import not_computed_by
@@ -95,13 +94,12 @@ def inexpressible(keep: np.ndarray, first_step: int | None = None) -> str | None
 def build_model(directory: Path, cfg: ModelConfig, into: Path, precision: str = "fp32") -> Path:
     """Run onnxruntime-genai's model builder (fp32, or int4 for the quantized column, CPU) on the
     directory; the output folder."""
-    staged, output = staged_directory(directory, cfg, into), into / "model"
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(output),
-               "-p", precision, "-e", "cpu", "-c", str(into / "cache")]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not (output / "genai_config.json").exists():
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-        raise RuntimeError(f"onnxruntime-genai's model builder failed (exit {done.returncode}) on {directory}:\n{tail}")
+    staged, output, log = staged_directory(directory, cfg, into), into / "model", into / "builder.log"
+    arguments = ["-i", str(staged), "-o", str(output), "-p", precision, "-e", "cpu", "-c", str(into / "cache")]
+    status = run_builder(arguments, log)  # as `python -m onnxruntime_genai.models.builder` runs
+    if status != 0 or not (output / "genai_config.json").exists():
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-6:])
+        raise RuntimeError(f"onnxruntime-genai's model builder failed (exit {status}) on {directory}:\n{tail}")
     return output
 
 
