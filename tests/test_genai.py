@@ -477,6 +477,22 @@ def test_a_build_forked_from_the_builder_server_is_the_command_lines_build(tmp_p
     assert builder._SERVER is not None and builder._SERVER is not server
 
 
+def test_a_server_that_cannot_fork_is_not_started_again(tmp_path, monkeypatch):
+    """A server that answers it cannot fork (more than one thread) leaves the build to the command
+    line, and no other server is started in this process: each would import again for nothing."""
+    import sys
+
+    import conformance.backends.genai_builder as builder
+
+    refusing = "import sys, json; sys.stdin.readline(); print(json.dumps({'status': None}), flush=True)"
+    monkeypatch.setattr(builder._Server, "COMMAND", (sys.executable, "-c", refusing))
+    monkeypatch.setattr(builder, "_SERVER", None)
+    monkeypatch.setattr(builder, "_FORKS_REFUSED", False)
+    assert builder.run_builder([], tmp_path / "log") == 2  # the command line's own refusal: no output named
+    assert "the following arguments are required: -o/--output" in (tmp_path / "log").read_text()
+    assert builder._server() is None and builder._FORKS_REFUSED
+
+
 # ---- its int4 model (rosetta check --hf DIR --quantized genai-int4, SPEC §15.1) ---------------------------
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -45,14 +45,18 @@ def run_builder(arguments: Sequence[str], log: Path) -> int:
 class _Server:
     """The client's side: one request at a time (a lock), a JSON line each way."""
 
+    COMMAND = (sys.executable, "-m", "conformance.backends.genai_builder")
+
     def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-m", "conformance.backends.genai_builder"],
+        self.process = subprocess.Popen(self.COMMAND,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
         self.lock = threading.Lock()
 
     def build(self, arguments: list[str], log: Path) -> int | None:
-        """The build's exit status, or None where the server could not run it (then it is closed)."""
+        """The build's exit status, or None where the server could not run it (then it is closed; one
+        that answered it cannot fork is not started again in this process: each would import anew)."""
+        global _FORKS_REFUSED
         with self.lock:
             try:
                 self.process.stdin.write(json.dumps({"arguments": arguments, "log": str(log)}) + "\n")
@@ -61,6 +65,7 @@ class _Server:
             except (OSError, ValueError):
                 answer = None
             if not isinstance(answer, dict) or answer.get("status") is None:
+                _FORKS_REFUSED = isinstance(answer, dict)
                 self.close()
                 return None
             return int(answer["status"])
@@ -77,13 +82,14 @@ class _Server:
 
 
 _SERVER: _Server | None = None
+_FORKS_REFUSED = False
 _STARTING = threading.Lock()
 
 
 def _server() -> _Server | None:
     global _SERVER
     with _STARTING:
-        if _SERVER is None and os.name == "posix" and hasattr(os, "fork"):
+        if _SERVER is None and not _FORKS_REFUSED and hasattr(os, "fork"):
             try:
                 _SERVER = _Server()
             except OSError:
