@@ -86,7 +86,11 @@ def parameter_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], d
     unchanged = NumpyRunner(cfg, params, "float64")  # the weights cast once
     reference = {case.name: golden.output(params, case, None, unchanged) for case in golden.cases}
     for index, name in enumerate(params):
-        yield _first_seen(golden, name, unchanged.replaced(name, _perturbed(params[name], relative, index)), reference)
+        perturbed = _perturbed(params[name], relative, index)
+        if np.array_equal(perturbed, params[name]):  # a zero tensor stays zero: the same weights, every output
+            yield Observation(name, None, 0.0)     # the reference itself (the paper's zero biases)
+            continue
+        yield _first_seen(golden, name, unchanged.replaced(name, perturbed), reference)
 
 
 def _first_seen(golden: _Golden, subject: str, runner: NumpyRunner, reference) -> Observation:
