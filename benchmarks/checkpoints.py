@@ -56,8 +56,15 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
-_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0}  # Gemma's norms multiply by 1 + weight: 0 is the identity
+           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
+_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0}  # norms by 1 + weight: 0 is the identity
+_PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is
+
+
+def _norm_identity(family: str, name: str) -> float:
+    """The value of a norm's weight that scales nothing."""
+    return 1.0 if any(part in name for part in _PLAIN_NORMS) else _NORM_IDENTITY.get(family, 1.0)
 # the commands timed on each shape: name -> rosetta arguments after the program ({dir}, {weights} filled in)
 RUNS: dict[str, list[str]] = {
     "import": ["import", "{dir}", "--out", "{weights}"],
@@ -86,7 +93,7 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
             if tensor.ndim >= 2:
                 tensor.copy_(noise * min(tensor.shape[-2:]) ** -0.5)
             elif "norm" in name:
-                tensor.copy_(_NORM_IDENTITY.get(family, 1.0) + 0.2 * noise)
+                tensor.copy_(_norm_identity(family, name) + 0.2 * noise)
             else:
                 tensor.copy_(0.2 * noise)
     model.save_pretrained(directory)

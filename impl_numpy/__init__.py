@@ -33,6 +33,7 @@ from impl_numpy.model import (
     layer_experts,
     layer_norm,
     linear,
+    linear_layer,
     load_balancing_loss,
     log_probs,
     log_softmax,

@@ -46,6 +46,7 @@ Reads NumPy and safetensors only: transformers is never imported here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -57,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from spec import ROPE_SCALINGS, MixtureOfExperts, ModelConfig, RopeScaling, check_params, params_digest, save_weights
+from spec import (ROPE_SCALINGS, GatedDeltaNet, MixtureOfExperts, ModelConfig, RopeScaling, check_params, params_digest,
+                  save_weights)
 from spec.errors import ConfigError, WeightsError
 from spec.weights import read_header
 
@@ -74,6 +76,7 @@ FAMILIES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -131,12 +134,20 @@ class Rule:
     target: str
     how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0" | "transpose rows a:b"
     #           | "transpose expert e" | "transpose expert e rows a:b" (one expert's matrix of a fused [E, out, in])
+    #           | "channels a:b" (a depthwise nn.Conv1d's [C, 1, K] kernels of channels a … b − 1, as [b − a, K])
+    #           | "transpose head half j of w" (of an nn.Linear whose outputs are, head by head, two blocks of w
+    #             rows: block j of every head, transposed; Qwen3.5's q_proj, each head's query then its gate)
 
     def span(self) -> tuple[int, int]:
         """start and stop of a ranged rule ("columns a:b", "slice a:b", "transpose rows a:b",
         "transpose expert e rows a:b")."""
         start, stop = self.how.split()[-1].split(":")
         return int(start), int(stop)
+
+    def head_half(self) -> tuple[int, int]:
+        """j and w of "transpose head half j of w"."""
+        words = self.how.split()
+        return int(words[3]), int(words[5])
 
     def take(self, value: np.ndarray) -> np.ndarray:
         if self.how == "copy":
@@ -152,6 +163,12 @@ class Rule:
         if self.how.startswith("transpose rows "):  # one block of a fused nn.Linear's outputs (Phi-3)
             start, stop = self.span()
             return value[start:stop].T
+        if self.how.startswith("channels "):  # a depthwise convolution's kernels: [C, 1, K] -> [C, K]
+            start, stop = self.span()
+            return value[start:stop, 0]
+        if self.how.startswith("transpose head half "):
+            half, width = self.head_half()
+            return value.reshape(-1, 2, width, value.shape[-1])[:, half].reshape(-1, value.shape[-1]).T
         if self.how.startswith(("columns ", "slice ")):
             start, stop = self.span()
             return value[:, start:stop] if self.how.startswith("columns ") else value[start:stop]
@@ -372,9 +389,9 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     §5.12). transformers 5 writes them into rope_parameters ({"rope_type": ..., "rope_theta": ...,
     and the type's keys}); older files have a top-level rope_theta and put any rescaling into
     rope_scaling, which transformers still reads first. A variant the spec lacks is refused
-    whichever field names it. Phi-3 rotates the leading partial_rotary_factor of each head (the
-    spec's rope_fraction); the other classes rotate every dimension whatever the file says, so a
-    partial rotary there is refused."""
+    whichever field names it. Phi-3 and Qwen3.5 rotate the leading partial_rotary_factor of each head
+    (the spec's rope_fraction; Qwen3.5's class 0.25 where the file gives none); the other classes
+    rotate every dimension whatever the file says, so a partial rotary there is refused."""
     name, parameters = next(((name, hf[name]) for name in ("rope_scaling", "rope_parameters") if hf.get(name)),
                             ("rope_parameters", {}))
     if not isinstance(parameters, dict):
@@ -387,7 +404,9 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
                               "unrescaled theta (local_rope_theta)")
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if family == "phi3":
+    if family == "qwen3_5_text" and fraction is None:
+        fraction = _QWEN3_5_ROTARY_FRACTION
+    if family in ("phi3", "qwen3_5_text"):
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
             raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: expected a number in (0, 1]")
     elif fraction is not None and fraction != 1:
@@ -413,6 +432,7 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     return theta, fraction, _rope_scaling(hf, name, kind, parameters)
 
 
+_QWEN3_5_ROTARY_FRACTION = 0.25  # Qwen3_5TextConfig's partial_rotary_factor where the file gives none
 # Gemma3TextConfig's global theta and MixtralConfig's; the others' is 10000
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
@@ -765,6 +785,46 @@ def _qwen3_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            sliding_window=_qwen3_moe_window(hf), moe=moe)
 
 
+# ---- hybrids: Qwen3.5 ------------------------------------------------------------------------------
+
+_HF_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
+_QWEN3_5_LINEAR = {  # GatedDeltaNet's field <- Qwen3_5TextConfig's, with the class's default
+    "key_heads": ("linear_num_key_heads", 16), "value_heads": ("linear_num_value_heads", 32),
+    "key_head_dim": ("linear_key_head_dim", 128), "value_head_dim": ("linear_value_head_dim", 128),
+    "conv_kernel": ("linear_conv_kernel_dim", 4)}
+
+
+def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Qwen3.5's text decoder (SPEC §5.15): gated DeltaNet in the "linear_attention" layers of
+    layer_types (else three of every full_attention_interval = 4 layers, the fourth full), gated
+    full attention with q/k norms and a partial rotary in the others, (1 + w) RMSNorms but for the
+    DeltaNet's gated norm, no biases. The chunked prefill's chunk is the kernels' 64 (the file has
+    none; any chunk computes the same sums)."""
+    family = "qwen3_5_text"
+    _refuse_if(hf, "attention_bias", bool, "then q, k, v and o carry biases; Qwen3.5's have none, nor has the "
+               "spec's Qwen3.5 layout")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act = {json.dumps(hf['hidden_act'])}: Qwen3.5's DeltaNet convolution takes SiLU "
+                          "whatever the MLP's activation, and the spec's linear layers share the model's one")
+    layers = _require(hf, "num_hidden_layers", family)
+    written = hf.get("layer_types")
+    if written is None:
+        interval = hf.get("full_attention_interval", 4)
+        written = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if not isinstance(written, list) or len(written) != layers or any(kind not in _HF_HYBRID_LAYER_TYPES
+                                                                      for kind in written):
+        raise ConfigError(f"layer_types = {json.dumps(written)}: expected {layers} entries, each "
+                          f"{' or '.join(map(json.dumps, _HF_HYBRID_LAYER_TYPES))}")
+    mixer = GatedDeltaNet(**{field: hf.get(name, default) for field, (name, default) in _QWEN3_5_LINEAR.items()})
+    notes.append(f"the linear layers' chunked prefill takes chunks of {mixer.chunk_size} tokens (the kernels'; "
+                 "any chunk computes the same sums, SPEC §5.15)")
+    cfg = _rotary_decoder(hf, family, notes, head_dim=_head_dim(hf, family, 256),
+                          kv_heads=_require(hf, "num_key_value_heads", family), qkv_bias=False, bias=False,
+                          qk_norm=True)
+    return cfg.replace(norm_scale_plus_one=True, layer_types=tuple(_HF_HYBRID_LAYER_TYPES[kind] for kind in written),
+                       linear_attention=mixer, attention_output_gate=True)
+
+
 # ---- the mappings ------------------------------------------------------------------------------
 
 def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int, bias: bool = True) -> None:
@@ -857,7 +917,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
 
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe")
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES)
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -903,6 +963,57 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
         for projection, canonical in _LLAMA_MLP[2:] if fused else _LLAMA_MLP:
             n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
             _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, cfg.bias)
+    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    return rules
+
+
+def qwen3_5_mapping(cfg: ModelConfig) -> list[Rule]:
+    """Qwen3_5ForCausalLM -> canonical. A linear layer's in_proj_qkv [2·H_k·d_k + H_v·d_v, d] holds
+    q, k, then v (split by rows, transposed), its conv1d [same, 1, K] their depthwise kernels
+    (split by channels), in_proj_z the gate of its output norm, in_proj_b β's, in_proj_a, dt_bias
+    and A_log the decay's weight, bias and log-rate. A full layer's q_proj [H·2·d_k, d] holds each
+    head's query rows and then its output gate's (each taken head by head), its q_norm and k_norm
+    [d_k]. input_layernorm is the layer's first norm, whichever mixer follows it."""
+    d, d_ff, d_k, mixer, rules = cfg.d_model, cfg.d_ff, cfg.d_head, cfg.linear_attention, []
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    for i, kind in enumerate(cfg.layer_types):
+        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        if kind == "linear":
+            rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.linear_attn_norm.scale", "copy"))
+            attention, start = f"{ours}.linear_attn", 0
+            for projection, width in (("q", keys), ("k", keys), ("v", values)):
+                rules.append(Rule(f"{hf}.linear_attn.in_proj_qkv.weight", (2 * keys + values, d),
+                                  f"{attention}.{projection}.weight", f"transpose rows {start}:{start + width}"))
+                rules.append(Rule(f"{hf}.linear_attn.conv1d.weight", (2 * keys + values, 1, mixer.conv_kernel),
+                                  f"{attention}.{projection}_conv.weight", f"channels {start}:{start + width}"))
+                start += width
+            _linear(rules, f"{hf}.linear_attn.in_proj_z", f"{attention}.z", d, values, bias=False)
+            _linear(rules, f"{hf}.linear_attn.in_proj_b", f"{attention}.beta", d, mixer.value_heads, bias=False)
+            _linear(rules, f"{hf}.linear_attn.in_proj_a", f"{attention}.decay", d, mixer.value_heads, bias=False)
+            rules.append(Rule(f"{hf}.linear_attn.dt_bias", (mixer.value_heads,), f"{attention}.decay.bias", "copy"))
+            rules.append(Rule(f"{hf}.linear_attn.A_log", (mixer.value_heads,), f"{attention}.decay.log_rate", "copy"))
+            rules.append(Rule(f"{hf}.linear_attn.norm.weight", (mixer.value_head_dim,), f"{attention}.norm.scale",
+                              "copy"))
+            _linear(rules, f"{hf}.linear_attn.out_proj", f"{attention}.o", values, d, bias=False)
+        else:
+            rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
+            for half, projection in enumerate(("q", "gate")):
+                rules.append(Rule(f"{hf}.self_attn.q_proj.weight", (2 * cfg.n_heads * d_k, d),
+                                  f"{ours}.self_attn.{projection}.weight", f"transpose head half {half} of {d_k}"))
+            for projection in "kv":
+                _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d,
+                        cfg.kv_heads * d_k, bias=False)
+            _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", cfg.n_heads * d_k, d, bias=False)
+            for projection in "qk":
+                rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
+                                  f"{ours}.self_attn.{projection}_norm.scale", "copy"))
+        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        for projection, canonical in _LLAMA_MLP:
+            n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
+            _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, bias=False)
     rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
     if not cfg.tie_head:
         rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
@@ -958,6 +1069,8 @@ def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -
     by the family's names, or (fused_experts) as transformers 5's fused modules."""
     if family == "phi3":
         return phi3_mapping(cfg)
+    if family == "qwen3_5_text":
+        return qwen3_5_mapping(cfg)
     experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
     return llama_mapping(cfg, experts=experts)
 
@@ -1090,7 +1203,7 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
-            "qwen3_moe": _qwen3_moe_config}
+            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1128,13 +1241,21 @@ def import_to_file(directory: str | os.PathLike, out: str | os.PathLike) -> Impo
     return imported
 
 
+def as_held(cfg: ModelConfig) -> ModelConfig:
+    """cfg as a Hugging Face directory holds it: a hybrid's chunked prefill at the import's chunk
+    (config.json has none; a chunk changes no sum, SPEC §5.15, and transformers' class takes its own)."""
+    if cfg.linear_attention is None:
+        return cfg
+    return cfg.replace(linear_attention=dataclasses.replace(cfg.linear_attention, chunk_size=GatedDeltaNet.chunk_size))
+
+
 def require_import_of(directory: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.ndarray],
                       column: str) -> Imported:
     """The directory's import, when the weights under test are exactly it; else a WeightsError. A
     column that runs the directory's own model (transformers, onnxruntime-genai) checks the
     spec against that model only if the two hold the same config and tensors."""
     imported = import_huggingface(directory)
-    if cfg != imported.config or params_digest(params) != params_digest(imported.params):
+    if as_held(cfg) != imported.config or params_digest(params) != params_digest(imported.params):
         raise WeightsError(f"the weights under test are not the import of {directory}: the {column} column runs "
                            "that directory's model, so it must hold the same config and tensors "
                            f"(rosetta import {directory} --out FILE makes the matching weights file)")
@@ -1146,8 +1267,19 @@ _FUSED_BLOCKS = {  # a fused tensor's row blocks as the mapping table writes the
     "w1": "0 … d_ff − 1 (the gate)", "w3": "d_ff … 2·d_ff − 1 (up)"}
 
 
+_LINEAR_BLOCKS = {  # Qwen3.5's in_proj_qkv and conv1d: q, k and v one after another
+    "q": "0 … H_k·d_k − 1", "k": "H_k·d_k … 2·H_k·d_k − 1",
+    "v": "2·H_k·d_k … 2·H_k·d_k + H_v·d_v − 1"}
+
+
 def _block_rows(rule: Rule) -> str:
     return _FUSED_BLOCKS[rule.target.split(".")[-2]]
+
+
+def _indices_named(key: str) -> str:
+    """A key with its expert's index as {e} and its layer's as {i} (GPT-2's h.0. included)."""
+    key = re.sub(r"experts\.\d+\.", "experts.{e}.", key)
+    return re.sub(r"layers\.\d+\.", "layers.{i}.", key).replace(".0.", ".{i}.")
 
 
 def mapping_markdown(family: str) -> str:
@@ -1182,21 +1314,33 @@ def mapping_markdown(family: str) -> str:
     examples["mixtral"] = (lambda cfg: rotary_mapping("mixtral", cfg), rotary.replace(moe=moe))
     examples["qwen3_moe"] = (lambda cfg: rotary_mapping("qwen3_moe", cfg), rotary.replace(head_dim=6, qk_norm=True,
                                                                                           moe=moe))
+    hybrid = rotary.replace(n_decoder_layers=2, n_kv_heads=None, head_dim=4, qk_norm=True, norm_scale_plus_one=True,
+                            rope_fraction=0.5, layer_types=("linear", "full"), attention_output_gate=True,
+                            linear_attention=GatedDeltaNet(key_heads=1, value_heads=2, key_head_dim=4,
+                                                           value_head_dim=4, conv_kernel=2))
+    examples["qwen3_5_text"] = (qwen3_5_mapping, hybrid)
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
     for rule in mapping(cfg):
         how = hows.get(rule.how, rule.how)
-        if rule.how.startswith("transpose rows"):
+        if rule.how.startswith("transpose rows") and ".linear_attn." in rule.target:
+            how = f"rows {_LINEAR_BLOCKS[rule.target.split('.')[-2]]}, transposed"
+        elif rule.how.startswith("channels"):
+            block = _LINEAR_BLOCKS[rule.target.split(".")[-2].removesuffix("_conv")]
+            how = f"channels {block} (the [C, 1, K] kernels as [C, K])"
+        elif rule.how.startswith("transpose head half"):
+            how = (f"each head's {'first' if rule.head_half()[0] == 0 else 'second'} d_k rows of its 2·d_k "
+                   f"({'the query' if rule.head_half()[0] == 0 else 'the output gate'}), transposed")
+        elif rule.how.startswith("transpose rows"):
             how = f"rows {_block_rows(rule)}, transposed"
         elif rule.how.startswith(("columns", "slice")):
             block = rule.span()[0] // cfg.d_model
             how = f"{'columns' if rule.how.startswith('columns') else 'entries'} {block}·d … {block + 1}·d − 1"
         elif rule.how.startswith("rows"):
             how = "rows 2 … (rows 0 and 1 are never read)"
-        # an expert's index as {e} (first: its ".0." is not a layer's), every expert's rules one row
-        source, target = (re.sub(r"\.0\.", ".{i}.", re.sub(r"experts\.\d+\.", "experts.{e}.", name))
-                          for name in (rule.source, rule.target))
+        # an expert's index as {e}, a layer's as {i} (a hybrid's full layer too), each rule one row
+        source, target = (_indices_named(name) for name in (rule.source, rule.target))
         line = f"| `{source}` | `{target}` | {how} |"
         if line not in lines:
             lines.append(line)

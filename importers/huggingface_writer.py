@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from importers.huggingface import FAMILIES, Rule, import_huggingface, rotary_mapping
+from importers.huggingface import FAMILIES, Rule, as_held, import_huggingface, rotary_mapping
 from spec import ModelConfig, check_params, params_digest
-from spec.config import check_computed_by
+from spec.config import HUGGING_FACE_WRITER, check_computed_by
 from spec.errors import ConfigError, WeightsError
 
 _MODERN_DECODER = {  # field -> the value Llama, Qwen2 and Qwen3 all have
@@ -56,6 +56,25 @@ def _gemma_family(cfg: ModelConfig) -> str:
     return "gemma2"
 
 
+_QWEN3_5 = {**_MODERN_DECODER, "qkv_bias": False, "bias": False, "qk_norm": True, "norm_scale_plus_one": True,
+            "post_norms": False, "attention_output_gate": True, "moe": None, "sliding_window": None,
+            "rope_scaling": None, "attention_softcap": None, "final_softcap": None,
+            "query_pre_attention_scalar": None, "local_rope_theta": None}
+
+
+def _hybrid_family(cfg: ModelConfig) -> str:
+    """Qwen3.5's text decoder: gated DeltaNet and gated full attention (q/k norms, a partial rotary
+    or none), (1 + w) norms, no biases, no windows or rescaling."""
+    for field, value in _QWEN3_5.items():
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Qwen3.5, the family with linear layers, has "
+                              f"{field} = {value!r}")
+    if cfg.linear_attention is None:
+        raise ConfigError("attention_output_gate without linear layers: Qwen3.5, the family whose attention has an "
+                          "output gate, has gated DeltaNet layers (linear_attention)")
+    return "qwen3_5_text"
+
+
 def _moe_family(cfg: ModelConfig) -> str:
     """Qwen3-MoE (q/k norms; norm_topk_prob either way) or Mixtral (no q/k norms; always
     renormalised): both without biases, the router's softmax in float32, one window (or none) for
@@ -82,7 +101,9 @@ def family_of(cfg: ModelConfig) -> str:
     biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
     norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
     field none of them has."""
-    check_computed_by(cfg, "the Hugging Face writer")
+    check_computed_by(cfg, HUGGING_FACE_WRITER)
+    if cfg.linear_attention is not None or cfg.attention_output_gate:
+        return _hybrid_family(cfg)
     if cfg.post_norms or cfg.norm_scale_plus_one:
         return _gemma_family(cfg)
     gemma_only = [name for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar",
@@ -140,6 +161,12 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     }
     if family in ("mixtral", "qwen3_moe"):
         return config | _moe_config_json(cfg, family)
+    if family == "qwen3_5_text":
+        mixer = cfg.linear_attention
+        return config | {"attention_bias": False, "layer_types": [f"{kind}_attention" for kind in cfg.layer_types],
+                         "linear_num_key_heads": mixer.key_heads, "linear_num_value_heads": mixer.value_heads,
+                         "linear_key_head_dim": mixer.key_head_dim, "linear_value_head_dim": mixer.value_head_dim,
+                         "linear_conv_kernel_dim": mixer.conv_kernel}
     if family == "llama":
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     elif family in ("mistral", "phi3"):
@@ -228,6 +255,13 @@ def _source_tensors(rules: list[Rule], params: Mapping[str, np.ndarray]) -> dict
         elif rule.how.startswith("transpose rows "):
             start, stop = rule.span()
             tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop] = value.T
+        elif rule.how.startswith("channels "):  # a depthwise convolution's kernels back into [C, 1, K]
+            start, stop = rule.span()
+            tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop, 0] = value
+        elif rule.how.startswith("transpose head half "):  # each head's block back among its two
+            half, width = rule.head_half()
+            fused = tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))
+            fused.reshape(-1, 2, width, fused.shape[-1])[:, half] = value.T.reshape(-1, width, fused.shape[-1])
         else:
             raise ValueError(f"the rotary families' mappings have no {rule.how!r} rule to invert")
     return {key: np.ascontiguousarray(value) for key, value in tensors.items()}
@@ -248,9 +282,9 @@ def to_huggingface(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(_config_json(cfg, family, bos_id, eos_id), indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    back = import_huggingface(directory)
-    fields = [f"{name} = {getattr(cfg, name)!r} (read back: {getattr(back.config, name)!r})"
-              for name in cfg.to_dict() if getattr(back.config, name) != getattr(cfg, name)]
+    back, held = import_huggingface(directory), as_held(cfg)
+    fields = [f"{name} = {getattr(held, name)!r} (read back: {getattr(back.config, name)!r})"
+              for name in held.to_dict() if getattr(back.config, name) != getattr(held, name)]
     if fields:
         raise ConfigError(f"{directory} as a {family} directory cannot hold " + ", ".join(fields))
     if params_digest(back.params) != params_digest(params):

@@ -298,9 +298,13 @@ class ModelConfig:
 # rest (the exports, the importers' writer, the golden's backward, the conformance matrix) refuse
 # such a config by name (check_computed_by) rather than compute another model.
 _FRAMEWORKS = ("impl_numpy", "impl_torch", "impl_jax")
+HUGGING_FACE_WRITER = "the Hugging Face writer"
+TRANSFORMERS_COLUMN = "the transformers column (its directory written by the Hugging Face writer)"
 NEWER_FEATURES = {
-    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", _FRAMEWORKS),
-    "attention_output_gate": ("the attention's output gate (attention_output_gate)", _FRAMEWORKS),
+    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)",
+                         (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN)),
+    "attention_output_gate": ("the attention's output gate (attention_output_gate)",
+                              (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN)),
 }
 
 
@@ -315,7 +319,7 @@ def not_computed_by(cfg: ModelConfig, who: str) -> str | None:
     the features; None where it can."""
     if features := uncomputed_features(cfg, who):
         return (f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached decode, "
-                "impl_torch and impl_jax do (SPEC §5.15)")
+                "impl_torch, impl_jax, the Hugging Face writer and transformers do (SPEC §5.15)")
     return None
 
 

@@ -336,6 +336,22 @@ def test_a_planted_mistake_in_the_frameworks_hybrid_is_seen(name, mistake, monke
     assert_differs(decoded if in_decode else forward, want, **bounds)
 
 
+@pytest.mark.parametrize("mistake, layer", [(None, None), ("pads-write", "decoder.layers.0"),
+                                            ("ungated", "decoder.layers.3")])
+def test_a_hybrids_mistake_is_localized_to_its_layer(mistake, layer, monkeypatch):
+    """`rosetta check`'s localization stage by stage on a hybrid (a linear layer a stage, its bound
+    T deep times its output norm's amplification, SPEC §8): torch as written passes every stage;
+    pads that write are localized to the first linear layer, the gate dropped to the attention layer
+    (HYBRID's fourth). The pad_middle case, whose pads sit among real tokens."""
+    from conformance.diagnosis.localize import localize_column
+
+    if mistake:
+        _planted("torch", mistake, monkeypatch)
+    found = localize_column(CHUNKED, conformance_params(CHUNKED), "torch", "float32", "cpu", "pad_middle")
+    assert [stage.name for stage in found.stages][1:5] == [f"decoder.layers.{i}" for i in range(4)]
+    assert (found.first_failure.name if found.first_failure else None) == layer, found.to_dict()
+
+
 # ---- the conformance matrix: the hybrid's cells, its amplification, what is left out ------------
 
 def _matrix(backends, dtypes, pattern=None):
@@ -429,23 +445,21 @@ def test_a_budgeted_plan_costs_and_ranks_the_hybrids_cells():
     assert layers == {0, 1, 2}
 
 
-@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward", "the Hugging Face writer"])
+@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward"])
 def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
-    """The spec, the golden's forward and cached decode, impl_torch and impl_jax compute it so far:
-    each other path refuses a hybrid naming the feature, rather than compute another model (the
-    matrix asked for its backward cases, whose reference is the golden's backward, too)."""
+    """The spec, the golden's forward and cached decode, impl_torch, impl_jax, the Hugging Face
+    writer and transformers compute it so far (tests/test_huggingface_hybrid.py): each other path
+    refuses a hybrid naming the feature, rather than compute another model (the matrix asked for
+    its backward cases, whose reference is the golden's backward, too)."""
     params = conformance_params(HYBRID)
     match = f"{who} does not compute gated DeltaNet's linear layers"
     with pytest.raises(ConfigError, match=match):
         if who == "the ONNX export":
             from export.exporters import export_model
             export_model(HYBRID, params, tmp_path)
-        elif who == "the golden's backward":
+        else:
             from impl_numpy.backward import model_vjp
             model_vjp(HYBRID, golden.cast_params(HYBRID, params), None, _ids(1, 3), np.ones((1, 3, 53)))
-        else:
-            from importers.huggingface_writer import to_huggingface
-            to_huggingface(HYBRID, params, tmp_path)
     if who == "the golden's backward":
         from conformance.harness import run_matrix
         with pytest.raises(ConfigError, match=match):

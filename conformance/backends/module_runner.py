@@ -124,6 +124,9 @@ class ModuleRunner:
         if sublayer == "encoder_layer":
             return self._module(f"encoder.layers.{inputs['index']}", model)(self._float(inputs["x"]),
                                                                             self._array(inputs["mask"]))
+        if sublayer == "decoder_layer" and cfg.layer_kind(inputs["index"]) == "linear":  # by its real tokens
+            return self._module(f"decoder.layers.{inputs['index']}", model)(self._float(inputs["y"]),
+                                                                            self._array(inputs["tgt_keep"]))[0]
         if sublayer == "decoder_layer":
             return self._module(f"decoder.layers.{inputs['index']}", model)(
                 self._float(inputs["y"]), self._float(inputs["memory"]), self._self_mask(inputs, "self_mask", model),

@@ -125,6 +125,10 @@ class NumpyRunner:
             x = self._float(inputs["x"])
             layer = params_under(p, f"encoder.layers.{inputs['index']}")
             return golden.encoder_layer(cfg, layer, x, self._mask(inputs["mask"], x, x))
+        if sublayer == "decoder_layer" and self.cfg.layer_kind(inputs["index"]) == "linear":  # by its real tokens,
+            layer = params_under(p, f"decoder.layers.{inputs['index']}")  # the model's config (the mixer's)
+            return golden.linear_layer(self.cfg, layer, self._float(inputs["y"]),
+                                       np.asarray(inputs["tgt_keep"], bool))[0]
         if sublayer == "decoder_layer":
             y, memory = self._float(inputs["y"]), self._float(inputs["memory"])
             layer = params_under(p, f"decoder.layers.{inputs['index']}")

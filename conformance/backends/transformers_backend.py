@@ -29,7 +29,16 @@ Where the two conventions differ, the runner states the spec's in Hugging Face's
 - a mixture of experts' routing can be replayed (`routing_log`, SPEC §5.14): each TopKRouter's
   choices go through a routing log, and its weights are its own probabilities at those choices;
 - generation settings: the model's generation_config (bad words, forced tokens, penalties) is
-  replaced by plain greedy decoding, which is what the spec defines.
+  replaced by plain greedy decoding, which is what the spec defines;
+- Qwen3.5's linear layers (SPEC §5.15): transformers zeroes a pad's input rather than skipping
+  it, so a pad between real tokens still shifts the convolution's window and decays the state,
+  and it applies the mask in the first call only, so a pad fed in a cached step moves the state
+  as a real token does. The spec's pads move nothing: those rows' positions from such a pad on
+  are left out, with that reason (tests/test_huggingface_hybrid.py shows both differences). It
+  computes the decay and the gated delta rule in float32 whatever the model's dtype, so the
+  float64 column is refused for a hybrid (a float64 run would be float32's). Its kernels
+  (causal-conv1d, flash-linear-attention) are not installed: the column runs transformers' own
+  PyTorch fallbacks, torch_chunk_gated_delta_rule for a prefill and the recurrent rule for a step.
 The model runs with attn_implementation="sdpa" (transformers' default on PyTorch), stated so the
 column does not change with the default. Its "eager" attention differs from the spec on a query
 row with no key to attend to (it adds a large negative number to every score of the row, so the
@@ -50,9 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance.adapter import NotSupported
+from conformance.adapter import NotSupported, Partial
 from spec import ROPE_SCALINGS, ModelConfig
-from spec.config import not_computed_by
+from spec.config import TRANSFORMERS_COLUMN, not_computed_by
 from spec.masks import real_tokens
 from spec.routing import RoutingLog
 
@@ -61,7 +70,10 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 # torchao, which transformers imports with a model class where it is installed (the tests' extra),
 # warns of its CUDA kernels' libraries, absent from a CPU build, and torch of an enum torchao
 # registers: lines in the middle of a check's output that concern no column
-NOISY_ON_IMPORT = ("torchao", "torch.utils._pytree")
+NOISY_ON_IMPORT = ("torchao", "torch.utils._pytree",
+                   # Qwen3.5's kernels (causal-conv1d, flash-linear-attention; not installed) fall back to
+                   # transformers' PyTorch code, said once per case: the column states it once, here
+                   "transformers.integrations.hub_kernels")
 
 
 def quiet_noisy_imports() -> None:
@@ -81,6 +93,8 @@ class TransformersRunner:
         logging.disable_progress_bar()  # a loading bar per column would bury the matrix's own progress
         quiet_noisy_imports()
 
+        if cfg.linear_attention is not None and dtype == "float64":
+            raise NotSupported(HYBRID_FLOAT32)
         self.torch, self.cfg, self.device = torch, cfg, torch.device(device)
         torch_dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                        "bfloat16": torch.bfloat16}[dtype]
@@ -100,25 +114,7 @@ class TransformersRunner:
             self.model.config.output_router_logits = False
         self._rebuild_sinusoids(torch_dtype)
         if dtype == "float64":
-            self._float64_throughout()
-
-    def _float64_throughout(self) -> None:
-        """At float64, the Llama-family RMSNorm, rotary embedding and MoE router by their own formulas
-        in float64 (transformers computes them in float32 whatever the model's dtype)."""
-        import types
-
-        for module in self.model.modules():
-            kind = type(module).__name__
-            if kind.endswith("RMSNorm"):
-                module.forward = types.MethodType(_rms_norm_float64, module)
-            elif kind.endswith("TopKRouter"):
-                module.forward = types.MethodType(_router_float64, module)
-            elif kind.endswith("RotaryEmbedding"):
-                rope_types = module.rope_type.values() if isinstance(module.rope_type, dict) else [module.rope_type]
-                if any(rope_type not in ("default", *ROPE_SCALINGS) for rope_type in rope_types):
-                    raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
-                                       f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
-                module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=self.cfg), module)
+            widened_to_float64(self.model, cfg)
 
     @contextlib.contextmanager
     def routing_log(self, forced: list[np.ndarray] | None = None,
@@ -171,12 +167,15 @@ class TransformersRunner:
         """position_ids [batch, stop − start]: the slot indices start … stop − 1, padding or not (SPEC §5.2)."""
         return self.torch.arange(start, stop, device=self.device).expand(batch, -1)
 
-    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray:
+    def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         if sublayer not in MODEL_CASES:
             raise NotSupported(f"transformers runs whole models ({', '.join(MODEL_CASES)}), not {sublayer}")
         with self.torch.inference_mode():
             out = getattr(self, sublayer)(inputs)
-        return out.to("cpu", self.torch.float64).numpy() if out.is_floating_point() else out.cpu().numpy()
+        out = out.to("cpu", self.torch.float64).numpy() if out.is_floating_point() else out.cpu().numpy()
+        if self.cfg.linear_attention is None or sublayer not in ("forward", "decode"):
+            return out
+        return _spec_rows(out, np.asarray(inputs["tgt_ids"]) != self.cfg.pad_id, inputs.get("prefix"))
 
     # ---- the whole-model cases ----
     def forward(self, inputs: Mapping[str, Any]):
@@ -206,8 +205,8 @@ class TransformersRunner:
             arguments["encoder_outputs"] = self.model.get_encoder()(input_ids=self._ids(src),
                                                                     attention_mask=arguments["attention_mask"])
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        else:
-            cache = DynamicCache()
+        else:  # a hybrid's cache holds its linear layers' states, laid out from the config (as its forward does)
+            cache = DynamicCache(config=self.model.config) if self.cfg.linear_attention is not None else DynamicCache()
         steps, start = [], 0
         for stop in [prefix, *range(prefix + 1, tgt.shape[1] + 1)]:
             chunk = self._ids(tgt[:, start:stop])
@@ -245,6 +244,56 @@ class TransformersRunner:
         return tokens
 
 
+HYBRID_FLOAT32 = ("transformers' Qwen3.5 computes its linear layers' decay (A_log.float(), a.float()) and gated delta "
+                  "rule (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) in float32 whatever the "
+                  "model's dtype: a float64 run is float32's there")
+PAD_BETWEEN = ("a pad between real tokens moves transformers' Qwen3.5 linear-layer state (it zeroes the pad's input; "
+               "the convolution window and the decay still take the pad), where the spec's pads move nothing "
+               "(SPEC §5.15)")
+PAD_IN_STEP = ("a pad fed in a cached step moves transformers' Qwen3.5 linear-layer state as a real token (its "
+               "mask reaches the linear layers in the first call only), where the spec's pads move nothing "
+               "(SPEC §5.15)")
+
+
+def _spec_rows(logits: np.ndarray, keep: np.ndarray, prefix: int | None) -> np.ndarray | Partial:
+    """A hybrid's logits [B, L, V] (a forward's) or [B, L − prefix, V] (a decode's steps), the
+    positions from a pad that moved transformers' state on left out: a pad with real tokens on both
+    sides, or (decode) one fed in a step after the prefill."""
+    batch, length = keep.shape
+    seen = np.cumsum(keep, axis=1) > 0  # a real token at or before each position
+    ahead = np.cumsum(keep[:, ::-1], axis=1)[:, ::-1] > 0  # one at or after it
+    between = ~keep & seen & ahead
+    stepped = np.zeros_like(keep) if prefix is None else ~keep & (np.arange(length) >= prefix)
+    moved = between | stepped
+    first = np.where(moved.any(axis=1), moved.argmax(axis=1), length)  # [B]
+    positions = np.arange(length) if prefix is None else np.arange(prefix, length)
+    compared = positions[None, :] < first[:, None]
+    left_out = {int(row): PAD_IN_STEP if stepped[row, first[row]] and not between[row, first[row]] else PAD_BETWEEN
+                for row in np.flatnonzero(first < length) if not compared[row].all()}
+    return Partial(logits, compared, left_out) if left_out else logits
+
+
+def widened_to_float64(model, cfg: ModelConfig) -> None:
+    """A float64 model's RMSNorms (Qwen3.5's gated one too), rotary embeddings and MoE routers by
+    their own formulas in float64 (transformers computes them in float32 whatever the model's dtype)."""
+    import types
+
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm_float64, module)
+        elif kind.endswith("RMSNormGated"):
+            module.forward = types.MethodType(_gated_rms_norm_float64, module)
+        elif kind.endswith("TopKRouter"):
+            module.forward = types.MethodType(_router_float64, module)
+        elif kind.endswith("RotaryEmbedding"):
+            rope_types = module.rope_type.values() if isinstance(module.rope_type, dict) else [module.rope_type]
+            if any(rope_type not in ("default", *ROPE_SCALINGS) for rope_type in rope_types):
+                raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
+                                   f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
+            module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=cfg), module)
+
+
 def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
     """A TopKRouter's forward with its choices through a routing log: its own (logits, weights,
     chosen), the chosen replaced by the log's, the weights those choices' probabilities,
@@ -276,13 +325,26 @@ def _router_float64(module, hidden):
     return logits, weights, chosen
 
 
+# the classes whose RMSNorm multiplies by 1 + weight (and names its ε eps)
+_SCALE_PLUS_ONE_NORMS = ("Gemma", "Qwen3_5")
+
+
 def _rms_norm_float64(module, hidden):
     """transformers' Llama-family RMSNorm, γ · x / √(mean(x²) + ε), without its cast to float32 (a
-    float64 run); Gemma's multiplies by 1 + weight and names its ε eps."""
+    float64 run); Gemma's and Qwen3.5's multiply by 1 + weight and name their ε eps."""
     variance = hidden.pow(2).mean(-1, keepdim=True)
-    if type(module).__name__.startswith("Gemma"):
+    if type(module).__name__.startswith(_SCALE_PLUS_ONE_NORMS):
         return (1.0 + module.weight) * (hidden * (variance + module.eps).rsqrt())
     return module.weight * (hidden * (variance + module.variance_epsilon).rsqrt())
+
+
+def _gated_rms_norm_float64(module, hidden, gate):
+    """Qwen3.5's gated norm of the DeltaNet output, γ · x / √(mean(x²) + ε) ⊙ SiLU(gate), without its
+    casts to float32 (a float64 run)."""
+    import torch
+
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return module.weight * (hidden * (variance + module.variance_epsilon).rsqrt()) * torch.nn.functional.silu(gate)
 
 
 SPEC_EAGER = "spec-eager"
@@ -346,6 +408,8 @@ def _rotary_float64(module, x, position_ids, layer_type=None, *, cfg):
                            f"config {cfg.rotary_dim}")
     # transformers' longrope takes the long factors where max(position_ids) + 1 passes the original
     # context, per call: the spec's rule (SPEC §5.12)
+    if position_ids.ndim == 3:  # Qwen3.5's multimodal rotary: a text token's three rows are one position
+        position_ids = position_ids[0]
     length = int(position_ids.max()) + 1 if cfg.rotary_reads_length else None
     inverse_frequency = torch.from_numpy(rope_frequencies(cfg, length)).to(x.device)
     angles = position_ids[..., None].to(torch.float64) * inverse_frequency
@@ -387,7 +451,7 @@ class TransformersBackend:
         return None
 
     def supports_config(self, cfg: ModelConfig) -> str | None:
-        return not_computed_by(cfg, "the transformers column (its directory written by the Hugging Face writer)")
+        return not_computed_by(cfg, TRANSFORMERS_COLUMN)
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if sublayer not in MODEL_CASES:

@@ -106,6 +106,13 @@ def localize(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner, dtype: 
     cross = None if memory is None else key_mask(real_tokens(cfg, src_ids, "src"))
     plan = [("tgt embedding", "embedding", None, {"ids": tgt_ids, "side": "tgt", "offset": 0})]
     for i in range(cfg.n_decoder_layers):
+        if cfg.layer_kind(i) == "linear":  # a hybrid's gated DeltaNet layer: the real tokens are what it masks by
+            plan.append((f"decoder.layers.{i}", "decoder_layer",
+                         lambda y, layer=params_under(p, f"decoder.layers.{i}"): golden.linear_layer(
+                             cfg, layer, y, tgt_keep)[0],
+                         lambda y, i=i: {"index": i, "y": y, "memory": None, "cross_mask": None,
+                                         "tgt_keep": np.asarray(tgt_keep)}))
+            continue
         layer, self_mask = params_under(p, f"decoder.layers.{i}"), self_masks[cfg.layer(i).sliding_window]
         plan.append((f"decoder.layers.{i}", "decoder_layer",
                      lambda y, layer=layer, i=i, self_mask=self_mask: golden.decoder_layer(
@@ -128,14 +135,19 @@ def _run_stages(runner, dtype: str, cfg: ModelConfig, plan: list, first_referenc
     reference = first_reference  # the golden's output of the previous stage (float64)
     chained = None  # the backend's output of the previous stage
     for name, sublayer, golden_function, inputs in plan:
-        relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, length), SUBLAYERS[sublayer].depth(cfg),
-                             rotary_angle(cfg, length - 1))
+        # a hybrid's linear layer chains its T tokens' updates: T deep (SPEC §8), its bound times the
+        # output norm's amplification on the stage's input
+        linear = name.startswith("decoder.layers.") and cfg.layer_kind(int(name.split(".")[-1])) == "linear"
+        depth = SUBLAYERS[sublayer].depth(cfg) + (length - 1 if linear else 0)
+        relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, length), depth, rotary_angle(cfg, length - 1))
         routing = {}  # a mixture of experts' stage: the golden's routing on each input, replayed in the runner
         if golden_function is None:  # embedding: inputs are ids, isolated and chained coincide
             expected, next_reference, isolated_inputs, chained_inputs = reference, reference, inputs, None
         else:
             isolated_input = _f32(reference)
-            expected, routing["isolated"] = _routed(golden_function, isolated_input.astype(np.float64))
+            with golden.recorded_amplification() as found:
+                expected, routing["isolated"] = _routed(golden_function, isolated_input.astype(np.float64))
+            relative *= max([1.0, *found])
             next_reference, routing["chained"] = _routed(golden_function, reference)  # the golden chain, never rounded
             isolated_inputs = inputs(isolated_input)
             chained_inputs = None if chained is None else inputs(_f32(chained))
