@@ -13,6 +13,7 @@ To be driven by the harness a backend implements:
         def supports(self, dtype, device) -> str | None   # None when supported, else why not
         def load(self, cfg, params, dtype, device) -> Runner
         def supports_sublayer(self, sublayer) -> str | None   # optional: None, else why not
+        def supports_config(self, cfg, dtype) -> str | None   # optional: a model (at a dtype) it cannot compute
         program_family: str                         # optional: backends that compile the same programs (default: the name)
         family_spans_dtypes: bool                   # optional: the family shares start-up work across dtypes
 

@@ -90,8 +90,8 @@ def plan_matrix(cfg: ModelConfig, backends: Iterable[str] | None = None, dtypes:
                     skipped[key] = f"device {device} not present for {name}"
                 elif (why := backend.supports(dtype, device)) is not None:
                     skipped[key] = why
-                elif (why := getattr(backend, "supports_config", lambda cfg: None)(cfg)) is not None:
-                    skipped[key] = why  # a feature of this model it does not compute (SPEC §5.15)
+                elif (why := getattr(backend, "supports_config", lambda cfg, dtype: None)(cfg, dtype)) is not None:
+                    skipped[key] = why  # a feature of this model it does not compute (at this dtype; SPEC §5.15)
                 else:
                     columns.append(key)
     return Plan(cfg, columns, skipped)

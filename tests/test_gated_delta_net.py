@@ -360,6 +360,22 @@ def _matrix(backends, dtypes, pattern=None):
     return plan, run_matrix(CHUNKED, conformance_params(CHUNKED), plan, pattern=pattern)
 
 
+def test_a_generate_case_sent_to_the_workers_keeps_its_bound():
+    """The local pool sends a generate case whole (its rows took the golden's tokens to choose): its
+    depth (T deep) and amplification go with it, or the workers judge a hybrid's generation by a
+    bound tens of times too tight (a random Qwen3.5's bfloat16 generate cells failed in torch and
+    jax alike, transformers' own model equally far from the golden, before they did)."""
+    import json
+
+    from conformance.cases import build_case
+    from conformance.executors import local_pool
+
+    case = build_case(CHUNKED, conformance_params(CHUNKED), "generate", "pad_left")
+    assert case.depth > 10 and case.amplification > 1
+    again = local_pool._case_from(json.loads(json.dumps(local_pool._case_message(case))))
+    assert again == case and again.tolerance(CHUNKED, "bfloat16") == case.tolerance(CHUNKED, "bfloat16")
+
+
 def test_the_hybrids_matrix_passes_in_torch_and_jax():
     """Every cell of the hybrid's catalogue in torch at float64 and float32 (the linear_attn cells on
     each linear layer, the chunk cases C − 1, C + 1 and 2C + 3 tokens long, the gated attention's

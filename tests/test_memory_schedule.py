@@ -250,6 +250,7 @@ def test_a_generate_case_goes_to_the_workers_whole(monkeypatch):
     assert set(sent) == {"generate-none"}
     message = local_pool._case_message(sent["generate-none"])
     again = local_pool._case_from(message)
+    assert again == sent["generate-none"]  # every field but the inputs (compared next)
     assert all((again.inputs[key] == value).all() if hasattr(value, "shape") else again.inputs[key] == value
                for key, value in sent["generate-none"].inputs.items())
 

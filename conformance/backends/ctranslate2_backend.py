@@ -205,7 +205,7 @@ class CTranslate2Backend:
         family = model_type(self.directory)  # a family its converter lacks is known before anything runs
         return None if family is None else ctranslate2_unsupported_reason(family)
 
-    def supports_config(self, cfg: ModelConfig) -> str | None:
+    def supports_config(self, cfg: ModelConfig, dtype: str) -> str | None:
         return not_computed_by(cfg, "the ctranslate2 column (its model converted from the Hugging Face writer's)")
 
     def supports_sublayer(self, sublayer: str) -> str | None:

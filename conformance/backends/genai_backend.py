@@ -280,7 +280,7 @@ class GenaiBackend:
         family = model_type(self.directory)  # a family its builder lacks is known before anything runs
         return None if family is None or family in FAMILIES else family_refusal(family)
 
-    def supports_config(self, cfg: ModelConfig) -> str | None:
+    def supports_config(self, cfg: ModelConfig, dtype: str) -> str | None:
         return not_computed_by(cfg, "the genai column (its model built from the Hugging Face writer's directory)")
 
     def supports_sublayer(self, sublayer: str) -> str | None:

@@ -141,7 +141,7 @@ class OnnxBackend:
             return f"ONNX exports are {' and '.join(DTYPES)} (dtype {dtype} is not exported)"
         return None
 
-    def supports_config(self, cfg: ModelConfig) -> str | None:
+    def supports_config(self, cfg: ModelConfig, dtype: str) -> str | None:
         return not_computed_by(cfg, "the ONNX export")
 
     def supports_sublayer(self, sublayer: str) -> str | None:

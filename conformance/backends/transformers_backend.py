@@ -450,7 +450,9 @@ class TransformersBackend:
             return f"dtype {dtype} is not run by transformers (it runs {', '.join(DTYPES)})"
         return None
 
-    def supports_config(self, cfg: ModelConfig) -> str | None:
+    def supports_config(self, cfg: ModelConfig, dtype: str) -> str | None:
+        if cfg.linear_attention is not None and dtype == "float64":
+            return HYBRID_FLOAT32
         return not_computed_by(cfg, TRANSFORMERS_COLUMN)
 
     def supports_sublayer(self, sublayer: str) -> str | None:

@@ -71,17 +71,17 @@ def _result_message(result) -> dict:
 
 
 def _case_message(case: Case) -> dict:
-    """A case whose inputs are token ids, None and numbers (a text case), as JSON."""
+    """A case whose inputs are token ids, None and numbers (a generate or text case), as JSON: every
+    field of the case (a hybrid's depth and amplification are its bound's, SPEC §8)."""
     inputs = {key: {"ids": value.tolist()} if isinstance(value, np.ndarray) else value
               for key, value in case.inputs.items()}
-    return {"sublayer": case.sublayer, "mask_case": case.mask_case, "inputs": inputs,
-            "reduction_length": case.reduction_length, "angle": case.angle}
+    return {**{field.name: getattr(case, field.name) for field in dataclasses.fields(Case)}, "inputs": inputs}
 
 
 def _case_from(message: dict) -> Case:
     inputs = {key: np.asarray(value["ids"], dtype=np.int64) if isinstance(value, dict) else value
               for key, value in message["inputs"].items()}
-    return Case(message["sublayer"], message["mask_case"], inputs, message["reduction_length"], message["angle"])
+    return Case(**{**message, "inputs": inputs})
 
 
 def _result_from(message: dict) -> CellResult:
