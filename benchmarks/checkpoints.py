@@ -51,14 +51,27 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                               max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                               tie_word_embeddings=False, bos_token_id=32766,
                                               eos_token_id=32767)),
+    # Qwen3.5-0.8B's text decoder (the published Qwen3_5ForConditionalGeneration's text_config): 18 gated
+    # DeltaNet layers (16 key and 16 value heads of 128, a convolution 4 wide) and 6 gated full-attention
+    # layers (8 query heads and 2 key-value heads of 256, a quarter of each rotated at θ = 10^7), tied
+    "qwen3.5-0.8b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                                          num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                                          head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                          max_position_embeddings=262144, rms_norm_eps=1e-6, rope_theta=10000000.0,
+                                          rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25},
+                                          tie_word_embeddings=True, bos_token_id=248044, eos_token_id=248044,
+                                          pad_token_id=248044)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
-_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0}  # norms by 1 + weight: 0 is the identity
+           "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
+# norms by 1 + weight: 0 is the identity (a published Qwen3.5's vision tower takes it too: it is not imported)
+_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0}
 _PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is
 
 

@@ -77,6 +77,7 @@ FAMILIES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",  # the published checkpoints: its text decoder is imported
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -825,6 +826,19 @@ def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                        linear_attention=mixer, attention_output_gate=True)
 
 
+def _qwen3_5_published_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """The published Qwen3.5 checkpoints (Qwen3_5ForConditionalGeneration): a vision tower beside
+    the text decoder of text_config, whose logits on text alone are that decoder's. The decoder is
+    imported, the tower left out (a note says how many tensors); the head is tied as the top-level
+    tie_word_embeddings says, which the class reads."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"text_config = {json.dumps(text)}: a qwen3_5 config.json holds its text decoder's config "
+                          "there (a JSON object)")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return _qwen3_5_config({**text, "tie_word_embeddings": tied}, notes)
+
+
 # ---- the mappings ------------------------------------------------------------------------------
 
 def _linear(rules: list[Rule], source: str, target: str, n_in: int, n_out: int, bias: bool = True) -> None:
@@ -917,7 +931,8 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
 
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe")
-_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text")
+_ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
+                    "qwen3_5")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -969,18 +984,19 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
     return rules
 
 
-def qwen3_5_mapping(cfg: ModelConfig) -> list[Rule]:
+def qwen3_5_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     """Qwen3_5ForCausalLM -> canonical. A linear layer's in_proj_qkv [2·H_k·d_k + H_v·d_v, d] holds
     q, k, then v (split by rows, transposed), its conv1d [same, 1, K] their depthwise kernels
     (split by channels), in_proj_z the gate of its output norm, in_proj_b β's, in_proj_a, dt_bias
     and A_log the decay's weight, bias and log-rate. A full layer's q_proj [H·2·d_k, d] holds each
     head's query rows and then its output gate's (each taken head by head), its q_norm and k_norm
-    [d_k]. input_layernorm is the layer's first norm, whichever mixer follows it."""
+    [d_k]. input_layernorm is the layer's first norm, whichever mixer follows it. ``prefix``: the
+    decoder's, "model.language_model." in the published Qwen3_5ForConditionalGeneration files."""
     d, d_ff, d_k, mixer, rules = cfg.d_model, cfg.d_ff, cfg.d_head, cfg.linear_attention, []
     keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
-    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    rules.append(Rule(f"{prefix}embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
     for i, kind in enumerate(cfg.layer_types):
-        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        hf, ours = f"{prefix}layers.{i}", f"decoder.layers.{i}"
         if kind == "linear":
             rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.linear_attn_norm.scale", "copy"))
             attention, start = f"{ours}.linear_attn", 0
@@ -1014,10 +1030,13 @@ def qwen3_5_mapping(cfg: ModelConfig) -> list[Rule]:
         for projection, canonical in _LLAMA_MLP:
             n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
             _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, bias=False)
-    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
+    rules.append(Rule(f"{prefix}norm.weight", (d,), "decoder.norm.scale", "copy"))
     if not cfg.tie_head:
         rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
     return rules
+
+
+_QWEN3_5_DECODER = "model.language_model."  # the published files' text decoder
 
 
 def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
@@ -1069,8 +1088,8 @@ def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -
     by the family's names, or (fused_experts) as transformers 5's fused modules."""
     if family == "phi3":
         return phi3_mapping(cfg)
-    if family == "qwen3_5_text":
-        return qwen3_5_mapping(cfg)
+    if family in ("qwen3_5_text", "qwen3_5"):
+        return qwen3_5_mapping(cfg, _QWEN3_5_DECODER if family == "qwen3_5" else "model.")
     experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
     return llama_mapping(cfg, experts=experts)
 
@@ -1091,7 +1110,8 @@ def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
     copies: dict[str, str] = {}
     if family == "gpt2" or family in _ROTARY_FAMILIES:
         if cfg.tie_head:
-            copies["lm_head.weight"] = f"{prefix}wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+            copies["lm_head.weight"] = f"{prefix}wte.weight" if family == "gpt2" else \
+                f"{_QWEN3_5_DECODER if family == 'qwen3_5' else 'model.'}embed_tokens.weight"
         return copies
     table = "model.shared.weight" if cfg.share_src_tgt_embed else "model.decoder.embed_tokens.weight"
     if cfg.share_src_tgt_embed:
@@ -1111,6 +1131,10 @@ def _ignored(family: str, key: str) -> str | None:
         return "GPT-2's causal-mask buffers (older checkpoints store them)"
     if family == "marian" and re.fullmatch(r"model\.(encoder|decoder)\.embed_positions\.weight", key):
         return "Marian's sinusoid tables (checked against the spec's, which are computed)"
+    if family == "qwen3_5" and key.startswith("model.visual."):
+        return "the vision tower of Qwen3_5ForConditionalGeneration (the spec is its text decoder)"
+    if family == "qwen3_5" and key.startswith("mtp."):
+        return "the multi-token prediction head of the published files (speculative decoding; not the model's logits)"
     if family in _ROTARY_FAMILIES and re.fullmatch(_INVERSE_FREQUENCIES, key):
         return ("the rotary inverse frequencies older transformers saved (checked against the spec's, which are "
                 "computed)")
@@ -1203,7 +1227,7 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
-            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config}
+            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1319,6 +1343,7 @@ def mapping_markdown(family: str) -> str:
                             linear_attention=GatedDeltaNet(key_heads=1, value_heads=2, key_head_dim=4,
                                                            value_head_dim=4, conv_kernel=2))
     examples["qwen3_5_text"] = (qwen3_5_mapping, hybrid)
+    examples["qwen3_5"] = (lambda cfg: qwen3_5_mapping(cfg, _QWEN3_5_DECODER), hybrid)
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

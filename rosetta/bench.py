@@ -77,8 +77,8 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--checkpoint-shapes", action="store_true",
                        help="instead: time `rosetta import`, the one-cell check and the default check, with their "
                             "peak memory, on random models with the shapes of real checkpoints (benchmarks/checkpoints.py)")
-    bench.add_argument("--shapes", help="with --checkpoint-shapes: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b "
-                       "(default: the first two)")
+    bench.add_argument("--shapes", help="with --checkpoint-shapes: smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, "
+                       "qwen3.5-0.8b and the others of benchmarks/checkpoints.py (default: the first two)")
     bench.add_argument("--runs", help="with --checkpoint-shapes: import, one-cell, default (the plan of the default "
                        "budget), full (every cell), default-at-memory-target (the default with --memory at the shape's "
                        "memory target) (default: all but full)")

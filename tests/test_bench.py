@@ -325,7 +325,10 @@ def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
 
     published = {"smollm2-135m": (134_515_008, 30, 576, None), "qwen2.5-0.5b": (494_032_768, 24, 896, None),
                  "llama-3.2-1b": (1_235_814_400, 16, 2048, RopeScaling(kind="llama3", factor=32.0, original_max_len=8192)),
-                 "tinymixtral-4x248m": (701_058_048, 12, 1024, None), "qwen3-30b-a3b-layer": (757_340_416, 1, 2048, None)}
+                 "tinymixtral-4x248m": (701_058_048, 12, 1024, None),
+                 "qwen3-30b-a3b-layer": (757_340_416, 1, 2048, None),
+                 # transformers' own count of Qwen3_5ForCausalLM at this config (0.8B counts the vision tower too)
+                 "qwen3.5-0.8b": (752_393_024, 24, 1024, None)}
     experts = {"tinymixtral-4x248m": (4, 2, True), "qwen3-30b-a3b-layer": (128, 8, True)}
     for shape, (family, fields) in SHAPES.items():
         fields = dict(fields)

@@ -21,7 +21,8 @@ import impl_numpy as golden  # noqa: E402
 from benchmarks.checkpoints import random_checkpoint  # noqa: E402
 from conformance.adapter import NotSupported, Partial  # noqa: E402
 from conformance.backends.transformers_backend import (HYBRID_FLOAT32, PAD_BETWEEN, PAD_IN_STEP,  # noqa: E402
-                                                       TransformersRunner, _spec_rows, widened_to_float64)
+                                                       TransformersRunner, _spec_rows, model_class,
+                                                       widened_to_float64)
 from conformance.cases import amplification, recurrent_depth  # noqa: E402
 from conformance.harness import PASS, SKIP  # noqa: E402
 from conformance.tolerance import compare, rotary_angle, tolerance  # noqa: E402
@@ -63,8 +64,9 @@ def _batch(cfg, length: int, seed: int = 0):
 
 
 def _transformers_logits(directory, cfg, ids, keep, dtype: str):
-    """transformers' own model (float32 or float64 as loaded), the slot positions given."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
+    """transformers' own model (float32 or float64 as loaded: the class config.json names), the slot
+    positions given."""
+    model = model_class(directory).from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         return model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(keep.astype(np.int64)),
                      position_ids=torch.arange(ids.shape[1]).expand(ids.shape[0], -1)).logits.double().numpy()
@@ -253,3 +255,43 @@ def test_qwen35_tiny_written_as_a_directory_imports_back_and_passes_the_transfor
     assert PAD_BETWEEN in left_out["forward-pad_middle-float32-transformers-cpu"]
     assert PAD_IN_STEP in left_out["decode-pad_left-float32-transformers-cpu"]
     assert "forward-pad_left-float32-transformers-cpu" not in left_out
+
+
+# ---- the published files: Qwen3_5ForConditionalGeneration ------------------------------------------
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A random Qwen3_5ForConditionalGeneration, as Qwen3.5 is published: the text decoder of
+    _config() under model.language_model., a one-block vision tower beside it, the head tied."""
+    text = {key: value for key, value in _config().to_dict().items() if key not in ("model_type", "architectures")}
+    config = transformers.Qwen3_5Config(text_config=text, tie_word_embeddings=True,
+                                        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                           out_hidden_size=text["hidden_size"]))
+    return random_checkpoint("qwen3_5", config, tmp_path_factory.mktemp("qwen3_5") / "published")
+
+
+def test_the_published_checkpoints_text_decoder_is_imported(published):
+    """The decoder of text_config, the vision tower left out with a note, the head tied as the
+    top-level config says; transformers' multimodal model on text alone gives the golden's logits."""
+    found = import_huggingface(published)
+    cfg = found.config
+    assert found.family == "qwen3_5" and cfg.tie_head and cfg.layer_types == ("linear", "full", "linear", "linear")
+    assert any("vision tower" in note for note in found.notes)
+    ids, keep = _batch(cfg, 9)
+    ours = golden.forward(cfg, found.params, None, ids, tgt_keep=keep)
+    theirs = _transformers_logits(published, cfg, ids, keep, "float32")
+    assert compare(theirs[keep], ours[keep], _tolerance(cfg, found.params, ids, "float32")).passed
+    assert "model.language_model.layers.{i}.linear_attn.conv1d.weight" in mapping_markdown("qwen3_5")
+    # the Auto class a causal LM is usually loaded with makes the text-only class, which finds none of
+    # these weights and draws them at random: the column loads the class the file names
+    assert type(transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(published))
+                ).__name__ == "Qwen3_5ForCausalLM" != model_class(published).__name__
+
+
+def test_the_transformers_column_runs_the_published_class(published):
+    """The column on the published directory: its forward, cached decode and generation cases pass
+    at float32 (the rows of a moving pad left out, as for the text class)."""
+    results = _matrix(published, ["transformers"], ["float32"])
+    ran = [r for r in results if r.status != SKIP]
+    assert {r.sublayer for r in ran} == {"forward", "decode", "generate"}
+    assert all(r.status == PASS for r in ran), [(r.test_id, r.reason[:200]) for r in ran if r.status != PASS]

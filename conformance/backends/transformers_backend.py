@@ -98,7 +98,7 @@ class TransformersRunner:
         self.torch, self.cfg, self.device = torch, cfg, torch.device(device)
         torch_dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                        "bfloat16": torch.bfloat16}[dtype]
-        loader = AutoModelForSeq2SeqLM if cfg.has_encoder else AutoModelForCausalLM
+        loader = model_class(directory) or (AutoModelForSeq2SeqLM if cfg.has_encoder else AutoModelForCausalLM)
         attention = "sdpa" if cfg.attention_softcap is None else register_spec_eager()
         self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation=attention)
         self.model = self.model.to(self.device).eval()
@@ -242,6 +242,19 @@ class TransformersRunner:
         if tokens.shape[1] < count:  # generate stops once every row has finished; the spec pads
             tokens = self.torch.nn.functional.pad(tokens, (0, count - tokens.shape[1]), value=cfg.pad_id)
         return tokens
+
+
+def model_class(directory: str | Path):
+    """The class config.json's architectures names, where transformers has it, else None (the Auto
+    class then). Not AutoModelForCausalLM whatever the file: for a published Qwen3.5
+    (Qwen3_5ForConditionalGeneration) it makes Qwen3_5ForCausalLM, whose weights under
+    model.language_model. it does not find, and it initialises them at random with a warning."""
+    import json
+
+    import transformers
+
+    architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
+    return getattr(transformers, architectures[0], None) if architectures else None
 
 
 HYBRID_FLOAT32 = ("transformers' Qwen3.5 computes its linear layers' decay (A_log.float(), a.float()) and gated delta "
