@@ -175,7 +175,7 @@ class TransformersRunner:
         out = out.to("cpu", self.torch.float64).numpy() if out.is_floating_point() else out.cpu().numpy()
         if self.cfg.linear_attention is None or sublayer not in ("forward", "decode"):
             return out
-        return _spec_rows(out, np.asarray(inputs["tgt_ids"]) != self.cfg.pad_id, inputs.get("prefix"))
+        return _spec_rows(out, real_tokens(self.cfg, np.asarray(inputs["tgt_ids"]), "tgt"), inputs.get("prefix"))
 
     # ---- the whole-model cases ----
     def forward(self, inputs: Mapping[str, Any]):
@@ -272,7 +272,7 @@ def _spec_rows(logits: np.ndarray, keep: np.ndarray, prefix: int | None) -> np.n
     """A hybrid's logits [B, L, V] (a forward's) or [B, L − prefix, V] (a decode's steps), the
     positions from a pad that moved transformers' state on left out: a pad with real tokens on both
     sides, or (decode) one fed in a step after the prefill."""
-    batch, length = keep.shape
+    length = keep.shape[1]
     seen = np.cumsum(keep, axis=1) > 0  # a real token at or before each position
     ahead = np.cumsum(keep[:, ::-1], axis=1)[:, ::-1] > 0  # one at or after it
     between = ~keep & seen & ahead
