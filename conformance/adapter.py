@@ -55,6 +55,7 @@ class Partial:
     output: np.ndarray
     compared: np.ndarray
     left_out: dict[int, str]
+    unit: str = "step"  # what compared's second axis counts: a decode's steps, or a forward's "position"s
 
     def describe(self) -> str:
         """Which rows (and steps) were left out, and why: 'rows 1, 2 (steps 1-3): <why>; row 0: <why>'."""
@@ -63,7 +64,7 @@ class Partial:
             kept = np.asarray(self.compared[row])
             steps = np.flatnonzero(~kept) if kept.ndim else np.array([], dtype=int)
             where = "" if not (kept.ndim and kept.any()) else \
-                f" (step {steps[0]})" if len(steps) == 1 else f" (steps {steps[0]}-{steps[-1]})"
+                f" ({self.unit} {steps[0]})" if len(steps) == 1 else f" ({self.unit}s {steps[0]}-{steps[-1]})"
             rows_by_reason.setdefault(why, []).append(f"{row}{where}")
         return "; ".join(f"row{'s' * (len(rows) > 1)} {', '.join(rows)}: {why}" for why, rows in rows_by_reason.items())
 

@@ -112,7 +112,7 @@ class CTranslate2Runner:
                                  f"vocabulary {logits.shape[-1]}")
             for at, row in enumerate(batch):
                 logits[row, :lengths[row]] = found[at, :lengths[row]]
-        return Partial(logits, computed, left_out) if left_out else logits
+        return Partial(logits, computed, left_out, "position") if left_out else logits
 
     def decode(self, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         """Each row through its cache a token at a time, to its last real token: the steps from

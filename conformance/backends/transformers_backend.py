@@ -283,7 +283,7 @@ def _spec_rows(logits: np.ndarray, keep: np.ndarray, prefix: int | None) -> np.n
     compared = positions[None, :] < first[:, None]
     left_out = {int(row): PAD_IN_STEP if stepped[row, first[row]] and not between[row, first[row]] else PAD_BETWEEN
                 for row in np.flatnonzero(first < length) if not compared[row].all()}
-    return Partial(logits, compared, left_out) if left_out else logits
+    return Partial(logits, compared, left_out, "step" if prefix is not None else "position") if left_out else logits
 
 
 def widened_to_float64(model, cfg: ModelConfig) -> None:
