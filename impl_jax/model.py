@@ -1299,10 +1299,10 @@ def _forward_routed(model: Transformer, src_ids, tgt_ids, src_keep, tgt_keep, dr
 @dataclass(frozen=True)
 class KVCache:
     """Preallocated for `capacity` positions, so every decode step has the same shapes and
-    compiles once (XLA recompiles for every new shape). L decoder layers, C = capacity."""
+    compiles once (XLA recompiles for every new shape). L decoder layers, A of them attention layers, C = capacity."""
 
-    self_keys: jax.Array  # [L, B, H_kv, C, d_k], rotated at their positions (RoPE)
-    self_values: jax.Array  # [L, B, H_kv, C, d_k]
+    self_keys: jax.Array  # [A, B, H_kv, C, d_k], rotated at their positions (RoPE); A attention layers
+    self_values: jax.Array  # [A, B, H_kv, C, d_k] (cfg.cached_layers: a layer's row)
     tgt_keep: jax.Array  # [B, C]: real tokens among the decoded positions; False past `length`
     length: jax.Array  # int32 scalar: positions decoded so far
     cross_keys: jax.Array | None = None  # [L, B, H_kv, S, d_k], computed once
@@ -1320,7 +1320,8 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     keep each layer's cross-attention K and V of the memory."""
     cfg = model.cfg
     capacity = check_cache_capacity(cfg, capacity)
-    shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
+    rows = sum(row is not None for row in cfg.cached_layers)  # a linear layer keeps no keys or values
+    shape = (rows, batch, cfg.kv_heads, capacity, cfg.d_head)
     empty = jnp.zeros(shape, model.dtype)
     states = None if cfg.linear_attention is None else tuple(
         start_linear_state(cfg, batch, model.dtype) if cfg.layer_kind(i) == "linear" else None
@@ -1373,6 +1374,7 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
     positions, _ = attention_positions(cfg, n_new, n_new, start)  # RoPE's: the new ones, after the cached
     keys, values = cache.self_keys, cache.self_values
     states = None if cache.linear_states is None else list(cache.linear_states)
+    rows = cfg.cached_layers  # each attention layer's row of the cache
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer, LinearLayer):  # its state carried on; no keys or values (§5.15)
             y, states[i] = layer(y, new_keep, states[i])
@@ -1382,10 +1384,11 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: jax.Array, ne
             # write K (rotated) and V of the new positions into the preallocated cache at `length`
             nonlocal keys, values
             k, v = layer.self_attn.key_value_heads(h, positions)
-            at = (jnp.int32(i), zero, zero, start, zero)
+            row = rows[i]
+            at = (jnp.int32(row), zero, zero, start, zero)
             keys = lax.dynamic_update_slice(keys, k[None], at)
             values = lax.dynamic_update_slice(values, v[None], at)
-            return layer.self_attn.attend(h, keys[i], values[i], self_masks[layer.cfg.sliding_window], positions)
+            return layer.self_attn.attend(h, keys[row], values[row], self_masks[layer.cfg.sliding_window], positions)
 
         y = block(layer.cfg, layer, "self_attn", y, cached_self_attention)
         if cache.cross_keys is not None:

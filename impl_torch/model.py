@@ -1123,10 +1123,10 @@ def _linear_weight_names(model: nn.Module) -> set[str]:
 class KVCache:
     """Preallocated for `capacity` positions and written in place, so a decode step allocates
     nothing and every step has the same shapes (a new key length is a new kernel plan on a GPU,
-    and CUDA graphs need fixed buffers). L decoder layers, C = capacity."""
+    and CUDA graphs need fixed buffers). L decoder layers, A of them attention layers, C = capacity."""
 
-    self_keys: torch.Tensor  # [L, B, H_kv, C, d_k], rotated at their positions (RoPE)
-    self_values: torch.Tensor  # [L, B, H_kv, C, d_k]
+    self_keys: torch.Tensor  # [A, B, H_kv, C, d_k], rotated at their positions (RoPE); A attention layers
+    self_values: torch.Tensor  # [A, B, H_kv, C, d_k] (cfg.cached_layers: a layer's row)
     tgt_keep: torch.Tensor  # [B, C]: real tokens among the decoded positions; stale past `length`
     length: int  # positions decoded so far: a host integer, so no step waits on the device for it
     cross_keys: torch.Tensor | None = None  # [L, B, H_kv, S, d_k], computed once
@@ -1164,7 +1164,8 @@ def start_cache(model: Transformer, batch: int, capacity: int, src_ids=None, src
     cfg = model.cfg
     capacity = check_cache_capacity(cfg, capacity)
     weight = model.tgt_embed.weight
-    shape = (cfg.n_decoder_layers, batch, cfg.kv_heads, capacity, cfg.d_head)
+    rows = sum(row is not None for row in cfg.cached_layers)  # a linear layer keeps no keys or values
+    shape = (rows, batch, cfg.kv_heads, capacity, cfg.d_head)
     keys, values = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(2))
     states = None if cfg.linear_attention is None else tuple(
         start_linear_state(cfg, batch, weight.dtype, weight.device) if cfg.layer_kind(i) == "linear" else None
@@ -1231,6 +1232,7 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
     cross_mask = None if cache.src_keep is None else _key_mask(cache.src_keep)
     y = model.embed(tgt_ids, "tgt", offset=start)
     rope_positions, _ = attention_positions(cfg, n_new, n_new, start, start.device)  # RoPE's: the new ones
+    rows = cfg.cached_layers  # each attention layer's row of the cache
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer, LinearLayer):  # its state carried on, written in place; no keys or values (§5.15)
             state = cache.linear_states[i]
@@ -1242,9 +1244,10 @@ def _decode_step_body(model: Transformer, cache: KVCache, tgt_ids: torch.Tensor,
         def cached_self_attention(h: torch.Tensor) -> torch.Tensor:
             # write K (rotated) and V of the new positions into the preallocated cache at their positions
             k, v = layer.self_attn.key_value_heads(h, rope_positions)
-            cache.self_keys[i].scatter_(2, at_positions, k)
-            cache.self_values[i].scatter_(2, at_positions, v)
-            return layer.self_attn.attend(h, cache.self_keys[i], cache.self_values[i],
+            row = rows[i]
+            cache.self_keys[row].scatter_(2, at_positions, k)
+            cache.self_values[row].scatter_(2, at_positions, v)
+            return layer.self_attn.attend(h, cache.self_keys[row], cache.self_values[row],
                                           self_masks[layer.cfg.sliding_window], rope_positions)
 
         y = block(layer.cfg, layer, "self_attn", y, cached_self_attention)

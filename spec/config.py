@@ -240,6 +240,14 @@ class ModelConfig:
         return self
 
     @property
+    def cached_layers(self) -> tuple[int | None, ...]:
+        """Each decoder layer's row in a preallocated KV cache: the attention layers numbered in
+        order, None for a linear layer, which keeps a state instead of keys and values (§5.15)."""
+        kinds = [self.layer_kind(i) for i in range(self.n_decoder_layers)]
+        return tuple(None if kind == "linear" else kinds[:i].count("full") + kinds[:i].count("sliding")
+                     for i, kind in enumerate(kinds))
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each decoder layer's window (None: full causal attention), as layer(i) has it. Read
         without layer(i)'s cache, since the compiled steps read it inside the traced code."""

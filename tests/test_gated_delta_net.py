@@ -301,6 +301,10 @@ def test_the_frameworks_chunked_prefill_and_steps_are_the_recurrence(name, dtype
     assert_agrees(decoded, want, **bounds, what=f"{name} {dtype} cached decode")
     state = cache.linear_states[0].recurrent
     assert str(state.dtype).split(".")[-1] == ("float64" if dtype == "float64" else "float32")
+    # keys and values for the one attention layer only: a linear layer's row would be capacity × H_kv × d_k
+    # per sequence for nothing (spec.ModelConfig.cached_layers)
+    assert CHUNKED.cached_layers == (None, None, None, 0)
+    assert cache.self_keys.shape[0] == cache.self_values.shape[0] == 1
 
 
 def _planted(name: str, mistake: str, monkeypatch) -> None:
