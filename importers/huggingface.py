@@ -811,6 +811,9 @@ def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     written = hf.get("layer_types")
     if written is None:
         interval = hf.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"full_attention_interval = {json.dumps(interval)}: every how many layers one is full "
+                              "attention, a positive integer")
         written = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     if not isinstance(written, list) or len(written) != layers or any(kind not in _HF_HYBRID_LAYER_TYPES
                                                                       for kind in written):

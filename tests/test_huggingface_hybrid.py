@@ -113,6 +113,7 @@ def test_the_class_defaults_where_the_file_says_nothing():
     ({"attention_bias": True}, "attention_bias = true"),
     ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
      "layer_types = "),
+    ({"layer_types": None, "full_attention_interval": 0}, "full_attention_interval = 0"),
 ])
 def test_configs_the_spec_cannot_express_are_refused_by_field(changes, message):
     hf = {**_config().to_dict(), **changes}
