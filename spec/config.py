@@ -243,9 +243,12 @@ class ModelConfig:
     def cached_layers(self) -> tuple[int | None, ...]:
         """Each decoder layer's row in a preallocated KV cache: the attention layers numbered in
         order, None for a linear layer, which keeps a state instead of keys and values (§5.15)."""
-        kinds = [self.layer_kind(i) for i in range(self.n_decoder_layers)]
-        return tuple(None if kind == "linear" else kinds[:i].count("full") + kinds[:i].count("sliding")
-                     for i, kind in enumerate(kinds))
+        rows, attention = [], 0
+        for i in range(self.n_decoder_layers):
+            linear = self.layer_kind(i) == "linear"
+            rows.append(None if linear else attention)
+            attention += not linear
+        return tuple(rows)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
