@@ -41,6 +41,9 @@ from tests.bounds import assert_agrees, model_bounds
 # sliding layers with their own unrescaled θ
 PRESETS = ["tiny", "llama-tiny", "char-lm", "qwen3-tiny", "llama3-tiny", "qwen2-yarn-tiny", "mistral-tiny",
            "gemma2-tiny", "gemma3-tiny"]
+# exported, each ~15-25 s: llama3-tiny's rescaled frequencies reach the step as YaRN's do, in the
+# cos and sin it reads (qwen2-yarn-tiny's, its attention factor on them besides): not exported for it alone
+EXPORTED_PRESETS = [preset for preset in PRESETS if preset != "llama3-tiny"]
 
 
 def _batch(cfg, seed=1):
@@ -97,7 +100,7 @@ def test_a_window_emptied_by_padding_gives_zeros_in_the_in_place_step():
         assert result.passed, (in_place, result.reason)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", EXPORTED_PRESETS)
 def test_the_in_place_step_is_the_spec_through_chunks_and_pads(preset):
     cfg = get_preset(preset)
     params = conformance_params(cfg)
@@ -156,12 +159,16 @@ def test_every_head_size_has_it_at_float32():
 
 def test_each_onnx_cell_says_which_graph_served_it():
     """qwen2-tiny's heads of 10 were once served by decoder_step without a word; now the in-place
-    step serves them at float32, and at float16 the copying step says why."""
+    step serves them at float32, and at float16 the copying step says why (whatever the model: on
+    char-lm, whose float16 export test_export.py's cells make)."""
     cfg = get_preset("qwen2-tiny")
-    results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["onnx"], ["float32", "float16"], ["cpu"]))
+    results = run_matrix(cfg, conformance_params(cfg), plan_matrix(cfg, ["onnx"], ["float32"], ["cpu"]))
     ran = [r for r in results if r.status == PASS]
-    assert {r.graph for r in ran if r.sublayer in ("decode", "generate") and r.dtype == "float32"} == {DECODER_STEP_IN_PLACE}
-    float16 = {r.graph for r in ran if r.sublayer in ("decode", "generate") and r.dtype == "float16"}
+    assert {r.graph for r in ran if r.sublayer in ("decode", "generate")} == {DECODER_STEP_IN_PLACE}
+    char_lm = get_preset("char-lm")
+    half = run_matrix(char_lm, conformance_params(char_lm), plan_matrix(char_lm, ["onnx"], ["float16"], ["cpu"]),
+                      pattern="decode-*|generate-*")
+    float16 = {r.graph for r in half if r.status == PASS}
     assert float16 == {"decoder_step (dtype float16: the in-place step is exported at float32 (served on the CPU))"}
     assert {r.graph for r in ran if r.sublayer == "forward"} == {"forward"}
     served = graphs_served(results)
