@@ -423,6 +423,42 @@ def _one_experts_gate_and_up_swapped(x, router, experts, k, renormalize, activat
     return _original("mixture_of_experts")(x, router, [first, *experts[1:]], k, renormalize, activation)
 
 
+# ---- the hybrid's gated DeltaNet (SPEC §5.15; run on qwen35-tiny), its silent bugs of record ----
+
+def _pads_write_the_state(cfg, p, x, keep, state=None):
+    return _original("gated_delta_net")(cfg, p, x, np.ones_like(keep), state)  # every token real, pads too
+
+
+def _state_zeroed_at_each_call(cfg, p, x, keep, state=None):
+    return _original("gated_delta_net")(cfg, p, x, keep, None)  # the handed-over state dropped
+
+
+def _beta_from_the_decays_split(cfg, p, x, keep, state=None):
+    swapped = {**p, "beta.weight": p["decay.weight"], "decay.weight": p["beta.weight"]}  # in_proj_ba split crossed
+    return _original("gated_delta_net")(cfg, swapped, x, keep, state)
+
+
+def _l2_norm_dropped(x, eps=1e-6):
+    return x
+
+
+def _softplus_dropped(x):
+    return x  # g = −exp(A) · (x W + b): positive wherever x W + b is negative
+
+
+def _decay_sign_flipped(state, q, k, v, decay, beta):
+    return _original("gated_delta_rule")(state, q, k, v, -decay, beta)  # e^{−g} = e^{|g|}: the state grows
+
+
+def _gate_before_the_norm(o, scale, gate, eps):
+    return model.rms_norm(o * model.swish(gate), scale, None, eps)  # RMSNorm(o ⊙ SiLU(z)) γ
+
+
+def _conv_window_off_by_one(window, u, kernel):
+    inputs = np.concatenate([window, u[:, None]], axis=1)
+    return (inputs * kernel.T).sum(axis=1), inputs[:, :-1]  # the newest input never kept: a window one behind
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -613,6 +649,28 @@ MUTATIONS += [  # the mixture of experts' (SPEC §5.14)
              "decoder.layers.0", preset="mixtral-tiny"),
 ]
 
+MUTATIONS += [  # the hybrid's gated DeltaNet (SPEC §5.15)
+    Mutation("linear_pads_write", "pad tokens update the recurrent and convolution states (a chunked path that pads "
+             "its last chunk)", "gated_delta_net", _pads_write_the_state, "linear_attn", "decoder.layers.0",
+             preset="qwen35-tiny"),
+    Mutation("linear_state_zeroed", "a prefill or step that does not start at position 0 begins from a zero state",
+             "gated_delta_net", _state_zeroed_at_each_call, "decode", None, preset="qwen35-tiny",
+             unlocalized="the mistake is in the state handed from one call to the next, which a forward never hands"),
+    Mutation("linear_qk_l2_norm_dropped", "the delta rule's q and k not L2-normalised", "l2_normalize",
+             _l2_norm_dropped, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_decay_softplus_dropped", "the decay's softplus dropped: g = −e^A (x W + b)", "softplus",
+             _softplus_dropped, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_decay_sign_flipped", "the state multiplied by e^−g instead of e^g", "gated_delta_rule",
+             _decay_sign_flipped, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_beta_from_decay_split", "the write strength β and the decay read from each other's half of "
+             "the fused in_proj_ba",
+             "gated_delta_net", _beta_from_the_decays_split, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_gate_before_norm", "the output gate SiLU(z) applied before the RMSNorm instead of after it",
+             "gated_rms_norm", _gate_before_the_norm, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_conv_window_off_by_one", "the short convolution's window moved on without the newest input",
+             "short_convolution", _conv_window_off_by_one, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+]
+
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.
 _MODULES = (model, impl_numpy, backward, training)
 _ORIGINALS = {name: next(getattr(module, name) for module in _MODULES if hasattr(module, name))
@@ -637,6 +695,12 @@ def applied(mutation: Mutation) -> Iterator[None]:
             setattr(module, name, _ORIGINALS[name])
 
 
+def _quiet():
+    """A mutant's overflow (a state that grows by e^|g| a token reaches inf) is its mistake's to show in
+    the verdict, not a warning on the terminal."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+
+
 class MutantBackend(NumpyFloat32Backend):
     """numpy-float32 with one mistake, active only while the backend computes."""
 
@@ -649,15 +713,15 @@ class MutantBackend(NumpyFloat32Backend):
 
         class Mutant:
             def run(self, sublayer, inputs):
-                with applied(mutation):
+                with applied(mutation), _quiet():
                     return runner.run(sublayer, inputs)
 
             def gradients(self, sublayer, inputs):
-                with applied(mutation):
+                with applied(mutation), _quiet():
                     return runner.gradients(sublayer, inputs)
 
             def train(self, sublayer, inputs):
-                with applied(mutation):
+                with applied(mutation), _quiet():
                     return runner.train(sublayer, inputs)
 
         return Mutant()

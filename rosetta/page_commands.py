@@ -18,19 +18,20 @@ def cmd_mutations(args: argparse.Namespace) -> int:
 
     if args.quantized:
         return _quantized_mutations(args)
-    cfg = get_preset(args.preset or "tiny")
+    preset = args.preset or "tiny"  # the pages name the preset they ran on, the default's too
+    cfg = get_preset(preset)
     params = conformance_params(cfg, args.seed)
     start = time.perf_counter()
     verdicts = run_gallery(cfg, params)
-    print(f"Mutation gallery on {args.preset}: each mistake applied to the numpy-float32 backend, "
+    print(f"Mutation gallery on {preset}: each mistake applied to the numpy-float32 backend, "
           "the golden unchanged\n")
     print(gallery_table(verdicts))
     good = sum(v.caught and v.localized for v in verdicts)
     print(f"\n{good} of {len(verdicts)} mutations caught and localized in {time.perf_counter() - start:.1f} s")
     if args.markdown:
-        Path(args.markdown).write_text(gallery_page(verdicts, args.preset))
+        Path(args.markdown).write_text(gallery_page(verdicts, preset))
     if args.mistakes:
-        Path(args.mistakes).write_text(mistakes_page(verdicts, args.preset))
+        Path(args.mistakes).write_text(mistakes_page(verdicts, preset))
     return 0 if good == len(verdicts) else 1
 
 
