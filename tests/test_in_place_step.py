@@ -168,7 +168,9 @@ def test_each_onnx_cell_says_which_graph_served_it():
     char_lm = get_preset("char-lm")
     half = run_matrix(char_lm, conformance_params(char_lm), plan_matrix(char_lm, ["onnx"], ["float16"], ["cpu"]),
                       pattern="decode-*|generate-*")
-    float16 = {r.graph for r in half if r.status == PASS}
+    assert {r.sublayer for r in half} == {"decode", "generate"} and all(r.status == PASS for r in half), \
+        [(r.test_id, r.reason) for r in half if r.status != PASS]
+    float16 = {r.graph for r in half}
     assert float16 == {"decoder_step (dtype float16: the in-place step is exported at float32 (served on the CPU))"}
     assert {r.graph for r in ran if r.sublayer == "forward"} == {"forward"}
     served = graphs_served(results)
