@@ -1042,6 +1042,11 @@ def qwen3_5_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
 _QWEN3_5_DECODER = "model.language_model."  # the published files' text decoder
 
 
+def _decoder_prefix(family: str) -> str:
+    """Where a rotary family's decoder tensors live: under model., or the published Qwen3.5's text decoder."""
+    return _QWEN3_5_DECODER if family == "qwen3_5" else "model."
+
+
 def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
     """Phi3ForCausalLM -> canonical: Llama's names but for two fused projections, split by rows
     (nn.Linear's outputs) before the transpose. qkv_proj [H·d_k + 2·H_kv·d_k, d] holds q, then k,
@@ -1092,7 +1097,7 @@ def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -
     if family == "phi3":
         return phi3_mapping(cfg)
     if family in ("qwen3_5_text", "qwen3_5"):
-        return qwen3_5_mapping(cfg, _QWEN3_5_DECODER if family == "qwen3_5" else "model.")
+        return qwen3_5_mapping(cfg, _decoder_prefix(family))
     experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
     return llama_mapping(cfg, experts=experts)
 
@@ -1114,7 +1119,7 @@ def _copies(family: str, cfg: ModelConfig, prefix: str) -> dict[str, str]:
     if family == "gpt2" or family in _ROTARY_FAMILIES:
         if cfg.tie_head:
             copies["lm_head.weight"] = f"{prefix}wte.weight" if family == "gpt2" else \
-                f"{_QWEN3_5_DECODER if family == 'qwen3_5' else 'model.'}embed_tokens.weight"
+                f"{_decoder_prefix(family)}embed_tokens.weight"
         return copies
     table = "model.shared.weight" if cfg.share_src_tgt_embed else "model.decoder.embed_tokens.weight"
     if cfg.share_src_tgt_embed:

@@ -454,9 +454,9 @@ def _gate_before_the_norm(o, scale, gate, eps):
     return model.rms_norm(o * model.swish(gate), scale, None, eps)  # RMSNorm(o ⊙ SiLU(z)) γ
 
 
-def _conv_window_off_by_one(window, u, kernel):
-    inputs = np.concatenate([window, u[:, None]], axis=1)
-    return (inputs * kernel.T).sum(axis=1), inputs[:, :-1]  # the newest input never kept: a window one behind
+def _conv_window_not_moved(window, u, kernel):
+    convolved, _ = _original("short_convolution")(window, u, kernel)
+    return convolved, window  # the state kept as it was read: the newest input never written into it
 
 
 @dataclass(frozen=True)
@@ -667,8 +667,9 @@ MUTATIONS += [  # the hybrid's gated DeltaNet (SPEC §5.15)
              "gated_delta_net", _beta_from_the_decays_split, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
     Mutation("linear_gate_before_norm", "the output gate SiLU(z) applied before the RMSNorm instead of after it",
              "gated_rms_norm", _gate_before_the_norm, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
-    Mutation("linear_conv_window_off_by_one", "the short convolution's window moved on without the newest input",
-             "short_convolution", _conv_window_off_by_one, "linear_attn", "decoder.layers.0", preset="qwen35-tiny"),
+    Mutation("linear_conv_window_not_moved", "the short convolution's state saved before the token is written into "
+             "it (one behind, so never moved on)", "short_convolution", _conv_window_not_moved, "linear_attn",
+             "decoder.layers.0", preset="qwen35-tiny"),
 ]
 
 # Where the golden's functions live; a name imported into another of these modules is swapped there too.
