@@ -10,7 +10,7 @@ import numpy as np
 
 from export.onnx_model import DEFAULT_OPSET
 from spec import ModelConfig
-from spec.config import check_computed_by
+from spec.config import ONNX_EXPORTS, check_computed_by
 
 FRAMEWORKS = ("torch", "jax")
 
@@ -23,7 +23,7 @@ def export_model(cfg: ModelConfig, params: Mapping[str, np.ndarray], directory: 
     Returns {role: path}."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    check_computed_by(cfg, "the ONNX export")
+    check_computed_by(cfg, ONNX_EXPORTS[framework])
     if framework == "torch":
         from export.torch_export import export_torch as export
     else:

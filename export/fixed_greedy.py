@@ -37,8 +37,8 @@ import onnxruntime as ort
 from export.graphs import DECODER_STEP, DECODER_STEP_IN_PLACE
 from export.onnx_model import ExportError
 from export.placement import cpu_fallbacks, fallback_message
-from export.runner import (CPU, CUDA, OnnxCache, OnnxTransformer, _buffer, _names, first_tokens, profiled_session,
-                           session_options)
+from export.runner import (CPU, CUDA, OnnxCache, OnnxTransformer, _buffer, _cross_names, _names, first_tokens,
+                           profiled_session, session_options)
 from spec.inputs import CacheWrites, check_generation
 
 
@@ -137,7 +137,7 @@ class FixedBufferGreedy:
             inputs = {"tgt_ids": self.ids, "tgt_keep": self.keep, "start": self.position, "past_keep": read[-1],
                       **dict(zip(_names("past", cfg), read))}
             if cfg.has_encoder:
-                inputs.update({"src_keep": cache.src_keep, **dict(zip(_names("cross", cfg), cache.cross))})
+                inputs.update({"src_keep": cache.src_keep, **dict(zip(_cross_names(cfg), cache.cross))})
             for name, value in inputs.items():
                 binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output("logits", self.logits)

@@ -23,6 +23,10 @@ a real token, SPEC.md §6), every float is the export's dtype (float32 or float1
                     -> decoder_step's outputs, chosen_experts, routing_weights   (the step, routed as
                        forward_routed)
 
+A hybrid (SPEC §5.15) has forward and decoder_step only: the step's past and present hold the
+attending layers' keys and values, then per linear layer i its q_window, k_window, v_window
+[B, K−1, channels] (the export's dtype) and state [B, H_v, d_k, d_v] (float32).
+
 decoder_step is impl_torch's decode step over a preallocated cache (SPEC.md §7): it writes the
 new tokens' K, V and keep at positions start … start+T−1 of a copy of the cache and attends
 over all C positions under the causal mask, so every step of a generation has the same shapes,
@@ -64,8 +68,11 @@ def cache_head_size(cfg: ModelConfig, role: str) -> int:
     return -(-cfg.d_head // GROUP_QUERY_HEAD_MULTIPLE) * GROUP_QUERY_HEAD_MULTIPLE
 
 
-def in_place_unsupported_reason(dtype: str) -> str | None:
-    """Why an export of this dtype has no decoder_step_in_place, or None."""
+def in_place_unsupported_reason(dtype: str, cfg: ModelConfig | None = None) -> str | None:
+    """Why an export of this dtype (and model) has no decoder_step_in_place, or None."""
+    if cfg is not None and cfg.linear_attention is not None:
+        return ("a hybrid's linear layers carry states, not keys and values: its cache is decoder_step's, "
+                "copied each step")
     if dtype != "float32":
         return f"dtype {dtype}: the in-place step is exported at float32 (served on the CPU)"
     return None
@@ -75,7 +82,7 @@ def in_place_unsupported_reason(dtype: str) -> str | None:
 class Tensor:
     name: str
     kind: str  # "ids" (int64), "keep" (bool), "position" (an int64 scalar), "experts" (int64 expert
-    #            indices), "flag" (a bool scalar) or "float" (the export's dtype)
+    #            indices), "flag" (a bool scalar), "float" (the export's dtype) or "state" (float32)
     dims: tuple[str | int, ...]  # symbolic names for dynamic axes
 
 
@@ -102,9 +109,34 @@ def roles(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def _kv(prefix: str, cfg: ModelConfig, length: str, head_size: int | None = None) -> tuple[Tensor, ...]:
-    """prefix.{i}.key and prefix.{i}.value for each decoder layer: [B, H, length, d_k]"""
+    """prefix.{i}.key and prefix.{i}.value for each decoder layer i that attends: [B, H, length, d_k]"""
     return tuple(Tensor(f"{prefix}.{i}.{part}", "float", ("batch", cfg.kv_heads, length, head_size or cfg.d_head))
-                 for i in range(cfg.n_decoder_layers) for part in ("key", "value"))
+                 for i in range(cfg.n_decoder_layers) if cfg.layer_kind(i) != "linear" for part in ("key", "value"))
+
+
+LINEAR_STATE_PARTS = ("q_window", "k_window", "v_window", "state")
+
+
+def _linear_states(prefix: str, cfg: ModelConfig) -> tuple[Tensor, ...]:
+    """A hybrid's linear layer i carries prefix.{i}.q_window, .k_window, .v_window [B, K − 1, channels]
+    (its convolutions' last inputs) and prefix.{i}.state [B, H_v, d_k, d_v] (S, float32 whatever
+    the export's dtype, SPEC §5.15)."""
+    mixer = cfg.linear_attention
+    if mixer is None:
+        return ()
+    keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
+    shapes = {"q_window": ("float", ("batch", mixer.conv_kernel - 1, keys)),
+              "k_window": ("float", ("batch", mixer.conv_kernel - 1, keys)),
+              "v_window": ("float", ("batch", mixer.conv_kernel - 1, values)),
+              "state": ("state", ("batch", mixer.value_heads, mixer.key_head_dim, mixer.value_head_dim))}
+    return tuple(Tensor(f"{prefix}.{i}.{part}", *shapes[part])
+                 for i in range(cfg.n_decoder_layers) if cfg.layer_kind(i) == "linear" for part in LINEAR_STATE_PARTS)
+
+
+def cache_tensors(prefix: str, cfg: ModelConfig) -> tuple[Tensor, ...]:
+    """A step graph's cache (past or present) but its keep-vector: the attending layers' keys and
+    values, then a hybrid's linear layers' states."""
+    return _kv(prefix, cfg, "capacity") + _linear_states(prefix, cfg)
 
 
 def signature(cfg: ModelConfig, role: str) -> GraphSignature:
@@ -133,8 +165,8 @@ def signature(cfg: ModelConfig, role: str) -> GraphSignature:
     if role == ENCODER:
         memory = Tensor("memory", "float", ("batch", "src_len", cfg.d_model))
         return GraphSignature(role, src, (memory,) + _kv("cross", cfg, "src_len"))
-    past = (Tensor("past_keep", "keep", ("batch", "capacity")),) + _kv("past", cfg, "capacity")
-    present = _kv("present", cfg, "capacity") + (Tensor("present_keep", "keep", ("batch", "capacity")),)
+    past = (Tensor("past_keep", "keep", ("batch", "capacity")),) + cache_tensors("past", cfg)
+    present = cache_tensors("present", cfg) + (Tensor("present_keep", "keep", ("batch", "capacity")),)
     return GraphSignature(role, tgt + (Tensor("start", "position", ()),) + past + cross, (logits,) + present)
 
 
@@ -144,6 +176,15 @@ EXAMPLE_SIZES = {"batch": 2, "src_len": 5, "tgt_len": 3, "capacity": 7}
 EXAMPLE_START = 2  # the example step writes positions 2 … 4 of a cache of 7
 
 
+def example_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """EXAMPLE_SIZES, but a hybrid's target spans two chunks, so that its chunked form's number of
+    chunks is traced at 2 too (a cache the same 4 positions longer than the step)."""
+    if cfg.linear_attention is None:
+        return EXAMPLE_SIZES
+    length = max(EXAMPLE_SIZES["tgt_len"], cfg.linear_attention.chunk_size + 1)
+    return {**EXAMPLE_SIZES, "tgt_len": length, "capacity": EXAMPLE_START + length + 2}
+
+
 def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndarray]:
     """Valid inputs of a graph's signature at EXAMPLE_SIZES: ids of real tokens (never pad_id),
     keep-vectors all True, random floats in the export's dtype, the step at EXAMPLE_START. For
@@ -151,7 +192,7 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
     rng = np.random.default_rng(0)
     inputs = {}
     for tensor in signature(cfg, role).inputs:
-        shape = [EXAMPLE_SIZES[d] if isinstance(d, str) else d for d in tensor.dims]
+        shape = [example_sizes(cfg)[d] if isinstance(d, str) else d for d in tensor.dims]
         if tensor.kind == "ids":
             vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
             ids = rng.integers(0, vocab - 1, shape)
@@ -166,6 +207,8 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
             inputs[tensor.name] = rng.integers(0, cfg.moe.n_experts, shape).astype(np.int64)
         elif tensor.kind == "flag":
             inputs[tensor.name] = np.array(True)  # traced with the forced choices taken
+        elif tensor.kind == "state":
+            inputs[tensor.name] = rng.standard_normal(shape).astype(np.float32)
         else:
             inputs[tensor.name] = rng.standard_normal(shape).astype(dtype)
     return inputs

@@ -37,8 +37,7 @@ import onnx
 import onnxruntime as ort
 
 from export.graphs import (DECODER_STEP, DECODER_STEP_IN_PLACE, DECODER_STEP_ROUTED, ENCODER, FORWARD, FORWARD_ROUTED,
-                           cache_head_size,
-                           example_inputs, in_place_unsupported_reason)
+                           cache_head_size, cache_tensors, example_inputs, in_place_unsupported_reason)
 from export.onnx_model import METADATA_PREFIX, ExportError
 from export.placement import PlacedNode, cpu_fallbacks, fallback_message, nodes_from_profile
 from spec import ModelConfig
@@ -369,7 +368,8 @@ class OnnxTransformer:
             why = ("on cuda: GroupQueryAttention's CUDA kernel has not met a GPU here" if self.device == "cuda"
                    else "the in-place step is switched off")
         else:
-            why = in_place_unsupported_reason(self.dtype) or f"the {self.manifest.get('exporter', '')} export writes none"
+            why = (in_place_unsupported_reason(self.dtype, self.cfg)
+                   or f"the {self.manifest.get('exporter', '')} export writes none")
         return f"{DECODER_STEP} ({why})"
 
     def _require(self, role: str) -> ort.InferenceSession:
@@ -476,7 +476,7 @@ class OnnxTransformer:
         src_ids = np.asarray(src_ids, dtype=np.int64)
         self._check_length(src_ids.shape[1], "src_ids")
         keep = self._keep(src_ids, src_keep, "src")
-        cross = dict(zip(_names("cross", self.cfg), into)) if into is not None else None
+        cross = dict(zip(_cross_names(self.cfg), into)) if into is not None else None
         return [keep, *self._run(ENCODER, {"src_ids": src_ids, "src_keep": keep}, into=cross)]
 
     def start_cache(self, batch: int, capacity: int, src_ids=None, src_keep=None,
@@ -495,9 +495,12 @@ class OnnxTransformer:
             keep = _buffer(keep, self.device)
         # zeros, not uninitialised memory: a masked position gets weight 0, and 0 × NaN is NaN
         head_size = cache_head_size(cfg, DECODER_STEP_IN_PLACE if in_place else DECODER_STEP)
-        kv = np.zeros((batch, cfg.kv_heads, capacity, head_size), dtype=np.float16 if self.dtype == "float16" else np.float32)
-
-        past = (*(_buffer(kv, self.device) for _ in range(2 * cfg.n_decoder_layers)),
+        dtypes = {"float": np.float16 if self.dtype == "float16" else np.float32, "state": np.float32}
+        sizes = {"batch": batch, "capacity": capacity}
+        # a hybrid's linear layers start from zero windows and a zero state (SPEC §5.15)
+        past = (*(_buffer(np.zeros([sizes.get(d, d) for d in tensor.dims[:-1]] + [
+                    head_size if tensor.name.endswith((".key", ".value")) else tensor.dims[-1]], dtypes[tensor.kind]),
+                          self.device) for tensor in cache_tensors("past", cfg)),
                 _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
         return OnnxCache(batch, 0, past, _spare(past, in_place), tuple(cross), keep, in_place=in_place)
 
@@ -540,7 +543,7 @@ class OnnxTransformer:
                                  **dict(zip(_names("past", cfg), cache.past)), **(routing or {})}
         if cfg.has_encoder:
             feeds["src_keep"] = cache.src_keep
-            feeds.update(zip(_names("cross", cfg), cache.cross))
+            feeds.update(zip(_cross_names(cfg), cache.cross))
         present = dict(zip(_names("present", cfg) + ["present_keep"], cache.spare))
         role = DECODER_STEP_ROUTED if routing is not None else DECODER_STEP_IN_PLACE if cache.in_place else DECODER_STEP
         outputs = self._run(role, feeds, into=present)
@@ -592,4 +595,8 @@ def first_tokens(cfg: ModelConfig, batch: int, prompt_ids, bos_id: int | None) -
 
 
 def _names(prefix: str, cfg: ModelConfig) -> list[str]:
-    return [f"{prefix}.{i}.{part}" for i in range(cfg.n_decoder_layers) for part in ("key", "value")]
+    return [tensor.name for tensor in cache_tensors(prefix, cfg)]
+
+
+def _cross_names(cfg: ModelConfig) -> list[str]:
+    return [f"cross.{i}.{part}" for i in range(cfg.n_decoder_layers) for part in ("key", "value")]

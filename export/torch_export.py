@@ -20,13 +20,29 @@ import torch
 from torch import nn
 
 from export.graphs import (DECODER_STEP_IN_PLACE, DECODER_STEP_ROUTED, ENCODER, EXAMPLE_SIZES, FORWARD, FORWARD_ROUTED,
-                           GraphSignature, cache_head_size, example_inputs, in_place_unsupported_reason, roles, signature)
+                           LINEAR_STATE_PARTS, GraphSignature, cache_head_size, example_inputs,
+                           in_place_unsupported_reason, roles, signature)
 from export.in_place_step import InPlaceDecoderStepGraph, cached_attention, cached_attention_onnx
 from export.onnx_model import OPSETS, SharedWeights, check_options, finish, quiet_loggers, save, write_manifest
-from impl_torch.model import KVCache, Transformer, _decode_step_body
+from impl_torch.model import GatedDeltaNet, KVCache, LinearState, Transformer, _decode_step_body
 from spec import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def linear_form(model: Transformer, form: str):
+    """Inside, a hybrid's linear layers take `form` whatever the length (impl_torch chooses by the
+    length, which an exported graph learns only when it runs): the forward the chunked form
+    deployments prefill with, the step the recurrence, token by token (SPEC §5.15)."""
+    mixers = [module for module in model.modules() if isinstance(module, GatedDeltaNet)]
+    for mixer in mixers:
+        mixer.form = form
+    try:
+        yield
+    finally:
+        for mixer in mixers:
+            mixer.form = None
 
 
 class ForwardGraph(nn.Module):
@@ -41,7 +57,8 @@ class ForwardGraph(nn.Module):
             memory = model.encode(src_ids, src_keep)
             return model.output_logits(model.decode(tgt_ids, tgt_keep, memory, src_keep))
         tgt_ids, tgt_keep = tensors
-        return model.output_logits(model.decode(tgt_ids, tgt_keep))
+        with linear_form(model, "chunked"):
+            return model.output_logits(model.decode(tgt_ids, tgt_keep))
 
 
 @contextlib.contextmanager
@@ -119,17 +136,27 @@ class DecoderStepGraph(nn.Module):
         self.model = model
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n_layers = self.model.cfg.n_decoder_layers
+        cfg = self.model.cfg
+        kinds = [cfg.layer_kind(i) for i in range(cfg.n_decoder_layers)]
+        attending, parts = 2 * sum(kind != "linear" for kind in kinds), len(LINEAR_STATE_PARTS)
         tgt_ids, tgt_keep, start, past_keep, *rest = tensors
-        past, rest = rest[:2 * n_layers], rest[2 * n_layers:]
-        src_keep, cross = (rest[0], rest[1:]) if self.model.cfg.has_encoder else (None, None)
+        past, rest = rest[:attending], rest[attending:]
+        states, rest = rest[:parts * kinds.count("linear")], rest[parts * kinds.count("linear"):]
+        src_keep, cross = (rest[0], rest[1:]) if cfg.has_encoder else (None, None)
+        # a linear layer's state (its windows and S) in its place among the layers, copied to be written
+        held = iter([LinearState(tuple(t.clone() for t in states[at:at + parts - 1]), states[at + parts - 1].clone())
+                     for at in range(0, len(states), parts)])
+        linear_states = tuple(next(held) if kind == "linear" else None for kind in kinds) if states else None
         # per-layer tensors where impl_torch stacks the layers: the step only indexes them by layer
         cache = KVCache([k.clone() for k in past[0::2]], [v.clone() for v in past[1::2]], past_keep.clone(), 0,
                         None if cross is None else list(cross[0::2]), None if cross is None else list(cross[1::2]),
-                        src_keep)
-        logits = _decode_step_body(self.model, cache, tgt_ids, tgt_keep, start)
+                        src_keep, linear_states)
+        with linear_form(self.model, "recurrent"):
+            logits = _decode_step_body(self.model, cache, tgt_ids, tgt_keep, start)
         present = [t for pair in zip(cache.self_keys, cache.self_values) for t in pair]
-        return (logits, *present, cache.tgt_keep)
+        moved = [t for state in cache.linear_states or () if state is not None
+                 for t in (*state.windows, state.recurrent)]
+        return (logits, *present, *moved, cache.tgt_keep)
 
 
 class RoutedDecoderStepGraph(DecoderStepGraph):
@@ -162,7 +189,7 @@ def _wrapper(model: Transformer, role: str) -> nn.Module:
 def torch_roles(cfg: ModelConfig, dtype: str) -> tuple[str, ...]:
     """The graphs a torch export writes: every role, and the in-place decode step where onnxruntime's
     CPU kernel runs it (float32; any head size, padded to its multiple of 8)."""
-    return roles(cfg) + (() if in_place_unsupported_reason(dtype) else (DECODER_STEP_IN_PLACE,))
+    return roles(cfg) + (() if in_place_unsupported_reason(dtype, cfg) else (DECODER_STEP_IN_PLACE,))
 
 
 def _dynamic_shapes(sig: GraphSignature) -> tuple:

@@ -582,6 +582,37 @@ def gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return torch.einsum("bhkv,bhk->bhv", state, q), state
 
 
+def scanned(step: Callable, state: torch.Tensor,
+            sequence: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """step(state, item) -> (state, output) along axis 2 of every tensor of sequence ([B, H, N, ..]),
+    -> (the last state, the outputs [B, H, N, ..])."""
+    items = tuple(t.movedim(2, 0) for t in sequence)
+    if torch.compiler.is_exporting():
+        # a loop as long as an input (N tokens or chunks, known when the graph runs): torch.export
+        # cannot unroll it; scan traces one step and exports the loop (ONNX Scan)
+        from torch._higher_order_ops.scan import scan
+        state, outputs = scan(step, state, items)
+    else:
+        outputs = []
+        for item in zip(*items):
+            state, output = step(state, item)
+            outputs.append(output)
+        outputs = torch.stack(outputs)
+    return state, outputs.movedim(0, 2)
+
+
+def token_by_token(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                   beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over T tokens, one at a time (gated_delta_rule). q and k [B, H, T, d_k],
+    v [B, H, T, d_v], decay and beta [B, H, T] -> (o [B, H, T, d_v], state)"""
+    def step(state: torch.Tensor, token: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        output, state = gated_delta_rule(state, *token)
+        return state, output
+
+    state, outputs = scanned(step, state, (q, k, v, decay, beta))
+    return outputs, state
+
+
 def decay_ratios(decay: torch.Tensor) -> torch.Tensor:
     """Γ_t / Γ_s = exp(Σ_{s<r≤t} g_r) for s ≤ t within a chunk, 0 above the diagonal. [.., C] -> [.., C, C]"""
     size = decay.shape[-1]
@@ -602,26 +633,45 @@ def chunked_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tens
     state [B, H, d_k, d_v], q and k [B, H, T, d_k], v [B, H, T, d_v], decay (g) and beta [B, H, T]
     -> (o [B, H, T, d_v], state)"""
     length, size = q.shape[2], chunk_size
-    spare = -length % size
+    chunks = (length + size - 1) // size  # N
+    spare = chunks * size - length  # (written so, an exported graph's N · C is the padded length by its terms)
     # the last chunk filled out with tokens that write nothing (β = 0) and keep the state (g = 0)
-    q, k, v = (F.pad(t, (0, 0, 0, spare)).unflatten(2, (-1, size)) for t in (q, k, v))  # [B, H, N, C, d]
-    decay, beta = (F.pad(t, (0, spare)).unflatten(2, (-1, size)) for t in (decay, beta))  # [B, H, N, C]
+    q, k, v = (F.pad(t, (0, 0, 0, spare)).unflatten(2, (chunks, size)) for t in (q, k, v))  # [B, H, N, C, d]
+    decay, beta = (F.pad(t, (0, spare)).unflatten(2, (chunks, size)) for t in (decay, beta))  # [B, H, N, C]
     ratios = decay_ratios(decay)  # [B, H, N, C, C]
     growth = torch.exp(decay.cumsum(dim=-1))  # Γ_t [B, H, N, C]
     strict = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
     system = torch.eye(size, dtype=q.dtype, device=q.device) + torch.where(
         strict, beta[..., :, None] * ratios * (k @ k.transpose(-1, -2)), 0.0)  # I + L
-    # the writes, less what the state reads: U = Y − W S₀ (both solved for every chunk at once)
-    reads = torch.linalg.solve_triangular(system, (beta * growth)[..., None] * k, upper=False, unitriangular=True)
-    values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    # the writes, less what the state reads: U = Y − W S₀ (W and Y solved together, for every chunk at once)
+    reads, values = solve_unit_lower_triangular(system, torch.cat([(beta * growth)[..., None] * k, beta[..., None] * v],
+                                                                   dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
     scores = ratios * (q @ k.transpose(-1, -2))  # [B, H, N, C, C]
-    outputs = []
-    for n in range(q.shape[2]):
-        written = values[:, :, n] - reads[:, :, n] @ state  # U [B, H, C, d_v]
-        outputs.append((growth[:, :, n, :, None] * q[:, :, n]) @ state + scores[:, :, n] @ written)
-        left = ratios[:, :, n, -1]  # Γ_C / Γ_s [B, H, C]
-        state = growth[:, :, n, -1, None, None] * state + (left[..., None] * k[:, :, n]).transpose(-1, -2) @ written
-    return torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :length], state
+    left = ratios[..., -1, :]  # Γ_C / Γ_s [B, H, N, C]
+    state, outputs = scanned(chunk_recurrence, state, (values, reads, growth, q, scores, left, k))
+    return outputs.flatten(2, 3)[:, :, :length], state
+
+
+def chunk_recurrence(state: torch.Tensor, chunk: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of chunked_gated_delta_rule from S₀: U = Y − W S₀, O = (Γ ⊙ Q) S₀ + scores U,
+    S_C = Γ_C S₀ + (K ⊙ Γ_C/Γ)ᵀ U. state [B, H, d_k, d_v]; the chunk's values (Y), reads (W), growth (Γ),
+    q, scores, left (Γ_C/Γ) and k, each [B, H, C, ..] -> (S_C, O [B, H, C, d_v])"""
+    values, reads, growth, q, scores, left, k = chunk
+    written = values - reads @ state  # U [B, H, C, d_v]
+    output = (growth[..., None] * q) @ state + scores @ written
+    return growth[..., -1, None, None] * state + (left[..., None] * k).transpose(-1, -2) @ written, output
+
+
+def solve_unit_lower_triangular(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with system · X = rhs, system unit lower-triangular. [.., C, C], [.., C, n] -> [.., C, n]"""
+    if not torch.compiler.is_exporting():
+        return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    # ONNX has no triangular solve (torch.onnx exports none): forward substitution over the C rows,
+    # X_i = rhs_i − Σ_{j<i} L_ij X_j, unrolled (C is the config's chunk size)
+    rows = [rhs[..., 0, :]]
+    for i in range(1, system.shape[-1]):
+        rows.append(rhs[..., i, :] - (system[..., i, None, :i] @ torch.stack(rows, dim=-2))[..., 0, :])
+    return torch.stack(rows, dim=-2)
 
 
 class ShortConvolution(nn.Module):
@@ -682,6 +732,9 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(d, mixer.value_heads)
         self.norm = GatedRMSNorm(cfg)
         self.o = nn.Linear(values, d, bias=False)
+        # None: one token by the recurrence, more in chunks. An exported graph's length is known only
+        # when it runs, so its form is the graph's (export/torch_export.py): "recurrent" or "chunked"
+        self.form: str | None = None
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor,
                 state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
@@ -705,10 +758,8 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalize(split_heads(mixed[1], mixer.key_heads).to(wide))
         v = split_heads(mixed[2], mixer.value_heads).to(wide)  # [B, H_v, T, d_v]
         q, k = group_heads(q, mixer.value_heads), group_heads(k, mixer.value_heads)  # value head h reads h // groups
-        if length == 1:
-            o, recurrent = gated_delta_rule(state.recurrent, q[:, :, 0], k[:, :, 0], v[:, :, 0], decay[..., 0],
-                                            beta[..., 0])
-            o = o[:, :, None]
+        if (self.form or ("recurrent" if length == 1 else "chunked")) == "recurrent":
+            o, recurrent = token_by_token(state.recurrent, q, k, v, decay, beta)
         else:
             o, recurrent = chunked_gated_delta_rule(state.recurrent, q, k, v, decay, beta, mixer.chunk_size)
         outputs = torch.where(keep[..., None, None], o.transpose(1, 2).to(x.dtype), 0.0)  # [B, T, H_v, d_v]

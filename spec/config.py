@@ -311,11 +311,12 @@ class ModelConfig:
 _FRAMEWORKS = ("impl_numpy", "impl_torch", "impl_jax")
 HUGGING_FACE_WRITER = "the Hugging Face writer"
 TRANSFORMERS_COLUMN = "the transformers column (its directory written by the Hugging Face writer)"
+ONNX_EXPORTS = {"torch": "the ONNX export from impl_torch", "jax": "the ONNX export from impl_jax (jax2onnx)"}
 NEWER_FEATURES = {
     "linear_attention": ("gated DeltaNet's linear layers (linear_attention)",
-                         (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN)),
+                         (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])),
     "attention_output_gate": ("the attention's output gate (attention_output_gate)",
-                              (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN)),
+                              (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])),
 }
 
 
@@ -330,7 +331,8 @@ def not_computed_by(cfg: ModelConfig, who: str) -> str | None:
     the features; None where it can."""
     if features := uncomputed_features(cfg, who):
         return (f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached decode, "
-                "impl_torch, impl_jax, the Hugging Face writer and transformers do (SPEC §5.15)")
+                "impl_torch, impl_jax, the Hugging Face writer, transformers and the ONNX export from impl_torch "
+                "do (SPEC §5.15)")
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -400,6 +401,57 @@ def test_the_hybrids_matrix_passes_in_torch_and_jax():
     assert len(results) == 2 * len(names) and len(jax_results) == 3
 
 
+def test_the_torch_export_serves_the_hybrid():
+    """Every whole-model cell of the hybrid through the ONNX export from impl_torch at float32: the
+    forward graph prefills in chunks (a Scan over them, the triangular systems solved row by row),
+    the step graph carries each linear layer's windows and state (float32) as inputs and outputs,
+    and decode and generate run through it; it has no in-place step, and says why."""
+    import onnx
+
+    from export.cache import exported
+    from export.runner import OnnxTransformer
+
+    _, results = _matrix(["onnx"], ["float32"])
+    ran = {r.test_id: r for r in results if r.status != "skip"}
+    failed = {test_id: r.reason[:300] for test_id, r in ran.items() if r.status != "pass"}
+    assert not failed, failed
+    wanted = {f"{sublayer}-{case}-float32-onnx-cpu" for sublayer in ("forward", "decode")
+              for case in ("chunk_less", "chunk_more", "chunks", "pad_left")}
+    assert wanted | {"generate-pad_left-float32-onnx-cpu"} <= set(ran)
+    directory = exported(CHUNKED, conformance_params(CHUNKED))
+    forward = onnx.load(str(directory / "forward.onnx"), load_external_data=False).graph
+    assert "Scan" in {node.op_type for node in forward.node}
+    step = onnx.load(str(directory / "decoder_step.onnx"), load_external_data=False).graph
+    states = {i.name: i.type.tensor_type.elem_type for i in step.input if i.name.startswith("past.0.")}
+    assert states == {"past.0.q_window": onnx.TensorProto.FLOAT, "past.0.k_window": onnx.TensorProto.FLOAT,
+                      "past.0.v_window": onnx.TensorProto.FLOAT, "past.0.state": onnx.TensorProto.FLOAT}
+    assert {i.name for i in step.input if i.name.endswith(".key")} == {"past.3.key"}  # the attention layer's alone
+    assert OnnxTransformer(directory, device="cpu").step_graph.startswith("decoder_step (a hybrid's linear layers")
+
+
+def test_a_step_graph_that_drops_the_state_fails_the_decode_cells(monkeypatch, tmp_path):
+    """A planted mistake in the export's wiring: the step graph gives back the states it was given
+    (present = past, the step's moves lost). The decode cells after a prefix fail."""
+    from conformance.backends import onnx_backend
+    from export import torch_export
+    from export.exporters import export_model
+
+    step = torch_export.DecoderStepGraph.forward
+
+    def forgetful(self, *tensors):
+        outputs = step(self, *tensors)
+        parts = len(torch_export.LINEAR_STATE_PARTS) * CHUNKED.layer_types.count("linear")
+        past = tensors[4 + 2:4 + 2 + parts]  # after ids, keep, start, past_keep and the attention layer's K, V
+        return (*outputs[:3], *past, outputs[-1])
+
+    monkeypatch.setattr(torch_export.DecoderStepGraph, "forward", forgetful)
+    monkeypatch.setattr(onnx_backend, "exported", lambda cfg, params, **options: export_model(
+        cfg, params, tmp_path, graph_roles=("decoder_step",)) and tmp_path)
+    _, results = _matrix(["onnx"], ["float32"], pattern="decode-*")
+    failing = {r.test_id for r in results if r.status == "fail"}
+    assert {"decode-chunk_less-float32-onnx-cpu", "decode-incremental-float32-onnx-cpu"} <= failing, failing
+
+
 @pytest.mark.parametrize("mistake, cells", [("pads-write", "linear_attn-pad"), ("zero-start", "decode-")])
 def test_the_matrix_localizes_a_planted_mistake_to_its_cells(mistake, cells, monkeypatch):
     """Pads that write fail the linear_attn cells with padding (and the models' padded cases); a zero
@@ -468,18 +520,18 @@ def test_a_budgeted_plan_costs_and_ranks_the_hybrids_cells():
     assert layers == {0, 1, 2}
 
 
-@pytest.mark.parametrize("who", ["the ONNX export", "the golden's backward"])
+@pytest.mark.parametrize("who", ["the ONNX export from impl_jax (jax2onnx)", "the golden's backward"])
 def test_what_does_not_compute_the_hybrid_refuses_it_by_name(who, tmp_path):
     """The spec, the golden's forward and cached decode, impl_torch, impl_jax, the Hugging Face
     writer and transformers compute it so far (tests/test_huggingface_hybrid.py): each other path
     refuses a hybrid naming the feature, rather than compute another model (the matrix asked for
     its backward cases, whose reference is the golden's backward, too)."""
     params = conformance_params(HYBRID)
-    match = f"{who} does not compute gated DeltaNet's linear layers"
+    match = re.escape(f"{who} does not compute gated DeltaNet's linear layers")
     with pytest.raises(ConfigError, match=match):
-        if who == "the ONNX export":
+        if who.startswith("the ONNX export"):
             from export.exporters import export_model
-            export_model(HYBRID, params, tmp_path)
+            export_model(HYBRID, params, tmp_path, framework="jax")
         else:
             from impl_numpy.backward import model_vjp
             model_vjp(HYBRID, golden.cast_params(HYBRID, params), None, _ids(1, 3), np.ones((1, 3, 53)))

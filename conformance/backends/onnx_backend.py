@@ -21,7 +21,7 @@ from export.graphs import DECODER_STEP, DECODER_STEP_ROUTED, ENCODER, FORWARD, F
 from export.onnx_model import DEFAULT_OPSET, DTYPES
 from export.runner import OnnxTransformer, cuda_available
 from spec import ModelConfig
-from spec.config import not_computed_by
+from spec.config import ONNX_EXPORTS, not_computed_by
 from spec.routing import RoutingLog
 
 WHOLE_MODEL = ("forward", "encoder", "decode", "generate")
@@ -142,7 +142,7 @@ class OnnxBackend:
         return None
 
     def supports_config(self, cfg: ModelConfig, dtype: str) -> str | None:
-        return not_computed_by(cfg, "the ONNX export")
+        return not_computed_by(cfg, ONNX_EXPORTS[self.framework])
 
     def supports_sublayer(self, sublayer: str) -> str | None:
         if is_backward(sublayer) or sublayer == "loss":
