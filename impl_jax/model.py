@@ -713,6 +713,26 @@ def gated_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("bhkv,bhk->bhv", state, q, precision=precision), state
 
 
+def scanned(step: Callable, state: jax.Array, sequence: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    """step(state, item) -> (state, output) along axis 2 of every tensor of sequence ([B, H, N, ..]),
+    -> (the last state, the outputs [B, H, N, ..])."""
+    # lax.scan compiles the step once, where a Python loop would unroll N copies of it into the program
+    state, outputs = jax.lax.scan(step, state, tuple(jnp.moveaxis(t, 2, 0) for t in sequence))
+    return state, jnp.moveaxis(outputs, 0, 2)
+
+
+def token_by_token(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, decay: jax.Array, beta: jax.Array,
+                   precision: str) -> tuple[jax.Array, jax.Array]:
+    """The recurrence over T tokens, one at a time (gated_delta_rule). q and k [B, H, T, d_k],
+    v [B, H, T, d_v], decay and beta [B, H, T] -> (o [B, H, T, d_v], state)"""
+    def step(state: jax.Array, token: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        output, state = gated_delta_rule(state, *token, precision)
+        return state, output
+
+    state, outputs = scanned(step, state, (q, k, v, decay, beta))
+    return outputs, state
+
+
 def decay_ratios(decay: jax.Array) -> jax.Array:
     """Γ_t / Γ_s = exp(Σ_{s<r≤t} g_r) for s ≤ t within a chunk, 0 above the diagonal. [.., C] -> [.., C, C]"""
     size = decay.shape[-1]
@@ -732,32 +752,40 @@ def chunked_gated_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v: ja
     state [B, H, d_k, d_v], q and k [B, H, T, d_k], v [B, H, T, d_v], decay (g) and beta [B, H, T]
     -> (o [B, H, T, d_v], state)"""
     length, size = q.shape[2], chunk_size
-    spare = -length % size
+    chunks = (length + size - 1) // size  # N
+    spare = chunks * size - length
     matmul = partial(jnp.matmul, precision=precision)
     # the last chunk filled out with tokens that write nothing (β = 0) and keep the state (g = 0)
     batch, heads = q.shape[:2]
-    q, k, v = (jnp.pad(t, ((0, 0), (0, 0), (0, spare), (0, 0))).reshape(batch, heads, -1, size, t.shape[-1])
+    q, k, v = (jnp.pad(t, ((0, 0), (0, 0), (0, spare), (0, 0))).reshape(batch, heads, chunks, size, t.shape[-1])
                for t in (q, k, v))  # [B, H, N, C, d]
-    decay, beta = (jnp.pad(t, ((0, 0), (0, 0), (0, spare))).reshape(batch, heads, -1, size)
+    decay, beta = (jnp.pad(t, ((0, 0), (0, 0), (0, spare))).reshape(batch, heads, chunks, size)
                    for t in (decay, beta))  # [B, H, N, C]
     ratios = decay_ratios(decay)  # [B, H, N, C, C]
     growth = jnp.exp(jnp.cumsum(decay, axis=-1))  # Γ_t [B, H, N, C]
     strict = jnp.tril(jnp.ones((size, size), bool), -1)
     system = jnp.eye(size, dtype=q.dtype) + jnp.where(
         strict, beta[..., :, None] * ratios * matmul(k, k.swapaxes(-1, -2)), 0.0)  # I + L
-    # the writes, less what the state reads: U = Y − W S₀ (both solved for every chunk at once)
-    solve = partial(jax.scipy.linalg.solve_triangular, lower=True, unit_diagonal=True)
-    reads = solve(system, (beta * growth)[..., None] * k)
-    values = solve(system, beta[..., None] * v)
+    # the writes, less what the state reads: U = Y − W S₀ (W and Y solved together, for every chunk at once)
+    solved = jax.scipy.linalg.solve_triangular(system, jnp.concatenate(
+        [(beta * growth)[..., None] * k, beta[..., None] * v], axis=-1), lower=True, unit_diagonal=True)
+    reads, values = solved[..., :k.shape[-1]], solved[..., k.shape[-1]:]
     scores = ratios * matmul(q, k.swapaxes(-1, -2))  # [B, H, N, C, C]
-    outputs = []
-    for n in range(q.shape[2]):
-        written = values[:, :, n] - matmul(reads[:, :, n], state)  # U [B, H, C, d_v]
-        outputs.append(matmul(growth[:, :, n, :, None] * q[:, :, n], state) + matmul(scores[:, :, n], written))
-        left = ratios[:, :, n, -1]  # Γ_C / Γ_s [B, H, C]
-        state = growth[:, :, n, -1, None, None] * state + matmul((left[..., None] * k[:, :, n]).swapaxes(-1, -2),
-                                                                 written)
-    return jnp.stack(outputs, axis=2).reshape(batch, heads, -1, v.shape[-1])[:, :, :length], state
+    left = ratios[..., -1, :]  # Γ_C / Γ_s [B, H, N, C]
+    state, outputs = scanned(partial(chunk_recurrence, precision=precision), state,
+                             (values, reads, growth, q, scores, left, k))
+    return outputs.reshape(batch, heads, -1, v.shape[-1])[:, :, :length], state
+
+
+def chunk_recurrence(state: jax.Array, chunk: tuple[jax.Array, ...], precision: str) -> tuple[jax.Array, jax.Array]:
+    """One chunk of chunked_gated_delta_rule from S₀: U = Y − W S₀, O = (Γ ⊙ Q) S₀ + scores U,
+    S_C = Γ_C S₀ + (K ⊙ Γ_C/Γ)ᵀ U. state [B, H, d_k, d_v]; the chunk's values (Y), reads (W), growth (Γ),
+    q, scores, left (Γ_C/Γ) and k, each [B, H, C, ..] -> (S_C, O [B, H, C, d_v])"""
+    values, reads, growth, q, scores, left, k = chunk
+    matmul = partial(jnp.matmul, precision=precision)
+    written = values - matmul(reads, state)  # U [B, H, C, d_v]
+    output = matmul(growth[..., None] * q, state) + matmul(scores, written)
+    return growth[..., -1, None, None] * state + matmul((left[..., None] * k).swapaxes(-1, -2), written), output
 
 
 class ShortConvolution(nnx.Module):
@@ -843,9 +871,7 @@ class GatedDeltaNet(nnx.Module):
         v = split_heads(mixed[2], mixer.value_heads).astype(wide)  # [B, H_v, T, d_v]
         q, k = group_heads(q, mixer.value_heads), group_heads(k, mixer.value_heads)  # value head h reads h // groups
         if length == 1:
-            o, recurrent = gated_delta_rule(state.recurrent, q[:, :, 0], k[:, :, 0], v[:, :, 0], decay[..., 0],
-                                            beta[..., 0], self.precision)
-            o = o[:, :, None]
+            o, recurrent = token_by_token(state.recurrent, q, k, v, decay, beta, self.precision)
         else:
             o, recurrent = chunked_gated_delta_rule(state.recurrent, q, k, v, decay, beta, mixer.chunk_size,
                                                     self.precision)
