@@ -634,7 +634,7 @@ def chunked_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tens
     -> (o [B, H, T, d_v], state)"""
     length, size = q.shape[2], chunk_size
     chunks = (length + size - 1) // size  # N
-    spare = chunks * size - length  # (written so, an exported graph's N · C is the padded length by its terms)
+    spare = chunks * size - length  # not −T mod C: torch.export's shape solver then sees N · C as the padded length
     # the last chunk filled out with tokens that write nothing (β = 0) and keep the state (g = 0)
     q, k, v = (F.pad(t, (0, 0, 0, spare)).unflatten(2, (chunks, size)) for t in (q, k, v))  # [B, H, N, C, d]
     decay, beta = (F.pad(t, (0, spare)).unflatten(2, (chunks, size)) for t in (decay, beta))  # [B, H, N, C]
