@@ -68,9 +68,9 @@ def cache_head_size(cfg: ModelConfig, role: str) -> int:
     return -(-cfg.d_head // GROUP_QUERY_HEAD_MULTIPLE) * GROUP_QUERY_HEAD_MULTIPLE
 
 
-def in_place_unsupported_reason(dtype: str, cfg: ModelConfig | None = None) -> str | None:
-    """Why an export of this dtype (and model) has no decoder_step_in_place, or None."""
-    if cfg is not None and cfg.linear_attention is not None:
+def in_place_unsupported_reason(dtype: str, cfg: ModelConfig) -> str | None:
+    """Why an export of this dtype and model has no decoder_step_in_place, or None."""
+    if cfg.linear_attention is not None:
         return ("a hybrid's linear layers carry states, not keys and values: its cache is decoder_step's, "
                 "copied each step")
     if dtype != "float32":
@@ -133,10 +133,10 @@ def _linear_states(prefix: str, cfg: ModelConfig) -> tuple[Tensor, ...]:
                  for i in range(cfg.n_decoder_layers) if cfg.layer_kind(i) == "linear" for part in LINEAR_STATE_PARTS)
 
 
-def cache_tensors(prefix: str, cfg: ModelConfig) -> tuple[Tensor, ...]:
+def cache_tensors(prefix: str, cfg: ModelConfig, head_size: int | None = None) -> tuple[Tensor, ...]:
     """A step graph's cache (past or present) but its keep-vector: the attending layers' keys and
-    values, then a hybrid's linear layers' states."""
-    return _kv(prefix, cfg, "capacity") + _linear_states(prefix, cfg)
+    values (of head_size, d_k where None), then a hybrid's linear layers' states."""
+    return _kv(prefix, cfg, "capacity", head_size) + _linear_states(prefix, cfg)
 
 
 def signature(cfg: ModelConfig, role: str) -> GraphSignature:
@@ -190,9 +190,9 @@ def example_inputs(cfg: ModelConfig, role: str, dtype: str) -> dict[str, np.ndar
     keep-vectors all True, random floats in the export's dtype, the step at EXAMPLE_START. For
     tracing and for profiling."""
     rng = np.random.default_rng(0)
-    inputs = {}
+    inputs, sizes = {}, example_sizes(cfg)
     for tensor in signature(cfg, role).inputs:
-        shape = [example_sizes(cfg)[d] if isinstance(d, str) else d for d in tensor.dims]
+        shape = [sizes[d] if isinstance(d, str) else d for d in tensor.dims]
         if tensor.kind == "ids":
             vocab = cfg.src_vocab_size if tensor.name.startswith("src") else cfg.tgt_vocab_size
             ids = rng.integers(0, vocab - 1, shape)

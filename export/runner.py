@@ -498,9 +498,8 @@ class OnnxTransformer:
         dtypes = {"float": np.float16 if self.dtype == "float16" else np.float32, "state": np.float32}
         sizes = {"batch": batch, "capacity": capacity}
         # a hybrid's linear layers start from zero windows and a zero state (SPEC §5.15)
-        past = (*(_buffer(np.zeros([sizes.get(d, d) for d in tensor.dims[:-1]] + [
-                    head_size if tensor.name.endswith((".key", ".value")) else tensor.dims[-1]], dtypes[tensor.kind]),
-                          self.device) for tensor in cache_tensors("past", cfg)),
+        past = (*(_buffer(np.zeros([sizes.get(d, d) for d in tensor.dims], dtypes[tensor.kind]), self.device)
+                  for tensor in cache_tensors("past", cfg, head_size)),
                 _buffer(np.zeros((batch, capacity), dtype=bool), self.device))
         return OnnxCache(batch, 0, past, _spare(past, in_place), tuple(cross), keep, in_place=in_place)
 

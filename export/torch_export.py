@@ -138,10 +138,10 @@ class DecoderStepGraph(nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.model.cfg
         kinds = [cfg.layer_kind(i) for i in range(cfg.n_decoder_layers)]
-        attending, parts = 2 * sum(kind != "linear" for kind in kinds), len(LINEAR_STATE_PARTS)
+        parts = len(LINEAR_STATE_PARTS)
+        attending, carried = 2 * (len(kinds) - kinds.count("linear")), parts * kinds.count("linear")
         tgt_ids, tgt_keep, start, past_keep, *rest = tensors
-        past, rest = rest[:attending], rest[attending:]
-        states, rest = rest[:parts * kinds.count("linear")], rest[parts * kinds.count("linear"):]
+        past, states, rest = rest[:attending], rest[attending:attending + carried], rest[attending + carried:]
         src_keep, cross = (rest[0], rest[1:]) if cfg.has_encoder else (None, None)
         # a linear layer's state (its windows and S) in its place among the layers, copied to be written
         held = iter([LinearState(tuple(t.clone() for t in states[at:at + parts - 1]), states[at + parts - 1].clone())

@@ -149,7 +149,10 @@ def test_a_cuda_session_keeps_the_copying_step():
 
 def test_every_head_size_has_it_at_float32():
     """The CPU kernel takes heads of a multiple of 8: the others are padded, and the cache with them."""
-    assert "float16" in in_place_unsupported_reason("float16") and in_place_unsupported_reason("float32") is None
+    tiny = get_preset("tiny")
+    assert "float16" in in_place_unsupported_reason("float16", tiny)
+    assert in_place_unsupported_reason("float32", tiny) is None
+    assert "hybrid" in in_place_unsupported_reason("float32", get_preset("qwen35-tiny"))
     for preset, padded in (("qwen2-tiny", 16), ("qwen3-tiny", 16), ("llama-tiny", 8), ("tiny", 16)):
         cfg = get_preset(preset)
         assert DECODER_STEP_IN_PLACE in torch_roles(cfg, "float32")
