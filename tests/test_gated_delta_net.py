@@ -401,14 +401,21 @@ def test_the_hybrids_matrix_passes_in_torch_and_jax():
     assert len(results) == 2 * len(names) and len(jax_results) == 3
 
 
-def test_the_torch_export_serves_the_hybrid():
+@pytest.fixture(scope="module")
+def hybrid_export():
+    """The hybrid's export from impl_torch at float32, made once (export.cache) for both tests below."""
+    from export.cache import exported
+
+    return exported(CHUNKED, conformance_params(CHUNKED))
+
+
+def test_the_torch_export_serves_the_hybrid(hybrid_export):
     """Every whole-model cell of the hybrid through the ONNX export from impl_torch at float32: the
     forward graph prefills in chunks (a Scan over them, the triangular systems solved row by row),
     the step graph carries each linear layer's windows and state (float32) as inputs and outputs,
     and decode and generate run through it; it has no in-place step, and says why."""
     import onnx
 
-    from export.cache import exported
     from export.runner import OnnxTransformer
 
     _, results = _matrix(["onnx"], ["float32"])
@@ -418,7 +425,7 @@ def test_the_torch_export_serves_the_hybrid():
     wanted = {f"{sublayer}-{case}-float32-onnx-cpu" for sublayer in ("forward", "decode")
               for case in ("chunk_less", "chunk_more", "chunks", "pad_left")}
     assert wanted | {"generate-pad_left-float32-onnx-cpu"} <= set(ran)
-    directory = exported(CHUNKED, conformance_params(CHUNKED))
+    directory = hybrid_export
     forward = onnx.load(str(directory / "forward.onnx"), load_external_data=False).graph
     assert "Scan" in {node.op_type for node in forward.node}
     step = onnx.load(str(directory / "decoder_step.onnx"), load_external_data=False).graph
@@ -429,24 +436,29 @@ def test_the_torch_export_serves_the_hybrid():
     assert OnnxTransformer(directory, device="cpu").step_graph.startswith("decoder_step (a hybrid's linear layers")
 
 
-def test_a_step_graph_that_drops_the_state_fails_the_decode_cells(monkeypatch, tmp_path):
+def test_a_step_graph_that_drops_the_state_fails_the_decode_cells(hybrid_export, monkeypatch, tmp_path):
     """A planted mistake in the export's wiring: the step graph gives back the states it was given
-    (present = past, the step's moves lost). The decode cells after a prefix fail."""
+    (each linear layer's present.* the past.* it read, the step's moves lost), planted in the graph
+    itself. The decode cells after a prefix fail."""
+    import shutil
+
+    import onnx
+
     from conformance.backends import onnx_backend
-    from export import torch_export
-    from export.exporters import export_model
 
-    step = torch_export.DecoderStepGraph.forward
-
-    def forgetful(self, *tensors):
-        outputs = step(self, *tensors)
-        parts = len(torch_export.LINEAR_STATE_PARTS) * CHUNKED.layer_types.count("linear")
-        past = tensors[4 + 2:4 + 2 + parts]  # after ids, keep, start, past_keep and the attention layer's K, V
-        return (*outputs[:3], *past, outputs[-1])
-
-    monkeypatch.setattr(torch_export.DecoderStepGraph, "forward", forgetful)
-    monkeypatch.setattr(onnx_backend, "exported", lambda cfg, params, **options: export_model(
-        cfg, params, tmp_path, graph_roles=("decoder_step",)) and tmp_path)
+    planted = shutil.copytree(hybrid_export, tmp_path / "forgetful")
+    model = onnx.load(str(planted / "decoder_step.onnx"), load_external_data=False)
+    graph = model.graph
+    dropped = [output.name for output in graph.output
+               if output.name.startswith("present.") and output.name.split(".")[-1] in ("q_window", "k_window",
+                                                                                       "v_window", "state")]
+    assert len(dropped) == 4 * CHUNKED.layer_types.count("linear"), dropped
+    for name in dropped:
+        for node in graph.node:  # the moved state now goes nowhere; the input comes back out in its place
+            node.output[:] = [f"{output}.moved" if output == name else output for output in node.output]
+        graph.node.append(onnx.helper.make_node("Identity", [name.replace("present.", "past.", 1)], [name]))
+    onnx.save(model, str(planted / "decoder_step.onnx"))
+    monkeypatch.setattr(onnx_backend, "exported", lambda cfg, params, **options: planted)
     _, results = _matrix(["onnx"], ["float32"], pattern="decode-*")
     failing = {r.test_id for r in results if r.status == "fail"}
     assert {"decode-chunk_less-float32-onnx-cpu", "decode-incremental-float32-onnx-cpu"} <= failing, failing
