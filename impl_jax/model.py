@@ -410,11 +410,12 @@ class FeedForward(nnx.Module):
     """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
     SwiGLU with swish, GeGLU with gelu-tanh."""
 
-    def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs, d_ff: int | None = None):
         linear = partial(Linear, use_bias=cfg.bias, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
-        self.w1 = linear(cfg.d_model, cfg.d_ff)
-        self.w3 = linear(cfg.d_model, cfg.d_ff) if cfg.gated_ffn else None
-        self.w2 = linear(cfg.d_ff, cfg.d_model)
+        d_ff = cfg.d_ff if d_ff is None else d_ff  # a shared expert's own width
+        self.w1 = linear(cfg.d_model, d_ff)
+        self.w3 = linear(cfg.d_model, d_ff) if cfg.gated_ffn else None
+        self.w2 = linear(d_ff, cfg.d_model)
         self.activation = ACTIVATIONS[cfg.activation]
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -506,14 +507,18 @@ def recorded_routers() -> Iterator[list[tuple[jax.Array, jax.Array]]]:
 
 class MixtureOfExperts(nnx.Module):
     """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
-    token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
-    else a loop over the experts. Both are in the matrix: the sdpa column runs the batched form, the
-    math column the loop."""
+    token (+ σ(x g) · FFN_shared(x) where there is a shared expert). batched: every expert on every
+    token, the chosen outputs gathered (what fused ports run); else a loop over the experts. Both are
+    in the matrix: the sdpa column runs the batched form, the math column the loop."""
 
     def __init__(self, cfg: ModelConfig, batched: bool, precision: str, dtype, rngs: nnx.Rngs):
         self.router = Linear(cfg.d_model, cfg.moe.n_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
                              precision=precision, rngs=rngs)
         self.experts = nnx.List([FeedForward(cfg, precision, dtype, rngs) for _ in range(cfg.moe.n_experts)])
+        shared = cfg.moe.shared_expert_d_ff
+        self.shared_expert = FeedForward(cfg, precision, dtype, rngs, shared) if shared else None
+        self.shared_expert_gate = Linear(cfg.d_model, 1, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                         precision=precision, rngs=rngs) if shared else None
         self.k, self.renormalize, self.batched = cfg.moe.experts_per_token, cfg.moe.renormalize, batched
         self.router_float32 = cfg.moe.router_softmax == "float32"  # at least float32: half activations widened
         # which decoder layer this is, for a routing log (Stack sets it): nnx.jit traces copies of a
@@ -555,7 +560,16 @@ class MixtureOfExperts(nnx.Module):
             weights = _weighed(log, self.index, own) + (weights - own)
         return probabilities, chosen, weights.astype(tokens.dtype)
 
+    def shared(self, x: jax.Array) -> jax.Array:
+        """σ(x g) · FFN_shared(x): the expert every token takes beside its k. [.., d] -> [.., d]"""
+        return jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        routed = self.routed(x)
+        return routed + self.shared(x) if self.shared_expert is not None else routed
+
+    def routed(self, x: jax.Array) -> jax.Array:
+        """Σ_j w_j · FFN_top_j(x) over each token's k chosen experts. [B, T, d] -> [B, T, d]"""
         tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
         _, chosen, weights = self.route(tokens, x.shape[0] if x.ndim == 3 else 1)
         if self.batched:
@@ -571,6 +585,13 @@ class MixtureOfExperts(nnx.Module):
             weight = jnp.where(here, weights, 0).sum(axis=-1, keepdims=True)  # [N, 1]
             out = out + jnp.where(here.any(axis=-1, keepdims=True), weight * expert(tokens), 0)
         return out.reshape(x.shape)
+
+
+def layer_ffn(cfg: ModelConfig, path: str, precision: str, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """A decoder layer's FFN, whichever mixer is before it: one FFN, or the mixture of experts (the
+    batched form on the sdpa path, the loop on the math path)."""
+    return (FeedForward(cfg, precision, dtype, rngs) if cfg.moe is None
+            else MixtureOfExperts(cfg, path == "sdpa", precision, dtype, rngs))
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -910,8 +931,7 @@ class DecoderLayer(nnx.Module):
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, precision, dtype, rngs, self_attention=False)
             self.cross_attn_norm = Norm(cfg, dtype)
-        self.ffn = FeedForward(cfg, precision, dtype, rngs) if cfg.moe is None else \
-            MixtureOfExperts(cfg, path == "sdpa", precision, dtype, rngs)
+        self.ffn = layer_ffn(cfg, path, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
         self.ffn_post_norm = Norm(cfg, dtype) if cfg.post_norms else None
 
@@ -938,7 +958,7 @@ class LinearLayer(nnx.Module):
         self.cfg = cfg
         self.linear_attn = GatedDeltaNet(cfg, precision, dtype, rngs)
         self.linear_attn_norm = Norm(cfg, dtype)
-        self.ffn = FeedForward(cfg, precision, dtype, rngs)
+        self.ffn = layer_ffn(cfg, path, precision, dtype, rngs)
         self.ffn_norm = Norm(cfg, dtype)
 
     def ffn_block(self, x: jax.Array, dropout_mask: jax.Array | None = None) -> jax.Array:

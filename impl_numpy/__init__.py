@@ -59,8 +59,10 @@ from impl_numpy.model import (
     rotate_half,
     router_probabilities,
     routing_margins,
+    routed_experts,
     routing_weights,
     scaled_dot_product_attention,
+    shared_expert,
     sinusoidal_table,
     smoothed_targets,
     softcap,
@@ -75,6 +77,7 @@ from impl_numpy.model import (
     top_experts,
     training_loss,
     weighted_experts,
+    with_shared_expert,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "model"]

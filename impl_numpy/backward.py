@@ -53,6 +53,7 @@ from impl_numpy.model import (
     router_probabilities,
     routing_weights,
     scaled_dot_product_attention,
+    sigmoid,
     smoothed_targets,
     softcap,
     softmax,
@@ -251,7 +252,25 @@ def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
     grads = {"router.weight": d_router}
     for expert, expert_grad in enumerate(expert_grads):
         grads.update({f"experts.{expert}.{name}": value for name, value in expert_grad.items()})
-    return d_x.reshape(x.shape), grads
+    d_x = d_x.reshape(x.shape)
+    if moe.shared_expert_d_ff:
+        d_from_shared, shared_grads = shared_expert_vjp(cfg, p, x, d_y)
+        d_x = d_x + d_from_shared
+        grads.update(shared_grads)
+    return d_x, grads
+
+
+def shared_expert_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """y = s ⊙ f, s = σ(x g) [.., 1], f = FFN_shared(x): ∂f = s ∂y, ∂s = Σ_d f ∂y, ∂(x g) = s (1 − s) ∂s,
+    then back through g and the FFN. x, d_y [.., d] -> d_x [.., d], {shared_expert_gate.weight,
+    shared_expert.w1.weight, ...}"""
+    gate, expert = p["shared_expert_gate.weight"], params_under(p, "shared_expert")
+    s, f = sigmoid(linear(x, gate)), feed_forward(expert, x, cfg.activation)
+    d_s = ((f if _CANCELLING[0] else np.abs(f)) * d_y).sum(axis=-1, keepdims=True)  # [.., 1]
+    d_from_gate, d_gate, _ = linear_vjp(x, gate, _through(s * (1.0 - s), d_s))
+    d_from_expert, expert_grads = feed_forward_vjp(expert, x, cfg.activation, s * d_y)
+    return d_from_gate + d_from_expert, {"shared_expert_gate.weight": d_gate,
+                                         **{f"shared_expert.{name}": value for name, value in expert_grads.items()}}
 
 
 def layer_norm_vjp(x: np.ndarray, scale: np.ndarray, eps: float,

@@ -422,7 +422,7 @@ def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarr
 # A router chooses k of E gated FFNs per token and the block sums their outputs, weighted:
 #     p = softmax(x R) [N, E];  top = the k largest p, ties to the lower index;
 #     w = p[top] / Σ p[top] (renormalised: Mixtral) or p[top] (Qwen3-MoE without norm_topk_prob);
-#     MoE(x) = Σ_j w_j · FFN_top_j(x).
+#     MoE(x) = Σ_j w_j · FFN_top_j(x)  (+ σ(x g) · FFN_shared(x) where a shared expert is: Qwen3-Next).
 # An expert no token chose computes nothing. A token's routing margin, p_(k) − p_(k+1), is how far
 # its choice is from a tie that a backend's rounding could flip. x [N, d] (tokens flattened).
 
@@ -527,8 +527,25 @@ def layer_experts(cfg: ModelConfig, p: Params) -> list[Params]:
     return [params_under(p, f"experts.{expert}") for expert in range(cfg.moe.n_experts)]
 
 
+def shared_expert(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """The expert every token takes beside its k, gated per token: σ(x g) · FFN_shared(x), g [d, 1]
+    (Qwen2-MoE, Qwen3-Next). p: the layer's "ffn" parameters. [.., d] -> [.., d]"""
+    return sigmoid(linear(x, p["shared_expert_gate.weight"])) * feed_forward(params_under(p, "shared_expert"), x,
+                                                                            cfg.activation)
+
+
+def with_shared_expert(cfg: ModelConfig, p: Params, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+    """The chosen experts' sum, plus the shared expert where the config has one. [.., d] -> [.., d]"""
+    return routed + shared_expert(cfg, p, x) if cfg.moe.shared_expert_d_ff else routed
+
+
 def experts_ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
-    """The layer's mixture of experts on every token of x. [B, T, d] -> [B, T, d]"""
+    """The layer's mixture of experts on every token of x (its shared expert too). [B, T, d] -> [B, T, d]"""
+    return with_shared_expert(cfg, p, x, routed_experts(cfg, p, x))
+
+
+def routed_experts(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
+    """The k chosen experts' weighted sum on every token of x. [B, T, d] -> [B, T, d]"""
     tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
     moe = cfg.moe
     calls = _RECORDING.get()

@@ -348,12 +348,13 @@ class FeedForward(nn.Module):
     """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
     SwiGLU with swish, GeGLU with gelu-tanh."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        d_ff = cfg.d_ff if d_ff is None else d_ff  # a shared expert's own width
+        self.w1 = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
         if cfg.gated_ffn:
-            self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+            self.w3 = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
+        self.w2 = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
         self.activation = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -381,14 +382,18 @@ def recorded_routers() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
 
 class MixtureOfExperts(nn.Module):
     """MoE(x) = Σ_j w_j · FFN_top_j(x) (SPEC §5.14): a router R [d, E] chooses k of E gated FFNs per
-    token. batched: every expert on every token, the chosen outputs gathered (what fused ports run);
-    else the plain loop, each expert on the tokens that chose it. Both are in the matrix: the sdpa
-    column runs the batched form, the math column the loop."""
+    token (+ σ(x g) · FFN_shared(x) where there is a shared expert). batched: every expert on every
+    token, the chosen outputs gathered (what fused ports run); else the plain loop, each expert on
+    the tokens that chose it. Both are in the matrix: the sdpa column runs the batched form, the math
+    column the loop."""
 
     def __init__(self, cfg: ModelConfig, batched: bool = False):
         super().__init__()
         self.router = nn.Linear(cfg.d_model, cfg.moe.n_experts, bias=False)
         self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.moe.n_experts))
+        if cfg.moe.shared_expert_d_ff:
+            self.shared_expert = FeedForward(cfg, cfg.moe.shared_expert_d_ff)
+            self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
         self.k, self.renormalize, self.batched = cfg.moe.experts_per_token, cfg.moe.renormalize, batched
         self.router_float32 = cfg.moe.router_softmax == "float32"  # at least float32: half activations widened
         self.log: RoutingLog | None = None  # set by Transformer.routing_log
@@ -431,7 +436,16 @@ class MixtureOfExperts(nn.Module):
                 weights = golden + (weights - weights.detach())  # w − w is exactly 0: the values are the golden's
         return probabilities, chosen, weights.to(tokens.dtype)
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """σ(x g) · FFN_shared(x): the expert every token takes beside its k. [.., d] -> [.., d]"""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.routed(x)
+        return routed + self.shared(x) if hasattr(self, "shared_expert") else routed
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ_j w_j · FFN_top_j(x) over each token's k chosen experts. [B, T, d] -> [B, T, d]"""
         tokens = x.reshape(-1, x.shape[-1])  # [N, d]: routing is per token
         _, chosen, weights = self.route(tokens, x.shape[0] if x.dim() == 3 else 1)
         if self.batched:
@@ -445,6 +459,12 @@ class MixtureOfExperts(nn.Module):
             if rows.numel():
                 out.index_add_(0, rows, weights[rows, slot, None] * expert(tokens[rows]))
         return out.reshape(x.shape)
+
+
+def layer_ffn(cfg: ModelConfig, path: str) -> nn.Module:
+    """A decoder layer's FFN, whichever mixer is before it: one FFN, or the mixture of experts (the
+    batched form on the sdpa path, the loop on the math path)."""
+    return FeedForward(cfg) if cfg.moe is None else MixtureOfExperts(cfg, batched=path == "sdpa")
 
 
 def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -809,7 +829,7 @@ class DecoderLayer(nn.Module):
         if cfg.has_encoder:
             self.cross_attn = MultiHeadAttention(cfg, path, self_attention=False)
             self.cross_attn_norm = Norm(cfg)
-        self.ffn = FeedForward(cfg) if cfg.moe is None else MixtureOfExperts(cfg, batched=path == "sdpa")
+        self.ffn = layer_ffn(cfg, path)
         self.ffn_norm = Norm(cfg)
         if cfg.post_norms:
             self.ffn_post_norm = Norm(cfg)
@@ -838,7 +858,7 @@ class LinearLayer(nn.Module):
         self.cfg = cfg
         self.linear_attn = GatedDeltaNet(cfg)
         self.linear_attn_norm = Norm(cfg)
-        self.ffn = FeedForward(cfg)
+        self.ffn = layer_ffn(cfg, path)
         self.ffn_norm = Norm(cfg)
 
     def ffn_block(self, x: torch.Tensor, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:

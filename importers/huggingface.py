@@ -38,6 +38,16 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   saved in that layout (save_original_format=False) is split per expert. Mixtral always
   renormalises the k weights; Qwen3-MoE where norm_topk_prob says. Dense layers among the
   mixtures (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) and shared experts are refused.
+- ``qwen3_5_text`` (Qwen3_5ForCausalLM) and ``qwen3_5`` (Qwen3_5ForConditionalGeneration, its text
+  decoder): the hybrid of SPEC §5.15, gated DeltaNet in three layers of four, gated full attention in
+  the others.
+- ``qwen3_next`` (Qwen3NextForCausalLM): Qwen3.5's hybrid layers whose every FFN is a mixture of
+  experts with a shared expert under its sigmoid gate (SPEC §5.14, moe.shared_expert_d_ff). Its
+  linear layers fuse q, k, v and the output gate z into one ``in_proj_qkvz`` and β's and the decay's
+  inputs into one ``in_proj_ba``, both grouped per key head (each key head's blocks, then the next
+  head's): the mapping takes each block of every group. Dense layers among the mixtures
+  (mlp_only_layers, decoder_sparse_step) are refused; num_experts 0 (every FFN dense) imports as
+  Qwen3.5's layout would.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -78,6 +88,7 @@ FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # the published checkpoints: its text decoder is imported
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -93,8 +104,9 @@ _OUT_OF_SPEC = {
               "import it as a separate family once the spec grows that combination"),
     "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
     "qwen2_moe": ("shared_expert_intermediate_size", "Qwen2-MoE adds a shared expert every token goes through, "
-                  "scaled by a sigmoid gate of its own, to the k experts the router chooses; the spec's mixture of "
-                  "experts (SPEC §5.14) is the chosen experts alone (Mixtral's, Qwen3-MoE's)"),
+                  "scaled by a sigmoid gate of its own, to the k experts the router chooses; the spec has one now "
+                  "(moe.shared_expert_d_ff, SPEC §5.14: Qwen3-Next's imports), but the importer has no qwen2_moe "
+                  "family (Qwen2's q/k/v biases, its dense layers among the mixtures) yet"),
     "gemma3": ("vision_config", "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) has a vision tower "
                "the spec does not describe; its text decoder is Gemma3ForCausalLM (model_type gemma3_text), which "
                "imports"),
@@ -138,6 +150,9 @@ class Rule:
     #           | "channels a:b" (a depthwise nn.Conv1d's [C, 1, K] kernels of channels a … b − 1, as [b − a, K])
     #           | "transpose head half j of w" (of an nn.Linear whose outputs are, head by head, two blocks of w
     #             rows: block j of every head, transposed; Qwen3.5's q_proj, each head's query then its gate)
+    #           | "transpose group rows a:b of w" (of an nn.Linear whose outputs are groups of w rows, one group
+    #             per key head: rows a … b − 1 of every group, the groups' blocks one after another, transposed;
+    #             Qwen3-Next's in_proj_qkvz and in_proj_ba, each key head's q, k, v, z and b, a side by side)
 
     def span(self) -> tuple[int, int]:
         """start and stop of a ranged rule ("columns a:b", "slice a:b", "transpose rows a:b",
@@ -149,6 +164,12 @@ class Rule:
         """j and w of "transpose head half j of w"."""
         words = self.how.split()
         return int(words[3]), int(words[5])
+
+    def group_rows(self) -> tuple[int, int, int]:
+        """a, b and w of "transpose group rows a:b of w"."""
+        words = self.how.split()
+        start, stop = words[3].split(":")
+        return int(start), int(stop), int(words[5])
 
     def take(self, value: np.ndarray) -> np.ndarray:
         if self.how == "copy":
@@ -170,6 +191,12 @@ class Rule:
         if self.how.startswith("transpose head half "):
             half, width = self.head_half()
             return value.reshape(-1, 2, width, value.shape[-1])[:, half].reshape(-1, value.shape[-1]).T
+        if self.how.startswith("transpose group rows "):  # [G·w, in] -> G blocks of b − a rows, [in, G·(b − a)]
+            start, stop, width = self.group_rows()
+            if value.ndim != 2 or value.shape[0] % width or not 0 <= start < stop <= width:
+                raise ValueError(f"{self.how!r} cannot take {self.source} of shape {list(value.shape)}: its rows must "
+                                 f"be whole groups of {width}, the block inside one")
+            return value.reshape(-1, width, value.shape[-1])[:, start:stop].reshape(-1, value.shape[-1]).T
         if self.how.startswith(("columns ", "slice ")):
             start, stop = self.span()
             return value[:, start:stop] if self.how.startswith("columns ") else value[start:stop]
@@ -390,8 +417,8 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     §5.12). transformers 5 writes them into rope_parameters ({"rope_type": ..., "rope_theta": ...,
     and the type's keys}); older files have a top-level rope_theta and put any rescaling into
     rope_scaling, which transformers still reads first. A variant the spec lacks is refused
-    whichever field names it. Phi-3 and Qwen3.5 rotate the leading partial_rotary_factor of each head
-    (the spec's rope_fraction; Qwen3.5's class 0.25 where the file gives none); the other classes
+    whichever field names it. Phi-3, Qwen3.5 and Qwen3-Next rotate the leading partial_rotary_factor of
+    each head (the spec's rope_fraction; the hybrids' classes 0.25 where the file gives none); the other classes
     rotate every dimension whatever the file says, so a partial rotary there is refused."""
     name, parameters = next(((name, hf[name]) for name in ("rope_scaling", "rope_parameters") if hf.get(name)),
                             ("rope_parameters", {}))
@@ -405,9 +432,9 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
                               "unrescaled theta (local_rope_theta)")
         name, parameters = f"{name}.full_attention", parameters["full_attention"]
     fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if family == "qwen3_5_text" and fraction is None:
+    if family in _HYBRID_FAMILIES and fraction is None:
         fraction = _QWEN3_5_ROTARY_FRACTION
-    if family in ("phi3", "qwen3_5_text"):
+    if family in ("phi3", *_HYBRID_FAMILIES):
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
             raise ConfigError(f"partial_rotary_factor = {json.dumps(fraction)}: expected a number in (0, 1]")
     elif fraction is not None and fraction != 1:
@@ -433,7 +460,9 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
     return theta, fraction, _rope_scaling(hf, name, kind, parameters)
 
 
-_QWEN3_5_ROTARY_FRACTION = 0.25  # Qwen3_5TextConfig's partial_rotary_factor where the file gives none
+# Qwen3_5TextConfig's and Qwen3NextConfig's partial_rotary_factor where the file gives none
+_QWEN3_5_ROTARY_FRACTION = 0.25
+_HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_next")  # gated DeltaNet and gated attention (SPEC §5.15)
 # Gemma3TextConfig's global theta and MixtralConfig's; the others' is 10000
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
@@ -693,18 +722,32 @@ def _gemma3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
 # Fields of models whose every token also goes through experts the router does not choose (Qwen2-MoE's
 # shared expert, DeepSeek's): a file that sets them was made for such a model
 _SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+_SHARED_EXPERT_WIDTH = "shared_expert_intermediate_size"  # Qwen3-Next's one shared expert (moe.shared_expert_d_ff)
 # Mixtral's name for the number of experts; Qwen3-MoE's (transformers maps one to the other)
 _EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts")
 
 
-def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: bool) -> MixtureOfExperts:
+def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: bool,
+             shared: bool = False) -> MixtureOfExperts:
     """The router's settings (SPEC §5.14): E experts, k of them per token, the k weights
-    renormalised or not, the softmax in float32 (both classes take it in float32). The router's
-    auxiliary loss and Mixtral's jitter act in training only: noted, not imported."""
+    renormalised or not, the softmax in float32 (the classes take it in float32); ``shared`` (Qwen3-Next):
+    the shared expert's width, shared_expert_intermediate_size. The router's auxiliary loss and
+    Mixtral's jitter act in training only: noted, not imported."""
     model = FAMILIES[family]
     for name in _SHARED_EXPERT_FIELDS:
-        _refuse_if(hf, name, bool, "experts every token goes through besides the k the router chooses are not in "
-                   f"the spec's mixture of experts (SPEC §5.14), and {model} has none either")
+        if shared and name == _SHARED_EXPERT_WIDTH:
+            continue
+        has = (f"one, {_SHARED_EXPERT_WIDTH} wide, and reads no other count of them" if shared else
+               "none (the spec's one shared expert, moe.shared_expert_d_ff, is Qwen3-Next's)")
+        _refuse_if(hf, name, bool, f"experts every token goes through besides the k the router chooses: {model} has "
+                   + has)
+    shared_width = 0
+    if shared:
+        shared_width = _require(hf, _SHARED_EXPERT_WIDTH, family)
+        if isinstance(shared_width, bool) or not isinstance(shared_width, int) or shared_width < 1:
+            raise ConfigError(f"{_SHARED_EXPERT_WIDTH} = {json.dumps(shared_width)}: {model} builds a shared expert "
+                              "of this width and its gate in every mixture; the spec's shared expert is at least 1 "
+                              "wide (moe.shared_expert_d_ff 0 is none, with no gate)")
     counts = {name: hf[name] for name in _EXPERT_COUNT_FIELDS if hf.get(name) is not None}
     if len(set(map(json.dumps, counts.values()))) > 1:
         raise ConfigError(" and ".join(f"{name} = {json.dumps(value)}" for name, value in counts.items())
@@ -735,7 +778,7 @@ def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: 
         notes.append(f"router_jitter_noise = {hf['router_jitter_noise']} multiplies the experts' input by noise in "
                      "training only; evaluation is unaffected and the import has none")
     return MixtureOfExperts(n_experts=experts, experts_per_token=k, renormalize=renormalize, router_softmax="float32",
-                            load_balancing=float(load_balancing))
+                            load_balancing=float(load_balancing), shared_expert_d_ff=shared_width)
 
 
 def _mixtral_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
@@ -786,26 +829,31 @@ def _qwen3_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            sliding_window=_qwen3_moe_window(hf), moe=moe)
 
 
-# ---- hybrids: Qwen3.5 ------------------------------------------------------------------------------
+# ---- hybrids: Qwen3.5, Qwen3-Next ------------------------------------------------------------------
 
 _HF_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
-_QWEN3_5_LINEAR = {  # GatedDeltaNet's field <- Qwen3_5TextConfig's, with the class's default
+# GatedDeltaNet's field <- Qwen3_5TextConfig's (and Qwen3NextConfig's), with the classes' default
+_QWEN3_5_LINEAR = {
     "key_heads": ("linear_num_key_heads", 16), "value_heads": ("linear_num_value_heads", 32),
     "key_head_dim": ("linear_key_head_dim", 128), "value_head_dim": ("linear_value_head_dim", 128),
     "conv_kernel": ("linear_conv_kernel_dim", 4)}
 
 
-def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
-    """Qwen3.5's text decoder (SPEC §5.15): gated DeltaNet in the "linear_attention" layers of
-    layer_types (else three of every full_attention_interval = 4 layers, the fourth full), gated
-    full attention with q/k norms and a partial rotary in the others, (1 + w) RMSNorms but for the
-    DeltaNet's gated norm, no biases. The chunked prefill's chunk is the kernels' 64 (the file has
-    none; any chunk computes the same sums)."""
-    family = "qwen3_5_text"
-    _refuse_if(hf, "attention_bias", bool, "then q, k, v and o carry biases; Qwen3.5's have none, nor has the "
-               "spec's Qwen3.5 layout")
+_HYBRID_NAMES = {"qwen3_5_text": "Qwen3.5", "qwen3_next": "Qwen3-Next"}
+
+
+def _hybrid_config(hf: Mapping[str, Any], notes: list[str], family: str) -> ModelConfig:
+    """The layers Qwen3.5 and Qwen3-Next share (SPEC §5.15): gated DeltaNet in the "linear_attention"
+    layers of layer_types (else three of every full_attention_interval = 4 layers, the fourth full),
+    gated full attention with q/k norms and a partial rotary in the others, (1 + w) RMSNorms but for
+    the DeltaNet's gated norm, no biases; a dense FFN of intermediate_size (Qwen3-Next's mixture
+    replaces it). The chunked prefill's chunk is the kernels' 64 (the file has none; any chunk
+    computes the same sums)."""
+    model = _HYBRID_NAMES[family]
+    _refuse_if(hf, "attention_bias", bool, f"then q, k, v and o carry biases; {model}'s have none, nor has the "
+               f"spec's {model} layout")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act = {json.dumps(hf['hidden_act'])}: Qwen3.5's DeltaNet convolution takes SiLU "
+        raise ConfigError(f"hidden_act = {json.dumps(hf['hidden_act'])}: {model}'s DeltaNet convolution takes SiLU "
                           "whatever the MLP's activation, and the spec's linear layers share the model's one")
     layers = _require(hf, "num_hidden_layers", family)
     written = hf.get("layer_types")
@@ -829,6 +877,11 @@ def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                        linear_attention=mixer, attention_output_gate=True)
 
 
+def _qwen3_5_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Qwen3.5's text decoder: the hybrid layers (_hybrid_config), each FFN one gated MLP."""
+    return _hybrid_config(hf, notes, "qwen3_5_text")
+
+
 def _qwen3_5_published_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     """The published Qwen3.5 checkpoints (Qwen3_5ForConditionalGeneration): a vision tower beside
     the text decoder of text_config, whose logits on text alone are that decoder's. The decoder is
@@ -840,6 +893,46 @@ def _qwen3_5_published_config(hf: Mapping[str, Any], notes: list[str]) -> ModelC
                           "there (a JSON object)")
     tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return _qwen3_5_config({**text, "tie_word_embeddings": tied}, notes)
+
+
+def _qwen3_next_sparse_layers(hf: Mapping[str, Any], family: str) -> None:
+    """Qwen3NextForCausalLM's layer i is a mixture iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0, else one dense MLP of intermediate_size; the spec's mixture is in every
+    layer or in none, so a config with a dense layer is refused, naming the field that makes it so."""
+    layers = _require(hf, "num_hidden_layers", family)
+    listed = hf.get("mlp_only_layers") or []
+    if not isinstance(listed, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in listed):
+        raise ConfigError(f"mlp_only_layers = {json.dumps(listed)}: expected a list of layer indices")
+    step = hf.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step = {json.dumps(step)}: every how many layers one is a mixture of "
+                          "experts, a positive integer")
+    why = ("and the others' a mixture of experts; the spec's mixture is in every layer or in none (SPEC §5.14)")
+    if dense := sorted({i for i in listed if 0 <= i < layers}):
+        raise ConfigError(f"mlp_only_layers = {json.dumps(listed)}: the FFN of layer(s) {dense} is then one dense MLP "
+                          f"of intermediate_size {why}")
+    if dense := [i for i in range(layers) if (i + 1) % step]:
+        raise ConfigError(f"decoder_sparse_step = {step}: only every decoder_sparse_step-th layer is then a mixture "
+                          f"of experts; the FFN of layer(s) {dense} is one dense MLP of intermediate_size {why}")
+
+
+def _qwen3_next_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Qwen3-Next: Qwen3.5's hybrid layers (_hybrid_config) whose every FFN is a mixture of
+    num_experts gated experts of width moe_intermediate_size (the spec's d_ff), num_experts_per_tok
+    per token, renormalised where norm_topk_prob is true (Qwen3NextConfig's default: true), its
+    softmax in float32 as the class takes it, beside a shared expert of width
+    shared_expert_intermediate_size (moe.shared_expert_d_ff) under its sigmoid gate (SPEC §5.14).
+    Dense layers among the mixtures (mlp_only_layers, decoder_sparse_step) are refused; num_experts
+    0 makes every layer's FFN one dense MLP of intermediate_size, Qwen3.5's FFN, and imports so."""
+    family = "qwen3_next"
+    cfg = _hybrid_config(hf, notes, family)
+    if hf.get("num_experts") == 0:
+        notes.append(f"num_experts = 0: every layer's FFN is one dense gated MLP of intermediate_size "
+                     f"({cfg.d_ff}), as Qwen3.5's; no mixture of experts")
+        return cfg
+    _qwen3_next_sparse_layers(hf, family)
+    moe = _mixture(hf, family, notes, renormalize=bool(hf.get("norm_topk_prob", True)), shared=True)
+    return cfg.replace(d_ff=_require(hf, "moe_intermediate_size", family), moe=moe)
 
 
 # ---- the mappings ------------------------------------------------------------------------------
@@ -933,7 +1026,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_MOE_FAMILIES = ("mixtral", "qwen3_moe")
+_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next")
 _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
                     "qwen3_5")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
@@ -995,7 +1088,7 @@ def qwen3_5_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
     head's query rows and then its output gate's (each taken head by head), its q_norm and k_norm
     [d_k]. input_layernorm is the layer's first norm, whichever mixer follows it. ``prefix``: the
     decoder's, "model.language_model." in the published Qwen3_5ForConditionalGeneration files."""
-    d, d_ff, d_k, mixer, rules = cfg.d_model, cfg.d_ff, cfg.d_head, cfg.linear_attention, []
+    d, d_ff, mixer, rules = cfg.d_model, cfg.d_ff, cfg.linear_attention, []
     keys, values = mixer.key_heads * mixer.key_head_dim, mixer.value_heads * mixer.value_head_dim
     rules.append(Rule(f"{prefix}embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
     for i, kind in enumerate(cfg.layer_types):
@@ -1012,28 +1105,103 @@ def qwen3_5_mapping(cfg: ModelConfig, prefix: str = "model.") -> list[Rule]:
             _linear(rules, f"{hf}.linear_attn.in_proj_z", f"{attention}.z", d, values, bias=False)
             _linear(rules, f"{hf}.linear_attn.in_proj_b", f"{attention}.beta", d, mixer.value_heads, bias=False)
             _linear(rules, f"{hf}.linear_attn.in_proj_a", f"{attention}.decay", d, mixer.value_heads, bias=False)
-            rules.append(Rule(f"{hf}.linear_attn.dt_bias", (mixer.value_heads,), f"{attention}.decay.bias", "copy"))
-            rules.append(Rule(f"{hf}.linear_attn.A_log", (mixer.value_heads,), f"{attention}.decay.log_rate", "copy"))
-            rules.append(Rule(f"{hf}.linear_attn.norm.weight", (mixer.value_head_dim,), f"{attention}.norm.scale",
-                              "copy"))
-            _linear(rules, f"{hf}.linear_attn.out_proj", f"{attention}.o", values, d, bias=False)
+            _delta_net_decay_norm_out(rules, f"{hf}.linear_attn", attention, cfg)
         else:
             rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
-            for half, projection in enumerate(("q", "gate")):
-                rules.append(Rule(f"{hf}.self_attn.q_proj.weight", (2 * cfg.n_heads * d_k, d),
-                                  f"{ours}.self_attn.{projection}.weight", f"transpose head half {half} of {d_k}"))
-            for projection in "kv":
-                _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d,
-                        cfg.kv_heads * d_k, bias=False)
-            _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", cfg.n_heads * d_k, d, bias=False)
-            for projection in "qk":
-                rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
-                                  f"{ours}.self_attn.{projection}_norm.scale", "copy"))
+            _gated_attention(rules, f"{hf}.self_attn", f"{ours}.self_attn", cfg)
         rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
-        for projection, canonical in _LLAMA_MLP:
-            n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
-            _linear(rules, f"{hf}.mlp.{projection}", f"{ours}.ffn.{canonical}", n_in, n_out, bias=False)
+        _dense_mlp(rules, f"{hf}.mlp", f"{ours}.ffn", d, d_ff)
     rules.append(Rule(f"{prefix}norm.weight", (d,), "decoder.norm.scale", "copy"))
+    if not cfg.tie_head:
+        rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
+    return rules
+
+
+def _delta_net_decay_norm_out(rules: list[Rule], source: str, target: str, cfg: ModelConfig) -> None:
+    """What Qwen3.5's and Qwen3-Next's linear layers store alike after their projections: dt_bias and
+    A_log [H_v] (the decay's bias and log-rate), the gated norm's weight [d_v], out_proj."""
+    mixer = cfg.linear_attention
+    rules.append(Rule(f"{source}.dt_bias", (mixer.value_heads,), f"{target}.decay.bias", "copy"))
+    rules.append(Rule(f"{source}.A_log", (mixer.value_heads,), f"{target}.decay.log_rate", "copy"))
+    rules.append(Rule(f"{source}.norm.weight", (mixer.value_head_dim,), f"{target}.norm.scale", "copy"))
+    _linear(rules, f"{source}.out_proj", f"{target}.o", mixer.value_heads * mixer.value_head_dim, cfg.d_model,
+            bias=False)
+
+
+def _gated_attention(rules: list[Rule], source: str, target: str, cfg: ModelConfig) -> None:
+    """Qwen3.5's and Qwen3-Next's full attention: q_proj [H·2·d_k, d] holds each head's query rows and
+    then its output gate's (each taken head by head), k_proj, v_proj, o_proj, q_norm and k_norm [d_k]."""
+    d, d_k = cfg.d_model, cfg.d_head
+    for half, projection in enumerate(("q", "gate")):
+        rules.append(Rule(f"{source}.q_proj.weight", (2 * cfg.n_heads * d_k, d), f"{target}.{projection}.weight",
+                          f"transpose head half {half} of {d_k}"))
+    for projection in "kv":
+        _linear(rules, f"{source}.{projection}_proj", f"{target}.{projection}", d, cfg.kv_heads * d_k, bias=False)
+    _linear(rules, f"{source}.o_proj", f"{target}.o", cfg.n_heads * d_k, d, bias=False)
+    for projection in "qk":
+        rules.append(Rule(f"{source}.{projection}_norm.weight", (d_k,), f"{target}.{projection}_norm.scale", "copy"))
+
+
+def _dense_mlp(rules: list[Rule], source: str, target: str, d: int, d_ff: int) -> None:
+    """A gated MLP without biases, Llama's names: gate_proj (W1, the activated one), up_proj (W3), down_proj (W2)."""
+    for projection, canonical in _LLAMA_MLP:
+        n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
+        _linear(rules, f"{source}.{projection}", f"{target}.{canonical}", n_in, n_out, bias=False)
+
+
+_QWEN3_NEXT_QKVZ = ("q", "k", "v", "z")  # each key head's blocks of in_proj_qkvz, in order
+_QWEN3_NEXT_BA = ("beta", "decay")  # each key head's blocks of in_proj_ba: its r b's (β), then its r a's (the decay)
+
+
+def qwen3_next_mapping(cfg: ModelConfig, experts: str | None = "qwen3_next") -> list[Rule]:
+    """Qwen3NextForCausalLM -> canonical. A linear layer's in_proj_qkvz [H_k·(2·d_k + 2·r·d_v), d]
+    (r = H_v / H_k) is grouped by key head: key head h's query (d_k rows), its key (d_k), the values of
+    its r value heads h·r … h·r + r − 1 (r·d_v) and their output-norm gates z (r·d_v), then head h + 1's
+    (fix_query_key_value_ordering); in_proj_ba [H_k·2·r, d] likewise, each key head's r rows of b (β)
+    then its r of a (the decay's input). Each canonical projection is its block of every group,
+    transposed ("transpose group rows"). conv1d [2·H_k·d_k + H_v·d_v, 1, K] holds q, k and v one
+    after another (the class concatenates them after regrouping) as Qwen3.5's, and dt_bias, A_log,
+    the gated norm, out_proj and the full layers are Qwen3.5's. Each FFN (cfg.moe): the router
+    mlp.gate, the experts in ``experts``' layout (_expert_rules: per expert, or fused), then the shared
+    expert mlp.shared_expert.{gate,up,down}_proj (W1, W3, W2, shared_expert_d_ff wide) and its gate
+    mlp.shared_expert_gate [1, d] -> [d, 1]; without cfg.moe (num_experts 0), one dense mlp."""
+    d, mixer, rules = cfg.d_model, cfg.linear_attention, []
+    d_k, d_v, r = mixer.key_head_dim, mixer.value_head_dim, mixer.value_heads // mixer.key_heads
+    keys, values = mixer.key_heads * d_k, mixer.value_heads * d_v
+    widths = {"q": d_k, "k": d_k, "v": r * d_v, "z": r * d_v}  # one key head's group of in_proj_qkvz
+    group = sum(widths.values())
+    rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
+    for i, kind in enumerate(cfg.layer_types):
+        hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
+        if kind == "linear":
+            rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.linear_attn_norm.scale", "copy"))
+            attention, start = f"{ours}.linear_attn", 0
+            for projection in _QWEN3_NEXT_QKVZ:
+                rules.append(Rule(f"{hf}.linear_attn.in_proj_qkvz.weight", (mixer.key_heads * group, d),
+                                  f"{attention}.{projection}.weight",
+                                  f"transpose group rows {start}:{start + widths[projection]} of {group}"))
+                start += widths[projection]
+            start = 0
+            for projection, width in (("q", keys), ("k", keys), ("v", values)):
+                rules.append(Rule(f"{hf}.linear_attn.conv1d.weight", (2 * keys + values, 1, mixer.conv_kernel),
+                                  f"{attention}.{projection}_conv.weight", f"channels {start}:{start + width}"))
+                start += width
+            for block, projection in enumerate(_QWEN3_NEXT_BA):
+                rules.append(Rule(f"{hf}.linear_attn.in_proj_ba.weight", (mixer.key_heads * 2 * r, d),
+                                  f"{attention}.{projection}.weight",
+                                  f"transpose group rows {block * r}:{(block + 1) * r} of {2 * r}"))
+            _delta_net_decay_norm_out(rules, f"{hf}.linear_attn", attention, cfg)
+        else:
+            rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
+            _gated_attention(rules, f"{hf}.self_attn", f"{ours}.self_attn", cfg)
+        rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
+        if cfg.moe is None:
+            _dense_mlp(rules, f"{hf}.mlp", f"{ours}.ffn", d, cfg.d_ff)
+            continue
+        _expert_rules(rules, hf, f"{ours}.ffn", cfg, experts)
+        _dense_mlp(rules, f"{hf}.mlp.shared_expert", f"{ours}.ffn.shared_expert", d, cfg.moe.shared_expert_d_ff)
+        _linear(rules, f"{hf}.mlp.shared_expert_gate", f"{ours}.ffn.shared_expert_gate", d, 1, bias=False)
+    rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
     if not cfg.tie_head:
         rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
     return rules
@@ -1057,7 +1225,8 @@ def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
 # Each family's names for a layer's mixture, one nn.Linear per expert and projection: the block, then
 # each expert's gate (W1, the activated one), up (W3) and down (W2). The router is the block's "gate".
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 FUSED_EXPERTS = "fused"
 
 
@@ -1065,9 +1234,9 @@ def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig,
     """A layer's router, gate.weight [E, d] transposed to the spec's [d, E], and its E experts.
     layout: a family of _EXPERT_NAMES (w1/w3/w2 or gate_proj/up_proj/down_proj, each [out, in]
     transposed: the published files and transformers 5's save_pretrained), or FUSED_EXPERTS:
-    transformers 5's modules as they are (save_pretrained(save_original_format=False)), Mixtral's
-    and Qwen3-MoE's alike, mlp.experts.gate_up_proj [E, 2·d_ff, d] (expert e's gate in its first
-    d_ff rows, up in the rest, as nn.Linear's outputs) and mlp.experts.down_proj [E, d, d_ff]: each
+    transformers 5's modules as they are (save_pretrained(save_original_format=False)), Mixtral's,
+    Qwen3-MoE's and Qwen3-Next's alike, mlp.experts.gate_up_proj [E, 2·d_ff, d] (expert e's gate in
+    its first d_ff rows, up in the rest, as nn.Linear's outputs) and mlp.experts.down_proj [E, d, d_ff]: each
     expert's slice, transposed."""
     d, d_ff, count = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
     if layout not in (*_EXPERT_NAMES, FUSED_EXPERTS):
@@ -1098,6 +1267,8 @@ def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -
         return phi3_mapping(cfg)
     if family in ("qwen3_5_text", "qwen3_5"):
         return qwen3_5_mapping(cfg, _decoder_prefix(family))
+    if family == "qwen3_next":  # num_experts 0: dense FFNs, no experts
+        return qwen3_next_mapping(cfg, (FUSED_EXPERTS if fused_experts else family) if cfg.moe else None)
     experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
     return llama_mapping(cfg, experts=experts)
 
@@ -1141,7 +1312,7 @@ def _ignored(family: str, key: str) -> str | None:
         return "Marian's sinusoid tables (checked against the spec's, which are computed)"
     if family == "qwen3_5" and key.startswith("model.visual."):
         return "the vision tower of Qwen3_5ForConditionalGeneration (the spec is its text decoder)"
-    if family == "qwen3_5" and key.startswith("mtp."):
+    if family in ("qwen3_5", "qwen3_next") and key.startswith("mtp."):
         return "the multi-token prediction head of the published files (speculative decoding; not the model's logits)"
     if family in _ROTARY_FAMILIES and re.fullmatch(_INVERSE_FREQUENCIES, key):
         return ("the rotary inverse frequencies older transformers saved (checked against the spec's, which are "
@@ -1235,7 +1406,8 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
-            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config}
+            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config,
+            "qwen3_next": _qwen3_next_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1304,6 +1476,13 @@ _LINEAR_BLOCKS = {  # Qwen3.5's in_proj_qkv and conv1d: q, k and v one after ano
     "v": "2·H_k·d_k … 2·H_k·d_k + H_v·d_v − 1"}
 
 
+_GROUPED_BLOCKS = {  # Qwen3-Next's in_proj_qkvz and in_proj_ba: one key head's group, r = H_v / H_k
+    "q": "rows 0 … d_k − 1 (its query)", "k": "rows d_k … 2·d_k − 1 (its key)",
+    "v": "rows 2·d_k … 2·d_k + r·d_v − 1 (its r value heads' values)",
+    "z": "rows 2·d_k + r·d_v … 2·d_k + 2·r·d_v − 1 (their output gates)",
+    "beta": "rows 0 … r − 1 (its r value heads' b)", "decay": "rows r … 2·r − 1 (their a)"}
+
+
 def _block_rows(rule: Rule) -> str:
     return _FUSED_BLOCKS[rule.target.split(".")[-2]]
 
@@ -1352,6 +1531,7 @@ def mapping_markdown(family: str) -> str:
                                                            value_head_dim=4, conv_kernel=2))
     examples["qwen3_5_text"] = (qwen3_5_mapping, hybrid)
     examples["qwen3_5"] = (lambda cfg: qwen3_5_mapping(cfg, _QWEN3_5_DECODER), hybrid)
+    examples["qwen3_next"] = (qwen3_next_mapping, hybrid.replace(moe=dataclasses.replace(moe, shared_expert_d_ff=8)))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
@@ -1362,6 +1542,10 @@ def mapping_markdown(family: str) -> str:
         elif rule.how.startswith("channels"):
             block = _LINEAR_BLOCKS[rule.target.split(".")[-2].removesuffix("_conv")]
             how = f"channels {block} (the [C, 1, K] kernels as [C, K])"
+        elif rule.how.startswith("transpose group rows"):
+            field = rule.target.split(".")[-2]
+            fused = "2·d_k + 2·r·d_v" if field in _QWEN3_NEXT_QKVZ else "2·r"
+            how = f"each key head's {_GROUPED_BLOCKS[field]} of its {fused}, head after head, transposed"
         elif rule.how.startswith("transpose head half"):
             how = (f"each head's {'first' if rule.head_half()[0] == 0 else 'second'} d_k rows of its 2·d_k "
                    f"({'the query' if rule.head_half()[0] == 0 else 'the output gate'}), transposed")

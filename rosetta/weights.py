@@ -55,7 +55,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def add_import(commands: argparse._SubParsersAction) -> None:
     importer = commands.add_parser("import", help="import a Hugging Face model directory (GPT-2, Marian, BART, "
-                                   "Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE) into a "
+                                   "Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE, Qwen3.5, "
+                                   "Qwen3-Next) into a "
                                    "weights file")
     importer.add_argument("directory", type=Path, help="holds config.json and model.safetensors")
     importer.add_argument("--out", type=Path, required=True, help="the weights file to write (.safetensors)")

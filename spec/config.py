@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from spec.errors import ConfigError
@@ -81,6 +82,9 @@ class MixtureOfExperts:
     router_softmax: str = "float32"  # the router's softmax at least in float32 (half activations widened), or theirs
     # α: the training loss adds α times the load-balancing loss (SPEC §5.14); 0, the default: none
     load_balancing: float = 0.0
+    # the width of a shared expert every token takes beside its k, gated by σ(x g) (Qwen2-MoE's and
+    # Qwen3-Next's shared_expert_intermediate_size); 0, the default: none
+    shared_expert_d_ff: int = 0
 
     @classmethod
     def from_dict(cls, data: Any) -> "MixtureOfExperts":
@@ -273,6 +277,8 @@ class ModelConfig:
         for name in ("short_factor", "long_factor"):  # longrope's, absent from the other rules likewise
             if data.get("rope_scaling") and data["rope_scaling"][name] is None:
                 del data["rope_scaling"][name]
+        if data.get("moe") and not data["moe"]["shared_expert_d_ff"]:  # absent without a shared expert
+            del data["moe"]["shared_expert_d_ff"]
         return data
 
     def to_json(self) -> str:
@@ -312,28 +318,35 @@ _FRAMEWORKS = ("impl_numpy", "impl_torch", "impl_jax")
 HUGGING_FACE_WRITER = "the Hugging Face writer"
 TRANSFORMERS_COLUMN = "the transformers column (its directory written by the Hugging Face writer)"
 ONNX_EXPORTS = {"torch": "the ONNX export from impl_torch", "jax": "the ONNX export from impl_jax (jax2onnx)"}
-NEWER_FEATURES = {
-    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)",
-                         (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])),
-    "attention_output_gate": ("the attention's output gate (attention_output_gate)",
-                              (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])),
+_HYBRID_COMPUTERS = (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])
+# feature -> (its name, what computes it, whether cfg has it)
+NEWER_FEATURES: dict[str, tuple[str, tuple[str, ...], Callable[[ModelConfig], bool]]] = {
+    "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", _HYBRID_COMPUTERS,
+                         lambda cfg: cfg.linear_attention is not None),
+    "attention_output_gate": ("the attention's output gate (attention_output_gate)", _HYBRID_COMPUTERS,
+                              lambda cfg: cfg.attention_output_gate),
+    "shared_expert": ("the mixture of experts' shared expert (moe.shared_expert_d_ff)",
+                      (*_FRAMEWORKS, "the golden's backward", TRANSFORMERS_COLUMN, *ONNX_EXPORTS.values()),
+                      lambda cfg: cfg.moe is not None and cfg.moe.shared_expert_d_ff > 0),
 }
 
 
 def uncomputed_features(cfg: ModelConfig, who: str) -> tuple[str, ...]:
     """The features of cfg that `who` does not compute yet, by name."""
-    return tuple(name for field, (name, computers) in NEWER_FEATURES.items()
-                 if getattr(cfg, field) not in (None, False) and who not in computers)
+    return tuple(name for name, computers, present in NEWER_FEATURES.values() if present(cfg) and who not in computers)
 
 
 def not_computed_by(cfg: ModelConfig, who: str) -> str | None:
     """Why `who` (a framework, an export, the golden's backward, ...) cannot compute cfg yet, naming
-    the features; None where it can."""
-    if features := uncomputed_features(cfg, who):
-        return (f"{who} does not compute {' or '.join(features)} yet: the golden's forward and cached decode, "
-                "impl_torch, impl_jax, the Hugging Face writer, transformers and the ONNX export from impl_torch "
-                "do (SPEC §5.15)")
-    return None
+    the features and what does compute them; None where it can."""
+    missing = [(name, computers) for name, computers, present in NEWER_FEATURES.values()
+               if present(cfg) and who not in computers]
+    if not missing:
+        return None
+    computers = [who for who in missing[0][1] if all(who in others for _, others in missing)]
+    doers = ", ".join("the golden's forward and cached decode" if who == "impl_numpy" else who for who in computers)
+    return (f"{who} does not compute {' or '.join(name for name, _ in missing)} yet: {doers} do "
+            "(SPEC §5.14, §5.15)")
 
 
 def check_computed_by(cfg: ModelConfig, who: str) -> None:
@@ -550,9 +563,9 @@ def _validate_hybrid(cfg: ModelConfig) -> None:
     if cfg.norm != "rmsnorm" or cfg.norm_position != "pre":
         raise ConfigError("gated DeltaNet's layers are pre-RMSNorm layers (its output norm is an RMSNorm); it needs "
                           f"norm='rmsnorm' and norm_position='pre', got {cfg.norm!r} and {cfg.norm_position!r}")
-    if cfg.post_norms or cfg.moe is not None:
-        raise ConfigError("linear_attention's models here have neither post norms nor experts (Qwen3.5's dense "
-                          "layers); a hybrid with either is not in the spec yet")
+    if cfg.post_norms:
+        raise ConfigError("linear_attention's models here have no post norms (Qwen3.5's and Qwen3-Next's layers); "
+                          "a hybrid with them is not in the spec yet")
     if cfg.bias or cfg.dropout:
         raise ConfigError("gated DeltaNet's projections have no biases and no dropout here (Qwen3.5's, Qwen3-Next's); "
                           f"it needs bias=false and dropout=0, got bias={cfg.bias}, dropout={cfg.dropout}")
@@ -567,6 +580,10 @@ def _validate_moe(cfg: ModelConfig) -> None:
         value = getattr(moe, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"moe.{name} must be a positive integer, got {value!r}")
+    shared = moe.shared_expert_d_ff
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"moe.shared_expert_d_ff (the shared expert's width; 0 for none) must be an integer >= 0, "
+                          f"got {shared!r}")
     if moe.n_experts < 2:
         raise ConfigError(f"moe.n_experts must be at least 2 (one expert is a dense FFN), got {moe.n_experts}")
     if moe.experts_per_token > moe.n_experts:

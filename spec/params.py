@@ -63,16 +63,18 @@ def _norm_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {f"{prefix}.scale": (cfg.d_model,), f"{prefix}.bias": (cfg.d_model,)}
 
 
-def _ffn_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """W1 [d, d_ff] (activated), W3 [d, d_ff] (the gated FFN's linear unit), W2 [d_ff, d]."""
-    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.w1.weight": (cfg.d_model, cfg.d_ff)}
+def _ffn_shapes(prefix: str, cfg: ModelConfig, d_ff: int | None = None) -> dict[str, tuple[int, ...]]:
+    """W1 [d, d_ff] (activated), W3 [d, d_ff] (the gated FFN's linear unit), W2 [d_ff, d]; d_ff the
+    config's unless given (a shared expert's)."""
+    d_ff = cfg.d_ff if d_ff is None else d_ff
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.w1.weight": (cfg.d_model, d_ff)}
     if cfg.bias:
-        shapes[f"{prefix}.w1.bias"] = (cfg.d_ff,)
+        shapes[f"{prefix}.w1.bias"] = (d_ff,)
     if cfg.gated_ffn:
-        shapes[f"{prefix}.w3.weight"] = (cfg.d_model, cfg.d_ff)
+        shapes[f"{prefix}.w3.weight"] = (cfg.d_model, d_ff)
         if cfg.bias:
-            shapes[f"{prefix}.w3.bias"] = (cfg.d_ff,)
-    shapes[f"{prefix}.w2.weight"] = (cfg.d_ff, cfg.d_model)
+            shapes[f"{prefix}.w3.bias"] = (d_ff,)
+    shapes[f"{prefix}.w2.weight"] = (d_ff, cfg.d_model)
     if cfg.bias:
         shapes[f"{prefix}.w2.bias"] = (cfg.d_model,)
     return shapes
@@ -116,10 +118,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(_norm_shapes(f"{layer}.cross_attn_norm", cfg))
         if cfg.moe is None:
             shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
-        else:  # §5.14: the router, then each expert's gated FFN
+        else:  # §5.14: the router, then each expert's gated FFN, then the shared expert and its gate
             shapes[f"{layer}.ffn.router.weight"] = (d, cfg.moe.n_experts)
             for expert in range(cfg.moe.n_experts):
                 shapes.update(_ffn_shapes(f"{layer}.ffn.experts.{expert}", cfg))
+            if cfg.moe.shared_expert_d_ff:
+                shapes.update(_ffn_shapes(f"{layer}.ffn.shared_expert", cfg, cfg.moe.shared_expert_d_ff))
+                shapes[f"{layer}.ffn.shared_expert_gate.weight"] = (d, 1)
         shapes.update(_norm_shapes(f"{layer}.ffn_norm", cfg))
         if cfg.post_norms:
             shapes.update(_norm_shapes(f"{layer}.ffn_post_norm", cfg))
@@ -220,12 +225,14 @@ POST_NORM_GAINS = {"ffn_post_norm": 3.0, "self_attn_post_norm": 0.5}
 
 
 def _role(name: str) -> str:
-    """A parameter's "module.matrix.kind", an expert's as its FFN's (SPEC §5.14):
+    """A parameter's "module.matrix.kind", an expert's (the shared one's too) as its FFN's (SPEC §5.14):
     decoder.layers.0.ffn.experts.3.w2.weight -> ffn.w2.weight."""
     parts = name.split(".")
     if "experts" in parts:
         at = parts.index("experts")
         del parts[at:at + 2]
+    if "shared_expert" in parts:
+        parts.remove("shared_expert")
     return ".".join(parts[-3:])
 
 

@@ -265,6 +265,25 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
                                            conv_kernel=3, chunk_size=5),
         ),
     ),
+    "qwen3-next-tiny": (
+        "A Qwen3-Next-family hybrid at odd sizes (SPEC §5.14, §5.15): qwen35-tiny's layout (three gated "
+        "DeltaNet layers, then a gated full-attention one with q/k head norms and a quarter of each head "
+        "rotated; (1 + w) norms, eps 1e-6) whose every FFN is a mixture of 5 SwiGLU experts of width 20, "
+        "2 chosen per token and renormalised (norm_topk_prob), beside a shared expert of width 24 gated "
+        "by a sigmoid; untied head. Its linear layers: 2 key heads of 6, 6 value heads of 5 (three per "
+        "key head), a convolution 4 wide, chunks of 4: d 44, 4 heads of 16 over 2 key/value heads, theta "
+        "1000000, vocabulary 89.",
+        ModelConfig(
+            arch="decoder-only", d_model=44, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=20, n_decoder_layers=4,
+            tgt_vocab_size=89, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6, final_norm=True,
+            positional="rope", rope_theta=1000000.0, rope_fraction=0.25, embed_scale=False, activation="swish",
+            gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False, norm_scale_plus_one=True,
+            tie_head=False, attention_output_gate=True, layer_types=("linear", "linear", "linear", "full"),
+            linear_attention=GatedDeltaNet(key_heads=2, value_heads=6, key_head_dim=6, value_head_dim=5,
+                                           conv_kernel=4, chunk_size=4),
+            moe=MixtureOfExperts(n_experts=5, experts_per_token=2, renormalize=True, shared_expert_d_ff=24),
+        ),
+    ),
     "gemma2-small": (
         "A Gemma 2-family decoder of llama-small's size, for the CPU bench against onnxruntime-genai and "
         "CTranslate2: Gemma 2's layer (four (1 + scale) RMSNorms, GeGLU, the embeddings times sqrt(d) = 24 "

@@ -13,7 +13,7 @@ def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
-                            "qwen3-moe-tiny", "qwen35-tiny", "gemma2-small",
+                            "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "gemma2-small",
                             "llama-small"]
 
 
@@ -33,6 +33,9 @@ def test_json_round_trip(name):
         expected["rope_scaling"] = {key: list(value) if isinstance(value, tuple) else value
                                     for key, value in expected["rope_scaling"].items()
                                     if key not in ("short_factor", "long_factor") or value is not None}
+    if expected.get("moe"):  # a mixture without a shared expert reads as it did before there was one
+        expected["moe"] = {key: value for key, value in expected["moe"].items()
+                           if key != "shared_expert_d_ff" or value}
     assert json.loads(cfg.to_json()) == expected
 
 
@@ -102,6 +105,8 @@ def test_invalid_modern_decoders_name_the_problem(changes, message):
     ({"n_experts": True}, "n_experts must be a positive integer"),
     ({"renormalize": 1}, "renormalize must be true or false"),
     ({"router_softmax": "bfloat16"}, "router_softmax must be one of float32, activation"),
+    ({"shared_expert_d_ff": -1}, r"shared_expert_d_ff \(the shared expert's width; 0 for none\) must be an integer"),
+    ({"shared_expert_d_ff": True}, "shared_expert_d_ff .* must be an integer >= 0, got True"),
 ])
 def test_invalid_mixtures_of_experts_name_the_field(changes, message):
     moe = get_preset("mixtral-tiny").moe
@@ -132,6 +137,9 @@ def test_a_mixture_of_experts_reads_back_from_json_and_a_bad_one_is_named():
         ModelConfig.from_dict({**data, "moe": 6})
     written_before = {name: value for name, value in data["moe"].items() if name != "load_balancing"}
     assert ModelConfig.from_dict({**data, "moe": written_before}) == cfg  # a config from before the field
+    shared = get_preset("qwen3-next-tiny")  # a shared expert's width is written where there is one
+    assert json.loads(shared.to_json())["moe"]["shared_expert_d_ff"] == 24
+    assert ModelConfig.from_json(shared.to_json()) == shared
 
 
 def test_head_dim_is_decoupled_and_key_value_heads_default_to_the_heads():

@@ -59,6 +59,59 @@ def test_the_golden_is_transformers_block_at_float64(model, family, renormalize)
     assert np.abs(ours).max() > 1.0
 
 
+D_SHARED = 28
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen2_moe"])
+def test_the_shared_expert_is_transformers_block_at_float64(model, family):
+    """SPEC §5.14's shared expert: Σ_j w_j · FFN_top_j(x) + σ(x g) · FFN_shared(x), Qwen3-Next's and
+    Qwen2-MoE's sparse block with its shared_expert and shared_expert_gate (renormalised as Qwen3-Next's
+    norm_topk_prob; Qwen2-MoE's default leaves the k weights as they are)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from impl_numpy.model import experts_ffn, mixture_of_experts
+    from spec import MixtureOfExperts, ModelConfig
+
+    x, router, experts = model
+    rng = np.random.default_rng(1)
+    shared = {"w1.weight": rng.normal(0, 0.3, (D, D_SHARED)), "w3.weight": rng.normal(0, 0.3, (D, D_SHARED)),
+              "w2.weight": rng.normal(0, 0.3, (D_SHARED, D))}
+    gate = rng.normal(0, 0.5, (D, 1))
+    renormalize = family == "qwen3_next"
+    common = dict(hidden_size=D, moe_intermediate_size=D_FF, shared_expert_intermediate_size=D_SHARED,
+                  num_experts=E, num_experts_per_tok=K, norm_topk_prob=renormalize, hidden_act="silu")
+    if family == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
+        config = transformers.Qwen3NextConfig(**common)
+    else:
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
+        config = transformers.Qwen2MoeConfig(**common)
+    block = Block(config).double().eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(router.T))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(np.stack(
+            [np.concatenate([p["w1.weight"].T, p["w3.weight"].T]) for p in experts])))
+        block.experts.down_proj.copy_(torch.from_numpy(np.stack([p["w2.weight"].T for p in experts])))
+        for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            getattr(block.shared_expert, theirs).weight.copy_(torch.from_numpy(shared[f"{ours}.weight"].T))
+        block.shared_expert_gate.weight.copy_(torch.from_numpy(gate.T))
+        theirs = block(torch.from_numpy(x)[None]).numpy()[0]
+    cfg = ModelConfig(arch="decoder-only", d_model=D, n_heads=4, d_ff=D_FF, n_decoder_layers=1, tgt_vocab_size=11,
+                      max_len=16, norm="rmsnorm", norm_position="pre", positional="rope", activation="swish",
+                      gated_ffn=True, bias=False, embed_scale=False,
+                      moe=MixtureOfExperts(n_experts=E, experts_per_token=K, renormalize=renormalize,
+                                           shared_expert_d_ff=D_SHARED))
+    ffn = {"router.weight": router, "shared_expert_gate.weight": gate,
+           **{f"experts.{e}.{name}": value for e, p in enumerate(experts) for name, value in p.items()},
+           **{f"shared_expert.{name}": value for name, value in shared.items()}}
+    ours = experts_ffn(cfg, ffn, x[None])[0]
+    assert routing_margins(router_probabilities(x, router), K).min() > 2 * tolerance("float32", D, 1)
+    assert_agrees(theirs, ours, n=max(D, D_FF, D_SHARED), dtype="float32")
+    # the shared part is a good share of the output: without it the block is far from theirs
+    assert_differs(theirs, mixture_of_experts(x, router, experts, K, renormalize, "swish"), n=max(D, D_SHARED),
+                   dtype="float32")
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=2, max_size=7), st.integers(1, 7))
 def test_ties_go_to_the_lower_index_and_the_largest_come_first(levels, k):

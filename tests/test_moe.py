@@ -814,3 +814,41 @@ def test_the_near_tie_share_is_the_routers_own_rounding():
                                               for dtype in ("float32", "float16", "bfloat16")])
         assert row["decisions"] == 3120 and row["near_ties"]["float32"] == 0
         assert 0 < row["near_ties"]["bfloat16"] < 0.01 * row["decisions"], row
+
+
+# ---- the shared expert (SPEC §5.14: Qwen2-MoE, Qwen3-Next) ------------------------------------
+
+_QWEN3_MOE = get_preset("qwen3-moe-tiny")
+SHARED = _QWEN3_MOE.replace(moe=dataclasses.replace(_QWEN3_MOE.moe, shared_expert_d_ff=24))
+# the block's cells and its gradients (the golden's shared_expert_vjp) up to one AdamW step of the whole
+# model; qwen3-next-tiny's shared experts run in every whole-model cell of the torch and JAX columns
+# (tests/test_torch.py's and test_jax.py's every preset, test_gated_delta_net.py's Qwen3-Next matrix)
+SHARED_CELLS = "ffn-none|experts-*|grad-ffn-none*|train_step-none*"
+
+
+def test_a_shared_expert_passes_the_frameworks_cells_forward_and_back():
+    """σ(x g) · FFN_shared(x) beside the k routed experts, in torch's two forms of the block (batched,
+    the loop) and JAX's, at float32: forward, gradient and training cells."""
+    plan = plan_matrix(SHARED, ["torch", "torch-math", "jax"], ["float32"], ["cpu"])
+    results = run_matrix(SHARED, conformance_params(SHARED), plan, pattern=SHARED_CELLS, backward=True)
+    failed = {r.test_id: r.reason[:200] for r in results if r.status not in (PASS, "skip")}
+    assert not failed, failed
+    ran = {r.test_id for r in results if r.status == PASS}
+    wanted = {f"{cell}-float32-{backend}-cpu" for cell in ("experts-none", "grad-ffn-none", "train_step-none")
+              for backend in ("torch", "torch-math", "jax")}
+    assert wanted <= ran, wanted - ran
+
+
+@pytest.mark.parametrize("mistake", ["ungated", "left_out"])
+def test_a_shared_expert_ungated_or_left_out_fails_the_cells_that_run_it(monkeypatch, mistake):
+    """A port that adds the shared expert without its sigmoid gate, or drops it (a block copied from
+    Qwen3-MoE's), fails the block's cells and the model's."""
+    block = torch_model.MixtureOfExperts
+    if mistake == "ungated":
+        monkeypatch.setattr(block, "shared", lambda self, x: self.shared_expert(x))
+    else:
+        monkeypatch.setattr(block, "forward", block.routed)
+    results = run_matrix(SHARED, conformance_params(SHARED), plan_matrix(SHARED, ["torch"], ["float32"], ["cpu"]),
+                         pattern="ffn-none|experts-none|forward-pad_right*")
+    assert {r.test_id for r in results if r.status == FAIL} == {
+        f"{cell}-float32-torch-cpu" for cell in ("ffn-none", "experts-none", "forward-pad_right")}

@@ -45,6 +45,14 @@ EXPECTED_COUNTS = {
     "qwen35-tiny": 97 * 40 + 40 + 3 * (2 * 40 * 16 + 2 * 40 * 24 + 3 * (2 * 16 + 24) + 2 * 40 * 4 + 2 * 4 + 6 + 24 * 40
                                       + 3 * 40 * 56 + 2 * 40)
                    + (2 * 40 * 64 + 2 * 40 * 32 + 64 * 40 + 2 * 16 + 3 * 40 * 56 + 2 * 40),
+    # qwen35-tiny's layout untied (89 rows) at d 44: three linear layers (q, k [44, 2·6], v, z [44, 6·5], the
+    # convolutions [channels, 4], β and the decay [44, 6] with its bias and log rate, the output norm [5], o) and a
+    # gated attention (q and gate [44, 4·16], k and v [44, 2·16], o, q/k norms [16]), each with two norms and
+    # the mixture: the router [44, 5], 5 experts of 3 matrices 44 × 20, the shared expert 44 × 24 and its gate [44, 1]
+    "qwen3-next-tiny": 2 * 89 * 44 + 44 + 3 * (2 * 44 * 12 + 2 * 44 * 30 + 4 * (2 * 12 + 30) + 2 * 44 * 6 + 2 * 6 + 5
+                                             + 30 * 44 + 2 * 44)
+                       + (2 * 44 * 64 + 2 * 44 * 32 + 64 * 44 + 2 * 16 + 2 * 44)
+                       + 4 * (44 * 5 + 5 * 3 * 44 * 20 + 3 * 44 * 24 + 44),  # 103,383
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "gemma2-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 4 * 576) + 576,
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,

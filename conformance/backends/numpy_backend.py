@@ -114,9 +114,11 @@ class NumpyRunner:
             return dict(zip(ROUTER_OUTPUTS, (value.reshape(*x.shape[:-1], -1) for value in routed)))
         if sublayer == "experts":
             x, k = self._float(inputs["x"]), cfg.moe.experts_per_token
-            experts = golden.layer_experts(cfg, params_under(p, inputs["module"]))
-            return golden.weighted_experts(x.reshape(-1, x.shape[-1]), experts, np.reshape(inputs["chosen"], (-1, k)),
-                                           self._float(inputs["weights"]).reshape(-1, k), cfg.activation).reshape(x.shape)
+            block = params_under(p, inputs["module"])
+            routed = golden.weighted_experts(x.reshape(-1, x.shape[-1]), golden.layer_experts(cfg, block),
+                                             np.reshape(inputs["chosen"], (-1, k)),
+                                             self._float(inputs["weights"]).reshape(-1, k), cfg.activation)
+            return golden.with_shared_expert(cfg, block, x, routed.reshape(x.shape))
         if sublayer == "norm":
             return golden.norm(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
         if sublayer == "ffn_block":

@@ -45,11 +45,13 @@ def attention_weights(cfg: ModelConfig) -> int:
 
 def ffn_weights(cfg: ModelConfig) -> int:
     """Multiplies per position of one FFN: W1 and W2, and W3 where it is gated; in a mixture of
-    experts, its router's and the k experts' each token runs."""
-    one = (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.d_ff
+    experts, its router's and the k experts' each token runs, and the shared expert's and its gate's."""
+    matrices = 3 if cfg.gated_ffn else 2
+    one = matrices * cfg.d_model * cfg.d_ff
     if cfg.moe is None:
         return one
-    return cfg.moe.experts_per_token * one + cfg.d_model * cfg.moe.n_experts
+    shared = matrices * cfg.d_model * cfg.moe.shared_expert_d_ff + cfg.d_model if cfg.moe.shared_expert_d_ff else 0
+    return cfg.moe.experts_per_token * one + cfg.d_model * cfg.moe.n_experts + shared
 
 
 def calls_per_layer(cfg: ModelConfig) -> int:
