@@ -62,6 +62,23 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                           rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25},
                                           tie_word_embeddings=True, bos_token_id=248044, eos_token_id=248044,
                                           pad_token_id=248044)),
+    # one of Qwen3-Next-80B-A3B's linear layers (gated DeltaNet: 16 key heads and 32 value heads of 128, a
+    # convolution 4 wide) and its FFN (experts of 512, ten per token, renormalised, beside a shared expert of 512
+    # under its sigmoid gate), the experts cut from 512 to 128 and the vocabulary from 151,936 to 32,768 so the
+    # float64 golden fits 24 GB; untied
+    "qwen3-next-80b-a3b-layer": ("qwen3_next", dict(vocab_size=32768, hidden_size=2048, intermediate_size=5120,
+                                                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                                    num_experts=128, num_experts_per_tok=10, norm_topk_prob=True,
+                                                    decoder_sparse_step=1, num_hidden_layers=1,
+                                                    layer_types=["linear_attention"], num_attention_heads=16,
+                                                    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                                                    linear_num_value_heads=32, linear_key_head_dim=128,
+                                                    linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                                    max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                                    rope_theta=10000000.0,
+                                                    rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25},
+                                                    tie_word_embeddings=False, bos_token_id=32766,
+                                                    eos_token_id=32767)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -69,9 +86,10 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
+           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+           "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
 # norms by 1 + weight: 0 is the identity (a published Qwen3.5's vision tower takes it too: it is not imported)
-_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0}
+_NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0, "qwen3_next": 0.0}
 _PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is
 
 
@@ -92,7 +110,7 @@ RUNS: dict[str, list[str]] = {
 def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: int = 0) -> Path:
     """A randomly initialised transformers model of the family saved to directory, every parameter
     drawn: matrices at 1/sqrt(their smaller side) (a stack of them, transformers 5's fused experts
-    [E, out, in], at each one's), norm scales about their identity (1, Gemma's 0; never it), biases
+    [E, out, in], at each one's; a shared expert's gate [1, d] at 1/sqrt(d)), norm scales about their identity (1, Gemma's 0; never it), biases
     about 0 (not 0)."""
     import torch
     import transformers
@@ -103,7 +121,9 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
     with torch.no_grad():
         for name, tensor in model.named_parameters():  # not the buffers: inv_freq is computed, not a weight
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-            if tensor.ndim >= 2:
+            if name.endswith("shared_expert_gate.weight"):  # [1, d]: at 1/sqrt(d), so σ(x·g) stays off 0 and 1
+                tensor.copy_(noise * tensor.shape[-1] ** -0.5)
+            elif tensor.ndim >= 2:
                 tensor.copy_(noise * min(tensor.shape[-2:]) ** -0.5)
             elif "norm" in name:
                 tensor.copy_(_norm_identity(family, name) + 0.2 * noise)
