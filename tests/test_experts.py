@@ -28,6 +28,20 @@ def model():
     return rng.normal(0, 1.0, (N, D)), rng.normal(0, 0.5, (D, E)), _experts(rng)
 
 
+def _block_with(block, router, experts):
+    """transformers' sparse block in float64 holding our router [d, E] and experts (its fused stacks:
+    gate_up_proj [E, 2·d_ff, d] the gate's rows first, down_proj [E, d, d_ff])."""
+    import torch
+
+    block = block.double().eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(router.T))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(np.stack(
+            [np.concatenate([p["w1.weight"].T, p["w3.weight"].T]) for p in experts])))
+        block.experts.down_proj.copy_(torch.from_numpy(np.stack([p["w2.weight"].T for p in experts])))
+    return block
+
+
 @pytest.mark.parametrize("family, renormalize", [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)])
 def test_the_golden_is_transformers_block_at_float64(model, family, renormalize):
     torch = pytest.importorskip("torch")
@@ -41,12 +55,8 @@ def test_the_golden_is_transformers_block_at_float64(model, family, renormalize)
     else:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
         config = transformers.Qwen3MoeConfig(num_experts=E, norm_topk_prob=renormalize, **common)
-    block = Block(config).double().eval()
+    block = _block_with(Block(config), router, experts)
     with torch.no_grad():
-        block.gate.weight.copy_(torch.from_numpy(router.T))
-        block.experts.gate_up_proj.copy_(torch.from_numpy(np.stack(
-            [np.concatenate([p["w1.weight"].T, p["w3.weight"].T]) for p in experts])))
-        block.experts.down_proj.copy_(torch.from_numpy(np.stack([p["w2.weight"].T for p in experts])))
         theirs = block(torch.from_numpy(x)[None]).numpy()[0]
     ours = mixture_of_experts(x, router, experts, K, renormalize, "swish")
     # transformers takes the router's softmax in float32 (Mixtral's .float(), Qwen3's dtype=float): its
@@ -86,12 +96,8 @@ def test_the_shared_expert_is_transformers_block_at_float64(model, family):
     else:
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
         config = transformers.Qwen2MoeConfig(**common)
-    block = Block(config).double().eval()
+    block = _block_with(Block(config), router, experts)
     with torch.no_grad():
-        block.gate.weight.copy_(torch.from_numpy(router.T))
-        block.experts.gate_up_proj.copy_(torch.from_numpy(np.stack(
-            [np.concatenate([p["w1.weight"].T, p["w3.weight"].T]) for p in experts])))
-        block.experts.down_proj.copy_(torch.from_numpy(np.stack([p["w2.weight"].T for p in experts])))
         for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             getattr(block.shared_expert, theirs).weight.copy_(torch.from_numpy(shared[f"{ours}.weight"].T))
         block.shared_expert_gate.weight.copy_(torch.from_numpy(gate.T))

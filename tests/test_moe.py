@@ -822,20 +822,24 @@ _QWEN3_MOE = get_preset("qwen3-moe-tiny")
 SHARED = _QWEN3_MOE.replace(moe=dataclasses.replace(_QWEN3_MOE.moe, shared_expert_d_ff=24))
 # the block's cells and its gradients (the golden's shared_expert_vjp) up to one AdamW step of the whole
 # model; qwen3-next-tiny's shared experts run in every whole-model cell of the torch and JAX columns
-# (tests/test_torch.py's and test_jax.py's every preset, test_gated_delta_net.py's Qwen3-Next matrix)
+# (tests/test_torch.py's and test_jax.py's every preset, test_gated_delta_net.py's Qwen3-Next cells)
 SHARED_CELLS = "ffn-none|experts-*|grad-ffn-none*|train_step-none*"
 
 
 def test_a_shared_expert_passes_the_frameworks_cells_forward_and_back():
     """σ(x g) · FFN_shared(x) beside the k routed experts, in torch's two forms of the block (batched,
-    the loop) and JAX's, at float32: forward, gradient and training cells."""
-    plan = plan_matrix(SHARED, ["torch", "torch-math", "jax"], ["float32"], ["cpu"])
-    results = run_matrix(SHARED, conformance_params(SHARED), plan, pattern=SHARED_CELLS, backward=True)
+    the loop) at float32: forward, gradient and training cells; JAX's block and its gradient (its
+    training step is the same autodiff, through the model: tests/test_training_cells.py)."""
+    params = conformance_params(SHARED)
+    results = run_matrix(SHARED, params, plan_matrix(SHARED, ["torch", "torch-math"], ["float32"], ["cpu"]),
+                         pattern=SHARED_CELLS, backward=True)
+    results += run_matrix(SHARED, params, plan_matrix(SHARED, ["jax"], ["float32"], ["cpu"]),
+                          pattern="experts-none|grad-ffn-none*", backward=True)
     failed = {r.test_id: r.reason[:200] for r in results if r.status not in (PASS, "skip")}
     assert not failed, failed
     ran = {r.test_id for r in results if r.status == PASS}
     wanted = {f"{cell}-float32-{backend}-cpu" for cell in ("experts-none", "grad-ffn-none", "train_step-none")
-              for backend in ("torch", "torch-math", "jax")}
+              for backend in ("torch", "torch-math")} | {"experts-none-float32-jax-cpu", "grad-ffn-none-float32-jax-cpu"}
     assert wanted <= ran, wanted - ran
 
 

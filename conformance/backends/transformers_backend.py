@@ -257,9 +257,9 @@ def model_class(directory: str | Path):
     return getattr(transformers, architectures[0], None) if architectures else None
 
 
-HYBRID_FLOAT32 = ("transformers' Qwen3.5 computes its linear layers' decay (A_log.float(), a.float()) and gated delta "
-                  "rule (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) in float32 whatever the "
-                  "model's dtype: a float64 run is float32's there")
+HYBRID_FLOAT32 = ("transformers' Qwen3.5 and Qwen3-Next compute their linear layers' decay (A_log.float(), a.float()) "
+                  "and gated delta rule (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) in float32 "
+                  "whatever the model's dtype: a float64 run is float32's there")
 PAD_BETWEEN = ("a pad between real tokens moves transformers' Qwen3.5 linear-layer state (it zeroes the pad's input; "
                "the convolution window and the decay still take the pad), where the spec's pads move nothing "
                "(SPEC §5.15)")
