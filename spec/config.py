@@ -331,21 +331,26 @@ NEWER_FEATURES: dict[str, tuple[str, tuple[str, ...], Callable[[ModelConfig], bo
 }
 
 
+def _missing(cfg: ModelConfig, who: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, what computes it) of each feature of cfg that `who` does not compute yet."""
+    return [(name, computers) for name, computers, present in NEWER_FEATURES.values()
+            if present(cfg) and who not in computers]
+
+
 def uncomputed_features(cfg: ModelConfig, who: str) -> tuple[str, ...]:
     """The features of cfg that `who` does not compute yet, by name."""
-    return tuple(name for name, computers, present in NEWER_FEATURES.values() if present(cfg) and who not in computers)
+    return tuple(name for name, _ in _missing(cfg, who))
 
 
 def not_computed_by(cfg: ModelConfig, who: str) -> str | None:
     """Why `who` (a framework, an export, the golden's backward, ...) cannot compute cfg yet, naming
-    the features and what does compute them; None where it can."""
-    missing = [(name, computers) for name, computers, present in NEWER_FEATURES.values()
-               if present(cfg) and who not in computers]
+    the features and what does compute them all; None where it can."""
+    missing = _missing(cfg, who)
     if not missing:
         return None
-    computers = [who for who in missing[0][1] if all(who in others for _, others in missing)]
-    doers = ", ".join("the golden's forward and cached decode" if who == "impl_numpy" else who for who in computers)
-    return (f"{who} does not compute {' or '.join(name for name, _ in missing)} yet: {doers} do "
+    doers = [doer for doer in missing[0][1] if all(doer in computers for _, computers in missing)]
+    named = ", ".join("the golden's forward and cached decode" if doer == "impl_numpy" else doer for doer in doers)
+    return (f"{who} does not compute {' or '.join(name for name, _ in missing)} yet: {named} do "
             "(SPEC §5.14, §5.15)")
 
 
