@@ -135,7 +135,7 @@ def reference_for(cfg: ModelConfig, params, case: Case, golden: NumpyRunner, ref
     return references[case.name]
 
 
-def _drop(runners: dict) -> None:
+def drop_runners(runners: dict) -> None:
     """Drop a process's runners and give their memory back before the next column loads. One that
     outlives the drop sits in a reference cycle, which only the collector frees, and it would run
     after the next column had loaded beside it (an ONNX runner's sessions did: 1.9 GB at
@@ -165,7 +165,7 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         if key not in runners:
             # every executor runs a column's cells together: the columns before it are done, and
             # their runners go before this one loads (at a real checkpoint's size each holds GBs)
-            _drop(runners)
+            drop_runners(runners)
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
         if case.mask_case in NEAR_TIE_CASES and not hasattr(runners[key], "routing_log"):

@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 import impl_numpy as golden  # noqa: E402
 from benchmarks.checkpoints import random_checkpoint  # noqa: E402
 from conformance.adapter import NotSupported, Partial  # noqa: E402
-from conformance.backends.transformers_backend import (HYBRID_FLOAT32, PAD_BETWEEN, PAD_IN_STEP,  # noqa: E402
-                                                       TransformersRunner, _gated_rms_norm_float64, _rotary_float64,
-                                                       _router_float64, _spec_rows, model_class,
+from conformance.backends.transformers_backend import (HYBRID_FLOAT32, LINEAR_LAYERS_ONLY, PAD_BETWEEN,  # noqa: E402
+                                                       PAD_IN_STEP, TransformersRunner, _gated_rms_norm_float64,
+                                                       _rotary_float64, _router_float64, _spec_rows, model_class,
                                                        widened_to_float64)
 from conformance.cases import amplification, recurrent_depth  # noqa: E402
 from conformance.harness import PASS, SKIP  # noqa: E402
@@ -259,6 +259,22 @@ def test_qwen35_tiny_written_as_a_directory_imports_back_and_passes_the_transfor
     assert PAD_BETWEEN in left_out["forward-pad_middle-float32-transformers-cpu"]
     assert PAD_IN_STEP in left_out["decode-pad_left-float32-transformers-cpu"]
     assert "forward-pad_left-float32-transformers-cpu" not in left_out
+
+
+def test_a_hybrid_of_linear_layers_alone_runs_transformers_forward_and_refuses_its_decoding(tmp_path):
+    """transformers' hybrid cache asks an attention layer for its length: a model without one (a bench's
+    single layer of a published shape) runs its forward without a cache, and its decoding is refused by
+    name rather than an error on every cell."""
+    from importers.huggingface_writer import to_huggingface
+
+    cfg = get_preset("qwen35-tiny").replace(n_decoder_layers=1, layer_types=("linear",))
+    directory = to_huggingface(cfg, conformance_params(cfg), tmp_path / "linear-only")
+    results = _matrix(directory, ["transformers"], ["float32"])
+    ran = [r for r in results if r.status != SKIP]
+    assert ran and all(r.status == PASS for r in ran), [(r.test_id, r.reason[:200]) for r in ran if r.status != PASS]
+    assert {r.sublayer for r in ran} == {"forward"}
+    refused = [r for r in results if r.sublayer in ("decode", "generate")]
+    assert refused and all(LINEAR_LAYERS_ONLY in r.reason for r in refused)
 
 
 # ---- the published files: Qwen3_5ForConditionalGeneration ------------------------------------------

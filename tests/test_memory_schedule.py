@@ -4,6 +4,7 @@ skipped with its figure, never started to be killed by the kernel."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -191,6 +192,46 @@ def test_what_a_process_keeps_after_its_column_is_held_until_its_next_one():
     assert not ledger.try_take("worker 2", "large")  # 5 + 6 > 10 still
     ledger.release("worker 1")  # its process ended
     assert ledger.try_take("worker 2", "large")
+
+
+class _FitsOneColumn(MemoryLedger):
+    """A ledger whose limit holds two columns of a GB, but not one beside what two workers keep after theirs."""
+
+    limit = property(lambda self: int(2.1 * GB), lambda self, value: None)
+
+
+def test_owners_that_all_wait_for_memory_do_not_wait_for_ever(monkeypatch):
+    """Two columns fit at once; each worker's process keeps a little more than a column after each of
+    its own, and a column of this process's runs beside them. An owner waiting for memory holds nothing (a worker that
+    keeps some is replaced, this process drops its runner first): where each waited holding what it
+    kept, none could start again (the default check of a Qwen3-Next layer hung so, every process idle)."""
+    from conformance.adapter import get_backend, register_backend, unregister_backend
+    from conformance.executors import local_pool
+
+    receive = local_pool._receive
+
+    def kept_after_every_column(stream):  # each worker says it keeps 1.1 GB after each of its columns
+        kind, payload = receive(stream)
+        return [kind, {"ready": 0, "column done": int(1.1 * GB)}.get(kind, payload)]
+
+    monkeypatch.setattr(local_pool, "_receive", kept_after_every_column)
+    monkeypatch.setattr(harness, "MemoryLedger", _FitsOneColumn)
+    monkeypatch.setattr(harness, "column_footprint", lambda cfg, column, longest: GB)
+    here = copy.copy(get_backend("numpy-float32")[0])
+    here.name = "here"
+    register_backend("here", lambda: here)  # a callable: a backend of this process only
+    try:
+        plan = plan_matrix(CFG, ["numpy-float32", "torch", "torch-math", "here"], ["float32", "float64"], ["cpu"])
+        results = []
+        run = threading.Thread(target=lambda: results.extend(run_matrix(CFG, PARAMS, plan, pattern="forward-none",
+                                                                        jobs=2)), daemon=True)
+        run.start()
+        run.join(timeout=300)
+    finally:
+        unregister_backend("here")
+    assert not run.is_alive(), "the run waited for memory that no column would free"
+    ran = [r for r in results if r.status != SKIP]  # numpy-float32 has no float64
+    assert len(ran) == 6 and all(r.status == PASS for r in ran), [(r.test_id, r.status, r.reason) for r in ran]
 
 
 def test_a_worker_is_replaced_only_where_it_keeps_more_than_its_next_column_takes():

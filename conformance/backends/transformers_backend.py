@@ -84,6 +84,11 @@ def quiet_noisy_imports() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def attending_layers(cfg: ModelConfig) -> list[int]:
+    """The decoder layers that attend (not a hybrid's linear ones)."""
+    return [i for i in range(cfg.n_decoder_layers) if cfg.layer_kind(i) != "linear"]
+
+
 class TransformersRunner:
     def __init__(self, directory: Path, cfg: ModelConfig, dtype: str, device: str):
         import torch
@@ -170,6 +175,8 @@ class TransformersRunner:
     def run(self, sublayer: str, inputs: Mapping[str, Any]) -> np.ndarray | Partial:
         if sublayer not in MODEL_CASES:
             raise NotSupported(f"transformers runs whole models ({', '.join(MODEL_CASES)}), not {sublayer}")
+        if sublayer in ("decode", "generate") and not attending_layers(self.cfg):
+            raise NotSupported(LINEAR_LAYERS_ONLY)
         with self.torch.inference_mode():
             out = getattr(self, sublayer)(inputs)
         out = out.to("cpu", self.torch.float64).numpy() if out.is_floating_point() else out.cpu().numpy()
@@ -182,8 +189,9 @@ class TransformersRunner:
         tgt = inputs["tgt_ids"]
         if not self.cfg.has_encoder:
             batch, length = np.shape(tgt)
+            # no cache: a hybrid of linear layers alone has none transformers can make (LINEAR_LAYERS_ONLY)
             return self.model(input_ids=self._ids(tgt), attention_mask=self._keep(tgt, "tgt"),
-                              position_ids=self._slots(batch, 0, length)).logits
+                              position_ids=self._slots(batch, 0, length), use_cache=False).logits
         src = inputs["src_ids"]
         return self.model(input_ids=self._ids(src), attention_mask=self._keep(src, "src"),
                           decoder_input_ids=self._ids(tgt), decoder_attention_mask=self._keep(tgt, "tgt")).logits
@@ -260,6 +268,9 @@ def model_class(directory: str | Path):
 HYBRID_FLOAT32 = ("transformers' Qwen3.5 and Qwen3-Next compute their linear layers' decay (A_log.float(), a.float()) "
                   "and gated delta rule (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) in float32 "
                   "whatever the model's dtype: a float64 run is float32's there")
+LINEAR_LAYERS_ONLY = ("transformers' hybrid cache asks its first attention layer how many positions it holds "
+                      "(get_seq_length, get_mask_sizes) and raises where every layer is a linear one: a model of "
+                      "linear layers alone decodes only without a cache there")
 PAD_BETWEEN = ("a pad between real tokens moves transformers' Qwen3.5 linear-layer state (it zeroes the pad's input; "
                "the convolution window and the decay still take the pad), where the spec's pads move nothing "
                "(SPEC §5.15)")

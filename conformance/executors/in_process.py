@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from conformance.backends.numpy_backend import NumpyRunner
-from conformance.cells import golden_runner_for, reference_for, run_cell
+from conformance.cells import drop_runners, golden_runner_for, reference_for, run_cell
 from conformance.executors import OnResult, WorkItem
 from conformance.executors.shared_references import SharedReferences, shared_reference
 from conformance.plan.memory import MemoryLedger, give_back_freed
@@ -27,8 +27,12 @@ class InProcess:
         self.shared = shared
         self.references = references  # kept by the caller across runs (conformance.cells.KeptGolden)
 
-    def _start(self, column, current) -> None:
+    def _start(self, column, current, runners: dict) -> None:
         if self.memory is not None and column != current:
+            # the previous column's runner goes before this one waits for memory: a waiting owner holds
+            # nothing, so that where every owner waits, one of them can start (MemoryLedger.try_take)
+            drop_runners(runners)
+            self.memory.release(self)
             self.memory.take(self, column)
 
     def run(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[WorkItem],
@@ -40,7 +44,7 @@ class InProcess:
         column, waiting = None, {item.case.name for item in work}  # the cases whose reference is still to make
         try:
             for item in work:
-                self._start(item.column, column)
+                self._start(item.column, column, runners)
                 column = item.column
                 name, dtype, device = column
                 # shared: stored in the run's folder and read back mapped, so this process need not keep it

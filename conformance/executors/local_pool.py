@@ -262,6 +262,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
     unfinished = {index for index, _, _ in work}
 
     waiting: list[_Worker] = []  # workers whose next column does not fit in memory beside the running ones
+    running = len(workers)
 
     def give_work(worker: _Worker) -> None:
         """The next column of the worker's group, else the first column of the first group that fits
@@ -272,14 +273,38 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
             fitting = next((i for i, group in enumerate(groups) if memory is None
                             or memory.try_take(worker, group[0])), None)
             if fitting is None:
-                waiting.append(worker)
+                wait(worker)
                 return
             worker.group = groups.pop(fitting)
         elif worker.group and memory is not None and not memory.try_take(worker, worker.group[0]):
-            waiting.append(worker)
+            wait(worker)
             return
         worker.column = worker.group.pop(0) if worker.group else None
         worker.send(None if worker.column is None else [worker.column, by_column[worker.column]])
+
+    def wait(worker: _Worker) -> None:
+        """A worker whose next column does not fit waits holding nothing: one whose process keeps
+        memory from its last column is replaced. What a waiting owner keeps no finishing column
+        frees, so with every owner waiting none would ever start (a Qwen3-Next layer's check hung so)."""
+        if worker.kept > 0:
+            retire(worker)
+        else:
+            waiting.append(worker)
+
+    def retire(worker: _Worker) -> None:
+        """Stop the worker and give its unstarted columns, with a new process, to the next one."""
+        nonlocal running
+        if memory is not None:
+            memory.release(worker)
+        if worker.group:
+            groups.insert(0, worker.group)
+            worker.group = []
+        worker.send(None)
+        if groups:
+            workers.append(replacement := pool.add())
+            replacement.send_setup(setup)
+            running += 1
+            give_work(replacement)
 
     def wake_waiting() -> None:
         for worker in list(waiting):
@@ -292,10 +317,9 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
             ordered = [case_name for _, case_name, _ in sorted(work, key=lambda item: cost_rank(item[2]))]
             producer = Producer(SharedReferences(references),
                                 [name for name in ordered if not is_backward(name.split("-")[0])], produce)
-        for worker in workers:  # every process is started before any setup is sent: they import at once
+        for worker in list(workers):  # every process is started before any setup is sent: they import at once
             worker.send_setup(setup)
             give_work(worker)
-        running = len(workers)
         while running:
             try:  # a waiting worker may be let in by memory freed elsewhere (the in-process columns)
                 worker, (kind, payload) = inbox.get(timeout=1.0 if waiting else None)
@@ -318,16 +342,7 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
                         and should_retire(worker.kept, memory.footprint(upcoming), memory.limit):
                     # what a process keeps (XLA's compiled programs, an allocator's fragments) would sit
                     # beside its next column: a new process takes it, where the ledger's figures hold again
-                    memory.release(worker)
-                    if worker.group:
-                        groups.insert(0, worker.group)
-                        worker.group = []
-                    worker.send(None)
-                    if groups:
-                        workers.append(replacement := pool.add())
-                        replacement.send_setup(setup)
-                        running += 1
-                        give_work(replacement)
+                    retire(worker)
                 else:
                     give_work(worker)
                 wake_waiting()
