@@ -44,6 +44,8 @@ def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
         family = family_of(cfg)
     except ConfigError as error:
         return f"a decoder-only model is mapped to CTranslate2 only as Llama or Qwen2 ({error})"
+    if cfg.linear_attention is not None:
+        return f"a hybrid's gated DeltaNet layers (family {family}) have no CTranslate2 layer"
     if family in ("gemma2", "gemma3_text"):
         return (f"Gemma's layer ((1 + w) norms, post norms, softcaps, the query scalar: family {family}) is not "
                 "mapped to CTranslate2 here")

@@ -63,7 +63,8 @@ def _bench_checkpoints(args: argparse.Namespace, out: Path) -> int:
 def add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmark every contender (JSON, Markdown and plots)")
     bench.add_argument("--preset", default="tiny",
-                       help="tiny (CI smoke run), paper-base, or llama-small (the modern decoder's CPU generation)")
+                       help="tiny (CI smoke run), paper-base, llama-small (the modern decoder's CPU generation), "
+                            "gemma2-small or qwen35-small (the hybrid's)")
     bench.add_argument("--out", default="reports/bench/tmp", help="folder for bench.json, bench.md, bench.png")
     bench.add_argument("--contenders", help="comma-separated names (default: all)")
     bench.add_argument("--quantized", metavar="SCHEMES",

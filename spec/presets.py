@@ -301,6 +301,22 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             query_pre_attention_scalar=64.0, attention_softcap=50.0, final_softcap=30.0,
         ),
     ),
+    "qwen35-small": (
+        "Qwen3.5's hybrid at llama-small's width, for the CPU bench of the recurrent state: 8 layers, each "
+        "fourth a gated full-attention one (q/k head norms, a quarter of each head rotated, theta 1e7), the "
+        "others gated DeltaNet with 3 key heads of 64 and 6 value heads of 64 (two per key head), a "
+        "convolution 4 wide and chunks of 64 as the checkpoints have them; (1 + w) norms, eps 1e-6, SwiGLU: "
+        "d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, vocabulary 49152, tied head, max_len 2048.",
+        ModelConfig(
+            arch="decoder-only", d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536, n_decoder_layers=8,
+            tgt_vocab_size=49152, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6, final_norm=True,
+            positional="rope", rope_theta=10000000.0, rope_fraction=0.25, embed_scale=False, activation="swish",
+            gated_ffn=True, qk_norm=True, qkv_bias=False, bias=False, norm_scale_plus_one=True,
+            tie_head=True, attention_output_gate=True, layer_types=("linear", "linear", "linear", "full") * 2,
+            linear_attention=GatedDeltaNet(key_heads=3, value_heads=6, key_head_dim=64, value_head_dim=64,
+                                           conv_kernel=4, chunk_size=64),
+        ),
+    ),
     "llama-small": (
         "SmolLM2-135M's shape at a third of its depth, for the CPU bench: the Llama-family "
         "decoder with d 576, 9 heads of 64 over 3 key/value heads, d_ff 1536, 10 layers (of 30), "

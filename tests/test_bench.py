@@ -313,6 +313,41 @@ def test_the_llama_small_targets_compare_onnxruntime_with_both_peers():
     assert len(targets(results)) == 1
 
 
+def test_ctranslate2_refuses_a_hybrid_before_converting():
+    pytest.importorskip("ctranslate2")
+    from benchmarks.contenders import CTranslate2, Skip
+
+    cfg = get_preset("qwen35-tiny")
+    from benchmarks.ctranslate2_peer import unsupported_reason
+
+    assert unsupported_reason(cfg) == "a hybrid's gated DeltaNet layers (family qwen3_5_text) have no CTranslate2 layer"
+    with pytest.raises(Skip, match="qwen3_5_text: CTranslate2's converter and the spec share"):  # nor its own converter
+        CTranslate2().prepare(cfg, init_params(cfg, seed=0))
+
+
+def test_the_hybrid_targets_hold_every_contenders_step_flat_in_position():
+    """qwen35-small's (issue 59): onnxruntime's tokens/s at twice torch eager's, and each contender's
+    step at the last position within 1.3x its step at the first; the generic 2x rows stay beside them."""
+    from benchmarks.run import Results, targets
+
+    results = Results("qwen35-small", {}, {}, {})
+    results.generate = [_row("onnxruntime-cpu-float32", 1, same_tokens=True, tokens_per_second=500, batch=8,
+                             new_tokens=64),
+                        _row("torch", 1, same_tokens=True, tokens_per_second=200, batch=8, new_tokens=64)]
+    results.decode = [_row("torch", 0.010, position=64), _row("torch", 0.012, position=512),
+                      _row("jax", 0.010, position=64), _row("jax", 0.014, position=512),
+                      _row("torch-no-cache", 0.1, position=64), _row("torch-no-cache", 0.4, position=512)]
+    found = {t["target"]: (t["measured"], t["met"]) for t in targets(results)}
+    assert found["CPU generation (qwen35-small), batch 8, 64 tokens: onnxruntime >= 2.0x torch eager"] == \
+        ("2.50x", True)
+    assert found["torch (qwen35-small): cached step at 512 <= 1.3x the step at 64"] == ("1.20x", True)
+    assert found["jax (qwen35-small): cached step at 512 <= 1.3x the step at 64"] == ("1.40x", False)
+    assert found["torch: cached step at 512 <= 2x the step at 64"] == ("1.20x", True)
+    assert not any(target.startswith("torch-no-cache") for target in found)  # no cache: the cost it saves
+    results.generate[1]["same_tokens"] = False  # a contender with other tokens is not timed against
+    assert not any("torch eager" in t["target"] for t in targets(results))
+
+
 # ---- rosetta bench --checkpoint-shapes (benchmarks/checkpoints.py) -----------------------------
 
 def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():

@@ -14,7 +14,7 @@ def test_presets_are_listed_in_a_stable_order():
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
                             "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "gemma2-small",
-                            "llama-small"]
+                            "qwen35-small", "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -239,7 +239,7 @@ def test_the_real_size_presets_carry_no_option_the_property_configs_lack():
     from tests.variants import PROPERTY_CONFIGS, REAL_SIZE_PRESETS, option_features
 
     carried = set().union(*(option_features(cfg) for cfg in PROPERTY_CONFIGS.values()))
-    assert {"paper-base", "paper-big", "llama-small", "gemma2-small"} <= set(REAL_SIZE_PRESETS)
+    assert {"paper-base", "paper-big", "llama-small", "gemma2-small", "qwen35-small"} <= set(REAL_SIZE_PRESETS)
     for name in REAL_SIZE_PRESETS:
         assert option_features(get_preset(name)) <= carried, (name, option_features(get_preset(name)) - carried)
     # and the check can fail: an option no tiny configuration has
@@ -251,5 +251,5 @@ def test_the_property_presets_leave_out_only_real_size_presets_whose_options_the
 
     carried = set().union(*(option_features(get_preset(name)) for name in PROPERTY_PRESETS))
     left_out = [name for name in list_presets() if name not in PROPERTY_PRESETS]
-    assert left_out == ["paper-base", "paper-big", "gemma2-small", "llama-small"]
+    assert left_out == ["paper-base", "paper-big", "gemma2-small", "qwen35-small", "llama-small"]
     assert all(option_features(get_preset(name)) <= carried for name in left_out)

@@ -106,7 +106,7 @@ def _first_ends(tokens, eos_id):
 @pytest.mark.parametrize("name", PROPERTY_PRESETS)
 def test_generate_cases_end_rows_at_different_steps_and_vary(name):
     """On the conformance weights of the presets that carry every option (tests/variants.
-    PROPERTY_PRESETS: paper-base, paper-big, llama-small and gemma2-small carry none of their own),
+    PROPERTY_PRESETS: paper-base, paper-big and the bench's smalls carry none of their own),
     each generate case has rows that eos_id ends at two different steps and a row that never ends,
     and a row whose tokens are nearly all distinct: ignoring eos_id, a loop that never advances and
     one that feeds back its input all change tokens the golden chose."""

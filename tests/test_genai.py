@@ -439,6 +439,25 @@ def test_genai_cannot_build_gemma_3_from_a_transformers_5_directory(tmp_path):
         GenaiBackend(directory).load(cfg, import_huggingface(directory).params, "float32", "cpu")
 
 
+def test_the_builder_refuses_the_hybrids_files_the_writer_writes(tmp_path):
+    """onnxruntime-genai's builder makes Qwen3.5's gated DeltaNet layers from the multimodal
+    checkpoint's architecture only: the text model's files (Qwen3_5ForCausalLM, which the writer
+    writes) it refuses, and the column and the bench's contender say so before building."""
+    from benchmarks.contenders import OnnxRuntimeGenai, Skip
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, get_preset
+
+    cfg = get_preset("qwen35-tiny")
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / "hf")
+    assert json.loads((directory / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    with pytest.raises(RuntimeError, match="model is not currently supported"):  # its architecture
+        build_model(directory, cfg, tmp_path)
+    assert "Qwen3_5ForConditionalGeneration" in genai_unsupported_reason(cfg, "qwen3_5_text")
+    with pytest.raises(Skip, match="gated DeltaNet"):
+        OnnxRuntimeGenai().prepare(cfg, params)
+
+
 # ---- the builder, run from a process that imported torch and transformers once -----------------------
 
 def _digests(folder):

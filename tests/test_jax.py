@@ -338,7 +338,8 @@ def test_learned_positions_past_max_len():
 # ---- every preset ---------------------------------------------------------------------------
 
 # the presets that carry an option no smaller one does (tests/variants.PROPERTY_PRESETS): paper-base,
-# paper-big, llama-small and gemma2-small carry none of their own, and their widths are real widths
+# paper-big and the bench's llama-small, gemma2-small and qwen35-small carry none of their own, and
+# their widths are real widths
 # as torch-nn's, annotated's and learned-pos's are
 @pytest.mark.parametrize("name", PROPERTY_PRESETS)
 def test_every_preset_matches_the_golden(name):

@@ -53,6 +53,12 @@ EXPECTED_COUNTS = {
                                              + 30 * 44 + 2 * 44)
                        + (2 * 44 * 64 + 2 * 44 * 32 + 64 * 44 + 2 * 16 + 2 * 44)
                        + 4 * (44 * 5 + 5 * 3 * 44 * 20 + 3 * 44 * 24 + 44),  # 103,383
+    # a tied 49152-row table at d 576; six linear layers (q, k [576, 3·64], v, z [576, 6·64], the convolutions
+    # [768, 4], β and the decay [576, 6] with its bias and log rate, the output norm [64], o) and two gated attentions
+    # (q and gate [576, 9·64], k and v [576, 3·64], o, q/k norms [64]), each with SwiGLU and two norms
+    "qwen35-small": 49152 * 576 + 576 + 6 * (2 * 576 * 192 + 2 * 576 * 384 + 4 * 768 + 2 * 576 * 6 + 2 * 6 + 64
+                                             + 384 * 576 + 3 * 576 * 1536 + 2 * 576)
+                    + 2 * (2 * 576 * 576 + 2 * 576 * 192 + 576 * 576 + 2 * 64 + 3 * 576 * 1536 + 2 * 576),  # 57,357,064
     # SmolLM2-135M's layer (q, k and v of 3 heads of 64, o, SwiGLU, two norms) 10 times, a tied 49152-row table
     "gemma2-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 4 * 576) + 576,
     "llama-small": 49152 * 576 + 10 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,

@@ -24,7 +24,7 @@ VARIANTS = {
 # ---- the configurations a property of the options is checked on (issue 58) ----------------------
 # Whether a case sees a parameter, whether generation varies, whether the streamed golden equals the
 # whole one: properties of a config's options, not of its sizes. The presets at real size (the
-# paper's, torch.nn's, the Annotated Transformer's, learned-pos, llama-small, gemma2-small) carry no
+# paper's, torch.nn's, the Annotated Transformer's, learned-pos, the bench's smalls) carry no
 # option that a tiny preset or one of VARIANTS lacks (tests/test_config.py holds that), so such a
 # property is checked on PROPERTY_CONFIGS, at a hundredth of the parameters: 270 s of CI's suite.
 # SIZES are the fields whose values change no option: where one is optional, its being set is the option.
@@ -43,7 +43,7 @@ def option_features(cfg) -> set[tuple[str, object]]:
             features.add((field, tuple(sorted(set(value))) if value else None))
         elif field == "rope_scaling":
             features.add((field, None if value is None else value["kind"]))
-        elif field == "moe":
+        elif field in ("moe", "linear_attention"):  # their own fields are sizes
             features.add((field, value is not None))
         elif field in SIZES:
             features.add((field, value is not None and value != 0))
@@ -60,7 +60,7 @@ def _property_configs() -> dict:
 
 def _property_presets() -> list[str]:
     """Every tiny preset, and a preset at real size only where it carries an option that no smaller
-    preset does (learned-pos, torch-nn, annotated; not paper-base, paper-big, llama-small, gemma2-small)."""
+    preset does (learned-pos, torch-nn, annotated; not paper-base, paper-big or the bench's smalls)."""
     carried, kept = set(), []
     for name in sorted(list_presets(), key=lambda name: count_params(get_preset(name))):
         features = option_features(get_preset(name))

@@ -235,6 +235,10 @@ def genai_unsupported_reason(cfg: ModelConfig, family: str | None = None) -> str
     """Why the builder's CPU model cannot be made for this config (of this family, where known), or None."""
     if family == "gemma3_text":
         return GEMMA3_ROPE
+    if cfg.linear_attention is not None:
+        return ("a hybrid's gated DeltaNet layers: onnxruntime-genai 0.18's builder makes Qwen3.5 from "
+                "Qwen3_5ForConditionalGeneration's files only (the multimodal checkpoint's), which the writer does not "
+                "write; its linear-attention graphs are not measured here")
     if cfg.d_head % HEAD_SIZE_MULTIPLE:
         return (f"head size {cfg.d_head}: onnxruntime's CPU GroupQueryAttention, which the builder writes, "
                 f"needs a multiple of {HEAD_SIZE_MULTIPLE}")
