@@ -61,6 +61,27 @@ def test_a_footprint_grows_with_the_dtype_the_backend_and_the_longest_case():
     assert set(FOOTPRINTS) >= {"torch", "jax", "onnx", "transformers", "onnxruntime-genai", "numpy-float32"}
 
 
+def test_a_mixture_computed_with_every_expert_on_every_token_is_counted_so(monkeypatch):
+    """The sdpa paths (and their exports) run every expert on every token and stack the outputs: their
+    columns are counted [tokens, E, d] twice over; the loops of the math paths, and a model without
+    experts, are not."""
+    import dataclasses
+
+    from conformance.cases import BATCH
+    from conformance.plan import memory
+
+    mixture = get_preset("qwen3-next-tiny")
+    stacked = 2 * BATCH * 1003 * mixture.moe.n_experts * mixture.d_model
+    for name in ("torch", "jax", "onnx", "onnx-jax"):
+        assert memory.every_expert_bytes(mixture, name, 1003) == stacked
+        assert memory.every_expert_bytes(mixture.replace(moe=None), name, 1003) == 0
+        counted = column_footprint(mixture, (name, "float64", "cpu"), 1003)
+        monkeypatch.setitem(FOOTPRINTS, name, dataclasses.replace(FOOTPRINTS[name], every_expert_on_every_token=False))
+        assert counted - column_footprint(mixture, (name, "float64", "cpu"), 1003) == 8 * stacked
+    for name in ("torch-math", "jax-math", "numpy-float32", "transformers"):
+        assert memory.every_expert_bytes(mixture, name, 1003) == 0
+
+
 def test_an_onnx_column_that_exports_first_is_counted_at_the_exports_peak(monkeypatch):
     """An ONNX column whose export is not cached holds the exporter's copies of the weights before
     its sessions' (measured: 6.2 against 1.2 at float32 on SmolLM2-135M's shape): the ledger counts

@@ -206,6 +206,9 @@ class Footprint:
     # the copies while the column first exports its model (its load not cached: export.cache), at
     # float32 and at half precision, where they are more than `copies`
     export_copies: tuple[float, float] | None = None
+    # a mixture of experts computed with every expert on every token, their outputs stacked and the
+    # chosen gathered (the sdpa paths and their exports, SPEC §5.14): [tokens, experts, d] twice over
+    every_expert_on_every_token: bool = False
 
 
 # Measured on SmolLM2-135M's shape (2 cores, 2026-11-28; benchmarks/footprints.py, its page in
@@ -222,12 +225,13 @@ class Footprint:
 # casts' copies; float32's 5.21).
 FOOTPRINTS: dict[str, Footprint] = {
     "numpy-float32": Footprint(1.0, activation_copies=2.6),
-    "torch": Footprint(1.3, 1.5, activation_copies=2.8),
+    "torch": Footprint(1.3, 1.5, activation_copies=2.8, every_expert_on_every_token=True),
     "torch-math": Footprint(1.3, 1.5, activation_copies=2.8),
-    "jax": Footprint(1.4, 3.3, activation_copies=5.3),
+    "jax": Footprint(1.4, 3.3, activation_copies=5.3, every_expert_on_every_token=True),
     "jax-math": Footprint(1.4, 3.3, activation_copies=5.3),
-    "onnx": Footprint(1.4, 3.3, activation_copies=5.7, half_activation_copies=6.8, export_copies=(6.8, 8.1)),
-    "onnx-jax": Footprint(1.4, activation_copies=3.5, export_copies=(5.3, 5.3)),
+    "onnx": Footprint(1.4, 3.3, activation_copies=5.7, half_activation_copies=6.8, export_copies=(6.8, 8.1),
+                      every_expert_on_every_token=True),
+    "onnx-jax": Footprint(1.4, activation_copies=3.5, export_copies=(5.3, 5.3), every_expert_on_every_token=True),
     "transformers": Footprint(1.5, 3.9, activation_copies=3.3),
     "onnxruntime-genai": Footprint(1.7, activation_copies=5.4),
     # its converter holds transformers' model and its own spec at once
@@ -283,7 +287,19 @@ def activation_bytes(cfg, column: tuple[str, str, str], longest: Extent | int) -
     name, dtype, _ = column
     extent = Extent.of(longest)
     activations = BATCH * (extent.logit_rows * cfg.tgt_vocab_size + extent.positions * 4 * max(cfg.d_model, cfg.d_ff))
-    return int(activation_copies(name, dtype) * activations * max(BYTES.get(dtype, 4), 4))
+    width = max(BYTES.get(dtype, 4), 4)
+    return int(activation_copies(name, dtype) * activations * width) + every_expert_bytes(cfg, name, extent) * width
+
+
+def every_expert_bytes(cfg, name: str, longest: Extent | int) -> int:
+    """Elements a column's mixture of experts holds beyond the rest where it computes every expert on
+    every token (Footprint.every_expert_on_every_token): the experts' outputs [tokens, E, d], as a list
+    and stacked. A Qwen3-Next layer's 128 experts at 3 rows of 1,003 positions: 1.6 G elements, which
+    the copies of the logits and hidden states did not count (its jax column at float32 held 13.6 GB
+    against an estimate of 4.6; the check's processes together were killed for memory)."""
+    if cfg.moe is None or not FOOTPRINTS.get(name, Footprint(2.0)).every_expert_on_every_token:
+        return 0
+    return 2 * BATCH * Extent.of(longest).positions * cfg.moe.n_experts * cfg.d_model
 
 
 def column_footprint(cfg, column: tuple[str, str, str], longest: Extent | int) -> int:
