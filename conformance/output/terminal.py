@@ -45,7 +45,7 @@ def progress_bar(console: Console) -> Iterator[Callable[[CellResult, int, int], 
 
 class ColumnLines:
     """The progress of a run whose output goes to a file or a pipe: one line per finished column,
-    with its cells and failures, the time since the run started (this object's making: the
+    with its cells, failures and errors, the time since the run started (this object's making: the
     loading and the references count) and an estimate of the time left (the cells left at the
     pace since the cells were planned). A log of a long check on a real checkpoint shows where it
     is without a terminal."""
@@ -56,27 +56,31 @@ class ColumnLines:
         self.cells: dict[tuple[str, str, str], int] = {}
         self.left: dict[tuple[str, str, str], int] = {}
         self.failed: dict[tuple[str, str, str], int] = {}
+        self.errors: dict[tuple[str, str, str], int] = {}  # apart: a killed worker's cells are errors, not failures
         self.columns_done = 0
 
     def planned(self, cells_by_column: Mapping[tuple[str, str, str], int]) -> None:
         """Told by the harness, before the first cell, how many cells each column will run."""
         self.planned_at = time.perf_counter()
         self.cells = {column: count for column, count in cells_by_column.items() if count}
-        self.left, self.failed = dict(self.cells), dict.fromkeys(self.cells, 0)
+        self.left = dict(self.cells)
+        self.failed, self.errors = dict.fromkeys(self.cells, 0), dict.fromkeys(self.cells, 0)
 
     def __call__(self, result: CellResult, done: int, total: int) -> None:
         column = (result.backend, result.dtype, result.device)
         if column not in self.left:
             return
         self.left[column] -= 1
-        self.failed[column] += result.status in (FAIL, ERROR)
+        self.failed[column] += result.status == FAIL
+        self.errors[column] += result.status == ERROR
         if self.left[column]:
             return
         self.columns_done += 1
         now = time.perf_counter()
         elapsed, remaining = now - self.start, (now - self.planned_at) / done * (total - done)
+        errors = f", {self.errors[column]} errors" if self.errors[column] else ""
         print(f"column {self.columns_done}/{len(self.left)} done: {'/'.join(column)}, {self.cells[column]} cells, "
-              f"{self.failed[column]} failed; {done}/{total} cells of the run, {clock(elapsed)} elapsed, "
+              f"{self.failed[column]} failed{errors}; {done}/{total} cells of the run, {clock(elapsed)} elapsed, "
               f"about {clock(remaining)} left", file=self.stream, flush=True)
 
 
