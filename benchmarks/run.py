@@ -625,10 +625,12 @@ def plots(results: Results, directory: Path) -> list[Path]:
     return written
 
 
-def write(results: Results, directory: Path) -> list[Path]:
+def write(results: Results, directory: Path, plot: bool = True) -> list[Path]:
+    """bench.json and bench.md, and with `plot` bench.png (matplotlib's figure takes most of a
+    second: the writes after each contender leave it to the last)."""
     directory.mkdir(parents=True, exist_ok=True)
     json_path = directory / "bench.json"
     json_path.write_text(json.dumps(vars(results), indent=1, default=float) + "\n")
     md_path = directory / "bench.md"
     md_path.write_text(markdown(results))
-    return [json_path, md_path, *plots(results, directory)]
+    return [json_path, md_path, *(plots(results, directory) if plot else ())]

@@ -25,11 +25,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quantized = tuple(parse_scheme(name) for name in comma_list(args.quantized)) if args.quantized else ()
     except WeightsError as error:
         raise UsageError(f"--quantized: {error}") from None
+    def keep(so_far) -> None:  # a bench stopped midway keeps its tables; the plot is drawn once, at the end
+        write(so_far, out, plot=False)
+
     results = run_bench(args.preset, names=tuple(comma_list(args.contenders) or ()) or None, devices=devices,
                         quantized=quantized,
                         matrix_backends=tuple(comma_list(args.matrix_backends) or ()) if args.matrix_backends != "none"
-                        else (), log=lambda line: print(line, file=sys.stderr),
-                        after_each=lambda so_far: write(so_far, out))  # a bench stopped midway keeps what it measured
+                        else (), log=lambda line: print(line, file=sys.stderr), after_each=keep)
     written = write(results, out)
     print((out / "bench.md").read_text())
     print(f"bench written: {', '.join(map(str, written))} in {time.perf_counter() - start:.1f} s")
