@@ -6,10 +6,13 @@ opset, the exporter and framework versions, and the source text of the implement
 export/, so an edit to the model or the exporter never reuses a stale graph.
 ROSETTA_ONNX_CACHE=0 turns the cache off (a fresh temporary directory per export),
 ROSETTA_ONNX_CACHE=DIR moves it; by default it is ~/.cache/transformer-rosetta/onnx.
+Processes that ask for the same entry at once (the columns of a check in their workers, a test
+suite's workers) export it once: the others wait for it and read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -77,23 +80,47 @@ def exported(cfg: ModelConfig, params: Mapping[str, np.ndarray], *, framework: s
         directory = Path(tempfile.mkdtemp(prefix="rosetta-onnx-"))
         export_model(cfg, params, directory, framework=framework, dtype=dtype, opset=opset)
         return directory
-    directory = root / cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset)
+    key = cache_key(cfg, params, framework=framework, dtype=dtype, opset=opset)
+    directory = root / key
     if _complete(directory):
         return directory
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
-    try:
-        export_model(cfg, params, staging, framework=framework, dtype=dtype, opset=opset)
-        # An entry appears whole, by one rename, and is never removed once whole: another process
-        # (a test worker beside this one) may be reading the copy that won the race.
-        if not _complete(directory):
-            shutil.rmtree(directory, ignore_errors=True)  # what an interrupted run of older code left
-            staging.rename(directory)
-    except OSError:
-        if not _complete(directory):
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with _one_exporter(root / f".{key}.lock"):
+        if _complete(directory):
+            return directory  # exported by the process this one waited for
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+        try:
+            export_model(cfg, params, staging, framework=framework, dtype=dtype, opset=opset)
+            # An entry appears whole, by one rename, and is never removed once whole: another process
+            # (one without the lock: a file system without flock) may be reading the copy that won.
+            if not _complete(directory):
+                shutil.rmtree(directory, ignore_errors=True)  # what an interrupted run of older code left
+                staging.rename(directory)
+        except OSError:
+            if not _complete(directory):
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+@contextlib.contextmanager
+def _one_exporter(lock: Path):
+    """Held while an entry is exported, so that a second process asking for it waits and reads it
+    rather than exporting it again beside the first (a torch export of a tiny model is ~20 s of CPU).
+    The lock is the kernel's (flock) and goes with the process that held it, killed or not; where
+    there is none (not POSIX, or a file system that refuses it) each process exports its own copy."""
+    try:
+        import fcntl
+        handle = open(lock, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without flock: export beside the other process, as without the lock
+        yield
 
 
 def _complete(directory: Path) -> bool:

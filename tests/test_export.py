@@ -266,6 +266,44 @@ def test_fallback_opset_decomposes_attention():
     assert result.passed and not np.isnan(got).any()
 
 
+def test_processes_asking_for_one_export_at_once_export_it_once(tmp_path, monkeypatch):
+    """Two askers of one cache entry at the same time (a suite's two workers, a check's columns):
+    the second waits for the first's export and reads it. Threads stand in for the processes (each
+    opens the lock itself, as a process does); without the lock both export (shown below)."""
+    import contextlib
+
+    from export import cache
+
+    monkeypatch.setenv("ROSETTA_ONNX_CACHE", str(tmp_path / "cache"))
+    exports = []
+
+    def slow_export(cfg, params, directory, **options):
+        exports.append(directory)
+        (directory / "forward.onnx").write_bytes(b"graph")
+        threading.Event().wait(0.5)  # the other asker comes to the door while this one exports
+        (directory / "manifest.json").write_text(json.dumps({"graphs": {FORWARD: "forward.onnx"}}))
+
+    monkeypatch.setattr(cache, "export_model", slow_export)
+    cfg = get_preset("tiny")
+    params = conformance_params(cfg, seed=0)
+
+    def two_askers():
+        exports.clear()
+        found = []
+        threads = [threading.Thread(target=lambda: found.append(cache.exported(cfg, params))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        return found
+
+    found = two_askers()
+    assert len(exports) == 1 and len(found) == 2 and found[0] == found[1] and (found[0] / "manifest.json").is_file()
+    shutil.rmtree(tmp_path / "cache")
+    monkeypatch.setattr(cache, "_one_exporter", lambda lock: contextlib.nullcontext())
+    assert len(two_askers()) == 2 and len(exports) == 2  # without the lock: each exports its own copy
+
+
 def test_runner_refuses_bad_inputs():
     cfg = get_preset("tiny")
     params = conformance_params(cfg, seed=0)
