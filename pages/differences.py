@@ -294,11 +294,11 @@ def _int8_paths() -> dict[str, object]:
                           "exact": measured(run(with_integer_products(graph, False))),
                           "saturating": measured(run(with_integer_products(graph, True)))}
     if importlib.util.find_spec("ctranslate2") is not None:
+        # oneDNN reads its ISA cap when CTranslate2 loads: the capped run is a process of its own
         program = "import json; from pages.differences import _ctranslate2_int8; print(json.dumps(_ctranslate2_int8()))"
-        found["ctranslate2"] = {
-            name: json.loads(subprocess.run([sys.executable, "-c", program], env={**os.environ, **extra}, check=True,
-                                            capture_output=True, text=True).stdout.splitlines()[-1])
-            for name, extra in (("here", {}), ("oneDNN capped at AVX2", CTRANSLATE2_AVX2))}
+        capped = subprocess.run([sys.executable, "-c", program], env={**os.environ, **CTRANSLATE2_AVX2}, check=True,
+                                capture_output=True, text=True).stdout.splitlines()[-1]
+        found["ctranslate2"] = {"here": _ctranslate2_int8(), "oneDNN capped at AVX2": json.loads(capped)}
     return found
 
 
