@@ -898,11 +898,15 @@ def case_names(cfg: ModelConfig, backward: bool = False, text: bool = False) -> 
 
 
 def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
-               golden_params: GoldenParams | None = None, prompts: Prompts | None = None) -> Case:
+               golden_params: GoldenParams | None = None, prompts: Prompts | None = None,
+               amplification_found: float | None = None) -> Case:
     """One case, its inputs built (the generate cases read the golden's tokens on `params`, the
     train_steps cases its first gradient's norm, the text cases the prompts' ids). golden_params
     gives the parameters cast to float64 where the caller holds them already (a golden runner's);
-    else they are cast here, if the case needs them."""
+    else they are cast here, if the case needs them. amplification_found: the case's amplification
+    where another process found it on the same inputs (a worker is sent its harness's): a hybrid's
+    is a golden pass over the whole model, which a worker would make again with the golden's float64
+    weights cast for it (6 GB at Qwen3.5-0.8B's size)."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
     if mask_case in TEXT_CASES:
         if prompts is None:
@@ -913,8 +917,11 @@ def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str
         inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
                                   mask_case, rng)
     angle = rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs))
+    if amplification_found is None:
+        amplification_found = amplification(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
+                                            inputs)
     return Case(sublayer, mask_case, inputs, reduction, angle, recurrent_depth(cfg, sublayer, inputs),
-                amplification(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer, inputs))
+                amplification_found)
 
 
 def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, inputs: Mapping[str, Any]) -> float:

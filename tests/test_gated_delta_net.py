@@ -365,6 +365,35 @@ def _matrix(backends, dtypes, pattern=None):
     return plan, run_matrix(CHUNKED, conformance_params(CHUNKED), plan, pattern=pattern)
 
 
+def test_a_worker_takes_each_cases_amplification_from_the_harness():
+    """A hybrid's case finds its amplification by a golden pass over the whole model (SPEC §8). A
+    worker made that pass again for every case it built, casting the golden's float64 weights to do
+    it (a Qwen3.5-0.8B check's worker held 9.4 GB so); it now takes the figure the harness found.
+    Shown with a figure the golden would not find: the worker's cell is judged by it, as this
+    process judges the case carrying it; a case sent none still finds its own."""
+    from conformance.cases import build_case
+    from conformance.cells import golden_runner_for, reference_for, run_cell
+    from conformance.executors.local_pool import run_in_workers
+
+    params = conformance_params(CHUNKED)
+    golden_runner = golden_runner_for(CHUNKED, params)
+    own = {name: build_case(CHUNKED, params, "forward", name) for name in ("none", "pad_right")}
+    assert own["none"].amplification > 1  # the golden's figure, not a default
+    cases = {"none": dataclasses.replace(own["none"], amplification=40 * own["none"].amplification),
+             "pad_right": own["pad_right"]}
+    column = ("numpy-float32", "float32", "cpu")
+    def judged(case):
+        return run_cell(CHUNKED, params, case, *column, reference_for(CHUNKED, params, case, golden_runner, {}), {})
+
+    here = {name: judged(case) for name, case in cases.items()}
+    results = {}
+    run_in_workers(CHUNKED, params, [(0, "forward-none", column), (1, "forward-pad_right", column)], 1,
+                   lambda index, result: results.__setitem__(index, result),
+                   amplifications={"forward-none": cases["none"].amplification})
+    assert [results[i].tol for i in (0, 1)] == pytest.approx([here["none"].tol, here["pad_right"].tol], rel=1e-12)
+    assert results[0].status == "pass" and results[0].tol == pytest.approx(40 * judged(own["none"]).tol, rel=1e-12)
+
+
 def test_a_generate_case_sent_to_the_workers_keeps_its_bound():
     """The local pool sends a generate case whole (its rows took the golden's tokens to choose): its
     depth (T deep) and amplification go with it, or the workers judge a hybrid's generation by a

@@ -125,9 +125,9 @@ class _Worker:
         _send(self.process.stdin, message)
 
     def send_setup(self, setup: tuple) -> None:
-        cfg_json, weights, references, cases, backends, threads = setup
+        cfg_json, weights, references, cases, backends, threads, amplifications = setup
         _send(self.process.stdin, {"config": cfg_json, "weights": weights, "references": references, "cases": cases,
-                                   "backends": backends, "threads": threads})
+                                   "backends": backends, "threads": threads, "amplifications": amplifications})
 
     def _listen(self, inbox: queue.Queue) -> None:
         try:
@@ -214,7 +214,8 @@ class LocalPool:
         cases = {item.case.name: item.case for item in work}
         produce = None if self.reference is None else (lambda name: self.reference(cases[name]))
         run_in_workers(cfg, params, [(item.index, item.case.name, item.column) for item in work], self.jobs,
-                       on_result, pool, whole, self.memory, produce, self.references)
+                       on_result, pool, whole, self.memory, produce, self.references,
+                       {name: case.amplification for name, case in cases.items()})
 
     def close(self) -> None:
         if self.pool is not None:
@@ -224,10 +225,12 @@ class LocalPool:
 def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Sequence[tuple[int, str, tuple]],
                    jobs: int, on_result: Callable[[int, object], bool], pool: WorkerPool | None = None,
                    whole_cases: Mapping[str, Case] | None = None, memory: MemoryLedger | None = None,
-                   produce: Callable[[str], object] | None = None, references: str | None = None) -> None:
+                   produce: Callable[[str], object] | None = None, references: str | None = None,
+                   amplifications: Mapping[str, float] | None = None) -> None:
     """Run work items (index, case name, column) in up to `jobs` worker processes, a column at a
     time each, from `pool` where one was started ahead (it is closed here either way). A worker
-    builds each case from its name, but for `whole_cases`, which it is sent.
+    builds each case from its name, but for `whole_cases`, which it is sent, taking the case's
+    amplification from `amplifications` where it is there (found by this process's golden).
     on_result(index, result) is called in this process as each cell finishes; it returns True to
     stop the run. With `memory`, a worker starts a column only when its footprint fits beside the
     running ones' (conformance.plan.memory.MemoryLedger); else it waits for one to finish. A worker
@@ -252,7 +255,8 @@ def run_in_workers(cfg: ModelConfig, params: Mapping[str, np.ndarray], work: Seq
         references = os.path.join(folder.name, "references")
         os.mkdir(references)
     cases = {name: _case_message(case) for name, case in (whole_cases or {}).items()}
-    setup = (cfg.to_json(), weights, references, cases, registered_paths(), max(1, (os.cpu_count() or 1) // jobs))
+    setup = (cfg.to_json(), weights, references, cases, registered_paths(), max(1, (os.cpu_count() or 1) // jobs),
+             dict(amplifications or {}))
     if pool is None:
         pool = WorkerPool(jobs)
     pool.keep(jobs)
@@ -393,6 +397,7 @@ def _serve() -> None:
     # built when a column first asks for it: a worker builds only the cases of its own columns
     # (the training cases' inputs take a golden backward pass to make)
     cases: dict = {name: _case_from(message) for name, message in setup["cases"].items()}
+    amplifications: dict = setup["amplifications"]  # the harness's golden found them: not found again here
     golden, references, runners = golden_runner_for(cfg, params), {}, {}
     shared = SharedReferences(setup["references"])
     _send(answers, ["ready", resident_memory()])
@@ -402,7 +407,7 @@ def _serve() -> None:
             try:
                 if case_name not in cases:
                     cases[case_name] = build_case(cfg, params, *case_name.rsplit("-", 1),  # mask cases have no '-'
-                                                  lambda: golden.p)
+                                                  lambda: golden.p, amplification_found=amplifications.get(case_name))
                 case = cases[case_name]
                 if case_name not in references:
                     references[case_name] = shared_reference(shared, case_name,
