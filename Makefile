@@ -12,7 +12,8 @@ TEST_STAMP := $(VENV)/.installed-test
 # imports its module. Where PYTHONDONTWRITEBYTECODE is set (as it is on the machines this project is
 # developed on) every one of the suite's ~40 Python processes compiled what it imported again;
 # compiling every installed file ahead instead (18,500, 34 s of a fresh install on 2 cores) compiled
-# 2.4 times what the suite imports (7,600 files). The prefix keeps them out of the source tree and goes with the venv.
+# 2.4 times what the suite imports (7,600 files). The prefix keeps them out of the source tree and
+# goes with the venv.
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 unexport PYTHONDONTWRITEBYTECODE
 

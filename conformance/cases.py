@@ -908,18 +908,17 @@ def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str
     is a golden pass over the whole model, which a worker would make again with the golden's float64
     weights cast for it (6 GB at Qwen3.5-0.8B's size)."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
+    golden_params = golden_params or (lambda: golden.cast_params(cfg, params))
     if mask_case in TEXT_CASES:
         if prompts is None:
             raise ValueError(f"the case {sublayer}-{mask_case} runs real text: give the prompts (conformance.text)")
         inputs, reduction = _text_inputs(cfg, prompts, sublayer, mask_case)
     else:
         build = _gradient_inputs if is_gradient(sublayer) else _training_inputs if is_training(sublayer) else _build
-        inputs, reduction = build(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
-                                  mask_case, rng)
+        inputs, reduction = build(cfg, golden_params, sublayer, mask_case, rng)
     angle = rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs))
     if amplification_found is None:
-        amplification_found = amplification(cfg, golden_params or (lambda: golden.cast_params(cfg, params)), sublayer,
-                                            inputs)
+        amplification_found = amplification(cfg, golden_params, sublayer, inputs)
     return Case(sublayer, mask_case, inputs, reduction, angle, recurrent_depth(cfg, sublayer, inputs),
                 amplification_found)
 

@@ -382,6 +382,7 @@ def test_a_worker_takes_each_cases_amplification_from_the_harness():
     cases = {"none": dataclasses.replace(own["none"], amplification=40 * own["none"].amplification),
              "pad_right": own["pad_right"]}
     column = ("numpy-float32", "float32", "cpu")
+
     def judged(case):
         return run_cell(CHUNKED, params, case, *column, reference_for(CHUNKED, params, case, golden_runner, {}), {})
 
