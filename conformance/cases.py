@@ -252,7 +252,8 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
 # The float inputs each differentiated sublayer's gradient case returns a cotangent for.
 GRADIENT_INPUTS: dict[str, tuple[str, ...]] = {
     "embedding": (), "attention": ("q", "k", "v"), "mha": ("x", "context"), "mha_cross": ("x", "context"),
-    "ffn": ("x",), "norm": ("x",), "ffn_block": ("x",), "encoder_layer": ("x",), "decoder_layer": ("y", "memory"),
+    "ffn": ("x",), "linear_attn": ("x",), "norm": ("x",), "ffn_block": ("x",), "encoder_layer": ("x",),
+    "decoder_layer": ("y", "memory"),
     "encoder": (), "decoder": ("memory",), "logits": ("h",), "log_probs": ("h",), "forward": (), "loss": (),
 }
 GRADIENT_PREFIX = "grad-"
@@ -300,7 +301,7 @@ def gradient_owner(sublayer: str, inputs: Mapping[str, Any]) -> str | None:
     (every parameter of the model) for the cases that run the model's own entry points, None
     for attention, which has none."""
     forward = forward_of(sublayer)
-    if forward in ("mha", "mha_cross", "ffn", "norm"):
+    if forward in ("mha", "mha_cross", "ffn", "linear_attn", "norm"):
         return inputs["module"]
     if forward == "ffn_block":
         return inputs["layer"]
@@ -315,7 +316,7 @@ def output_shape(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> 
         return (*np.shape(inputs["ids"]), cfg.d_model)
     if sublayer == "attention":
         return np.shape(inputs["q"])
-    if sublayer in ("mha", "mha_cross", "ffn", "experts", "norm", "ffn_block", "encoder_layer"):
+    if sublayer in ("mha", "mha_cross", "ffn", "linear_attn", "experts", "norm", "ffn_block", "encoder_layer"):
         return np.shape(inputs["x"])
     if sublayer == "router":
         return (*np.shape(inputs["x"])[:-1], cfg.moe.n_experts)
@@ -956,18 +957,18 @@ def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, 
 
 def recurrent_depth(cfg: ModelConfig, sublayer: str, inputs: Mapping[str, Any]) -> int | None:
     """A case's depth where its length adds to it (SPEC §8's count for §5.15): a linear layer's
-    state chains the updates of its T tokens, so it is T sublayers deep; None where the
-    sublayer's own depth stands."""
+    state chains the updates of its T tokens, so it is T sublayers deep (a gradient case's twice
+    that: its backward walks the tokens back, SPEC §13); None where the sublayer's own depth stands."""
     if cfg.linear_attention is None:
         return None
-    forward = forward_of(sublayer)
+    forward, passes = forward_of(sublayer), 2 if is_gradient(sublayer) else 1
     if forward == "linear_attn":
-        return np.shape(inputs["x"])[1]
+        return passes * np.shape(inputs["x"])[1]
     if forward in ("decoder", "forward", "decode", "loss", "generate", *TRAINING_SUBLAYERS):
         tokens = (np.shape(inputs["prompt_ids"])[1] + inputs["max_new_tokens"] if forward == "generate"
                   else np.shape(inputs["tgt_ids"])[-1])
         linear = sum(cfg.layer_kind(i) == "linear" for i in range(cfg.n_decoder_layers))
-        return SUBLAYERS[sublayer].depth(cfg) + linear * (tokens - 1)
+        return SUBLAYERS[sublayer].depth(cfg) + passes * linear * (tokens - 1)
     return None
 
 

@@ -31,6 +31,11 @@ UNIT_ROUNDOFF = {
     "float16": 2.0**-11,
     "bfloat16": 2.0**-8,
 }
+# The spacing of each dtype's subnormals: an entry below the dtype's normal range (float16's under
+# 6.1e-5) is stored on this grid however exactly it was summed; a gradient tensor of N entries stored
+# so is off by up to (s/2)·√N from its exact value, which compare_gradients allows as s·√N (SPEC §13)
+SUBNORMAL_SPACING = {"float64": 2.0**-1074, "float32": 2.0**-149, "tf32": 2.0**-149, "float16": 2.0**-24,
+                     "bfloat16": 2.0**-133}
 ACCUMULATE = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float32",
               "bfloat16": "float32"}
 DTYPES = tuple(UNIT_ROUNDOFF)
@@ -243,7 +248,8 @@ def _compare_exact(actual: np.ndarray, expected: np.ndarray) -> Comparison:
 
 
 def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms: Mapping[str, np.ndarray],
-                      relative_tol: float, kink_allowance: Mapping[str, float] | None = None) -> Comparison:
+                      relative_tol: float, kink_allowance: Mapping[str, float] | None = None,
+                      subnormal_spacing: float = 0.0) -> Comparison:
     """A gradient case (SPEC.md §13): every tensor the golden returns, per tensor and normwise.
 
     `terms` is the golden without cancellation (impl_numpy.backward.without_cancellation). A
@@ -252,7 +258,9 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
     nothing reaches the gradient (what the masks cut off, pad targets, absent tokens), and the
     backend must be exactly zero too. NaN or Inf fails. `kink_allowance` (per tensor, absolute)
     is added to the bound: how far the gradient moves when ReLU units within rounding of their
-    kink take the other side. The Comparison's max_abs_err
+    kink take the other side. `subnormal_spacing` (the dtype's, SUBNORMAL_SPACING) adds s·√N for
+    a tensor of N entries: what storing it at its dtype may move it where it lies below the normal
+    range. The Comparison's max_abs_err
     and rel_err hold the worst tensor's ‖g − g*‖ / ‖g*‖ (what is compared), its reason names
     that tensor with its max|g − g*| / ‖g*‖ and cosine similarity."""
     if not isinstance(actual, Mapping):
@@ -284,7 +292,8 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
                               f"{name}: {int(leaked.sum())} value(s) nonzero where nothing reaches the gradient "
                               f"(masked, padded, absent or unused), first at {list(index)}: {mine[index]:.3g}")
         difference = float(np.linalg.norm(mine - golden))
-        allowance = (kink_allowance or {}).get(name, 0.0)
+        kink, floor = (kink_allowance or {}).get(name, 0.0), subnormal_spacing * math.sqrt(golden.size)
+        allowance = kink + floor
         error = difference / norm if norm > 0 else 0.0
         bound = relative_tol + (allowance / norm if norm > 0 else 0.0)
         if error / bound >= worst_ratio:
@@ -293,7 +302,8 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
             denominator = "‖g*‖" if norm == float(np.linalg.norm(golden)) else "‖terms‖"
             notes = [f"{name}: ‖g − g*‖/{denominator} {error:.3g}",
                      f"max|g − g*|/{denominator} {np.abs(mine - golden).max() / scale:.3g}",
-                     _cosine(mine, golden)] + ([f"ReLU kink allowance {allowance / scale:.3g}"] if allowance else [])
+                     _cosine(mine, golden)] + ([f"ReLU kink allowance {kink / scale:.3g}"] if kink else []) + (
+                         [f"subnormal allowance {floor / scale:.3g}"] if floor / scale >= 1e-6 else [])
     passed = worst_error <= worst_bound
     if not passed:  # the normwise error and its bound first: they are the verdict
         notes[0] += f" > tol {worst_bound:.3g}"

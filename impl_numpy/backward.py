@@ -13,32 +13,37 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from impl_numpy.model import (
     ACTIVATIONS,
     Params,
-    _erf,
+    attention_positions,
+    balanced_model_logits,
+    block,
     decoder,
     decoder_layer,
+    decoder_self_masks,
+    gated_delta_net,
+    delta_net_projections,
     dropout,
     embed,
     encoder,
     encoder_layer,
-    attention_positions,
-    balanced_model_logits,
-    block,
-    decoder_self_masks,
-    experts_ffn,
+    _erf,
     expert_shares,
+    experts_ffn,
     feed_forward,
+    gated_delta_rule,
+    gated_rms_norm,
     group_heads,
     head_norm,
     key_value_heads,
     layer_experts,
     linear,
+    linear_layer,
     load_balancing_loss,
     log_softmax,
     merge_heads,
@@ -46,20 +51,25 @@ from impl_numpy.model import (
     multi_head_attention,
     norm,
     norm_scale,
+    output_gate,
     positional_encoding,
+    rms_norm,
     rope_tables,
     rotary,
     rotate_half,
     router_probabilities,
     routing_weights,
     scaled_dot_product_attention,
+    short_convolution,
     sigmoid,
     smoothed_targets,
     softcap,
     softmax,
     split_heads,
+    swish,
     token_cross_entropy,
     token_embedding,
+    token_queries_keys_values,
     top_experts,
 )
 from spec import ModelConfig, params_under
@@ -401,14 +411,27 @@ def attend_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.
     q = head_norm(cfg, p, "q", before)
     q = q if positions is None else rotary(cfg, q, positions)
     keys, values = group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads)  # [B, H, K, d_k]
-    heads = scaled_dot_product_attention(q, keys, values, mask, cfg.score_scale, cfg.attention_softcap)
-    d_merged, d_wo, d_bo = linear_vjp(merge_heads(heads), p["o.weight"], d_y)
+    merged = merge_heads(scaled_dot_product_attention(q, keys, values, mask, cfg.score_scale, cfg.attention_softcap))
+    d_gated, d_wo, d_bo = linear_vjp(output_gate(cfg, p, x, merged), p["o.weight"], d_y)
+    d_merged, d_from_gate, gate_grads = output_gate_vjp(cfg, p, x, merged, d_gated)
     d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, split_heads(d_merged, cfg.n_heads),
                                                              cfg.score_scale, cfg.attention_softcap)
     d_before, norm_grads = head_norm_vjp(cfg, p, "q", before, rotary_vjp(cfg, positions, d_q))
     d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_before))
     grads = _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
-    return d_x, group_heads_vjp(d_keys, cfg.kv_heads), group_heads_vjp(d_values, cfg.kv_heads), {**grads, **norm_grads}
+    return (d_x + d_from_gate, group_heads_vjp(d_keys, cfg.kv_heads), group_heads_vjp(d_values, cfg.kv_heads),
+            {**grads, **norm_grads, **gate_grads})
+
+
+def output_gate_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, heads: np.ndarray,
+                    d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray, Grads]:
+    """y = h ⊙ σ(a), a = x W_gate + b:  ∂h = ∂y ⊙ σ(a), ∂a = ∂y ⊙ h σ(a)(1 − σ(a)), then back through W_gate;
+    the identity without a gate. x [B, Q, d], heads [B, Q, H·d_k] -> d_heads, d_x (0 without a gate), {gate.*}"""
+    if not cfg.attention_output_gate:
+        return d_y, 0.0, {}
+    gate = sigmoid(linear(x, p["gate.weight"], p.get("gate.bias")))
+    d_x, d_weight, d_bias = linear_vjp(x, p["gate.weight"], _through(gate * (1.0 - gate), d_y * heads))
+    return d_y * gate, d_x, _present(p, {"gate.weight": d_weight, "gate.bias": d_bias})
 
 
 def key_value_heads_vjp(cfg: ModelConfig, p: Params, context: np.ndarray, d_k: np.ndarray, d_v: np.ndarray,
@@ -439,6 +462,116 @@ def multi_head_attention_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, context
     d_x, d_k, d_v, grads = attend_vjp(cfg, p, x, k, v, mask, d_y, q_positions)
     d_context, key_value_grads = key_value_heads_vjp(cfg, p, context, d_k, d_v, k_positions)
     return d_x, d_context, {**grads, **key_value_grads}
+
+
+# ---- gated DeltaNet (SPEC §5.15) -------------------------------------------------------------
+# Back through time: the forward is run again to keep the state each token found, then the tokens
+# are walked backwards carrying ∂S (and ∂ of each convolution's window), as the recurrence's own
+# chain rule. A pad moved nothing forward, so it passes ∂S and ∂window on untouched and gets nothing.
+
+def l2_normalize_vjp(x: np.ndarray, d_y: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """y = x / n, n = √(Σ x² + ε):  ∂x = (∂y − y (y · ∂y)) / n over the last axis"""
+    root = np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+    y = x / root
+    return (d_y - y * (y * d_y).sum(axis=-1, keepdims=True)) / root
+
+
+def short_convolution_vjp(window: np.ndarray, u: np.ndarray, kernel: np.ndarray, d_c: np.ndarray,
+                          d_moved: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """c[j] = Σ_i kernel[j, i] · a[i, j], a = (window, u), moved = a[1:]:  ∂a = ∂c ⊙ kernelᵀ + (0, ∂moved),
+    ∂kernel[j, i] = Σ_b a[i, j] ∂c[j]. -> d_window [B, K − 1, C], d_u [B, C], d_kernel [C, K]"""
+    inputs = np.concatenate([window, u[:, None]], axis=1)  # [B, K, C]
+    d_inputs = d_c[:, None] * kernel.T
+    d_inputs[:, 1:] += d_moved
+    return d_inputs[:, :-1], d_inputs[:, -1], (inputs * d_c[:, None]).sum(axis=0).T
+
+
+def token_queries_keys_values_vjp(cfg: ModelConfig, windows: Sequence[np.ndarray], inputs: Sequence[np.ndarray],
+                                  kernels: Sequence[np.ndarray], d_q: np.ndarray, d_k: np.ndarray, d_v: np.ndarray,
+                                  d_moved: Sequence[np.ndarray]) -> tuple[list, list, list]:
+    """One token's q, k, v, back: the value heads' repeats summed into their key head, then the
+    L2 norms (and 1/√d_k), SiLU and the convolutions. -> ∂windows, ∂inputs, ∂kernels (q's, k's, v's)"""
+    mixer = cfg.linear_attention
+    batch, groups = inputs[0].shape[0], mixer.value_heads // mixer.key_heads
+    convolved = [short_convolution(window, u, kernel)[0] for window, u, kernel in zip(windows, inputs, kernels)]
+    d_q, d_k = (d.reshape(batch, mixer.key_heads, groups, mixer.key_head_dim).sum(axis=2) for d in (d_q, d_k))
+    d_mixed = [l2_normalize_vjp(swish(convolved[0]).reshape(d_q.shape), d_q / math.sqrt(mixer.key_head_dim)),
+               l2_normalize_vjp(swish(convolved[1]).reshape(d_k.shape), d_k), d_v]
+    pulled = [short_convolution_vjp(window, u, kernel, swish_vjp(c, d.reshape(batch, -1)), moved)
+              for window, u, kernel, c, d, moved in zip(windows, inputs, kernels, convolved, d_mixed, d_moved)]
+    return [d_window for d_window, _, _ in pulled], [d_u for _, d_u, _ in pulled], [d for _, _, d in pulled]
+
+
+def gated_delta_rule_vjp(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+                         beta: np.ndarray, d_o: np.ndarray, d_after: np.ndarray) -> tuple[np.ndarray, ...]:
+    """S' = e^g S, e = v − S'ᵀk, S⁺ = S' + β k eᵀ, o = S⁺ᵀ q, given ∂o and ∂S⁺ from the later tokens:
+    ∂S⁺ += q ∂oᵀ, ∂q = S⁺ ∂o; ∂k = ∂S⁺ (β e) − S' (β ∂e), ∂e = ∂S⁺ᵀ k, ∂β = ∂e · e, ∂v = β ∂e;
+    ∂S' = ∂S⁺ − k (β ∂e)ᵀ; ∂S = e^g ∂S', ∂g = Σ S' ⊙ ∂S'.
+    -> (∂S, ∂q, ∂k, ∂v, ∂g, ∂β), shapes as gated_delta_rule's"""
+    decayed = np.exp(decay)[..., None, None] * state
+    error = v - np.einsum("bhkv,bhk->bhv", decayed, k)
+    after = decayed + np.einsum("bhk,bhv->bhkv", k, beta[..., None] * error)
+    d_after = d_after + np.einsum("bhk,bhv->bhkv", q, d_o)
+    d_q = np.einsum("bhkv,bhv->bhk", after, d_o)
+    d_error = np.einsum("bhkv,bhk->bhv", d_after, k)
+    d_written = beta[..., None] * d_error  # ∂ of β e, e's cotangent through v and through S'ᵀk
+    d_k = np.einsum("bhkv,bhv->bhk", d_after, beta[..., None] * error) - np.einsum("bhkv,bhv->bhk", decayed, d_written)
+    d_decayed = d_after - np.einsum("bhk,bhv->bhkv", k, d_written)
+    d_decay = (decayed * d_decayed).sum(axis=(-1, -2))
+    return np.exp(decay)[..., None, None] * d_decayed, d_q, d_k, d_written, d_decay, (d_error * error).sum(axis=-1)
+
+
+def gated_delta_net_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray,
+                        d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
+    """gated_delta_net from the zero state, back: the tokens in reverse, each through W_o, the gated
+    norm (RMSNorm(o) γ ⊙ SiLU(x W_z)), gated_delta_rule_vjp and token_queries_keys_values_vjp; then
+    the projections, β = σ(x W_β) and g = −exp(log_rate) softplus(a) (∂a = ∂g · −exp(log_rate) σ(a),
+    ∂log_rate = Σ ∂g · g). x [B, T, d], keep [B, T], d_y [B, T, d] -> d_x, the mixer's grads"""
+    mixer, eps, scale = cfg.linear_attention, float(cfg.norm_eps), p["norm.scale"]
+    batch, length = x.shape[:2]
+    found: list = []  # found[t]: the windows and S token t started from
+    gated_delta_net(cfg, p, x, keep, visited=found)
+    projected, beta, decay = delta_net_projections(cfg, p, x)
+    kernels = [p[f"{name}_conv.weight"] for name in ("q", "k", "v")]
+    gate = linear(x, p["z.weight"]).reshape(batch, length, mixer.value_heads, mixer.value_head_dim)
+    d_heads = (d_y @ p["o.weight"].T).reshape(gate.shape)  # ∂ of RMSNorm(o) γ ⊙ SiLU(gate), per token and head
+    d_gate, d_projected = np.zeros_like(gate), [np.zeros_like(u) for u in projected]
+    d_beta, d_decay, d_kernels = np.zeros_like(beta), np.zeros_like(decay), [np.zeros_like(k) for k in kernels]
+    grads: Grads = {"o.weight": np.zeros_like(p["o.weight"]), "norm.scale": np.zeros_like(scale)}
+    d_windows, d_state = [np.zeros_like(w) for w in found[0][0]], np.zeros_like(found[0][1])
+    for t in reversed(range(length)):
+        real, (windows, recurrent) = keep[:, t], found[t]
+        inputs = [u[:, t] for u in projected]
+        q, k, v, _ = token_queries_keys_values(cfg, windows, inputs, kernels)
+        o = np.where(real[:, None, None], gated_delta_rule(recurrent, q, k, v, decay[:, t], beta[:, t])[0], 0.0)
+        grads["o.weight"] += gated_rms_norm(o, scale, gate[:, t], eps).reshape(batch, -1).T @ d_y[:, t]
+        d_o, d_scale, _ = rms_norm_vjp(o, scale, eps, d_heads[:, t] * swish(gate[:, t]))
+        grads["norm.scale"] += d_scale
+        d_gate[:, t] = swish_vjp(gate[:, t], d_heads[:, t] * rms_norm(o, scale, None, eps))
+        d_o = np.where(real[:, None, None], d_o, 0.0)  # a pad's o is the constant 0
+        d_before, d_q, d_k, d_v, d_g, d_b = gated_delta_rule_vjp(recurrent, q, k, v, decay[:, t], beta[:, t], d_o,
+                                                                 d_state)
+        d_state = np.where(real[:, None, None, None], d_before, d_state)
+        d_decay[:, t], d_beta[:, t] = np.where(real[:, None], d_g, 0.0), np.where(real[:, None], d_b, 0.0)
+        pulled_windows, d_inputs, d_token_kernels = token_queries_keys_values_vjp(
+            cfg, windows, inputs, kernels, *(np.where(real[:, None, None], d, 0.0) for d in (d_q, d_k, d_v)),
+            [np.where(real[:, None, None], d, 0.0) for d in d_windows])
+        d_windows = [np.where(real[:, None, None], pulled, carried)
+                     for pulled, carried in zip(pulled_windows, d_windows)]
+        for index in range(3):
+            d_projected[index][:, t] = np.where(real[:, None], d_inputs[index], 0.0)
+            d_kernels[index] += d_token_kernels[index]
+    d_x, grads["z.weight"], _ = linear_vjp(x, p["z.weight"], d_gate.reshape(batch, length, -1))
+    for name, d_u in zip(("q", "k", "v"), d_projected):
+        d_from, grads[f"{name}.weight"], _ = linear_vjp(x, p[f"{name}.weight"], d_u)
+        d_x = d_x + d_from
+    decay_input = linear(x, p["decay.weight"], p["decay.bias"])
+    d_from_beta, grads["beta.weight"], _ = linear_vjp(x, p["beta.weight"], _through(beta * (1.0 - beta), d_beta))
+    d_from_decay, grads["decay.weight"], grads["decay.bias"] = linear_vjp(
+        x, p["decay.weight"], _through(-np.exp(p["decay.log_rate"]) * sigmoid(decay_input), d_decay))
+    grads.update({"decay.log_rate": _sum_leading(d_decay * decay),
+                  **{f"{name}_conv.weight": d for name, d in zip(("q", "k", "v"), d_kernels)}})
+    return d_x + d_from_beta + d_from_decay, grads
 
 
 # ---- residual blocks, layers and stacks -----------------------------------------------------
@@ -552,6 +685,22 @@ def decoder_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, memory: np.nda
     return d_y, d_memory, {**attention_grads, **grads}
 
 
+def linear_layer_vjp(cfg: ModelConfig, p: Params, y: np.ndarray, keep: np.ndarray, d_out: np.ndarray,
+                     d_probabilities: np.ndarray | None = None) -> tuple[np.ndarray, Grads]:
+    """A hybrid's linear layer, y1 = Block(y, gated DeltaNet), out = Block(y1, FFN), back through the
+    two blocks in reverse (d_probabilities: ffn_block_vjp's). cfg: the model's. -> d_y, the layer's grads"""
+    mixer = params_under(p, "linear_attn")
+
+    def mix(h: np.ndarray) -> np.ndarray:
+        return gated_delta_net(cfg, mixer, h, keep)[0]
+
+    y1 = block(cfg, p, "linear_attn", y, mix)
+    d_y1, ffn_grads = ffn_block_vjp(cfg, p, y1, d_out, None, d_probabilities)
+    d_y, mixer_grads = block_vjp(cfg, p, "linear_attn", y, mix,
+                                 lambda h, d_h: gated_delta_net_vjp(cfg, mixer, h, keep, d_h), d_y1)
+    return d_y, {**mixer_grads, **ffn_grads}
+
+
 def final_norm_vjp(cfg: ModelConfig, params: Params, stack: str, x: np.ndarray,
                    d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
     """The norm after a stack, back (the identity when cfg.final_norm is off)."""
@@ -593,12 +742,19 @@ def decoder_vjp(cfg: ModelConfig, params: Params, tgt_ids: np.ndarray, tgt_keep:
     layer_cfgs = [cfg.layer(i) for i in range(cfg.n_decoder_layers)]  # each layer's window and rotary (SPEC §6)
     for i, layer_cfg in enumerate(layer_cfgs):
         layer = params_under(params, f"decoder.layers.{i}")
+        if cfg.layer_kind(i) == "linear":  # gated DeltaNet in self-attention's place (SPEC §5.15)
+            inputs.append(linear_layer(cfg, layer, inputs[i], tgt_keep)[0])
+            continue
         inputs.append(decoder_layer(layer_cfg, layer, inputs[i], memory, self_masks[layer_cfg.sliding_window],
                                     cross_mask, masks_under(dropout_masks, f"decoder.layers.{i}")))
     d_y, grads = final_norm_vjp(cfg, params, "decoder", inputs[-1], d_h)
     d_memory = None if memory is None else np.zeros_like(memory)
     for i in reversed(range(cfg.n_decoder_layers)):
         layer = params_under(params, f"decoder.layers.{i}")
+        if cfg.layer_kind(i) == "linear":
+            d_y, layer_grads = linear_layer_vjp(cfg, layer, inputs[i], tgt_keep, d_y, d_probabilities)
+            grads.update(_named(f"decoder.layers.{i}", layer_grads))
+            continue
         d_y, d_layer_memory, layer_grads = decoder_layer_vjp(layer_cfgs[i], layer, inputs[i], memory,
                                                              self_masks[layer_cfgs[i].sliding_window], cross_mask, d_y,
                                                              masks_under(dropout_masks, f"decoder.layers.{i}"),

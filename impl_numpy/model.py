@@ -671,32 +671,52 @@ def gated_rms_norm(o: np.ndarray, scale: np.ndarray, gate: np.ndarray, eps: floa
     return rms_norm(o, scale, None, eps) * swish(gate)
 
 
+def delta_net_projections(cfg: ModelConfig, p: Params,
+                          x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """What a linear layer computes of every token at once: the q, k, v projections before their
+    convolutions, β = σ(x W_β) and g = −exp(log_rate) · softplus(x W_decay + b_decay) ≤ 0.
+    x [B, T, d] -> ([B, T, H_k·d_k] twice and [B, T, H_v·d_v], β [B, T, H_v], g [B, T, H_v])"""
+    projected = [linear(x, p[f"{name}.weight"]) for name in ("q", "k", "v")]
+    beta = sigmoid(linear(x, p["beta.weight"]))
+    decay = -np.exp(p["decay.log_rate"]) * softplus(linear(x, p["decay.weight"], p["decay.bias"]))
+    return projected, beta, decay
+
+
+def token_queries_keys_values(cfg: ModelConfig, windows: Sequence[np.ndarray], inputs: Sequence[np.ndarray],
+                              kernels: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+    """One token's q, k, v: SiLU of each short convolution, q and k L2-normalised (q also by
+    1/√d_k) and repeated for the value heads of their group (value head h reads key head h // g).
+    windows and inputs: q's, k's, v's ([B, K − 1, C] and [B, C]) -> (q and k [B, H_v, d_k],
+    v [B, H_v, d_v], the windows moved on)"""
+    mixer = cfg.linear_attention
+    batch, groups = inputs[0].shape[0], mixer.value_heads // mixer.key_heads
+    convolved = [short_convolution(window, u, kernel) for window, u, kernel in zip(windows, inputs, kernels)]
+    mixed = [swish(c) for c, _ in convolved]
+    q = l2_normalize(mixed[0].reshape(batch, mixer.key_heads, mixer.key_head_dim)) / math.sqrt(mixer.key_head_dim)
+    k = l2_normalize(mixed[1].reshape(batch, mixer.key_heads, mixer.key_head_dim))
+    v = mixed[2].reshape(batch, mixer.value_heads, mixer.value_head_dim)
+    return np.repeat(q, groups, axis=1), np.repeat(k, groups, axis=1), v, [moved for _, moved in convolved]
+
+
 def gated_delta_net(cfg: ModelConfig, p: Params, x: np.ndarray, keep: np.ndarray,
-                    state: LinearState | None = None) -> tuple[np.ndarray, LinearState]:
+                    state: LinearState | None = None, visited: list | None = None) -> tuple[np.ndarray, LinearState]:
     """A linear layer's mixer over x from state (the start's where None), token by token; pads move
     nothing and give zeros. p: its "linear_attn" parameters. x [B, T, d], keep [B, T]
-    -> ([B, T, d], the state after the last token)"""
+    -> ([B, T, d], the state after the last token). visited: where given, each token's starting
+    windows and S are appended to it (the backward walks them back)."""
     mixer = cfg.linear_attention
     batch, length = x.shape[:2]
     state = start_linear_state(cfg, batch, x.dtype) if state is None else state
-    groups = mixer.value_heads // mixer.key_heads  # value head h reads key head h // groups
-    projected = [linear(x, p[f"{name}.weight"]) for name in ("q", "k", "v")]  # [B, T, H·d]
+    projected, beta, decay = delta_net_projections(cfg, p, x)  # [B, T, H·d], [B, T, H_v] twice
     kernels = [p[f"{name}_conv.weight"] for name in ("q", "k", "v")]
-    beta = sigmoid(linear(x, p["beta.weight"]))  # [B, T, H_v]
-    decay = -np.exp(p["decay.log_rate"]) * softplus(linear(x, p["decay.weight"], p["decay.bias"]))  # g ≤ 0
     windows, recurrent = list(state.windows), state.recurrent
     outputs = np.zeros((batch, length, mixer.value_heads, mixer.value_head_dim), x.dtype)  # o_t per value head
     for t in range(length):
         real = keep[:, t]
-        mixed = []
-        for index, (u, kernel) in enumerate(zip(projected, kernels)):
-            c, moved = short_convolution(windows[index], u[:, t], kernel)
-            windows[index] = np.where(real[:, None, None], moved, windows[index])
-            mixed.append(swish(c))
-        q = l2_normalize(mixed[0].reshape(batch, mixer.key_heads, mixer.key_head_dim)) / math.sqrt(mixer.key_head_dim)
-        k = l2_normalize(mixed[1].reshape(batch, mixer.key_heads, mixer.key_head_dim))
-        v = mixed[2].reshape(batch, mixer.value_heads, mixer.value_head_dim)
-        q, k = np.repeat(q, groups, axis=1), np.repeat(k, groups, axis=1)  # [B, H_v, d_k]
+        if visited is not None:
+            visited.append((windows, recurrent))
+        q, k, v, moved = token_queries_keys_values(cfg, windows, [u[:, t] for u in projected], kernels)
+        windows = [np.where(real[:, None, None], after, before) for after, before in zip(moved, windows)]
         o, written = gated_delta_rule(recurrent, q, k, v, decay[:, t], beta[:, t])
         recurrent = np.where(real[:, None, None, None], written, recurrent)
         outputs[:, t] = np.where(real[:, None, None], o, 0.0)

@@ -1,15 +1,16 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral, Phi-3, Gemma 2, Gemma 3, and with a mixture of experts Mixtral and Qwen3-MoE): the
-importer's mapping run backwards, so that tools which read only Hugging Face directories
-(onnxruntime-genai's model builder, CTranslate2's converter, transformers itself) can run the very
-weights the suite checks.
+Mistral, Phi-3, Gemma 2, Gemma 3, with a mixture of experts Mixtral and Qwen3-MoE, and the hybrids
+Qwen3.5 and Qwen3-Next): the importer's mapping run backwards, so that tools which read only
+Hugging Face directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers
+itself) can run the very weights the suite checks.
 
 There is one mapping per family, the importer's (``rotary_mapping``): each rule is inverted (a copy
 stays a copy, a transposed nn.Linear is transposed back, Phi-3's blocks are put back in their rows
-of the fused tensor; a mixture's experts are written one nn.Linear per expert and projection, as
-published checkpoints and transformers' save_pretrained have them), and the result is proven by
-importing it again, which must give back the same config and the same tensors. A config no family
-can hold is refused naming the field. Reads and writes NumPy and safetensors only.
+of the fused tensor, Qwen3-Next's into each key head's group; a mixture's experts are written one
+nn.Linear per expert and projection, as published checkpoints and transformers' save_pretrained
+have them), and the result is proven by importing it again, which must give back the same config
+and the same tensors. A config no family can hold is refused naming the field. Reads and writes
+NumPy and safetensors only.
 """
 
 from __future__ import annotations
@@ -64,15 +65,24 @@ _QWEN3_5 = {**_MODERN_DECODER, "qkv_bias": False, "bias": False, "qk_norm": True
 
 def _hybrid_family(cfg: ModelConfig) -> str:
     """Qwen3.5's text decoder: gated DeltaNet and gated full attention (q/k norms, a partial rotary
-    or none), (1 + w) norms, no biases, no windows or rescaling."""
+    or none), (1 + w) norms, no biases, no windows or rescaling; Qwen3-Next where every FFN is a
+    mixture of experts with a shared expert (its router's softmax in float32)."""
     for field, value in _QWEN3_5.items():
-        if getattr(cfg, field) != value:
-            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Qwen3.5, the family with linear layers, has "
-                              f"{field} = {value!r}")
+        if field != "moe" and getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Qwen3.5 and Qwen3-Next, the families with linear "
+                              f"layers, have {field} = {value!r}")
     if cfg.linear_attention is None:
-        raise ConfigError("attention_output_gate without linear layers: Qwen3.5, the family whose attention has an "
-                          "output gate, has gated DeltaNet layers (linear_attention)")
-    return "qwen3_5_text"
+        raise ConfigError("attention_output_gate without linear layers: Qwen3.5 and Qwen3-Next, the families whose "
+                          "attention has an output gate, have gated DeltaNet layers (linear_attention)")
+    if cfg.moe is None:
+        return "qwen3_5_text"
+    if not cfg.moe.shared_expert_d_ff:
+        raise ConfigError("moe.shared_expert_d_ff = 0 with linear layers: Qwen3-Next, the hybrid with a mixture of "
+                          "experts, builds a shared expert beside the routed ones in every layer")
+    if cfg.moe.router_softmax != "float32":
+        raise ConfigError(f"moe.router_softmax = {cfg.moe.router_softmax!r}: Qwen3-Next's class takes the router's "
+                          "softmax in float32")
+    return "qwen3_next"
 
 
 def _moe_family(cfg: ModelConfig) -> str:
@@ -80,6 +90,10 @@ def _moe_family(cfg: ModelConfig) -> str:
     renormalised): both without biases, the router's softmax in float32, one window (or none) for
     every layer."""
     moe = cfg.moe
+    if moe.shared_expert_d_ff:
+        raise ConfigError(f"moe.shared_expert_d_ff = {moe.shared_expert_d_ff} without linear layers: Qwen2-MoE, the "
+                          "family with a shared expert and full attention alone, is not one the importer reads back; "
+                          "Qwen3-Next (linear_attention) is")
     if moe.router_softmax != "float32":
         raise ConfigError(f"moe.router_softmax = {moe.router_softmax!r}: Mixtral's and Qwen3-MoE's classes take the "
                           "router's softmax in float32")
@@ -96,8 +110,9 @@ def _moe_family(cfg: ModelConfig) -> str:
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The family whose class computes this config: Gemma 3 or Gemma 2 ((1 + w) norms and post
-    norms), with a mixture of experts Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
+    """The family whose class computes this config: Qwen3.5 or, with a mixture of experts, Qwen3-Next
+    (linear layers), Gemma 3 or Gemma 2 ((1 + w) norms and post norms), with a mixture of experts
+    Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
     biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
     norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
     field none of them has."""
@@ -161,12 +176,13 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     }
     if family in ("mixtral", "qwen3_moe"):
         return config | _moe_config_json(cfg, family)
-    if family == "qwen3_5_text":
+    if family in ("qwen3_5_text", "qwen3_next"):
         mixer = cfg.linear_attention
-        return config | {"attention_bias": False, "layer_types": [f"{kind}_attention" for kind in cfg.layer_types],
-                         "linear_num_key_heads": mixer.key_heads, "linear_num_value_heads": mixer.value_heads,
-                         "linear_key_head_dim": mixer.key_head_dim, "linear_value_head_dim": mixer.value_head_dim,
-                         "linear_conv_kernel_dim": mixer.conv_kernel}
+        config |= {"attention_bias": False, "layer_types": [f"{kind}_attention" for kind in cfg.layer_types],
+                   "linear_num_key_heads": mixer.key_heads, "linear_num_value_heads": mixer.value_heads,
+                   "linear_key_head_dim": mixer.key_head_dim, "linear_value_head_dim": mixer.value_head_dim,
+                   "linear_conv_kernel_dim": mixer.conv_kernel}
+        return config | _moe_config_json(cfg, family) if family == "qwen3_next" else config
     if family == "llama":
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     elif family in ("mistral", "phi3"):
@@ -204,9 +220,11 @@ def _moe_config_json(cfg: ModelConfig, family: str) -> dict:
     if family == "mixtral":
         return common | {"num_local_experts": moe.n_experts, "router_jitter_noise": 0.0,
                          "sliding_window": cfg.sliding_window}
-    return common | {"num_experts": moe.n_experts, "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": moe.renormalize,
-                     "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
-                     "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
+    common |= {"num_experts": moe.n_experts, "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": moe.renormalize,
+               "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False}
+    if family == "qwen3_next":  # a mixture in every layer, beside its shared expert
+        return common | {"shared_expert_intermediate_size": moe.shared_expert_d_ff}
+    return common | {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
 
 
 def _integral(value: float) -> int | float:
@@ -258,6 +276,11 @@ def _source_tensors(rules: list[Rule], params: Mapping[str, np.ndarray]) -> dict
         elif rule.how.startswith("channels "):  # a depthwise convolution's kernels back into [C, 1, K]
             start, stop = rule.span()
             tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop, 0] = value
+        elif rule.how.startswith("transpose group rows "):  # each key head's block back into its group
+            start, stop, width = rule.group_rows()
+            fused = tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))
+            blocks = value.T.reshape(-1, stop - start, value.shape[0])
+            fused.reshape(-1, width, fused.shape[-1])[:, start:stop] = blocks
         elif rule.how.startswith("transpose head half "):  # each head's block back among its two
             half, width = rule.head_half()
             fused = tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))

@@ -315,10 +315,11 @@ class ModelConfig:
 # rest (the exports, the importers' writer, the golden's backward, the conformance matrix) refuse
 # such a config by name (check_computed_by) rather than compute another model.
 _FRAMEWORKS = ("impl_numpy", "impl_torch", "impl_jax")
+GOLDEN_BACKWARD = "the golden's backward"
 HUGGING_FACE_WRITER = "the Hugging Face writer"
 TRANSFORMERS_COLUMN = "the transformers column (its directory written by the Hugging Face writer)"
 ONNX_EXPORTS = {"torch": "the ONNX export from impl_torch", "jax": "the ONNX export from impl_jax (jax2onnx)"}
-_HYBRID_COMPUTERS = (*_FRAMEWORKS, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])
+_HYBRID_COMPUTERS = (*_FRAMEWORKS, GOLDEN_BACKWARD, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, ONNX_EXPORTS["torch"])
 # feature -> (its name, what computes it, whether cfg has it)
 NEWER_FEATURES: dict[str, tuple[str, tuple[str, ...], Callable[[ModelConfig], bool]]] = {
     "linear_attention": ("gated DeltaNet's linear layers (linear_attention)", _HYBRID_COMPUTERS,
@@ -326,7 +327,7 @@ NEWER_FEATURES: dict[str, tuple[str, tuple[str, ...], Callable[[ModelConfig], bo
     "attention_output_gate": ("the attention's output gate (attention_output_gate)", _HYBRID_COMPUTERS,
                               lambda cfg: cfg.attention_output_gate),
     "shared_expert": ("the mixture of experts' shared expert (moe.shared_expert_d_ff)",
-                      (*_FRAMEWORKS, "the golden's backward", TRANSFORMERS_COLUMN, *ONNX_EXPORTS.values()),
+                      (*_FRAMEWORKS, GOLDEN_BACKWARD, HUGGING_FACE_WRITER, TRANSFORMERS_COLUMN, *ONNX_EXPORTS.values()),
                       lambda cfg: cfg.moe is not None and cfg.moe.shared_expert_d_ff > 0),
 }
 

@@ -3,6 +3,8 @@ columns pass against the golden VJPs, the comparison fails on what it must, and 
 leave the forward intact — a detached residual, a tied head that counts one use, a softmax
 whose fully masked rows turn the gradient into NaN — fail the gradient cells alone."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 import impl_torch.model as torch_model
 from conformance.cases import GRADIENT_INPUTS, SUBLAYERS, build_case, case_names, is_gradient
 from conformance.harness import FAIL, PASS, SKIP, plan_matrix, run_matrix
-from conformance.tolerance import compare_gradients
+from conformance.tolerance import SUBNORMAL_SPACING, compare_gradients, tolerance
 from rosetta.main import main
 from spec import conformance_params, get_preset
 from tests.variants import VARIANTS
@@ -125,6 +127,24 @@ def test_an_entry_whose_terms_cancel_is_not_required_exact():
     """x[1, 1] is 0 in the golden but its terms are not (0.7): a backend's rounding there passes."""
     mine = {"x": GOLDEN["x"] + np.array([[0, 0, 0], [0, 1e-12, 0]]), "k.bias": np.zeros(3)}
     assert compare_gradients(mine, GOLDEN, TERMS, GIVEN_TOL).passed
+
+
+def test_a_gradient_below_float16s_normal_range_is_judged_to_its_subnormal_grid():
+    """A gradient whose entries all lie under float16's normal range (6.1e-5; the gated attention's gate
+    under the small case's 1e-3 activations) is stored on the 2⁻²⁴ grid of its subnormals, however
+    exactly it was summed: the golden's own values (1e-6, 17 steps of the grid) stored in float16 are off
+    by 1.7% of their norm, 3 times the bound. The bound allows s·√N for it (6% of this tensor's norm);
+    a zero gradient, or one 10% off, still fails."""
+    golden = {"gate.weight": np.random.default_rng(3).standard_normal((40, 64)) * 1e-6}
+    terms = {"gate.weight": np.abs(golden["gate.weight"])}
+    stored = {"gate.weight": golden["gate.weight"].astype(np.float16)}
+    tol, spacing = tolerance("float16", 30, 2), SUBNORMAL_SPACING["float16"]
+    assert not compare_gradients(stored, golden, terms, tol).passed
+    result = compare_gradients(stored, golden, terms, tol, subnormal_spacing=spacing)
+    assert result.passed and "subnormal allowance" in result.reason, result.reason
+    for wrong in (np.zeros((40, 64)), (golden["gate.weight"] * 1.1).astype(np.float16)):
+        assert not compare_gradients({"gate.weight": wrong}, golden, terms, tol, subnormal_spacing=spacing).passed
+    assert SUBNORMAL_SPACING["float32"] * math.sqrt(1e12) < 1e-38  # nothing at float32 and wider
 
 
 def test_the_relu_kink_allowance_widens_the_bound_by_its_size():

@@ -12,6 +12,9 @@ pass by accident.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -259,6 +262,29 @@ def test_qwen35_tiny_written_as_a_directory_imports_back_and_passes_the_transfor
     assert PAD_BETWEEN in left_out["forward-pad_middle-float32-transformers-cpu"]
     assert PAD_IN_STEP in left_out["decode-pad_left-float32-transformers-cpu"]
     assert "forward-pad_left-float32-transformers-cpu" not in left_out
+
+
+def test_qwen3_next_tiny_written_as_a_directory_imports_back_and_passes_the_transformers_column(tmp_path):
+    """Qwen3-Next written back: q, k, v and z regrouped by key head into in_proj_qkvz, β's and the decay's
+    rows into in_proj_ba, the experts one nn.Linear each, the shared expert and its gate; the import of
+    the directory is the preset's tensors, and transformers' Qwen3NextForCausalLM passes every
+    whole-model case at float32 on it. A shared expert without linear layers (Qwen2-MoE) is refused."""
+    from importers.huggingface_writer import to_huggingface
+
+    cfg = get_preset("qwen3-next-tiny")
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / "qwen3-next-tiny")
+    hf = json.loads((directory / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_next" and hf["shared_expert_intermediate_size"] == cfg.moe.shared_expert_d_ff
+    back = import_huggingface(directory)
+    assert back.config == as_held(cfg) and params_digest(back.params) == params_digest(params)
+    results = _matrix(directory, ["transformers"], ["float32"])
+    ran = [r for r in results if r.status != SKIP]
+    assert ran and all(r.status == PASS for r in ran), [(r.test_id, r.reason[:200]) for r in ran if r.status != PASS]
+    assert {r.sublayer for r in ran} == {"forward", "decode", "generate"}
+    dense = get_preset("qwen3-moe-tiny")
+    with pytest.raises(ConfigError, match="moe.shared_expert_d_ff = 24 without linear layers: Qwen2-MoE"):
+        to_huggingface(dense.replace(moe=dataclasses.replace(dense.moe, shared_expert_d_ff=24)), {}, tmp_path / "no")
 
 
 def test_a_hybrid_of_linear_layers_alone_runs_transformers_forward_and_refuses_its_decoding(tmp_path):

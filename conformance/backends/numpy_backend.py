@@ -198,6 +198,9 @@ class NumpyRunner:
             x = self._float(inputs["x"])
             d_x, grads = (backward.feed_forward_vjp(under, x, cfg.activation, d_out) if cfg.moe is None
                           else backward.experts_ffn_vjp(cfg, under, x, d_out))
+        elif forward == "linear_attn":  # the model's config: a layer's own has no mixer (SPEC §5.15)
+            d_x, grads = backward.gated_delta_net_vjp(self.cfg, under, self._float(inputs["x"]),
+                                                      np.asarray(inputs["tgt_keep"], bool), d_out)
         elif forward == "norm":
             d_x, grads = backward.norm_vjp(cfg, under, self._float(inputs["x"]), d_out)
         elif forward == "ffn_block":
@@ -205,6 +208,10 @@ class NumpyRunner:
         elif forward == "encoder_layer":
             x = self._float(inputs["x"])
             d_x, grads = backward.encoder_layer_vjp(cfg, under, x, self._mask(inputs["mask"], x, x), d_out)
+        elif forward == "decoder_layer" and self.cfg.layer_kind(inputs["index"]) == "linear":  # by its real tokens
+            d_y, grads = backward.linear_layer_vjp(self.cfg, under, self._float(inputs["y"]),
+                                                   np.asarray(inputs["tgt_keep"], bool), d_out)
+            return {"y": d_y, **_every(under, grads)}
         elif forward == "decoder_layer":
             y, memory = self._float(inputs["y"]), self._float(inputs["memory"])
             cross_mask = None if memory is None else self._mask(inputs["cross_mask"], y, memory)
