@@ -168,9 +168,11 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
             drop_runners(runners)
             backend, _ = get_backend(name)
             runners[key] = backend.load(cfg, params, dtype, device)
-        if case.mask_case in NEAR_TIE_CASES and not hasattr(runners[key], "routing_log"):
+        if case.mask_case in NEAR_TIE_CASES and not _replays_routing(runners[key], case.sublayer):
             raise NotSupported("the case sits at a routing tie by construction, where rounding picks either expert: "
-                               "only a column that can replay the golden's routing is judged on it")
+                               "only a column that can replay the golden's routing is judged on it"
+                               + (" (this one's gradients route on their own)" if hasattr(runners[key], "routing_log")
+                                  else ""))
         output = _output(runners[key], case)
         named = getattr(runners[key], "attention_path", None)
         base["path"] = named(case.sublayer, case.inputs) if named else ""
@@ -221,6 +223,15 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     return CellResult(**base, status=PASS if result.passed else FAIL, max_abs_err=result.max_abs_err,
                       rel_err=result.rel_err, tol=result.tol, worst_index=result.worst_index,
                       reason=result.reason, seconds=seconds)
+
+
+def _replays_routing(runner, sublayer: str) -> bool:
+    """Whether a column can run this case with the golden's routing forced: a runner with a
+    routing_log, and for a gradient or training case one whose backward replays it too (the
+    golden's own VJPs route on their own: numpy-float32's cannot)."""
+    if not hasattr(runner, "routing_log"):
+        return False
+    return not (is_gradient(sublayer) or is_training(sublayer)) or getattr(runner, "replays_backward_routing", True)
 
 
 def _routing_verdict(cfg, params, case: Case, runner, dtype: str, judge, failed):

@@ -470,9 +470,12 @@ def multi_head_attention_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, context
 # chain rule. A pad moved nothing forward, so it passes ∂S and ∂window on untouched and gets nothing.
 
 def l2_normalize_vjp(x: np.ndarray, d_y: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """y = x / n, n = √(Σ x² + ε):  ∂x = (∂y − y (y · ∂y)) / n over the last axis"""
+    """y = x / n, n = √(Σ x² + ε):  ∂x = (∂y − y (y · ∂y)) / n over the last axis; without cancellation
+    the two terms' sizes, which cancel where ∂y lies along y (only its part across y moves y)"""
     root = np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
     y = x / root
+    if not _CANCELLING[0]:
+        return (np.abs(d_y) + np.abs(y) * np.abs((y * d_y).sum(axis=-1, keepdims=True))) / root
     return (d_y - y * (y * d_y).sum(axis=-1, keepdims=True)) / root
 
 

@@ -469,6 +469,25 @@ def test_a_state_cut_between_chunks_fails_the_gradient_cells_across_chunks_only(
     assert "grad-linear_attn-chunk_less" not in failing, failing  # C − 1 tokens: one chunk, nothing cut
 
 
+def test_a_backward_mistake_in_a_linear_layer_is_localized_to_it(monkeypatch):
+    """The backward walk (SPEC §13) feeds each stage, from the head down, the golden's input and
+    cotangent: torch's passes every stage of the hybrid, linear layers included; with the decay's
+    gradient cut (its forward the same numbers) the walk stops at the last linear layer, naming the
+    decay's parameters."""
+    from conformance.diagnosis.localize import localize_backward_column
+    from impl_torch import model as torch_model
+
+    params = conformance_params(CHUNKED)
+    clean = localize_backward_column(CHUNKED, params, "torch", "float32", "cpu")
+    assert [stage.name for stage in clean.stages][2:6] == [f"decoder.layers.{i}" for i in (3, 2, 1, 0)]
+    assert all(stage.isolated_ratio < 1 for stage in clean.stages), clean.stages
+    decay = torch_model.Decay.forward
+    monkeypatch.setattr(torch_model.Decay, "forward", lambda self, x: decay(self, x).detach())
+    planted = localize_backward_column(CHUNKED, params, "torch", "float32", "cpu")
+    failing = [stage for stage in planted.stages if stage.isolated_ratio > 1]
+    assert failing[0].name == "decoder.layers.2" and "linear_attn.decay" in failing[0].note, planted.stages
+
+
 def test_qwen3_nexts_experts_follow_its_linear_layers():
     """qwen3-next-tiny: the hybrid whose every FFN is a mixture of experts with a shared expert (SPEC
     §5.14, §5.15), its linear layers' FFNs too. Torch's batched and looped blocks through a padded

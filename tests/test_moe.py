@@ -25,7 +25,7 @@ import impl_jax.model as jax_model
 import impl_numpy as golden
 import impl_torch.model as torch_model
 from conformance import cells
-from conformance.harness import FAIL, PASS, plan_matrix, run_matrix
+from conformance.harness import FAIL, PASS, SKIP, plan_matrix, run_matrix
 from conformance.diagnosis.routing import routing_margins
 from impl_numpy.model import recorded_routing
 from impl_torch import Transformer
@@ -207,6 +207,19 @@ def test_the_case_at_a_tie_by_construction_passes_replayed_and_still_catches_an_
     golden32 = cells["numpy-float32", "float32"]
     assert golden32.status == PASS and golden32.reason.startswith(
         "every token of this case sits at a routing tie by construction; routing replayed"), golden32.reason
+
+
+def test_the_gradient_of_the_case_at_a_tie_is_refused_where_the_backward_cannot_replay():
+    """numpy-float32's forward replays routing, its VJPs do not (they route on their own): its
+    grad-ffn-near_tie cell was failed by rounding's choice of expert, a red that meant nothing. It is
+    refused saying why; torch, whose autodiff runs through the replayed routing, is judged and passes."""
+    cfg = get_preset("qwen3-moe-tiny")
+    plan = plan_matrix(cfg, ["torch", "numpy-float32"], ["float32"], ["cpu"])
+    cells = {r.backend: r for r in run_matrix(cfg, conformance_params(cfg), plan, pattern="grad-ffn-near_tie",
+                                              backward=True)}
+    assert cells["torch"].status == PASS, cells["torch"].reason
+    refused = cells["numpy-float32"]
+    assert refused.status == SKIP and "(this one's gradients route on their own)" in refused.reason, refused.reason
 
 
 def test_the_golden_replays_routing_through_its_log():

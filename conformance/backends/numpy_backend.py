@@ -28,6 +28,8 @@ from spec.routing import RoutingLog
 class NumpyRunner:
     """Runs catalogue sublayers with impl_numpy at one dtype."""
 
+    replays_backward_routing = False  # its VJPs route on their own (gradients, train)
+
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float64",
                  budget: int | None = None):
         self.cfg = cfg
