@@ -70,7 +70,7 @@ def test_catalogue_covers_every_mask_case_and_sublayer():
     embed_norm = VARIANTS["tiny.learned_swish_shared_embednorm"].replace(final_norm=True)
     assert norms_tiny_lacks <= {mask_case for mask_case in applicable_cases(embed_norm, "norm")}
     # a mixture of experts' only, and a hybrid's only
-    assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts", "linear_attn"}
+    assert {c.sublayer for c in cases} == set(SUBLAYERS) - {"router", "experts", "linear_attn", "grad-linear_attn"}
     mixtral = get_preset("mixtral-tiny")
     assert {("router", "none"), ("experts", "unchosen"), ("ffn", "near_tie")} <= {(c.sublayer, c.mask_case)
                                                              for c in catalogue(mixtral, conformance_params(mixtral))}

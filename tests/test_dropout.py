@@ -14,7 +14,8 @@ from spec.errors import InputError
 from tests.bounds import assert_agrees, assert_derivative, assert_differs, model_bounds
 from tests.test_backward_model import CONFIGS, STEP, _batch, _loss_rounding, _reduction
 
-DROPPED = {name: cfg.replace(dropout=0.25) for name, cfg in CONFIGS.items()}
+# a hybrid has no dropout (its config refuses one: Qwen3.5's and Qwen3-Next's layers have none)
+DROPPED = {name: cfg.replace(dropout=0.25) for name, cfg in CONFIGS.items() if cfg.linear_attention is None}
 
 
 def _masks(cfg, src, tgt):
