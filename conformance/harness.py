@@ -32,7 +32,7 @@ from conformance.plan.memory import (COLUMNS_SHARE, Extent, MemoryLedger, availa
 from conformance.text import Prompts
 from conformance.tolerance import DTYPES
 from spec import ModelConfig
-from spec.config import check_computed_by
+from spec.config import GOLDEN_BACKWARD, check_computed_by
 
 
 def matches(test_id: str, pattern: str | None) -> bool:
@@ -131,7 +131,7 @@ def run_matrix(cfg: ModelConfig, params: Mapping[str, np.ndarray], plan: Plan | 
     kept_golden: the golden of this model (conformance.cells.KeptGolden) that the caller keeps across
     runs, whose cases and references this run uses and adds to rather than making its own."""
     if backward:  # the gradient and training cases' reference is the golden's backward
-        check_computed_by(cfg, "the golden's backward")
+        check_computed_by(cfg, GOLDEN_BACKWARD)
     if kept_golden is not None and not kept_golden.holds(cfg, params):
         raise ValueError("kept_golden is the golden of another model: it serves the config and weights it was made for")
     if kept_golden is not None and prompts is not None:

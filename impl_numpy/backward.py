@@ -26,7 +26,6 @@ from impl_numpy.model import (
     decoder,
     decoder_layer,
     decoder_self_masks,
-    gated_delta_net,
     delta_net_projections,
     dropout,
     embed,
@@ -36,6 +35,7 @@ from impl_numpy.model import (
     expert_shares,
     experts_ffn,
     feed_forward,
+    gated_delta_net,
     gated_delta_rule,
     gated_rms_norm,
     group_heads,
@@ -73,7 +73,7 @@ from impl_numpy.model import (
     top_experts,
 )
 from spec import ModelConfig, params_under
-from spec.config import check_computed_by
+from spec.config import GOLDEN_BACKWARD, check_computed_by
 from spec.dropout import masks_under
 from spec.inputs import check_targets
 from spec.masks import key_mask
@@ -800,7 +800,7 @@ def model_vjp(cfg: ModelConfig, p: Params, src_ids: np.ndarray | None, tgt_ids: 
     """The gradient of every parameter given ∂L/∂logits [B, T, V] (model_logits' inputs, p already
     in the computation dtype), and ∂L/∂p on every MoE layer's router probabilities [B, T, E] where
     the loss reads them (load balancing). Every canonical name is present; a row no token reached is 0."""
-    check_computed_by(cfg, "the golden's backward")
+    check_computed_by(cfg, GOLDEN_BACKWARD)
     src_ids, tgt_ids, src_keep, tgt_keep = model_inputs(cfg, src_ids, tgt_ids, src_keep, tgt_keep, dropout_masks)
     memory = None if src_ids is None else encoder(cfg, p, src_ids, src_keep, dropout_masks)
     h = decoder(cfg, p, tgt_ids, tgt_keep, memory, src_keep, dropout_masks)

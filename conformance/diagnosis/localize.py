@@ -238,17 +238,22 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
     self_masks = golden.decoder_self_masks(cfg, tgt_keep)
     decoder_inputs = [("tgt embedding", "embedding", {"ids": tgt_ids, "side": "tgt", "offset": 0}, None)]
     y = golden.embed(cfg, p, tgt_ids, "tgt")
+    amplified: dict[str, float] = {}  # a layer's SPEC §8 factor: its gates' and output norms', found on its forward
     for i in range(cfg.n_decoder_layers):
-        if cfg.layer_kind(i) == "linear":  # a hybrid's gated DeltaNet layer: the real tokens are what it masks by
-            decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {
-                "index": i, "y": _f32(y), "memory": None, "cross_mask": None, "tgt_keep": np.asarray(tgt_keep)}, "y"))
-            y = golden.linear_layer(cfg, params_under(p, f"decoder.layers.{i}"), y, tgt_keep)[0]
-            continue
-        self_mask = self_masks[cfg.layer(i).sliding_window]
-        decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {"index": i, "y": _f32(y), "memory": memory,
-                                                                          **_own_mask(cfg, i, self_mask, tgt_keep),
-                                                                          "cross_mask": cross}, "y"))
-        y = golden.decoder_layer(cfg.layer(i), params_under(p, f"decoder.layers.{i}"), y, memory, self_mask, cross)
+        layer = params_under(p, f"decoder.layers.{i}")
+        with golden.recorded_amplification() as found:
+            if cfg.layer_kind(i) == "linear":  # a hybrid's gated DeltaNet layer: the real tokens are what it masks by
+                decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {
+                    "index": i, "y": _f32(y), "memory": None, "cross_mask": None, "tgt_keep": np.asarray(tgt_keep)},
+                    "y"))
+                y = golden.linear_layer(cfg, layer, y, tgt_keep)[0]
+            else:
+                self_mask = self_masks[cfg.layer(i).sliding_window]
+                decoder_inputs.append((f"decoder.layers.{i}", "decoder_layer", {
+                    "index": i, "y": _f32(y), "memory": memory, **_own_mask(cfg, i, self_mask, tgt_keep),
+                    "cross_mask": cross}, "y"))
+                y = golden.decoder_layer(cfg.layer(i), layer, y, memory, self_mask, cross)
+        amplified[f"decoder.layers.{i}"] = max([1.0, *found])
     if cfg.final_norm:
         decoder_inputs.append(("decoder.norm", "norm", {"module": "decoder.norm", "x": _f32(y)}, "x"))
         y = golden.norm(cfg, params_under(p, "decoder.norm"), y)
@@ -265,9 +270,8 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             linear = name.startswith("decoder.layers.") and cfg.layer_kind(inputs["index"]) == "linear"
             depth = SUBLAYERS[gradient].depth(cfg) + (2 * (tgt_ids.shape[1] - 1) if linear else 0)
             angle = rotary_angle(cfg, tgt_ids.shape[1] - 1)
-            relative = tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth, angle)
-            if sublayer != "embedding":  # the gates' and output norms' magnification on the stage's input
-                relative *= _amplification(cfg, p, sublayer, inputs)
+            relative = amplified.get(name, 1.0) * tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth,
+                                                            angle)
             kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2, angle))
             try:
                 result = compare_gradients(runner.gradients(gradient, inputs), reference.gradients, reference.terms,
@@ -285,25 +289,6 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             d_out = reference.gradients[input_name] if input_name else None
         d_out = d_memory  # the encoder's last stage receives the memory's cotangent, summed over the layers
     return Localization(stages)
-
-
-def _amplification(cfg: ModelConfig, p: Mapping[str, np.ndarray], sublayer: str, inputs: Mapping) -> float:
-    """SPEC §8's factor for a backward stage of a hybrid: the golden's amplification found running the
-    stage's forward on its input (1 where nothing gates or normalises a linear layer's output)."""
-    if cfg.linear_attention is None and not cfg.attention_output_gate:
-        return 1.0
-    with golden.recorded_amplification() as found:
-        if sublayer == "decoder_layer" and cfg.layer_kind(inputs["index"]) == "linear":
-            golden.linear_layer(cfg, params_under(p, f"decoder.layers.{inputs['index']}"),
-                                np.asarray(inputs["y"], np.float64), inputs["tgt_keep"])
-        elif sublayer == "decoder_layer":
-            i = inputs["index"]
-            mask = inputs.get("self_mask")
-            if mask is None:
-                mask = golden.decoder_self_masks(cfg.layer(i), np.asarray(inputs["tgt_keep"]))[cfg.layer(i).sliding_window]
-            golden.decoder_layer(cfg.layer(i), params_under(p, f"decoder.layers.{i}"), np.asarray(inputs["y"], np.float64),
-                                 inputs["memory"], mask, inputs["cross_mask"])
-    return max([1.0, *found])
 
 
 def localize_backward_column(cfg: ModelConfig, params: Mapping[str, np.ndarray], backend_name: str, dtype: str,
