@@ -69,7 +69,7 @@ from conformance.text import LONG_TEXT, NEW_TOKENS, Prompts
 from conformance.tolerance import rotary_angle, tolerance
 from spec import ModelConfig, params_under
 from spec.dropout import draw_dropout_masks
-from spec.masks import causal_mask, combine_masks, decoder_self_mask, key_mask, normalize_mask
+from spec.masks import causal_mask, combine_masks, decoder_self_mask, key_mask, normalize_mask, real_tokens
 from spec.training import TrainingConfig
 
 BATCH = 3
@@ -951,7 +951,7 @@ def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, 
         else:
             ids = inputs["prompt_ids"] if forward == "generate" else inputs["tgt_ids"]
             for batch in np.asarray(ids).reshape(-1, *np.shape(ids)[-2:]):  # a training case's N batches
-                golden.model_logits(cfg, p, None, batch)
+                golden.decoder(cfg, p, batch, real_tokens(cfg, batch, "tgt"))  # the layers: the head records nothing
     return max(found, default=1.0)
 
 
