@@ -46,17 +46,28 @@ DTYPES = tuple(UNIT_ROUNDOFF)
 COMPUTE_MODES = {"int8-activations": (1 / 254, "float32")}
 
 
-def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0) -> float:
-    """The relative tolerance for a case computed in ``dtype`` (or a COMPUTE_MODES mode); ``angle``
-    is the case's rotary_angle (the rotary tables are float32 or wider, so their roundoff is
-    u_accumulate's)."""
+def _roundoffs(dtype: str) -> tuple[float, float]:
+    """(u_storage, u_accumulate) of a dtype or a COMPUTE_MODES mode."""
     if dtype in COMPUTE_MODES:
-        storage, accumulate = COMPUTE_MODES[dtype][0], UNIT_ROUNDOFF[COMPUTE_MODES[dtype][1]]
-    elif dtype in UNIT_ROUNDOFF:
-        storage, accumulate = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
-    else:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES + tuple(COMPUTE_MODES))}")
-    return SAFETY * math.sqrt(max(1, depth)) * (storage + accumulate * (math.sqrt(max(1, reduction_length)) + angle))
+        return COMPUTE_MODES[dtype][0], UNIT_ROUNDOFF[COMPUTE_MODES[dtype][1]]
+    if dtype in UNIT_ROUNDOFF:
+        return UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[ACCUMULATE[dtype]]
+    raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES + tuple(COMPUTE_MODES))}")
+
+
+def backward_error(dtype: str, reduction_length: int) -> float:
+    """u_s + u_a·√n: the relative move of a product's weights that its rounding is equivalent to
+    (its inputs stored at dtype, n random-signed roundings summed), one layer's share of SPEC §8."""
+    storage, accumulate = _roundoffs(dtype)
+    return storage + accumulate * math.sqrt(max(1, reduction_length))
+
+
+def tolerance(dtype: str, reduction_length: int, depth: int, angle: float = 0.0) -> float:
+    """The relative tolerance for a case computed in ``dtype`` (or a COMPUTE_MODES mode):
+    SAFETY · √depth · (backward_error + u_a · angle); ``angle`` is the case's rotary_angle (the
+    rotary tables are float32 or wider, so their roundoff is u_accumulate's)."""
+    accumulate = _roundoffs(dtype)[1]
+    return SAFETY * math.sqrt(max(1, depth)) * (backward_error(dtype, reduction_length) + accumulate * angle)
 
 
 def held_at(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -249,7 +260,7 @@ def _compare_exact(actual: np.ndarray, expected: np.ndarray) -> Comparison:
 
 def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms: Mapping[str, np.ndarray],
                       relative_tol: float, kink_allowance: Mapping[str, float] | None = None,
-                      subnormal_spacing: float = 0.0) -> Comparison:
+                      subnormal_spacing: float = 0.0, conditioning: Mapping[str, float] | None = None) -> Comparison:
     """A gradient case (SPEC.md §13): every tensor the golden returns, per tensor and normwise.
 
     `terms` is the golden without cancellation (impl_numpy.backward.without_cancellation). A
@@ -260,7 +271,10 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
     is added to the bound: how far the gradient moves when ReLU units within rounding of their
     kink take the other side. `subnormal_spacing` (the dtype's, SUBNORMAL_SPACING) adds s·√N for
     a tensor of N entries: what storing it at its dtype may move it where it lies below the normal
-    range. The Comparison's max_abs_err
+    range. `conditioning` (per tensor, absolute) replaces tol · max(‖g*‖, ‖t*‖) where it is larger:
+    how far the golden's own gradients move when every weight moves by the rounding a column's
+    products are equivalent to (GradientReference.conditioning_bound), measured where the case
+    is amplified. The Comparison's max_abs_err
     and rel_err hold the worst tensor's ‖g − g*‖ / ‖g*‖ (what is compared), its reason names
     that tensor with its max|g − g*| / ‖g*‖ and cosine similarity."""
     if not isinstance(actual, Mapping):
@@ -293,9 +307,9 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
                               f"(masked, padded, absent or unused), first at {list(index)}: {mine[index]:.3g}")
         difference = float(np.linalg.norm(mine - golden))
         kink, floor = (kink_allowance or {}).get(name, 0.0), subnormal_spacing * math.sqrt(golden.size)
-        allowance = kink + floor
+        moved = (conditioning or {}).get(name, 0.0)
         error = difference / norm if norm > 0 else 0.0
-        bound = relative_tol + (allowance / norm if norm > 0 else 0.0)
+        bound = max(relative_tol, moved / norm if norm > 0 else 0.0) + ((kink + floor) / norm if norm > 0 else 0.0)
         if error / bound >= worst_ratio:
             worst_name, worst_ratio, worst_error, worst_bound = name, error / bound, error, bound
             scale = norm if norm > 0 else 1.0
@@ -303,7 +317,8 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
             notes = [f"{name}: ‖g − g*‖/{denominator} {error:.3g}",
                      f"max|g − g*|/{denominator} {np.abs(mine - golden).max() / scale:.3g}",
                      _cosine(mine, golden)] + ([f"ReLU kink allowance {kink / scale:.3g}"] if kink else []) + (
-                         [f"subnormal allowance {floor / scale:.3g}"] if floor / scale >= 1e-6 else [])
+                         [f"subnormal allowance {floor / scale:.3g}"] if floor / scale >= 1e-6 else []) + (
+                         [f"conditioning bound {moved / scale:.3g}"] if moved / scale > relative_tol else [])
     passed = worst_error <= worst_bound
     if not passed:  # the normwise error and its bound first: they are the verdict
         notes[0] += f" > tol {worst_bound:.3g}"

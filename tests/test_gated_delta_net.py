@@ -454,6 +454,52 @@ def test_the_hybrids_gradients_pass_in_torch_and_jax():
     assert len(results) == 2 * (len(linear_cases) + 4) and len(jax_results) == 1
 
 
+def test_an_ill_conditioned_gradient_case_is_judged_with_its_conditioning(monkeypatch):
+    """qwen3-next-tiny's grad-forward-pad_left (SPEC §13's c*): under a rounding-sized move of every
+    weight, the golden's own gradients on layer 2's q path move 13 times further than §8's bound,
+    which counts the forward's amplification only. torch at float64 passes with that movement as the
+    bound, its reason naming it, and missed without it (the red cell it was); in the case without
+    padding §8's bound is the larger, and nothing is named. On that tensor at float32, whose
+    conditioning bound is 1% of its terms, a gradient 3% off still fails."""
+    from conformance.backends import numpy_backend
+    from conformance.cases import build_case
+    from conformance.harness import plan_matrix, run_matrix
+    from conformance.tolerance import backward_error, compare_gradients
+    from spec import get_preset
+
+    cfg = get_preset("qwen3-next-tiny")
+    params = conformance_params(cfg)
+
+    def judged():
+        plan = plan_matrix(cfg, ["torch"], ["float64"], ["cpu"])
+        return {r.mask_case: r for r in run_matrix(cfg, params, plan, pattern="grad-forward-pad_left|grad-forward-none",
+                                                   backward=True)}
+
+    cells = judged()
+    assert all(r.status == "pass" for r in cells.values()), {case: r.reason for case, r in cells.items()}
+    assert "conditioning bound" in cells["pad_left"].reason and "conditioning" not in cells["none"].reason
+    case = build_case(cfg, params, "grad-forward", "pad_left")
+    reference = numpy_backend.golden_output(cfg, params, case.sublayer, case.inputs)
+    bound = reference.conditioning_bound(backward_error("float32", case.reduction_length))
+    name = "decoder.layers.2.linear_attn.q_conv.weight"
+    off = {**reference.gradients, name: reference.gradients[name] * 1.03}
+    assert not compare_gradients(off, reference.gradients, reference.terms, case.tolerance(cfg, "float32"),
+                                 conditioning=bound).passed
+    monkeypatch.setattr(numpy_backend.GradientReference, "conditioning_bound", lambda self, width: {})
+    assert judged()["pad_left"].status == "fail"
+
+
+def test_the_conditioning_draws_move_every_weight_by_the_width_the_same_at_every_read():
+    from conformance.backends.numpy_backend import _Perturbed
+
+    p = {"a.weight": np.arange(1.0, 7.0).reshape(2, 3), "b.bias": np.full(4, -2.0)}
+    moved, again, other = _Perturbed(p, 1e-3, 0), _Perturbed(p, 1e-3, 0), _Perturbed(p, 1e-3, 1)
+    for name, value in p.items():
+        np.testing.assert_allclose(np.abs(moved[name] / value - 1), 1e-3, rtol=1e-9)
+        assert np.array_equal(moved[name], again[name]) and np.array_equal(moved[name], moved[name])
+    assert not all(np.array_equal(moved[name], other[name]) for name in p) and list(moved) == list(p)
+
+
 def test_a_state_cut_between_chunks_fails_the_gradient_cells_across_chunks_only(monkeypatch):
     """A backward that stops at each chunk's edge (the carried state detached: the forward is the same
     numbers) passes every forward cell and the gradient cells of one chunk, and fails those whose

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -272,10 +272,14 @@ class NumpyRunner:
         return np.concatenate(steps, axis=1)
 
 
+CONDITIONING_DRAWS = 4  # the directions GradientReference.conditioning_bound moves the weights in
+
+
 class GradientReference:
     """A gradient case's reference (SPEC.md §13): the golden's gradients, the same without
     cancellation (the size of the terms each sums, and where nothing reaches), and, per dtype,
-    how far the gradients move when ReLU units near their kink take the other side."""
+    how far the gradients move when ReLU units near their kink take the other side, and when
+    every weight moves by a column's rounding (the conditioning, measured where a case is amplified)."""
 
     def __init__(self, runner: NumpyRunner, sublayer: str, inputs: Mapping[str, Any]):
         self.runner, self.sublayer, self.inputs = runner, sublayer, inputs
@@ -283,6 +287,7 @@ class GradientReference:
         with backward.without_cancellation():
             self.terms = runner.gradients(sublayer, inputs)
         self._allowances: dict[float, dict[str, float]] = {}
+        self._conditioning: dict[float, dict[str, float]] = {}
 
     def kink_allowance(self, relative_width: float) -> dict[str, float]:
         """Per tensor, ‖g*(ReLU kinks within relative_width flipped) − g*‖ (zero without ReLU)."""
@@ -294,6 +299,43 @@ class GradientReference:
             self._allowances[relative_width] = {
                 name: float(np.linalg.norm(flipped[name] - golden)) for name, golden in self.gradients.items()}
         return self._allowances[relative_width]
+
+    def conditioning_bound(self, width: float) -> dict[str, float]:
+        """Per tensor, the root mean square over CONDITIONING_DRAWS draws of ‖g*(every weight ×
+        (1 ± width)) − g*‖, the signs drawn per element: how far the golden's own gradients move when
+        the weights move by the rounding a column's products are equivalent to (tolerance.backward_error,
+        SPEC §13). A measure of the case's conditioning, which SPEC §8's depth and amplification do
+        not count, and the bound where it is the larger; a few draws, as one direction may miss the
+        few the gradients are sensitive to."""
+        if width not in self._conditioning:
+            squares = {name: 0.0 for name in self.gradients}
+            for draw in range(CONDITIONING_DRAWS):
+                runner = copy.copy(self.runner)
+                runner.p = _Perturbed(self.runner.p, width, draw)
+                moved = runner.gradients(self.sublayer, self.inputs)
+                for name, golden in self.gradients.items():
+                    squares[name] += float(np.linalg.norm(moved[name] - golden)) ** 2 / CONDITIONING_DRAWS
+            self._conditioning[width] = {name: square ** 0.5 for name, square in squares.items()}
+        return self._conditioning[width]
+
+
+class _Perturbed(Mapping):
+    """Parameters each scaled by 1 ± width, a sign per element drawn from the tensor's name and the
+    draw (the same at every read), made as they are read: a real model's weights are not copied whole."""
+
+    def __init__(self, p: Mapping[str, np.ndarray], width: float, draw: int = 0):
+        self.p, self.width, self.draw = p, width, draw
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self.p[name]
+        rng = np.random.default_rng([zlib.crc32(name.encode()), self.draw])
+        return value * (1.0 + self.width * np.where(rng.random(np.shape(value)) < 0.5, -1.0, 1.0))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.p)
+
+    def __len__(self) -> int:
+        return len(self.p)
 
 
 def _every(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ import impl_numpy as golden
 from conformance.adapter import NotSupported
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, SKIP, CellResult
-from conformance.tolerance import compare, rotary_angle, tolerance
+from conformance.tolerance import backward_error, compare, compare_gradients, rotary_angle, tolerance
 from spec import ModelConfig, params_under
 from spec.masks import key_mask, real_tokens
 
@@ -218,7 +218,6 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
     case's. The first stage over its bound is wrong on its own."""
     from conformance.backends.numpy_backend import GradientReference, NumpyRunner
     from impl_numpy import backward
-    from conformance.tolerance import compare_gradients
 
     p, reference_runner = golden.cast_params(cfg, params), NumpyRunner(cfg, params, "float64")
     tgt_keep = real_tokens(cfg, tgt_ids, "tgt")
@@ -270,12 +269,14 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             linear = name.startswith("decoder.layers.") and cfg.layer_kind(inputs["index"]) == "linear"
             depth = SUBLAYERS[gradient].depth(cfg) + (2 * (tgt_ids.shape[1] - 1) if linear else 0)
             angle = rotary_angle(cfg, tgt_ids.shape[1] - 1)
-            relative = amplified.get(name, 1.0) * tolerance(dtype, max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1]), depth,
-                                                            angle)
+            reduction = max(cfg.d_model, cfg.d_ff, tgt_ids.shape[1])
+            relative = amplified.get(name, 1.0) * tolerance(dtype, reduction, depth, angle)
             kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2, angle))
+            conditioning = (reference.conditioning_bound(backward_error(dtype, reduction))
+                            if amplified.get(name, 1.0) > 1 else None)  # as its cell (SPEC §13's c*)
             try:
                 result = compare_gradients(runner.gradients(gradient, inputs), reference.gradients, reference.terms,
-                                           relative, kinks)
+                                           relative, kinks, conditioning=conditioning)
                 ratio = result.ratio if math.isfinite(result.rel_err) else math.inf
                 stages.append(Stage(name, gradient, ratio, None, "" if result.passed else f"  ({result.reason})"))
             except NotSupported as reason:
