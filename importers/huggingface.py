@@ -38,6 +38,13 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   saved in that layout (save_original_format=False) is split per expert. Mixtral always
   renormalises the k weights; Qwen3-MoE where norm_topk_prob says. Dense layers among the
   mixtures (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) and shared experts are refused.
+- ``qwen2_moe`` (Qwen2MoeForCausalLM: Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's layer (q/k/v biases where
+  qkv_bias says, its default) whose FFN is Qwen3-MoE's mixture (``mlp.experts.{e}``, the k weights
+  renormalised where norm_topk_prob says, its default false) beside a shared expert
+  ``mlp.shared_expert`` of shared_expert_intermediate_size under its sigmoid gate
+  ``mlp.shared_expert_gate``, as Qwen3-Next's (SPEC §5.14). Its windows are the class's own rule: with
+  use_sliding_window, the even layers below max_window_layers (layer_types, where written, says which).
+  Dense layers among the mixtures are refused.
 - ``qwen3_5_text`` (Qwen3_5ForCausalLM) and ``qwen3_5`` (Qwen3_5ForConditionalGeneration, its text
   decoder): the hybrid of SPEC §5.15, gated DeltaNet in three layers of four, gated full attention in
   the others.
@@ -86,6 +93,7 @@ FAMILIES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # the published checkpoints: its text decoder is imported
     "qwen3_next": "Qwen3NextForCausalLM",
@@ -103,10 +111,6 @@ _OUT_OF_SPEC = {
     "mbart": ("add_final_layer_norm", "mBART is pre-LN with its norms after the embeddings and after each stack; "
               "import it as a separate family once the spec grows that combination"),
     "bert": ("type_vocab_size", "token-type embeddings and an encoder-only model are not in the spec"),
-    "qwen2_moe": ("shared_expert_intermediate_size", "Qwen2-MoE adds a shared expert every token goes through, "
-                  "scaled by a sigmoid gate of its own, to the k experts the router chooses; the spec has one now "
-                  "(moe.shared_expert_d_ff, SPEC §5.14: Qwen3-Next's imports), but the importer has no qwen2_moe "
-                  "family (Qwen2's q/k/v biases, its dense layers among the mixtures) yet"),
     "gemma3": ("vision_config", "Gemma 3's multimodal model (Gemma3ForConditionalGeneration) has a vision tower "
                "the spec does not describe; its text decoder is Gemma3ForCausalLM (model_type gemma3_text), which "
                "imports"),
@@ -730,7 +734,7 @@ _EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts")
 def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: bool,
              shared: bool = False) -> MixtureOfExperts:
     """The router's settings (SPEC §5.14): E experts, k of them per token, the k weights
-    renormalised or not, the softmax in float32 (the classes take it in float32); ``shared`` (Qwen3-Next):
+    renormalised or not, the softmax in float32 (the classes take it in float32); ``shared`` (Qwen2-MoE, Qwen3-Next):
     the shared expert's width, shared_expert_intermediate_size. The router's auxiliary loss and
     Mixtral's jitter act in training only: noted, not imported."""
     model = FAMILIES[family]
@@ -738,7 +742,7 @@ def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: 
         if shared and name == _SHARED_EXPERT_WIDTH:
             continue
         has = (f"one, {_SHARED_EXPERT_WIDTH} wide, and reads no other count of them" if shared else
-               "none (the spec's one shared expert, moe.shared_expert_d_ff, is Qwen3-Next's)")
+               "none (the spec's one shared expert, moe.shared_expert_d_ff, is Qwen2-MoE's and Qwen3-Next's)")
         _refuse_if(hf, name, bool, f"experts every token goes through besides the k the router chooses: {model} has "
                    + has)
     shared_width = 0
@@ -829,6 +833,26 @@ def _qwen3_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            sliding_window=_qwen3_moe_window(hf), moe=moe)
 
 
+def _qwen2_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Qwen2's layer whose every FFN is a mixture of num_experts gated experts of width
+    moe_intermediate_size, num_experts_per_tok per token, renormalised where norm_topk_prob is true
+    (Qwen2MoeConfig's default: false), its softmax in float32 as the class takes it, beside a shared
+    expert of width shared_expert_intermediate_size under its sigmoid gate (SPEC §5.14). q, k and v
+    have biases where qkv_bias is true (its default), o_proj none. With use_sliding_window, the class
+    slides layer i where i is even and below max_window_layers (its default 28); layer_types, where
+    the file writes them, say so. Dense layers among the mixtures (mlp_only_layers,
+    decoder_sparse_step) are refused."""
+    family = "qwen2_moe"
+    _every_layer_a_mixture(hf, family)
+    moe = _mixture(hf, family, notes, renormalize=bool(hf.get("norm_topk_prob", False)), shared=True)
+    window = _sliding_window(hf, None) if hf.get("use_sliding_window") else None
+    below = hf.get("max_window_layers", 28)
+    kinds = _layer_kinds(hf, family, window, lambda i: window is not None and i % 2 == 0 and i < below)
+    return _rotary_decoder(hf, family, notes, head_dim=_head_dim(hf, family),
+                           kv_heads=_require(hf, "num_key_value_heads", family), d_ff_field="moe_intermediate_size",
+                           qkv_bias=bool(hf.get("qkv_bias", True)), bias=False, moe=moe, **kinds)
+
+
 # ---- hybrids: Qwen3.5, Qwen3-Next ------------------------------------------------------------------
 
 _HF_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
@@ -895,8 +919,8 @@ def _qwen3_5_published_config(hf: Mapping[str, Any], notes: list[str]) -> ModelC
     return _qwen3_5_config({**text, "tie_word_embeddings": tied}, notes)
 
 
-def _qwen3_next_sparse_layers(hf: Mapping[str, Any], family: str) -> None:
-    """Qwen3NextForCausalLM's layer i is a mixture iff i is not in mlp_only_layers and (i + 1) %
+def _every_layer_a_mixture(hf: Mapping[str, Any], family: str) -> None:
+    """Qwen3NextForCausalLM's (and Qwen2MoeForCausalLM's) layer i is a mixture iff i is not in mlp_only_layers and (i + 1) %
     decoder_sparse_step == 0, else one dense MLP of intermediate_size; the spec's mixture is in every
     layer or in none, so a config with a dense layer is refused, naming the field that makes it so."""
     layers = _require(hf, "num_hidden_layers", family)
@@ -930,7 +954,7 @@ def _qwen3_next_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
         notes.append(f"num_experts = 0: every layer's FFN is one dense gated MLP of intermediate_size "
                      f"({cfg.d_ff}), as Qwen3.5's; no mixture of experts")
         return cfg
-    _qwen3_next_sparse_layers(hf, family)
+    _every_layer_a_mixture(hf, family)
     moe = _mixture(hf, family, notes, renormalize=bool(hf.get("norm_topk_prob", True)), shared=True)
     return cfg.replace(d_ff=_require(hf, "moe_intermediate_size", family), moe=moe)
 
@@ -1026,7 +1050,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
     return rules
 
 
-_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next")
+_MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next")
 _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
                     "qwen3_5")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
@@ -1066,7 +1090,7 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
                 rules.append(Rule(f"{hf}.{theirs}.weight", (d,), f"{ours}.{norm}.scale", "copy"))
         else:
             rules.append(Rule(f"{hf}.post_attention_layernorm.weight", (d,), f"{ours}.ffn_norm.scale", "copy"))
-        if cfg.moe is not None:
+        if cfg.moe is not None:  # with Qwen2-MoE's shared expert (_expert_rules)
             _expert_rules(rules, hf, f"{ours}.ffn", cfg, experts)
             continue
         if fused:  # Phi3MLP chunks gate_up_proj's outputs in two and activates the first half
@@ -1162,9 +1186,9 @@ def qwen3_next_mapping(cfg: ModelConfig, experts: str | None = "qwen3_next") -> 
     transposed ("transpose group rows"). conv1d [2·H_k·d_k + H_v·d_v, 1, K] holds q, k and v one
     after another (the class concatenates them after regrouping) as Qwen3.5's, and dt_bias, A_log,
     the gated norm, out_proj and the full layers are Qwen3.5's. Each FFN (cfg.moe): the router
-    mlp.gate, the experts in ``experts``' layout (_expert_rules: per expert, or fused), then the shared
-    expert mlp.shared_expert.{gate,up,down}_proj (W1, W3, W2, shared_expert_d_ff wide) and its gate
-    mlp.shared_expert_gate [1, d] -> [d, 1]; without cfg.moe (num_experts 0), one dense mlp."""
+    mlp.gate, the experts in ``experts``' layout, then the shared expert mlp.shared_expert.{gate,up,down}_proj
+    (W1, W3, W2, shared_expert_d_ff wide) and its gate mlp.shared_expert_gate [1, d] -> [d, 1]
+    (_expert_rules); without cfg.moe (num_experts 0), one dense mlp."""
     d, mixer, rules = cfg.d_model, cfg.linear_attention, []
     d_k, d_v, r = mixer.key_head_dim, mixer.value_head_dim, mixer.value_heads // mixer.key_heads
     keys, values = mixer.key_heads * d_k, mixer.value_heads * d_v
@@ -1199,8 +1223,6 @@ def qwen3_next_mapping(cfg: ModelConfig, experts: str | None = "qwen3_next") -> 
             _dense_mlp(rules, f"{hf}.mlp", f"{ours}.ffn", d, cfg.d_ff)
             continue
         _expert_rules(rules, hf, f"{ours}.ffn", cfg, experts)
-        _dense_mlp(rules, f"{hf}.mlp.shared_expert", f"{ours}.ffn.shared_expert", d, cfg.moe.shared_expert_d_ff)
-        _linear(rules, f"{hf}.mlp.shared_expert_gate", f"{ours}.ffn.shared_expert_gate", d, 1, bias=False)
     rules.append(Rule("model.norm.weight", (d,), "decoder.norm.scale", "copy"))
     if not cfg.tie_head:
         rules.append(Rule("lm_head.weight", (cfg.tgt_vocab_size, d), "head.weight", "transpose"))
@@ -1226,6 +1248,7 @@ def phi3_mapping(cfg: ModelConfig) -> list[Rule]:
 # each expert's gate (W1, the activated one), up (W3) and down (W2). The router is the block's "gate".
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                  "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                  "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 FUSED_EXPERTS = "fused"
 
@@ -1237,7 +1260,8 @@ def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig,
     transformers 5's modules as they are (save_pretrained(save_original_format=False)), Mixtral's,
     Qwen3-MoE's and Qwen3-Next's alike, mlp.experts.gate_up_proj [E, 2·d_ff, d] (expert e's gate in
     its first d_ff rows, up in the rest, as nn.Linear's outputs) and mlp.experts.down_proj [E, d, d_ff]: each
-    expert's slice, transposed."""
+    expert's slice, transposed. A shared expert (moe.shared_expert_d_ff: Qwen2-MoE, Qwen3-Next) after
+    them: mlp.shared_expert.{gate,up,down}_proj (W1, W3, W2) and its gate mlp.shared_expert_gate [1, d]."""
     d, d_ff, count = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
     if layout not in (*_EXPERT_NAMES, FUSED_EXPERTS):
         raise ValueError(f"a mixture of experts needs its layout ({', '.join(_EXPERT_NAMES)} or {FUSED_EXPERTS}), "
@@ -1258,6 +1282,9 @@ def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig,
             n_in, n_out = (d_ff, d) if canonical == "w2" else (d, d_ff)
             _linear(rules, f"{source}.{block}.experts.{expert}.{projection}", f"{ours}.{canonical}", n_in, n_out,
                     bias=False)
+    if cfg.moe.shared_expert_d_ff:  # Qwen2-MoE's and Qwen3-Next's, beside the k experts
+        _dense_mlp(rules, f"{source}.mlp.shared_expert", f"{target}.shared_expert", d, cfg.moe.shared_expert_d_ff)
+        _linear(rules, f"{source}.mlp.shared_expert_gate", f"{target}.shared_expert_gate", d, 1, bias=False)
 
 
 def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -> list[Rule]:
@@ -1406,7 +1433,7 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
-            "qwen3_moe": _qwen3_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config,
+            "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config,
             "qwen3_next": _qwen3_next_config}
 
 
@@ -1525,6 +1552,8 @@ def mapping_markdown(family: str) -> str:
     examples["mixtral"] = (lambda cfg: rotary_mapping("mixtral", cfg), rotary.replace(moe=moe))
     examples["qwen3_moe"] = (lambda cfg: rotary_mapping("qwen3_moe", cfg), rotary.replace(head_dim=6, qk_norm=True,
                                                                                           moe=moe))
+    examples["qwen2_moe"] = (lambda cfg: rotary_mapping("qwen2_moe", cfg), rotary.replace(
+        qkv_bias=True, moe=dataclasses.replace(moe, shared_expert_d_ff=8)))
     hybrid = rotary.replace(n_decoder_layers=2, n_kv_heads=None, head_dim=4, qk_norm=True, norm_scale_plus_one=True,
                             rope_fraction=0.5, layer_types=("linear", "full"), attention_output_gate=True,
                             linear_attention=GatedDeltaNet(key_heads=1, value_heads=2, key_head_dim=4,

@@ -86,17 +86,20 @@ def _hybrid_family(cfg: ModelConfig) -> str:
 
 
 def _moe_family(cfg: ModelConfig) -> str:
-    """Qwen3-MoE (q/k norms; norm_topk_prob either way) or Mixtral (no q/k norms; always
-    renormalised): both without biases, the router's softmax in float32, one window (or none) for
-    every layer."""
+    """Qwen2-MoE (a shared expert; q/k/v biases or none, norm_topk_prob either way, its windows in the
+    layers layer_types says), Qwen3-MoE (q/k norms; norm_topk_prob either way) or Mixtral (no q/k
+    norms; always renormalised): the experts and o without biases, the router's softmax in float32;
+    Qwen3-MoE and Mixtral with one window (or none) for every layer."""
     moe = cfg.moe
-    if moe.shared_expert_d_ff:
-        raise ConfigError(f"moe.shared_expert_d_ff = {moe.shared_expert_d_ff} without linear layers: Qwen2-MoE, the "
-                          "family with a shared expert and full attention alone, is not one the importer reads back; "
-                          "Qwen3-Next (linear_attention) is")
     if moe.router_softmax != "float32":
-        raise ConfigError(f"moe.router_softmax = {moe.router_softmax!r}: Mixtral's and Qwen3-MoE's classes take the "
-                          "router's softmax in float32")
+        raise ConfigError(f"moe.router_softmax = {moe.router_softmax!r}: Mixtral's, Qwen3-MoE's and Qwen2-MoE's "
+                          "classes take the router's softmax in float32")
+    if moe.shared_expert_d_ff:
+        for field, value in (("qk_norm", False), ("bias", False), ("rope_fraction", 1.0)):
+            if getattr(cfg, field) != value:
+                raise ConfigError(f"{field} = {getattr(cfg, field)!r} with a shared expert and full attention alone: "
+                                  f"Qwen2-MoE has {field} = {value!r}")
+        return "qwen2_moe"
     for field, value in (("qkv_bias", False), ("rope_fraction", 1.0), ("layer_types", None)):
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r} with a mixture of experts: Mixtral and Qwen3-MoE "
@@ -112,7 +115,7 @@ def _moe_family(cfg: ModelConfig) -> str:
 def family_of(cfg: ModelConfig) -> str:
     """The family whose class computes this config: Qwen3.5 or, with a mixture of experts, Qwen3-Next
     (linear layers), Gemma 3 or Gemma 2 ((1 + w) norms and post norms), with a mixture of experts
-    Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
+    Qwen2-MoE (a shared expert), Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
     biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
     norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
     field none of them has."""
@@ -174,7 +177,7 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         "tie_word_embeddings": cfg.tie_head, "pad_token_id": cfg.pad_id, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "dtype": "float32", "attention_dropout": 0.0,
     }
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return config | _moe_config_json(cfg, family)
     if family in ("qwen3_5_text", "qwen3_next"):
         mixer = cfg.linear_attention
@@ -224,6 +227,11 @@ def _moe_config_json(cfg: ModelConfig, family: str) -> dict:
                "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False}
     if family == "qwen3_next":  # a mixture in every layer, beside its shared expert
         return common | {"shared_expert_intermediate_size": moe.shared_expert_d_ff}
+    if family == "qwen2_moe":  # q/k/v biases by qkv_bias; its windows where layer_types says (the class reads them)
+        del common["attention_bias"]
+        return common | {"shared_expert_intermediate_size": moe.shared_expert_d_ff, "qkv_bias": cfg.qkv_bias,
+                         "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+                         "layer_types": _hf_layer_types(cfg), "max_window_layers": cfg.n_decoder_layers}
     return common | {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
 
 

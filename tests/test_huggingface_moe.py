@@ -1,4 +1,4 @@
-"""Hugging Face's mixtures of experts (Mixtral, Qwen3-MoE) through the importer and the writer.
+"""Hugging Face's mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE) through the importer and the writer.
 
 Models are built here from configs with random weights (nothing is downloaded), at odd sizes: 4 to 7
 experts of which each token takes 2, expert widths apart from the dense intermediate_size
@@ -61,8 +61,23 @@ FAMILY_CONFIGS = {
         norm_topk_prob=True, use_sliding_window=True, sliding_window=4, max_position_embeddings=2048,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}, pad_token_id=0,
         eos_token_id=1),
+    # Qwen2-MoE: 5 experts of width 24 beside a shared expert of 36 under its sigmoid gate, q/k/v biases,
+    # 5 heads of 8 over 1 key/value head, the k weights as the router gives them (its default)
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        vocab_size=85, hidden_size=40, intermediate_size=60, moe_intermediate_size=24,
+        shared_expert_intermediate_size=36, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+        num_experts=5, num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, pad_token_id=0, eos_token_id=1),
+    # renormalised, without q/k/v biases, and the class's own windows: with use_sliding_window the even
+    # layers below max_window_layers slide (layer 0, a window of 4 keys), the others attend to every key
+    "qwen2_moe-windowed": lambda: transformers.Qwen2MoeConfig(
+        vocab_size=79, hidden_size=36, intermediate_size=40, moe_intermediate_size=20,
+        shared_expert_intermediate_size=28, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, qkv_bias=False, use_sliding_window=True,
+        sliding_window=4, max_window_layers=2, max_position_embeddings=2048, rms_norm_eps=1e-5, pad_token_id=0,
+        eos_token_id=1),
 }
-CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def _family(kind: str) -> str:
@@ -249,6 +264,13 @@ def test_the_imported_configs(checkpoints):
     renormalised = import_huggingface(checkpoints["qwen3_moe-renormalised"]).config
     assert (renormalised.moe.n_experts, renormalised.moe.renormalize, renormalised.d_ff, renormalised.sliding_window,
             renormalised.layer_types) == (7, True, 20, 4, None)
+    qwen2 = import_huggingface(checkpoints["qwen2_moe"]).config
+    assert (qwen2.moe.n_experts, qwen2.moe.renormalize, qwen2.moe.shared_expert_d_ff, qwen2.d_ff, qwen2.qkv_bias,
+            qwen2.bias, qwen2.qk_norm, qwen2.n_kv_heads, qwen2.sliding_window, qwen2.rope_theta) == (
+        5, False, 36, 24, True, False, False, 1, None, 50000.0)
+    windowed = import_huggingface(checkpoints["qwen2_moe-windowed"]).config
+    assert (windowed.moe.renormalize, windowed.moe.shared_expert_d_ff, windowed.qkv_bias, windowed.sliding_window,
+            windowed.layer_types, windowed.n_kv_heads) == (True, 28, False, 4, ("sliding", "full"), None)
 
 
 def _edit_config(tmp_path, source, drop=(), **changes):
@@ -319,9 +341,8 @@ def test_a_fused_checkpoint_with_another_number_of_experts_is_refused(tmp_path, 
     ("qwen3_moe", {"shared_expert_intermediate_size": 16},
      r"shared_expert_intermediate_size = 16: experts every token goes through .* Qwen3MoeForCausalLM has none"),
     ("mixtral", {"n_shared_experts": 1}, r"n_shared_experts = 1: experts every token goes through"),
-    ("qwen3_moe", {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
-                   "shared_expert_intermediate_size": 16},
-     r'model_type = "qwen2_moe" cannot be imported: shared_expert_intermediate_size = 16: Qwen2-MoE adds a shared'),
+    ("qwen2_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step = 2: only every decoder_sparse_step-th layer"),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers = \[0\]: the FFN of layer\(s\) \[0\] is then one dense"),
     ("qwen3_moe", {"num_experts": 8}, r"num_local_experts = 6 and num_experts = 8: two numbers of experts"),
     ("qwen3_moe", {"num_local_experts": None}, r"qwen3_moe model has no num_local_experts \(nor num_experts\)"),
     ("mixtral", {"num_local_experts": 1}, r"num_local_experts = 1: the spec's mixture has at least 2 experts"),
@@ -376,6 +397,25 @@ def test_the_moe_presets_written_as_a_directory_run_in_transformers(tmp_path, pr
     assert result.passed, result.reason
 
 
+def test_a_shared_expert_without_q_k_norms_is_written_as_qwen2_moe_and_runs_in_transformers(tmp_path):
+    """qwen3-moe-tiny with Qwen2-MoE's layer (q/k/v biases, no q/k norms), a shared expert of 8 under
+    its gate and a window in its first layer only: written as Qwen2MoeForCausalLM, it imports back to
+    the same config and tensors, and transformers' own model of it computes the golden's logits at
+    float64."""
+    from importers.huggingface_writer import to_huggingface
+
+    base = get_preset("qwen3-moe-tiny")
+    cfg = _with_moe(base, shared_expert_d_ff=8).replace(qk_norm=False, qkv_bias=True, sliding_window=4,
+                                                        layer_types=("sliding", "full"))
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / "qwen2-moe")
+    assert json.loads((directory / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+    imported = import_huggingface(directory)
+    assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
+    result, = _golden_against_transformers(directory, cfg, params)
+    assert result.passed, result.reason
+
+
 def test_a_directory_trained_with_the_load_balancing_loss_decodes_in_the_transformers_column(tmp_path):
     """mixtral-tiny trains with the load-balancing loss (0.02): written, its config sets
     output_router_logits, where transformers takes that loss in every forward and a cached decode
@@ -395,7 +435,9 @@ def test_a_directory_trained_with_the_load_balancing_loss_decodes_in_the_transfo
     ("mixtral-tiny", {"renormalize": False}, {},
      r"moe.renormalize = False without qk_norm: Mixtral always renormalises"),
     ("qwen3-moe-tiny", {"router_softmax": "activation"}, {},
-     r"moe.router_softmax = 'activation': Mixtral's and Qwen3-MoE's classes take the router's softmax in float32"),
+     r"moe.router_softmax = 'activation': Mixtral's, Qwen3-MoE's and Qwen2-MoE's classes take the router's softmax"),
+    ("qwen3-moe-tiny", {"shared_expert_d_ff": 8}, {},
+     r"qk_norm = True with a shared expert and full attention alone: Qwen2-MoE has qk_norm = False"),
     ("mixtral-tiny", {}, {"qkv_bias": True}, r"qkv_bias = True with a mixture of experts"),
     ("qwen3-moe-tiny", {}, {"sliding_window": 4, "layer_types": ("full", "sliding")},
      r"layer_types = \('full', 'sliding'\) with a mixture of experts"),
