@@ -268,7 +268,8 @@ def test_qwen3_next_tiny_written_as_a_directory_imports_back_and_passes_the_tran
     """Qwen3-Next written back: q, k, v and z regrouped by key head into in_proj_qkvz, β's and the decay's
     rows into in_proj_ba, the experts one nn.Linear each, the shared expert and its gate; the import of
     the directory is the preset's tensors, and transformers' Qwen3NextForCausalLM passes every
-    whole-model case at float32 on it. A shared expert without linear layers and with q/k norms is no family's (Qwen2-MoE has none): refused."""
+    whole-model case at float32 on it. A shared expert without linear layers and with q/k norms is no
+    family's (Qwen2-MoE has none): refused."""
     from importers.huggingface_writer import to_huggingface
 
     cfg = get_preset("qwen3-next-tiny")
