@@ -727,7 +727,11 @@ class Decay(nn.Linear):
         # in float32 at least, as the reference kernels take g: a half-precision softplus would
         # round the decay that every later token's state is multiplied by
         wide = state_dtype(x.dtype)
-        return -torch.exp(self.log_rate.to(wide)) * F.softplus(F.linear(x, self.weight).to(wide) + self.bias.to(wide))
+        # F.softplus gives z itself above its threshold (20 by default), off by log(1 + e^−z) ≈ e^−z: under
+        # float32's rounding there (e^−20 = 2e-9), not float64's; past 40 it is (e^−40 = 4e-18)
+        threshold = 40.0 if wide == torch.float64 else 20.0
+        return -torch.exp(self.log_rate.to(wide)) * F.softplus(F.linear(x, self.weight).to(wide) + self.bias.to(wide),
+                                                               threshold=threshold)
 
 
 class GatedRMSNorm(nn.Module):

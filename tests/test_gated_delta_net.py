@@ -166,6 +166,40 @@ def test_the_cached_decode_carries_each_linear_layers_state(chunks):
         assert_differs(decoded(True), want, **_hybrid_bounds(9))
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_the_decay_is_the_specs_softplus_past_torchs_threshold(framework):
+    """g = −exp(log_rate) · softplus(z) at float64 for z from −30 to 45: torch's F.softplus gives z
+    itself above its default threshold of 20, off by e^−z (2e-9 of it at 20, beyond float64's rounding);
+    impl_torch's decay takes the threshold at 40 in float64, where e^−z is under it. JAX's softplus is
+    log(1 + e^z) everywhere (logaddexp)."""
+    from impl_numpy.model import softplus
+
+    z = np.linspace(-30.0, 45.0, 151)
+    log_rate = np.array([0.3])
+    want = -np.exp(log_rate) * softplus(z)[:, None]
+    if framework == "torch":
+        import torch
+
+        from impl_torch.model import Decay
+
+        decay = Decay(1, 1).double()
+        with torch.no_grad():
+            decay.weight.fill_(1.0), decay.bias.fill_(0.0), decay.log_rate.copy_(torch.from_numpy(log_rate))
+            got = decay(torch.from_numpy(z[:, None])).numpy()
+    else:
+        import jax
+        from flax import nnx
+
+        from impl_jax.model import Decay
+
+        with jax.enable_x64(True):
+            decay = Decay(1, 1, "highest", jax.numpy.float64, nnx.Rngs(0))
+            decay.kernel[...], decay.bias[...] = jax.numpy.ones((1, 1)), jax.numpy.zeros(1)
+            decay.log_rate[...] = jax.numpy.asarray(log_rate)
+            got = np.asarray(decay(jax.numpy.asarray(z[:, None])))
+    assert np.abs(got - want).max() <= 4 * np.finfo(np.float64).eps * np.abs(want).max(), np.abs(got - want).max()
+
+
 def _padded(real: np.ndarray, before: int, inside: int, after: int, pad) -> np.ndarray:
     """real [1, T, ...] with `before` pads, `inside` pads after its third token and `after` pads."""
     def pads(count: int) -> np.ndarray:
