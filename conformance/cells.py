@@ -200,13 +200,17 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
     elif is_gradient(case.sublayer):
         # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
         kink_width = case.tolerance(cfg, dtype, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
-        # where the golden found a norm dividing by a small size, the gradients' own conditioning may bound them
-        conditioning = (reference.conditioning_bound(backward_error(dtype, case.reduction_length))
-                        if case.amplification > 1 else None)
 
         def judge(gradients):
-            return compare_gradients(gradients, reference.gradients, reference.terms, relative,
-                                     reference.kink_allowance(kink_width), SUBNORMAL_SPACING[dtype], conditioning)
+            def compared(conditioning=None):
+                return compare_gradients(gradients, reference.gradients, reference.terms, relative,
+                                         reference.kink_allowance(kink_width), SUBNORMAL_SPACING[dtype], conditioning)
+            # where the golden found a norm dividing by a small size, the gradients' own conditioning may bound
+            # them (SPEC §13's c*): measured (four more golden gradients) only where §8's bound alone is missed
+            result = compared()
+            if result.passed or case.amplification <= 1:
+                return result
+            return compared(reference.conditioning_bound(backward_error(dtype, case.reduction_length)))
     elif is_training(case.sublayer):
         def judge(trained):
             return compare_training(trained, reference, dtype, **step_tolerances(cfg, case, dtype))
