@@ -734,8 +734,8 @@ _EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts")
 def _mixture(hf: Mapping[str, Any], family: str, notes: list[str], renormalize: bool,
              shared: bool = False) -> MixtureOfExperts:
     """The router's settings (SPEC §5.14): E experts, k of them per token, the k weights
-    renormalised or not, the softmax in float32 (the classes take it in float32); ``shared`` (Qwen2-MoE, Qwen3-Next):
-    the shared expert's width, shared_expert_intermediate_size. The router's auxiliary loss and
+    renormalised or not, the softmax in float32 (the classes take it in float32); ``shared`` (Qwen2-MoE,
+    Qwen3-Next): the shared expert's width, shared_expert_intermediate_size. The router's auxiliary loss and
     Mixtral's jitter act in training only: noted, not imported."""
     model = FAMILIES[family]
     for name in _SHARED_EXPERT_FIELDS:
@@ -920,9 +920,10 @@ def _qwen3_5_published_config(hf: Mapping[str, Any], notes: list[str]) -> ModelC
 
 
 def _every_layer_a_mixture(hf: Mapping[str, Any], family: str) -> None:
-    """Qwen3NextForCausalLM's (and Qwen2MoeForCausalLM's) layer i is a mixture iff i is not in mlp_only_layers and (i + 1) %
-    decoder_sparse_step == 0, else one dense MLP of intermediate_size; the spec's mixture is in every
-    layer or in none, so a config with a dense layer is refused, naming the field that makes it so."""
+    """Qwen3NextForCausalLM's and Qwen2MoeForCausalLM's layer i is a mixture iff i is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0, else one dense MLP of intermediate_size; the
+    spec's mixture is in every layer or in none, so a config with a dense layer is refused, naming the
+    field that makes it so."""
     layers = _require(hf, "num_hidden_layers", family)
     listed = hf.get("mlp_only_layers") or []
     if not isinstance(listed, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in listed):
@@ -1433,8 +1434,8 @@ def detect_family(hf: Mapping[str, Any]) -> str:
 _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config, "llama": _llama_config,
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
-            "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config, "qwen3_5": _qwen3_5_published_config,
-            "qwen3_next": _qwen3_next_config}
+            "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config,
+            "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:

@@ -224,15 +224,15 @@ def _moe_config_json(cfg: ModelConfig, family: str) -> dict:
         return common | {"num_local_experts": moe.n_experts, "router_jitter_noise": 0.0,
                          "sliding_window": cfg.sliding_window}
     common |= {"num_experts": moe.n_experts, "moe_intermediate_size": cfg.d_ff, "norm_topk_prob": moe.renormalize,
-               "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False}
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+    windows = {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
+    if family == "qwen2_moe":  # q/k/v biases by qkv_bias; its windows where layer_types says (the class reads them)
+        return common | windows | {"shared_expert_intermediate_size": moe.shared_expert_d_ff, "qkv_bias": cfg.qkv_bias,
+                                   "layer_types": _hf_layer_types(cfg), "max_window_layers": cfg.n_decoder_layers}
+    common |= {"attention_bias": False}
     if family == "qwen3_next":  # a mixture in every layer, beside its shared expert
         return common | {"shared_expert_intermediate_size": moe.shared_expert_d_ff}
-    if family == "qwen2_moe":  # q/k/v biases by qkv_bias; its windows where layer_types says (the class reads them)
-        del common["attention_bias"]
-        return common | {"shared_expert_intermediate_size": moe.shared_expert_d_ff, "qkv_bias": cfg.qkv_bias,
-                         "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
-                         "layer_types": _hf_layer_types(cfg), "max_window_layers": cfg.n_decoder_layers}
-    return common | {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
+    return common | windows
 
 
 def _integral(value: float) -> int | float:

@@ -319,6 +319,12 @@ class GradientReference:
         return self._conditioning[width]
 
 
+def perturbed(value: np.ndarray, relative: float, seed) -> np.ndarray:
+    """value · (1 ± relative), the sign drawn per element from seed (an int or a sequence of them)."""
+    signs = np.where(np.random.default_rng(seed).random(np.shape(value)) < 0.5, -1.0, 1.0)
+    return (value * (1.0 + relative * signs)).astype(np.asarray(value).dtype)
+
+
 class _Perturbed(Mapping):
     """Parameters each scaled by 1 ± width, a sign per element drawn from the tensor's name and the
     draw (the same at every read), made as they are read: a real model's weights are not copied whole."""
@@ -327,9 +333,7 @@ class _Perturbed(Mapping):
         self.p, self.width, self.draw = p, width, draw
 
     def __getitem__(self, name: str) -> np.ndarray:
-        value = self.p[name]
-        rng = np.random.default_rng([zlib.crc32(name.encode()), self.draw])
-        return value * (1.0 + self.width * np.where(rng.random(np.shape(value)) < 0.5, -1.0, 1.0))
+        return perturbed(self.p[name], self.width, [zlib.crc32(name.encode()), self.draw])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.p)

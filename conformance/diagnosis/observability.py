@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conformance.backends.numpy_backend import NumpyRunner, golden_output
+from conformance.backends.numpy_backend import NumpyRunner, golden_output, perturbed
 from conformance.cases import TGT_LEN, Case, catalogue
 from conformance.tolerance import compare, compare_generation
 from spec import ModelConfig
@@ -85,17 +85,12 @@ class _References(dict):
 
     def __init__(self, golden: _Golden, params, runner: NumpyRunner):
         super().__init__()
-        self.made = {case.name: lambda case=case: golden.output(params, case, None, runner) for case in golden.cases}
+        self.golden, self.params, self.runner = golden, params, runner
+        self.cases = {case.name: case for case in golden.cases}
 
     def __missing__(self, name: str):
-        self[name] = self.made[name]()
+        self[name] = self.golden.output(self.params, self.cases[name], None, self.runner)
         return self[name]
-
-
-def _perturbed(value: np.ndarray, relative: float, seed: int) -> np.ndarray:
-    """value · (1 ± relative), the sign drawn per element."""
-    signs = np.where(np.random.default_rng(seed).random(value.shape) < 0.5, -1.0, 1.0)
-    return (value * (1.0 + relative * signs)).astype(value.dtype)
 
 
 def parameter_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str = "float32",
@@ -106,11 +101,11 @@ def parameter_observations(cfg: ModelConfig, params: Mapping[str, np.ndarray], d
     unchanged = NumpyRunner(cfg, params, "float64")  # the weights cast once
     reference = _References(golden, params, unchanged)
     for index, name in enumerate(params):
-        perturbed = _perturbed(params[name], relative, index)
-        if np.array_equal(perturbed, params[name]):  # a zero tensor stays zero: the same weights, every output
+        moved = perturbed(params[name], relative, index)
+        if np.array_equal(moved, params[name]):  # a zero tensor stays zero: the same weights, every output
             yield Observation(name, None, 0.0)     # the reference itself (the paper's zero biases)
             continue
-        yield _first_seen(golden, name, unchanged.replaced(name, perturbed), reference)
+        yield _first_seen(golden, name, unchanged.replaced(name, moved), reference)
 
 
 def _first_seen(golden: _Golden, subject: str, runner: NumpyRunner, reference) -> Observation:
