@@ -224,6 +224,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         result = judge(output)
     except NotJudged as why:
         return CellResult(**base, status=SKIP, reason=f"not judged: {why}", skip=NOT_JUDGED, seconds=seconds)
+    if not result.judged:  # every part's bound reached its size: no output could have failed (SPEC §8)
+        return CellResult(**base, status=SKIP, reason=result.reason, skip=NOT_JUDGED, seconds=seconds)
     if not result.passed and cfg.moe is not None and case.sublayer != "router":  # a router cell is the routing
         result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     base["field"] = _field_metrics(case, output, reference, compared, dtype)

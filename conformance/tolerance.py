@@ -112,6 +112,7 @@ class Comparison:
     worst_actual: float | None
     worst_expected: float | None
     reason: str = ""
+    judged: bool = True  # False where no part of the output had a bound below its own size (SPEC §8): nothing failed
 
     @property
     def ratio(self) -> float:
@@ -274,9 +275,11 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
     range. `conditioning` (per tensor, absolute) replaces tol · max(‖g*‖, ‖t*‖) where it is larger:
     how far the golden's own gradients move when every weight moves by the rounding a column's
     products are equivalent to (GradientReference.conditioning_bound), measured where the case
-    is amplified. The Comparison's max_abs_err
-    and rel_err hold the worst tensor's ‖g − g*‖ / ‖g*‖ (what is compared), its reason names
-    that tensor with its max|g − g*| / ‖g*‖ and cosine similarity."""
+    is amplified. A tensor whose bound reaches its own size (≥ 1 of max(‖g*‖, ‖t*‖): a gradient of
+    zeros would pass) is not judged, as SPEC §8 leaves out such an output: the reason names it, and
+    a comparison where no tensor is judged says so (`judged` False). Its NaN, Inf and leaks still
+    fail. The Comparison's max_abs_err and rel_err hold the worst judged tensor's ‖g − g*‖ / ‖g*‖
+    (what is compared), its reason names that tensor with its max|g − g*| / ‖g*‖ and cosine."""
     if not isinstance(actual, Mapping):
         return Comparison(False, math.inf, math.inf, relative_tol, None, None, None,
                           f"gradients must be a dict of named arrays, got {type(actual).__name__}")
@@ -284,7 +287,7 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
     if missing or extra:
         return Comparison(False, math.inf, math.inf, relative_tol, None, None, None,
                           f"gradient names differ: missing {missing or 'none'}, unexpected {extra or 'none'}")
-    worst_name, worst_ratio, worst_error, worst_bound, notes = None, -1.0, 0.0, relative_tol, []
+    worst_name, worst_ratio, worst_error, worst_bound, notes, unjudged = None, -1.0, 0.0, relative_tol, [], {}
     for name, golden in expected.items():
         golden = np.asarray(golden, dtype=np.float64)
         try:
@@ -310,6 +313,9 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
         moved = (conditioning or {}).get(name, 0.0)
         error = difference / norm if norm > 0 else 0.0
         bound = max(relative_tol, moved / norm if norm > 0 else 0.0) + ((kink + floor) / norm if norm > 0 else 0.0)
+        if bound >= 1:  # SPEC §8: a bound of the tensor's own size passes anything of that size
+            unjudged[name] = bound
+            continue
         if error / bound >= worst_ratio:
             worst_name, worst_ratio, worst_error, worst_bound = name, error / bound, error, bound
             scale = norm if norm > 0 else 1.0
@@ -323,8 +329,12 @@ def compare_gradients(actual: object, expected: Mapping[str, np.ndarray], terms:
     if not passed:  # the normwise error and its bound first: they are the verdict
         notes[0] += f" > tol {worst_bound:.3g}"
     reason = ", ".join(notes)
-    return Comparison(passed, worst_error, worst_error, worst_bound, None, None, None,
-                      reason if not passed else f"worst {reason}" if worst_name else "")
+    reason = reason if not passed else f"worst {reason}" if worst_name else ""
+    if unjudged:
+        named = ", ".join(f"{name} ({bound:.3g} of its size)" for name, bound in unjudged.items())
+        reason = "; ".join(filter(None, [reason, f"not judged, their bound reaching their size: {named}"]))
+    return Comparison(passed, worst_error, worst_error, worst_bound, None, None, None, reason,
+                      judged=worst_name is not None or not unjudged)
 
 
 def _cosine(mine: np.ndarray, golden: np.ndarray) -> str:

@@ -155,6 +155,49 @@ def test_the_relu_kink_allowance_widens_the_bound_by_its_size():
     assert result.passed and "ReLU kink allowance" in result.reason
 
 
+def test_a_tensor_whose_bound_reaches_its_size_is_not_judged():
+    """SPEC §8: a bound of a tensor's own size passes a gradient of zeros, so it judges nothing. The
+    tensor is left out and named, the others are still judged, and where none is left the
+    comparison says it judged nothing; a NaN in a left-out tensor still fails."""
+    size = {name: max(np.linalg.norm(GOLDEN[name]), np.linalg.norm(TERMS[name])) for name in GOLDEN}
+    mine = {"x": np.zeros((2, 3)), "k.bias": np.zeros(3)}
+    conditioning = {"x": 1.01 * size["x"]}  # c* reaching x's size
+    result = compare_gradients(mine, GOLDEN, TERMS, GIVEN_TOL, conditioning=conditioning)
+    assert result.passed and result.judged and "not judged, their bound reaching their size: x (1.01" in result.reason
+    just_below = compare_gradients(mine, GOLDEN, TERMS, GIVEN_TOL, conditioning={"x": 0.9 * size["x"]})
+    assert not just_below.passed and just_below.judged  # 0.983 of its size off: the bound of 0.9 sees it
+    off = {"x": np.zeros((2, 3)), "k.bias": np.array([1e-3, 0.0, 0.0])}
+    assert not compare_gradients(off, GOLDEN, TERMS, GIVEN_TOL, conditioning=conditioning).passed
+    every = compare_gradients(off, GOLDEN, TERMS, GIVEN_TOL, conditioning={**conditioning, "k.bias": 5 * size["k.bias"]})
+    assert every.passed and not every.judged and "k.bias (5" in every.reason
+    nan = {"x": np.full((2, 3), np.nan), "k.bias": np.zeros(3)}
+    assert not compare_gradients(nan, GOLDEN, TERMS, GIVEN_TOL, conditioning=conditioning).passed
+
+
+def test_a_gradient_cell_that_judges_no_tensor_is_reported_not_judged(monkeypatch):
+    """Through the harness: where c* reaches every tensor's size the cell is a `not judged` skip
+    that names them, not a pass; the same cell with c* below their sizes passes as before."""
+    import conformance.cases
+    from conformance.backends import numpy_backend
+
+    monkeypatch.setattr(conformance.cases, "amplification", lambda *args: 2.0)  # c* is asked only where amplified
+    reported = {}
+
+    def far(self, width):
+        reported["width"] = width
+        return {name: 1e6 * max(1.0, float(np.abs(g).sum())) for name, g in self.gradients.items()}
+
+    monkeypatch.setitem(torch_model.ACTIVATIONS, TINY.activation,  # a planted error of 1%
+                        lambda x, planted=torch_model.ACTIVATIONS[TINY.activation]: planted(x) * 1.01)
+    monkeypatch.setattr(numpy_backend.GradientReference, "conditioning_bound", far)
+    [cell] = _run(TINY, ["torch"], ["float32"], pattern="grad-ffn-none")
+    assert cell.status == SKIP and cell.skip == "not judged" and "their bound reaching their size" in cell.reason
+    assert reported["width"] > 0
+    monkeypatch.setattr(numpy_backend.GradientReference, "conditioning_bound", lambda self, width: {})
+    [cell] = _run(TINY, ["torch"], ["float32"], pattern="grad-ffn-none")
+    assert cell.status == FAIL, cell.reason
+
+
 # ---- mistakes that only the backward sees ---------------------------------------------------
 
 def _detached_residual(cfg, norm, x, sublayer, dropout_mask=None, post_norm=None):
