@@ -362,6 +362,23 @@ class Case:
         return max(1.0, self.amplification) * tolerance(dtype, self.reduction_length, depth, self.angle)
 
 
+class DecoderPasses:
+    """The golden decoder's output over a whole-model case's tokens, kept from the pass that found its
+    amplification (amplification) for its reference to take (numpy_backend.golden_output): the same
+    float64 pass over the same tokens and weights, which a hybrid's case would otherwise make twice
+    (at Qwen3.5-0.8B's size, about half a minute each). Each is taken once, by the case's own inputs."""
+
+    def __init__(self):
+        self._kept: dict[int, tuple[Mapping[str, Any], np.ndarray]] = {}
+
+    def keep(self, inputs: Mapping[str, Any], hidden: np.ndarray) -> None:
+        self._kept[id(inputs)] = (inputs, hidden)  # the inputs held too, so their id names them alone
+
+    def take(self, inputs: Mapping[str, Any]) -> np.ndarray | None:
+        kept, hidden = self._kept.pop(id(inputs), (None, None))
+        return hidden if kept is inputs else None
+
+
 def case_seed(sublayer: str, mask_case: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{sublayer}-{mask_case}".encode()).digest()[:8], "little")
 
@@ -900,14 +917,15 @@ def case_names(cfg: ModelConfig, backward: bool = False, text: bool = False) -> 
 
 def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str, mask_case: str,
                golden_params: GoldenParams | None = None, prompts: Prompts | None = None,
-               amplification_found: float | None = None) -> Case:
+               amplification_found: float | None = None, passes: DecoderPasses | None = None) -> Case:
     """One case, its inputs built (the generate cases read the golden's tokens on `params`, the
     train_steps cases its first gradient's norm, the text cases the prompts' ids). golden_params
     gives the parameters cast to float64 where the caller holds them already (a golden runner's);
     else they are cast here, if the case needs them. amplification_found: the case's amplification
     where another process found it on the same inputs (a worker is sent its harness's): a hybrid's
     is a golden pass over the whole model, which a worker would make again with the golden's float64
-    weights cast for it (6 GB at Qwen3.5-0.8B's size)."""
+    weights cast for it (6 GB at Qwen3.5-0.8B's size). passes: where the golden that will make the case's
+    reference keeps the decoder's output of that pass (its DecoderPasses)."""
     rng = np.random.default_rng(case_seed(sublayer, mask_case))
     golden_params = golden_params or (lambda: golden.cast_params(cfg, params))
     if mask_case in TEXT_CASES:
@@ -919,17 +937,19 @@ def build_case(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: str
         inputs, reduction = build(cfg, golden_params, sublayer, mask_case, rng)
     angle = rotary_angle(cfg, largest_rotated_position(cfg, sublayer, inputs))
     if amplification_found is None:
-        amplification_found = amplification(cfg, golden_params, sublayer, inputs)
+        amplification_found = amplification(cfg, golden_params, sublayer, inputs, passes)
     return Case(sublayer, mask_case, inputs, reduction, angle, recurrent_depth(cfg, sublayer, inputs),
                 amplification_found)
 
 
-def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, inputs: Mapping[str, Any]) -> float:
+def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, inputs: Mapping[str, Any],
+                  passes: DecoderPasses | None = None) -> float:
     """SPEC §8's factor for a hybrid's case: the most that a gated DeltaNet's output norm magnifies
     the rounding of o (impl_numpy.model.output_norm_amplification), or a gated attention's gate the
     rounding of its logits (output_gate_amplification), on the case's inputs, found by the golden
     over them; 1 for the other configs and sublayers. A generate case takes its prompt's (the
-    tokens it generates are the columns' own)."""
+    tokens it generates are the columns' own). A forward or decode case's decoder output is kept in
+    `passes`, for its reference."""
     forward = forward_of(sublayer)
     whole = ("decoder", "forward", "decode", "loss", "generate", *TRAINING_SUBLAYERS)
     gated = cfg.attention_output_gate and forward in ("mha", *whole)  # a layer's gate reads its norm's outputs
@@ -951,7 +971,9 @@ def amplification(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, 
         else:
             ids = inputs["prompt_ids"] if forward == "generate" else inputs["tgt_ids"]
             for batch in np.asarray(ids).reshape(-1, *np.shape(ids)[-2:]):  # a training case's N batches
-                golden.decoder(cfg, p, batch, real_tokens(cfg, batch, "tgt"))  # the layers: the head records nothing
+                hidden = golden.decoder(cfg, p, batch, real_tokens(cfg, batch, "tgt"))  # the head records nothing
+            if passes is not None and sublayer in ("forward", "decode") and not cfg.has_encoder:
+                passes.keep(inputs, hidden)
     return max(found, default=1.0)
 
 

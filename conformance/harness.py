@@ -195,7 +195,8 @@ def _run_matrix(cfg, params, plan, pattern, fail_fast, progress, backward, execu
                                           reason=too_long or plan.left_out, skip=TOO_LARGE if too_long else PLANNED_OUT))
                 continue
             if (sublayer, mask_case) not in built:
-                built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts)
+                built[sublayer, mask_case] = build_case(cfg, params, sublayer, mask_case, lambda: golden.p, prompts,
+                                                             passes=golden.passes)
             work.append(WorkItem(len(work), built[sublayer, mask_case], column))
     if "p" not in vars(golden):  # not cast yet (a generate case's rows would have): its budget may change
         golden.budget = golden_budget_for(cfg, params, [item.case for item in work])

@@ -429,6 +429,33 @@ def test_a_worker_takes_each_cases_amplification_from_the_harness():
     assert results[0].status == "pass" and results[0].tol == pytest.approx(40 * judged(own["none"]).tol, rel=1e-12)
 
 
+@pytest.mark.parametrize("sublayer, mask_case", [("forward", "pad_left"), ("forward", "chunk_more"),
+                                                  ("decode", "pad_right")])
+def test_a_cases_reference_takes_the_decoder_pass_its_amplification_made(sublayer, mask_case, monkeypatch):
+    """A hybrid's whole-model case passes through the golden's whole float64 model to find its
+    amplification; its reference takes that pass's output instead of making it again (at
+    Qwen3.5-0.8B's size, half a minute a case), and is the very same array; the golden's decoder
+    then runs once per case, and a runner with other weights takes none of it."""
+    import impl_numpy
+    from conformance.cases import build_case
+    from conformance.cells import golden_runner_for, reference_for
+
+    params = conformance_params(CHUNKED)
+    fresh = reference_for(CHUNKED, params, build_case(CHUNKED, params, sublayer, mask_case),
+                          golden_runner_for(CHUNKED, params), {})
+    runner, calls = golden_runner_for(CHUNKED, params), []
+    decoder = impl_numpy.model.decoder
+    for module in (impl_numpy, impl_numpy.model):  # the golden's own forward calls it by its module's name
+        monkeypatch.setattr(module, "decoder", lambda *args, **kwargs: calls.append(1) or decoder(*args, **kwargs))
+    case = build_case(CHUNKED, params, sublayer, mask_case, lambda: runner.p, passes=runner.passes)
+    other = runner.replaced("decoder.norm.scale", params["decoder.norm.scale"] * 2)
+    assert other.passes.take(case.inputs) is None
+    taken = reference_for(CHUNKED, params, case, runner, {})
+    assert len(calls) == 1 and np.array_equal(taken, fresh)
+    assert runner.passes.take(case.inputs) is None  # taken once: a second reference makes its own pass
+    assert np.array_equal(reference_for(CHUNKED, params, case, runner, {}), fresh) and len(calls) == 2
+
+
 def test_a_generate_case_sent_to_the_workers_keeps_its_bound():
     """The local pool sends a generate case whole (its rows took the golden's tokens to choose): its
     depth (T deep) and amplification go with it, or the workers judge a hybrid's generation by a

@@ -15,7 +15,8 @@ import numpy as np
 
 import impl_numpy as golden
 from conformance.adapter import NotSupported
-from conformance.cases import ROUTER_OUTPUTS, decode_steps, forward_of, gradient_owner, is_gradient, record_steps
+from conformance.cases import (ROUTER_OUTPUTS, DecoderPasses, decode_steps, forward_of, gradient_owner, is_gradient,
+                               record_steps)
 from impl_numpy import backward
 from impl_numpy.cast import CastOnRead
 from impl_numpy import training as golden_training
@@ -36,6 +37,7 @@ class NumpyRunner:
         self.params = params
         self.dtype = np.dtype(dtype)
         self.budget = budget
+        self.passes = DecoderPasses()  # its decoder's outputs over cases' tokens, made before their references
 
     @functools.cached_property
     def p(self) -> Mapping[str, np.ndarray]:
@@ -57,11 +59,13 @@ class NumpyRunner:
         run, which need not be float32-representable)."""
         runner = cls.__new__(cls)
         runner.cfg, runner.params, runner.dtype, runner.p = cfg, None, np.dtype(np.float64), dict(p)
+        runner.passes = DecoderPasses()
         return runner
 
     def replaced(self, name: str, value: np.ndarray) -> NumpyRunner:
         """This runner with one parameter tensor replaced, the others not cast again."""
         runner = copy.copy(self)
+        runner.passes = DecoderPasses()  # other weights: none of this one's passes is its own
         runner.params = {**self.params, name: value}
         runner.p = {**self.p, name: value.astype(self.dtype)}
         return runner
@@ -366,6 +370,9 @@ def golden_output(cfg: ModelConfig, params: Mapping[str, np.ndarray], sublayer: 
             eos_id=inputs["eos_id"], max_new_tokens=inputs["max_new_tokens"], return_step_logits=True)
     if sublayer == "decode" and cfg.rotary_reads_length:
         return runner.run("decode", inputs)
+    if sublayer in ("forward", "decode") and (hidden := runner.passes.take(inputs)) is not None:
+        # the decoder's pass made where the case's amplification was found: only the head is left
+        return runner.run("logits", {"h": np.ascontiguousarray(hidden[:, inputs.get("prefix", 0):])})
     if sublayer == "decode":
         return _forward_from(cfg, runner, inputs["src_ids"], inputs["tgt_ids"], inputs["prefix"])
     return runner.run(sublayer, inputs)
