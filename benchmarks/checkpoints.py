@@ -88,7 +88,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
-           "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
+           "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
 # norms by 1 + weight: 0 is the identity (a published Qwen3.5's vision tower takes it too: it is not imported)
 _NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0, "qwen3_next": 0.0}
 _PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is

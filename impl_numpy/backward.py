@@ -379,9 +379,9 @@ def embed_vjp(cfg: ModelConfig, params: Params, ids: np.ndarray, side: str, d_x:
 def rotary_vjp(cfg: ModelConfig, positions: np.ndarray | None, d_y: np.ndarray) -> np.ndarray:
     """y_r = x_r cos + rotate_half(x_r) sin, a rotation:  ∂x_r = ∂y_r cos − rotate_half(∂y_r sin)
     (rotate_half's transpose is its negative); the dimensions past r pass. d_y [B, H, T, d_k]"""
-    if positions is None:
-        return d_y
     r = cfg.rotary_dim
+    if positions is None or r == 0:
+        return d_y
     cos, sin = rope_tables(cfg, positions)
     return np.concatenate([d_y[..., :r] * cos - rotate_half(d_y[..., :r] * sin), d_y[..., r:]], axis=-1)
 

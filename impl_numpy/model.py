@@ -250,6 +250,8 @@ def rotary(cfg: ModelConfig, x: np.ndarray, positions: np.ndarray) -> np.ndarray
     """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
     the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
     r = cfg.rotary_dim
+    if r == 0:  # a NoPE layer (nope_layers): nothing turns
+        return x
     cos, sin = (table.astype(x.dtype) for table in rope_tables(cfg, positions))
     rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
     return np.concatenate([rotated, x[..., r:]], axis=-1)

@@ -211,6 +211,8 @@ def rotary(cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor) -> torch.
     """RoPE: the first r dimensions of each head rotate by their position, x_r cos + rotate_half(x_r) sin;
     the others pass (partial rotary). x [B, H, T, d_k], positions [T] -> [B, H, T, d_k]"""
     r = cfg.rotary_dim
+    if r == 0:  # a NoPE layer (nope_layers): nothing turns
+        return x
     # Angles of a half-precision dtype are useless past a few hundred positions, so the tables are
     # taken in float32 (float64 for a float64 model, like the golden) and only then cast to x's
     # dtype, as Hugging Face's Llama does: the multiply is in x's dtype.

@@ -97,6 +97,7 @@ FAMILIES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # the published checkpoints: its text decoder is imported
     "qwen3_next": "Qwen3NextForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -468,7 +469,7 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
 _QWEN3_5_ROTARY_FRACTION = 0.25
 _HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_next")  # gated DeltaNet and gated attention (SPEC §5.15)
 # Gemma3TextConfig's global theta and MixtralConfig's; the others' is 10000
-_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0}
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0, "smollm3": 2_000_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
 
 
@@ -616,15 +617,55 @@ def _head_dim(hf: Mapping[str, Any], family: str, default: int | None = None) ->
     return value or _require(hf, "hidden_size", family) // _require(hf, "num_attention_heads", family)
 
 
-def _llama_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+def _llama_biases(hf: Mapping[str, Any]) -> bool:
+    """Llama's (and SmolLM3's) attention_bias (q, k, v and o) and mlp_bias, which must agree."""
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise ConfigError(f"attention_bias = {json.dumps(attention_bias)} and mlp_bias = {json.dumps(mlp_bias)}: the "
                           "spec's bias field gives o_proj and the FFN their biases together (qkv_bias covers q, k "
                           "and v), so o_proj and the MLP must both have biases or neither")
+    return attention_bias
+
+
+def _llama_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    bias = _llama_biases(hf)
     kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "llama")
     return _rotary_decoder(hf, "llama", notes, head_dim=_head_dim(hf, "llama"), kv_heads=kv_heads,
-                           qkv_bias=attention_bias, bias=mlp_bias)
+                           qkv_bias=bias, bias=bias)
+
+
+_SMOLLM3_NOPE_INTERVAL = 4  # SmolLM3Config's no_rope_layer_interval where the file gives neither field
+
+
+def _nope_layers(hf: Mapping[str, Any], layers: int) -> tuple[int, ...] | None:
+    """SmolLM3's layers that do not rotate (SPEC §5.11): the 0s of no_rope_layers (one flag per layer, 1
+    rotates; the class reads the first num_hidden_layers), else every no_rope_layer_interval-th layer."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", _SMOLLM3_NOPE_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"no_rope_layer_interval = {json.dumps(interval)}: expected a positive integer")
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) < layers or any(flag not in (0, 1) or isinstance(flag, float)
+                                                                 for flag in flags[:layers]):
+        raise ConfigError(f"no_rope_layers = {json.dumps(flags)}: expected at least {layers} flags, each 1 (the layer "
+                          "rotates) or 0 (it does not)")
+    return tuple(i for i in range(layers) if flags[i] == 0) or None
+
+
+def _smollm3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Llama's layer in which the layers no_rope_layers marks 0 rotate nothing (NoPE), its head tied
+    unless the file says otherwise (SmolLM3Config's default). The class's windows (use_sliding_window,
+    on the NoPE layers) are not imported yet."""
+    written = hf.get("layer_types")
+    if hf.get("use_sliding_window") or (written and any(kind != "full_attention" for kind in written)):
+        raise ConfigError(f"use_sliding_window = {json.dumps(hf.get('use_sliding_window'))}, layer_types = "
+                          f"{json.dumps(written)}: SmolLM3's windows on its NoPE layers are not imported yet")
+    bias = _llama_biases(hf)
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "smollm3")
+    layers = _require(hf, "num_hidden_layers", "smollm3")
+    return _rotary_decoder({"tie_word_embeddings": True, **hf}, "smollm3", notes, head_dim=_head_dim(hf, "smollm3"),
+                           kv_heads=kv_heads, qkv_bias=bias, bias=bias, nope_layers=_nope_layers(hf, layers))
 
 
 def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
@@ -1053,7 +1094,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next")
 _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
-                    "qwen3_5")
+                    "qwen3_5", "smollm3")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -1435,7 +1476,7 @@ _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
             "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config,
-            "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config}
+            "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config, "smollm3": _smollm3_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1562,6 +1603,7 @@ def mapping_markdown(family: str) -> str:
     examples["qwen3_5_text"] = (qwen3_5_mapping, hybrid)
     examples["qwen3_5"] = (lambda cfg: qwen3_5_mapping(cfg, _QWEN3_5_DECODER), hybrid)
     examples["qwen3_next"] = (qwen3_next_mapping, hybrid.replace(moe=dataclasses.replace(moe, shared_expert_d_ff=8)))
+    examples["smollm3"] = (llama_mapping, rotary.replace(n_decoder_layers=2, tie_head=True, nope_layers=(1,)))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

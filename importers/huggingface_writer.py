@@ -112,6 +112,19 @@ def _moe_family(cfg: ModelConfig) -> str:
     return "mixtral"
 
 
+def _smollm3_family(cfg: ModelConfig) -> str:
+    """SmolLM3: Llama's layer (biases on q, k, v, o and the FFN, or none) whose NoPE layers rotate
+    nothing, every head's every dimension rotating in the others; its windows are not written."""
+    for field, value in (("qk_norm", False), ("rope_fraction", 1.0), ("sliding_window", None), ("layer_types", None)):
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with NoPE layers: SmolLM3, the family whose layers may "
+                              f"not rotate, is written with {field} = {value!r}")
+    if cfg.qkv_bias != cfg.bias:
+        raise ConfigError("qkv_bias and bias differ with NoPE layers: SmolLM3's attention_bias and mlp_bias give q, k, v "
+                          "and o, and the FFN, their biases; the importer takes them only together")
+    return "smollm3"
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The family whose class computes this config: Qwen3.5 or, with a mixture of experts, Qwen3-Next
     (linear layers), Gemma 3 or Gemma 2 ((1 + w) norms and post norms), with a mixture of experts
@@ -135,6 +148,8 @@ def family_of(cfg: ModelConfig) -> str:
                               f"{field} = {value!r}")
     if cfg.moe is not None:
         return _moe_family(cfg)
+    if cfg.nope_layers is not None:
+        return _smollm3_family(cfg)
     longrope = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope"
     if cfg.rope_fraction != 1 or longrope:
         other_scaling = cfg.rope_scaling is not None and not longrope
@@ -186,8 +201,11 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
                    "linear_key_head_dim": mixer.key_head_dim, "linear_value_head_dim": mixer.value_head_dim,
                    "linear_conv_kernel_dim": mixer.conv_kernel}
         return config | _moe_config_json(cfg, family) if family == "qwen3_next" else config
-    if family == "llama":
+    if family in ("llama", "smollm3"):
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    if family == "smollm3":  # one flag per layer, 1 rotates (the interval is read only where the flags are absent)
+        return config | {"no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.n_decoder_layers)],
+                         "use_sliding_window": False, "sliding_window": None}
     elif family in ("mistral", "phi3"):
         config |= {"sliding_window": cfg.sliding_window}
     elif family in ("gemma2", "gemma3_text"):

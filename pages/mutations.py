@@ -333,6 +333,11 @@ def _partial_rotary_on_the_last_dimensions(cfg, x, positions):
     return np.concatenate([x[..., :width - r], tail], axis=-1)  # the last r dimensions turn, not the first
 
 
+def _nope_layers_rotated(cfg, x, positions):
+    # SmolLM3's no_rope_layers unread: a layer that rotates nothing (its own rope_fraction 0) turns like the others
+    return _original("rotary")(cfg.replace(rope_fraction=1.0) if cfg.rope_fraction == 0 else cfg, x, positions)
+
+
 def _head_norm_eps_outside_the_root(cfg, p, name, x):
     scale = p.get(f"{name}_norm.scale")  # the head norms alone: the layers' norms are right
     return x if scale is None else _rms_eps_outside_the_root(x, scale, None, float(cfg.norm_eps))
@@ -582,6 +587,8 @@ MUTATIONS += [
              _theta_written_in, "mha", "decoder.layers.0", preset="llama-tiny"),
     Mutation("partial_rotary_last_dims", "partial rotary turning a head's last r dimensions, not its first",
              "rotary", _partial_rotary_on_the_last_dimensions, "mha", "decoder.layers.0", preset="stablelm-tiny"),
+    Mutation("nope_layers_rotated", "SmolLM3's NoPE layers rotated like the others (no_rope_layers unread)",
+             "rotary", _nope_layers_rotated, "mha", "decoder.layers.1", preset="smollm3-tiny"),
     Mutation("head_norm_eps_outside_root", "Qwen3's q/k head norms with ε outside the root", "head_norm",
              _head_norm_eps_outside_the_root, "mha", None, preset="qwen3-tiny", unlocalized=HEAD_NORM_EPS),
     Mutation("head_norm_eps_written_in", "Qwen3's q/k head norms with Qwen3's ε 1e-6 written in", "head_norm",

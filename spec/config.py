@@ -147,7 +147,7 @@ class ModelConfig:
     label_smoothing: float = 0.0
     # the modern decoder (SPEC §5.11): rotary positions, grouped-query attention, gated FFN
     rope_theta: float = 10000.0  # base of the rotary frequencies (positional="rope")
-    rope_fraction: float = 1.0  # the share of each head's dimensions that rotates (partial rotary)
+    rope_fraction: float = 1.0  # the share of each head's dimensions that rotates (partial rotary; 0: none, NoPE)
     rope_scaling: RopeScaling | None = None  # rescaled frequencies for a longer context (SPEC §5.12)
     n_kv_heads: int | None = None  # key/value heads; None: n_heads (multi-head), 1: multi-query
     head_dim: int | None = None  # d_k; None: d_model / n_heads
@@ -156,6 +156,7 @@ class ModelConfig:
     sliding_window: int | None = None  # W: decoder self-attention sees the last W positions only (SPEC §6; Mistral)
     layer_types: tuple[str, ...] | None = None  # per decoder layer, "full" or "sliding" (W); None: all as sliding_window says
     local_rope_theta: float | None = None  # the sliding layers' own θ, unrescaled (Gemma 3); None: as the full layers
+    nope_layers: tuple[int, ...] | None = None  # decoder layers that rotate nothing (NoPE: SmolLM3); None: every one rotates
     # Gemma's layer (SPEC §5.13)
     attention_softcap: float | None = None  # scores ← c·tanh(scores / c) before the mask (Gemma 2)
     final_softcap: float | None = None  # logits ← c·tanh(logits / c)
@@ -226,7 +227,8 @@ class ModelConfig:
         """This model cut to its first `count` decoder layers, each keeping its kind (a model whose
         remaining layers have no window has no window left, nor a linear mixer without linear layers)."""
         kinds = None if self.layer_types is None else self.layer_types[:count]
-        changes: dict[str, Any] = {"n_decoder_layers": count, "layer_types": kinds}
+        nope = tuple(i for i in self.nope_layers or () if i < count) or None
+        changes: dict[str, Any] = {"n_decoder_layers": count, "layer_types": kinds, "nope_layers": nope}
         if kinds is not None and "sliding" not in kinds:
             changes.update(sliding_window=None, local_rope_theta=None)
         if kinds is not None and "linear" not in kinds:
@@ -272,8 +274,9 @@ class ModelConfig:
         for name, default in _ABSENT_WHEN.items():
             if data[name] == default:  # absent, so that a config without it reads as it did before it existed
                 del data[name]
-        if data.get("layer_types") is not None:
-            data["layer_types"] = list(data["layer_types"])
+        for name in ("layer_types", "nope_layers"):
+            if data.get(name) is not None:
+                data[name] = list(data[name])
         for name in ("short_factor", "long_factor"):  # longrope's, absent from the other rules likewise
             if data.get("rope_scaling") and data["rope_scaling"][name] is None:
                 del data["rope_scaling"][name]
@@ -294,8 +297,9 @@ class ModelConfig:
             data = {**data, "moe": MixtureOfExperts.from_dict(data["moe"])}
         if data.get("linear_attention") is not None:
             data = {**data, "linear_attention": GatedDeltaNet.from_dict(data["linear_attention"])}
-        if isinstance(data.get("layer_types"), list):  # a JSON array: the frozen config holds a tuple
-            data = {**data, "layer_types": tuple(data["layer_types"])}
+        for name in ("layer_types", "nope_layers"):
+            if isinstance(data.get(name), list):  # a JSON array: the frozen config holds a tuple
+                data = {**data, name: tuple(data[name])}
         return cls(**data)
 
     @classmethod
@@ -362,7 +366,7 @@ def check_computed_by(cfg: ModelConfig, who: str) -> None:
 
 
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
-    "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
+    "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None, "nope_layers": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
     "query_pre_attention_scalar": None, "moe": None, "linear_attention": None, "attention_output_gate": False,
 }
@@ -372,14 +376,16 @@ _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at
 def _layer_config(cfg: ModelConfig, index: int) -> ModelConfig:
     if not 0 <= index < cfg.n_decoder_layers:
         raise ConfigError(f"decoder layer {index} does not exist: the model has {cfg.n_decoder_layers}")
-    if cfg.layer_types is None:
+    if cfg.layer_types is None and cfg.nope_layers is None:
         return cfg
-    sliding = cfg.layer_types[index] == "sliding"
+    sliding = cfg.layer_kind(index) == "sliding"
     # a uniform layer: its kind is the model's to say (layer_kind), a linear layer's mixer the model's
     changes: dict[str, Any] = {"layer_types": None, "local_rope_theta": None, "linear_attention": None,
-                               "sliding_window": cfg.sliding_window if sliding else None}
+                               "nope_layers": None, "sliding_window": cfg.sliding_window if sliding else None}
     if sliding and cfg.local_rope_theta is not None:
         changes.update(rope_theta=cfg.local_rope_theta, rope_scaling=None)
+    if index in (cfg.nope_layers or ()):  # NoPE: rotary over no dimension, which leaves q and k as they are
+        changes.update(rope_fraction=0.0, rope_scaling=None)
     return dataclasses.replace(cfg, **changes)
 
 
@@ -435,11 +441,13 @@ def _validate(cfg: ModelConfig) -> None:
                               "would have no positions to rotate by); use arch='decoder-only'")
         if not cfg.rope_theta > 1:
             raise ConfigError(f"rope_theta must be greater than 1, got {cfg.rope_theta}")
-        if not 0 < cfg.rope_fraction <= 1:
-            raise ConfigError(f"rope_fraction must be in (0, 1], got {cfg.rope_fraction}")
-        if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        if not 0 <= cfg.rope_fraction <= 1:
+            raise ConfigError(f"rope_fraction must be in [0, 1] (0: no dimension rotates), got {cfg.rope_fraction}")
+        if cfg.rope_fraction > 0 and (cfg.rotary_dim < 2 or cfg.rotary_dim % 2):
             raise ConfigError(f"rope_fraction {cfg.rope_fraction} of head_dim {cfg.d_head} rotates "
                               f"{cfg.rotary_dim} dimensions; it must be an even number, at least 2 (pairs rotate)")
+        if cfg.rope_scaling is not None and cfg.rope_fraction == 0:
+            raise ConfigError("rope_scaling rescales rotations, and rope_fraction 0 rotates nothing: give one")
         if cfg.rope_scaling is not None:
             _validate_rope_scaling(cfg.rope_scaling)
             if cfg.rope_scaling.kind == "longrope":
@@ -531,6 +539,7 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
             raise ConfigError("layer_types has sliding layers but sliding_window is null: give their window W")
         if cfg.sliding_window is not None and "sliding" not in kinds:
             raise ConfigError(f"sliding_window {cfg.sliding_window} is given but no layer of layer_types is sliding")
+    _validate_nope_layers(cfg)
     theta = cfg.local_rope_theta
     if theta is None:
         return
@@ -540,6 +549,25 @@ def _validate_layer_kinds(cfg: ModelConfig) -> None:
         raise ConfigError(f"local_rope_theta applies to positional='rope' only, got {cfg.positional!r}")
     if kinds is None:
         raise ConfigError("local_rope_theta is the θ of the sliding layers of layer_types; give layer_types")
+
+
+def _validate_nope_layers(cfg: ModelConfig) -> None:
+    """nope_layers (SPEC §5.11): distinct decoder layers, in order, of a rotary model."""
+    layers = cfg.nope_layers
+    if layers is None:
+        return
+    if (not isinstance(layers, tuple) or not layers
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)):
+        raise ConfigError(f"nope_layers must list decoder layer indices (at least one) or be null, got {layers!r}")
+    if list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < cfg.n_decoder_layers:
+        raise ConfigError(f"nope_layers must be distinct decoder layers in increasing order, each in "
+                          f"0 .. {cfg.n_decoder_layers - 1}; got {list(layers)}")
+    if cfg.positional != "rope":
+        raise ConfigError(f"nope_layers are the layers of a rotary model that do not rotate; positional is "
+                          f"{cfg.positional!r}")
+    linear = [i for i in layers if cfg.layer_kind(i) == "linear"]
+    if linear:
+        raise ConfigError(f"nope_layers {linear} are linear layers, which have no rotary to leave out")
 
 
 def _validate_hybrid(cfg: ModelConfig) -> None:

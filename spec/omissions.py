@@ -31,6 +31,11 @@ def _all_full(cfg: ModelConfig) -> dict:
     return {"sliding_window": None, "layer_types": None, "local_rope_theta": None}
 
 
+def _every_fourth(cfg: ModelConfig) -> tuple[int, ...] | None:
+    """SmolLM3's NoPE layers where its config lists none (no_rope_layer_interval 4): layers 3, 7, …"""
+    return tuple(i for i in range(cfg.n_decoder_layers) if (i + 1) % 4 == 0) or None
+
+
 def _window(delta: int) -> Callable[[ModelConfig], dict]:
     return lambda cfg: {"sliding_window": cfg.sliding_window + delta}
 
@@ -42,6 +47,11 @@ OMISSIONS: tuple[Omission, ...] = (
              lambda cfg: cfg.positional == "rope" and cfg.rope_fraction != 1.0, lambda cfg: {"rope_fraction": 1.0}),
     Omission("local_rope_theta ignored (sliding layers at the global θ and scaling)", "local_rope_theta",
              lambda cfg: cfg.local_rope_theta is not None, lambda cfg: {"local_rope_theta": None}),
+    Omission("NoPE layers rotated (every layer rotates)", "nope_layers",
+             lambda cfg: cfg.nope_layers is not None, lambda cfg: {"nope_layers": None}),
+    Omission("NoPE layers placed by SmolLM3's default (every fourth from the fourth)", "nope_layers",
+             lambda cfg: cfg.nope_layers is not None and cfg.nope_layers != _every_fourth(cfg),
+             lambda cfg: {"nope_layers": _every_fourth(cfg)}),
     Omission("sliding window ignored (every layer full)", "sliding_window",
              lambda cfg: cfg.sliding_window is not None, _all_full),
     Omission("sliding window one key wider (i − W ≤ j)", "sliding_window",

@@ -284,6 +284,19 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             moe=MixtureOfExperts(n_experts=5, experts_per_token=2, renormalize=True, shared_expert_d_ff=24),
         ),
     ),
+    "smollm3-tiny": (
+        "A SmolLM3-family decoder at odd sizes: Llama's layer (pre-RMSNorm, SwiGLU, grouped-query "
+        "attention, no biases) in which some layers rotate nothing (NoPE, SPEC §5.11): layers 1 and 3 of "
+        "4 (SmolLM3 leaves out every fourth, from its fourth; here every second, so that a port that "
+        "places them by SmolLM3's default interval fails on layer 1), theta 5000000 (SmolLM3-3B's), eps "
+        "1e-6, tied head: d 56, 4 heads of 14 over 2 key/value heads, d_ff 96, vocabulary 107.",
+        ModelConfig(
+            arch="decoder-only", d_model=56, n_heads=4, n_kv_heads=2, d_ff=96, n_decoder_layers=4,
+            tgt_vocab_size=107, max_len=2048, norm_position="pre", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=5000000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, tie_head=True, nope_layers=(1, 3),
+        ),
+    ),
     "gemma2-small": (
         "A Gemma 2-family decoder of llama-small's size, for the CPU bench against onnxruntime-genai and "
         "CTranslate2: Gemma 2's layer (four (1 + scale) RMSNorms, GeGLU, the embeddings times sqrt(d) = 24 "

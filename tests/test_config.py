@@ -13,7 +13,7 @@ def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
-                            "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "gemma2-small",
+                            "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "smollm3-tiny", "gemma2-small",
                             "qwen35-small", "llama-small"]
 
 
@@ -26,8 +26,8 @@ def test_json_round_trip(name):
     newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
              "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
              "query_pre_attention_scalar": None, "moe": None, "linear_attention": None,
-             "attention_output_gate": False}
-    expected = {key: list(value) if key == "layer_types" and value else value
+             "attention_output_gate": False, "nope_layers": None}
+    expected = {key: list(value) if key in ("layer_types", "nope_layers") and value else value
                 for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):
         expected["rope_scaling"] = {key: list(value) if isinstance(value, tuple) else value

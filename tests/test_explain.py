@@ -81,6 +81,8 @@ def _forward_explanation(preset, names, mask_case="pad_right"):
     ("gemma3-tiny", ("local_rope_theta ignored (sliding layers at the global θ and scaling)",)),
     ("llama3-tiny", ("rope scaling ignored (the plain rotary)",)),
     ("stablelm-tiny", ("partial rotary ignored (every dimension rotates)",)),
+    ("smollm3-tiny", ("NoPE layers rotated (every layer rotates)",)),
+    ("smollm3-tiny", ("NoPE layers placed by SmolLM3's default (every fourth from the fourth)",)),
 ])
 def test_a_planted_omission_is_named_and_only_it(preset, planted):
     found = _forward_explanation(preset, planted)

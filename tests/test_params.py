@@ -53,6 +53,9 @@ EXPECTED_COUNTS = {
                                              + 30 * 44 + 2 * 44)
                        + (2 * 44 * 64 + 2 * 44 * 32 + 64 * 44 + 2 * 16 + 2 * 44)
                        + 4 * (44 * 5 + 5 * 3 * 44 * 20 + 3 * 44 * 24 + 44),  # 103,383
+    # a tied 107-row table at d 56; q and o 56 x 56 (4 heads of 14), k and v 56 x 28, SwiGLU, two norms; 4 layers, the
+    # NoPE ones (1 and 3) with the same weights as the others
+    "smollm3-tiny": 107 * 56 + 4 * (2 * 56 * 56 + 2 * 56 * 28 + 3 * 56 * 96 + 2 * 56) + 56,  # 108,640
     # a tied 49152-row table at d 576; six linear layers (q, k [576, 3·64], v, z [576, 6·64], the convolutions
     # [768, 4], β and the decay [576, 6] with its bias and log rate, the output norm [64], o) and two gated attentions
     # (q and gate [576, 9·64], k and v [576, 3·64], o, q/k norms [64]), each with SwiGLU and two norms
