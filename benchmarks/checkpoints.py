@@ -79,6 +79,13 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                                     rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25},
                                                     tie_word_embeddings=False, bos_token_id=32766,
                                                     eos_token_id=32767)),
+    # SmolLM3-3B cut to its first four layers (16 query heads and 4 key-value heads of 128, the fourth layer NoPE by
+    # the default interval, θ 5e6), its 128,256-token vocabulary and tied head whole
+    "smollm3-3b-4-layers": ("smollm3", dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                                            num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                            max_position_embeddings=65536, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                                            tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128012,
+                                            pad_token_id=128004)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),

@@ -655,17 +655,22 @@ def _nope_layers(hf: Mapping[str, Any], layers: int) -> tuple[int, ...] | None:
 
 def _smollm3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     """Llama's layer in which the layers no_rope_layers marks 0 rotate nothing (NoPE), its head tied
-    unless the file says otherwise (SmolLM3Config's default). The class's windows (use_sliding_window,
-    on the NoPE layers) are not imported yet."""
-    written = hf.get("layer_types")
-    if hf.get("use_sliding_window") or (written and any(kind != "full_attention" for kind in written)):
-        raise ConfigError(f"use_sliding_window = {json.dumps(hf.get('use_sliding_window'))}, layer_types = "
-                          f"{json.dumps(written)}: SmolLM3's windows on its NoPE layers are not imported yet")
+    unless the file says otherwise (SmolLM3Config's default). Its windows are where layer_types says,
+    else (use_sliding_window) on the NoPE layers: the mask the class builds for its sdpa and eager
+    paths slides there whatever use_sliding_window says, and that is what is imported."""
     bias = _llama_biases(hf)
     kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "smollm3")
     layers = _require(hf, "num_hidden_layers", "smollm3")
+    nope = _nope_layers(hf, layers)
+    window = _sliding_window(hf, None)
+    kinds = _layer_kinds(hf, "smollm3", window, lambda i: bool(hf.get("use_sliding_window")) and window is not None
+                         and i in (nope or ()))
+    if kinds and not hf.get("use_sliding_window"):
+        notes.append("layer_types has sliding layers but use_sliding_window is false: transformers' sdpa and eager "
+                     "paths slide them (their mask is built from layer_types), its flash-attention path does not; "
+                     "imported as the first compute")
     return _rotary_decoder({"tie_word_embeddings": True, **hf}, "smollm3", notes, head_dim=_head_dim(hf, "smollm3"),
-                           kv_heads=kv_heads, qkv_bias=bias, bias=bias, nope_layers=_nope_layers(hf, layers))
+                           kv_heads=kv_heads, qkv_bias=bias, bias=bias, nope_layers=nope, **kinds)
 
 
 def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:

@@ -114,8 +114,8 @@ def _moe_family(cfg: ModelConfig) -> str:
 
 def _smollm3_family(cfg: ModelConfig) -> str:
     """SmolLM3: Llama's layer (biases on q, k, v, o and the FFN, or none) whose NoPE layers rotate
-    nothing, every head's every dimension rotating in the others; its windows are not written."""
-    for field, value in (("qk_norm", False), ("rope_fraction", 1.0), ("sliding_window", None), ("layer_types", None)):
+    nothing, every head's every dimension rotating in the others, its windows where layer_types says."""
+    for field, value in (("qk_norm", False), ("rope_fraction", 1.0)):
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r} with NoPE layers: SmolLM3, the family whose layers may "
                               f"not rotate, is written with {field} = {value!r}")
@@ -205,7 +205,8 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     if family == "smollm3":  # one flag per layer, 1 rotates (the interval is read only where the flags are absent)
         return config | {"no_rope_layers": [int(i not in cfg.nope_layers) for i in range(cfg.n_decoder_layers)],
-                         "use_sliding_window": False, "sliding_window": None}
+                         "use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+                         "layer_types": _hf_layer_types(cfg)}
     elif family in ("mistral", "phi3"):
         config |= {"sliding_window": cfg.sliding_window}
     elif family in ("gemma2", "gemma3_text"):

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import impl_numpy as golden  # noqa: E402
 from conformance.adapter import NotSupported, register_backend, unregister_backend  # noqa: E402
-from conformance.backends.genai_backend import (ALL_PAD, GEMMA3_ROPE, LEFT_PADDING, PAD_STEP,  # noqa: E402
+from conformance.backends.genai_backend import (ALL_PAD, GEMMA3_ROPE, SMOLLM3_NOPE, LEFT_PADDING, PAD_STEP,  # noqa: E402
                                                 RAGGED_WINDOW, UNPADDED_ONLY, GenaiBackend, build_model,
                                                 genai_unsupported_reason, inexpressible)
 from conformance.cases import build_case  # noqa: E402
@@ -437,6 +437,24 @@ def test_genai_cannot_build_gemma_3_from_a_transformers_5_directory(tmp_path):
     assert genai_unsupported_reason(cfg, "gemma3_text") == GEMMA3_ROPE
     with pytest.raises(NotSupported, match="make_rope_init reads"):
         GenaiBackend(directory).load(cfg, import_huggingface(directory).params, "float32", "cpu")
+
+
+def test_genai_cannot_build_smollm3s_nope_layers(tmp_path):
+    """The builder has a SmolLM3 class, which turns the rotation inside GroupQueryAttention off for a
+    NoPE layer; its base class then rotates by a separate op that reads position_ids, which the CPU
+    model does not take: measured, and the column refuses SmolLM3 with that cause."""
+    config = transformers.SmolLM3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, no_rope_layers=[1, 0],
+        rope_parameters={"rope_type": "default", "rope_theta": 3000000.0}, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    directory = build_checkpoint("smollm3", config, tmp_path / "smollm3" / "hf")
+    imported = import_huggingface(directory)
+    with pytest.raises(RuntimeError, match="KeyError: 'position_ids'"):
+        build_model(directory, imported.config, tmp_path)
+    assert genai_unsupported_reason(imported.config, "smollm3") == SMOLLM3_NOPE
+    with pytest.raises(NotSupported, match="its NoPE layers would rotate"):
+        GenaiBackend(directory).load(imported.config, imported.params, "float32", "cpu")
 
 
 def test_the_builder_refuses_the_hybrids_files_the_writer_writes(tmp_path):

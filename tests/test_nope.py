@@ -32,9 +32,12 @@ def _smollm3(**fields):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm3")
-    # the flags written (layers 0 and 2 do not rotate), and the class's default interval (layer 3 alone)
+    # the flags written (layers 0 and 2 do not rotate), the class's default interval (layer 3 alone), and
+    # windows of 5 keys on the NoPE layers (use_sliding_window), shorter than the cases' sequences
     return {"flags": random_checkpoint("smollm3", _smollm3(no_rope_layers=[0, 1, 0, 1]), root / "flags"),
-            "interval": random_checkpoint("smollm3", _smollm3(), root / "interval", seed=1)}
+            "interval": random_checkpoint("smollm3", _smollm3(), root / "interval", seed=1),
+            "windowed": random_checkpoint("smollm3", _smollm3(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+                                                              sliding_window=5), root / "windowed", seed=2)}
 
 
 def test_a_nope_layer_is_its_models_layer_rotating_nothing():
@@ -65,13 +68,15 @@ def test_nope_layers_need_a_rotary_model():
         get_preset("char-lm").replace(nope_layers=(0,))
 
 
-@pytest.mark.parametrize("kind, nope", [("flags", (0, 2)), ("interval", (3,))])
+@pytest.mark.parametrize("kind, nope", [("flags", (0, 2)), ("interval", (3,)), ("windowed", (1, 3))])
 def test_the_golden_equals_transformers_smollm3_at_float64(checkpoints, kind, nope):
     """A padded batch, and a 300-token prompt (past the rotary's first turns, where a NoPE layer that
     rotated would be furthest off): transformers' own SmolLM3 gives the golden's logits."""
     imported = import_huggingface(checkpoints[kind])
     cfg = imported.config
     assert imported.family == "smollm3" and cfg.nope_layers == nope and cfg.tie_head
+    if kind == "windowed":  # the class's rule: its windows on the NoPE layers
+        assert cfg.layer_types == ("full", "sliding", "full", "sliding") and cfg.sliding_window == 5
     ids, keep = _padded_batch(cfg)
     long_ids = np.random.default_rng(2).integers(1, cfg.tgt_vocab_size, (1, 300))
     for tokens, real in ((ids, keep), (long_ids, np.ones_like(long_ids, bool))):
@@ -83,20 +88,24 @@ def test_the_golden_equals_transformers_smollm3_at_float64(checkpoints, kind, no
         assert not compare(rotating, ours, _tolerance(cfg, tokens.shape[1])).passed  # the check can fail
 
 
-def test_smollm3_tiny_written_imports_back_and_runs_in_transformers(tmp_path):
-    params = conformance_params(SMOLLM3)
-    directory = to_huggingface(SMOLLM3, params, tmp_path / "smollm3-tiny")
+@pytest.mark.parametrize("windows", [None, ("sliding", "full", "full", "sliding")])
+def test_smollm3_tiny_written_imports_back_and_runs_in_transformers(tmp_path, windows):
+    """smollm3-tiny, and with windows of 3 keys on layers 0 and 3 (layer_types written: one slides that
+    rotates, one that does not, apart from the class's default rule)."""
+    cfg = SMOLLM3 if windows is None else SMOLLM3.replace(layer_types=windows, sliding_window=3)
+    params = conformance_params(cfg)
+    directory = to_huggingface(cfg, params, tmp_path / "smollm3-tiny")
     imported = import_huggingface(directory)
-    assert imported.config == SMOLLM3 and params_digest(imported.params) == params_digest(params)
-    ids, keep = _padded_batch(SMOLLM3)
-    result = compare(_transformers_logits(directory, SMOLLM3, ids, keep),
-                     golden.forward(SMOLLM3, params, None, ids, tgt_keep=keep), _tolerance(SMOLLM3, ids.shape[1]))
+    assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
+    ids, keep = _padded_batch(cfg)
+    result = compare(_transformers_logits(directory, cfg, ids, keep),
+                     golden.forward(cfg, params, None, ids, tgt_keep=keep), _tolerance(cfg, ids.shape[1]))
     assert result.passed, result.reason
 
 
 @pytest.mark.parametrize("changes, message", [
     (dict(qk_norm=True), "qk_norm = True with NoPE layers"),
-    (dict(sliding_window=4), "sliding_window = 4 with NoPE layers"),
+    (dict(rope_fraction=0.3), "rope_fraction = 0.3 with NoPE layers"),
     (dict(qkv_bias=True), "qkv_bias and bias differ with NoPE layers"),
 ])
 def test_the_writer_refuses_what_smollm3_does_not_hold(tmp_path, changes, message):
@@ -109,7 +118,7 @@ def test_the_writer_refuses_what_smollm3_does_not_hold(tmp_path, changes, messag
     (dict(no_rope_layers=[1, 0]), "expected at least 4 flags"),
     (dict(no_rope_layers=[1, 2, 1, 1]), "each 1"),
     (dict(no_rope_layers=None, no_rope_layer_interval=0), "no_rope_layer_interval = 0"),
-    (dict(use_sliding_window=True, sliding_window=8), "windows on its NoPE layers are not imported yet"),
+    (dict(layer_types=["full_attention"] * 3 + ["sliding_attention"], sliding_window=None), "sliding_window is null"),
 ])
 def test_smollm3_files_the_importer_cannot_read_are_refused_by_field(tmp_path, checkpoints, changes, message):
     directory = _with_config(tmp_path, checkpoints["interval"], **changes)

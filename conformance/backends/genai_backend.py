@@ -29,7 +29,7 @@ multiple of 16) and a multiple of 8 rotated pairs; other heads are refused by na
 sliding window (Mistral, Phi-3), which the builder drops (measured); Gemma 2's windows, which its
 config.json places by layer_types, run, and so do its softcaps, four norms and query scalar, while
 its embedding scale is the builder's √d rounded to two decimals (a Gemma with d = 72 fails every
-logits cell by that, measured). Gemma 3 fails to build (GEMMA3_ROPE). Phi-3's longrope runs; the
+logits cell by that, measured). Gemma 3 fails to build (GEMMA3_ROPE), and so does SmolLM3 (SMOLLM3_NOPE). Phi-3's longrope runs; the
 builder takes its attention factor from max_position_embeddings / original_max_position_embeddings
 and ignores an explicit `factor` (Phi-3's own files have none), so a file with a `factor` apart
 from that ratio fails the column (measured in tests/test_genai.py). The build runs once per
@@ -55,7 +55,7 @@ from spec import ModelConfig
 from spec.config import not_computed_by
 
 MODEL_CASES = ("forward", "decode", "generate")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # the builder's and the spec's
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "smollm3")  # the builder's and the spec's
 WINDOWED_FAMILIES = ("gemma2", "gemma3_text")  # whose config.json writes layer_types, which the builder reads
 # onnxruntime's CPU GroupQueryAttention with the rotation inside it, as the builder writes it:
 # "head_size shall be a multiple of 16" (without the rotation, export/in_place_step.py: of 8)
@@ -227,6 +227,13 @@ GEMMA3_ROPE = ("the builder (onnxruntime-genai 0.18.0) fails on a Gemma 3 direct
                "holds one entry per layer type (KeyError: 'rope_type'; tests/test_genai.py measures it)")
 
 
+SMOLLM3_NOPE = ("the builder (onnxruntime-genai 0.18.0) fails on SmolLM3: for a NoPE layer it turns off the rotation "
+                "inside GroupQueryAttention (use_rope_in_attn), and its make_attention_qk_rope then rotates q and k by "
+                "a separate RotaryEmbedding op instead, reading a position_ids input its CPU model does not have "
+                "(KeyError: 'position_ids'; tests/test_genai.py measures it): were it built, its NoPE layers would "
+                "rotate")
+
+
 def family_refusal(family: str) -> str:
     return f"{family}: onnxruntime-genai's builder and the spec share the {', '.join(FAMILIES)} families"
 
@@ -235,6 +242,8 @@ def genai_unsupported_reason(cfg: ModelConfig, family: str | None = None) -> str
     """Why the builder's CPU model cannot be made for this config (of this family, where known), or None."""
     if family == "gemma3_text":
         return GEMMA3_ROPE
+    if family == "smollm3":
+        return SMOLLM3_NOPE
     if cfg.linear_attention is not None:
         return ("a hybrid's gated DeltaNet layers: onnxruntime-genai 0.18's builder makes Qwen3.5 from "
                 "Qwen3_5ForConditionalGeneration's files only (the multimodal checkpoint's), which the writer does not "
