@@ -26,9 +26,9 @@ def counted(monkeypatch):
     built, casts = [], []
     build, cast = harness.build_case, impl_numpy.model.cast_params
 
-    def counting_build(cfg, params, sublayer, mask_case, *rest):
+    def counting_build(cfg, params, sublayer, mask_case, *rest, **named):
         built.append(f"{sublayer}-{mask_case}")
-        return build(cfg, params, sublayer, mask_case, *rest)
+        return build(cfg, params, sublayer, mask_case, *rest, **named)
 
     def counting_cast(cfg, params, dtype=np.float64):
         casts.append(np.dtype(dtype).name)
