@@ -79,6 +79,16 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                                     rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.25},
                                                     tie_word_embeddings=False, bos_token_id=32766,
                                                     eos_token_id=32767)),
+    # one of Qwen1.5-MoE-A2.7B's 24 layers (Qwen2-MoE: 60 experts of 1408, four per token, not renormalised, beside
+    # a shared expert of 5632 under its sigmoid gate; 16 heads of 128 with q/k/v biases), its vocabulary cut from
+    # 151,936 to 32,768 as the other layer shapes' are; untied
+    "qwen1.5-moe-a2.7b-layer": ("qwen2_moe", dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632,
+                                                  moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                                  num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                                                  decoder_sparse_step=1, num_hidden_layers=1, num_attention_heads=16,
+                                                  num_key_value_heads=16, max_position_embeddings=8192,
+                                                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                                                  bos_token_id=32766, eos_token_id=32767)),
     # SmolLM3-3B cut to its first four layers (16 query heads and 4 key-value heads of 128, the fourth layer NoPE by
     # the default interval, θ 5e6), its 128,256-token vocabulary and tied head whole
     "smollm3-3b-4-layers": ("smollm3", dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008,

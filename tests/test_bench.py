@@ -366,9 +366,10 @@ def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
                  "qwen3.5-0.8b": (752_393_024, 24, 1024, None),
                  "qwen3-next-80b-a3b-layer": (574_005_440, 1, 2048, None),
                  # SmolLM3-3B's 36 layers cut to 4 (its embeddings and tied head whole)
-                 "smollm3-3b-4-layers": (575_162_368, 4, 2048, None)}
+                 "smollm3-3b-4-layers": (575_162_368, 4, 2048, None),
+                 "qwen1.5-moe-a2.7b-layer": (704_780_288, 1, 2048, None)}
     experts = {"tinymixtral-4x248m": (4, 2, True), "qwen3-30b-a3b-layer": (128, 8, True),
-               "qwen3-next-80b-a3b-layer": (128, 10, True)}
+               "qwen3-next-80b-a3b-layer": (128, 10, True), "qwen1.5-moe-a2.7b-layer": (60, 4, False)}
     for shape, (family, fields) in SHAPES.items():
         fields = dict(fields)
         theta, scaling = fields.pop("rope_theta"), fields.pop("rope_scaling", None) or {"rope_type": "default"}
