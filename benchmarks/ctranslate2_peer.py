@@ -52,7 +52,8 @@ def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
     if family == "qwen3":
         return "Qwen3's per-head q/k norms are not mapped to CTranslate2 here"
     if family == "smollm3":
-        return f"SmolLM3's layers without rotary (nope_layers {list(cfg.nope_layers)}) are not mapped to CTranslate2 here"
+        return (f"SmolLM3's layers without rotary (nope_layers {list(cfg.nope_layers)}) are not mapped to "
+                "CTranslate2 here")
     if family == "phi3":  # convert_decoder rotates every dimension of a head
         return f"a partial rotary (rope_fraction {cfg.rope_fraction}) is not mapped to CTranslate2 here"
     if cfg.sliding_window is not None:

@@ -117,11 +117,11 @@ def _smollm3_family(cfg: ModelConfig) -> str:
     nothing, every head's every dimension rotating in the others, its windows where layer_types says."""
     for field, value in (("qk_norm", False), ("rope_fraction", 1.0)):
         if getattr(cfg, field) != value:
-            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with NoPE layers: SmolLM3, the family whose layers may "
-                              f"not rotate, is written with {field} = {value!r}")
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with NoPE layers: SmolLM3, the family whose layers "
+                              f"may not rotate, is written with {field} = {value!r}")
     if cfg.qkv_bias != cfg.bias:
-        raise ConfigError("qkv_bias and bias differ with NoPE layers: SmolLM3's attention_bias and mlp_bias give q, k, v "
-                          "and o, and the FFN, their biases; the importer takes them only together")
+        raise ConfigError("qkv_bias and bias differ with NoPE layers: SmolLM3's attention_bias and mlp_bias give q, k, "
+                          "v and o, and the FFN, their biases; the importer takes them only together")
     return "smollm3"
 
 

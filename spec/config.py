@@ -156,7 +156,7 @@ class ModelConfig:
     sliding_window: int | None = None  # W: decoder self-attention sees the last W positions only (SPEC §6; Mistral)
     layer_types: tuple[str, ...] | None = None  # per decoder layer, "full" or "sliding" (W); None: all as sliding_window says
     local_rope_theta: float | None = None  # the sliding layers' own θ, unrescaled (Gemma 3); None: as the full layers
-    nope_layers: tuple[int, ...] | None = None  # decoder layers that rotate nothing (NoPE: SmolLM3); None: every one rotates
+    nope_layers: tuple[int, ...] | None = None  # decoder layers that rotate nothing (NoPE: SmolLM3); None: none
     # Gemma's layer (SPEC §5.13)
     attention_softcap: float | None = None  # scores ← c·tanh(scores / c) before the mask (Gemma 2)
     final_softcap: float | None = None  # logits ← c·tanh(logits / c)

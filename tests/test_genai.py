@@ -27,8 +27,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import impl_numpy as golden  # noqa: E402
 from conformance.adapter import NotSupported, register_backend, unregister_backend  # noqa: E402
-from conformance.backends.genai_backend import (ALL_PAD, GEMMA3_ROPE, SMOLLM3_NOPE, LEFT_PADDING, PAD_STEP,  # noqa: E402
-                                                RAGGED_WINDOW, UNPADDED_ONLY, GenaiBackend, build_model,
+from conformance.backends.genai_backend import (ALL_PAD, GEMMA3_ROPE, LEFT_PADDING, PAD_STEP,  # noqa: E402
+                                                RAGGED_WINDOW, SMOLLM3_NOPE, UNPADDED_ONLY, GenaiBackend, build_model,
                                                 genai_unsupported_reason, inexpressible)
 from conformance.cases import build_case  # noqa: E402
 from conformance.harness import FAIL, PASS, SKIP, golden_runner_for, plan_matrix, run_matrix  # noqa: E402

@@ -29,10 +29,11 @@ multiple of 16) and a multiple of 8 rotated pairs; other heads are refused by na
 sliding window (Mistral, Phi-3), which the builder drops (measured); Gemma 2's windows, which its
 config.json places by layer_types, run, and so do its softcaps, four norms and query scalar, while
 its embedding scale is the builder's √d rounded to two decimals (a Gemma with d = 72 fails every
-logits cell by that, measured). Gemma 3 fails to build (GEMMA3_ROPE), and so does SmolLM3 (SMOLLM3_NOPE). Phi-3's longrope runs; the
-builder takes its attention factor from max_position_embeddings / original_max_position_embeddings
-and ignores an explicit `factor` (Phi-3's own files have none), so a file with a `factor` apart
-from that ratio fails the column (measured in tests/test_genai.py). The build runs once per
+logits cell by that, measured). Gemma 3 fails to build (GEMMA3_ROPE), and so does SmolLM3
+(SMOLLM3_NOPE). Phi-3's longrope runs; the builder takes its attention factor from
+max_position_embeddings / original_max_position_embeddings and ignores an explicit `factor` (Phi-3's
+own files have none), so a file with a `factor` apart from that ratio fails the column (measured
+in tests/test_genai.py). The build runs once per
 process, in a temporary folder that is removed at exit.
 """
 
@@ -55,7 +56,8 @@ from spec import ModelConfig
 from spec.config import not_computed_by
 
 MODEL_CASES = ("forward", "decode", "generate")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "smollm3")  # the builder's and the spec's
+# the builder's and the spec's
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "smollm3")
 WINDOWED_FAMILIES = ("gemma2", "gemma3_text")  # whose config.json writes layer_types, which the builder reads
 # onnxruntime's CPU GroupQueryAttention with the rotation inside it, as the builder writes it:
 # "head_size shall be a multiple of 16" (without the rotation, export/in_place_step.py: of 8)
