@@ -20,7 +20,7 @@ from conformance.cases import NEAR_TIE_CASES, SUBLAYERS, TEXT_CASES, Case, forwa
 from conformance.diagnosis.field_metrics import field_metrics
 from conformance.plan.memory import give_back_freed, golden_budget
 from conformance.diagnosis.routing import compare_router, near_ties, replayed_routing, replayed_training
-from conformance.tolerance import SUBNORMAL_SPACING, backward_error, compare, compare_generation, compare_gradients
+from conformance.tolerance import SUBNORMAL_SPACING, backward_error, compare, compare_generation
 from conformance.training_cells import NotJudged, TrainingReference, compare_training, step_tolerances
 from spec import ModelConfig, params_digest
 
@@ -201,16 +201,12 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         # a pre-activation the forward's own tolerance cannot tell from 0 may be on either side
         kink_width = case.tolerance(cfg, dtype, SUBLAYERS[forward_of(case.sublayer)].depth(cfg))
 
+        # where the golden found a norm dividing by a small size, the gradients' own conditioning may bound them
+        width = backward_error(dtype, case.reduction_length) if case.amplification > 1 else None
+
         def judge(gradients):
-            def compared(conditioning=None):
-                return compare_gradients(gradients, reference.gradients, reference.terms, relative,
-                                         reference.kink_allowance(kink_width), SUBNORMAL_SPACING[dtype], conditioning)
-            # where the golden found a norm dividing by a small size, the gradients' own conditioning may bound
-            # them (SPEC §13's c*): measured (four more golden gradients) only where §8's bound alone is missed
-            result = compared()
-            if result.passed or case.amplification <= 1:
-                return result
-            return compared(reference.conditioning_bound(backward_error(dtype, case.reduction_length)))
+            return reference.judge(gradients, relative, reference.kink_allowance(kink_width), SUBNORMAL_SPACING[dtype],
+                                   width)
     elif is_training(case.sublayer):
         def judge(trained):
             return compare_training(trained, reference, dtype, **step_tolerances(cfg, case, dtype))

@@ -24,7 +24,7 @@ import impl_numpy as golden
 from conformance.adapter import NotSupported
 from conformance.cases import SUBLAYERS, is_training
 from conformance.harness import ERROR, FAIL, SKIP, CellResult
-from conformance.tolerance import backward_error, compare, compare_gradients, rotary_angle, tolerance
+from conformance.tolerance import backward_error, compare, rotary_angle, tolerance
 from spec import ModelConfig, params_under
 from spec.masks import key_mask, real_tokens
 
@@ -273,17 +273,12 @@ def localize_backward(cfg: ModelConfig, params: Mapping[str, np.ndarray], runner
             relative = amplified.get(name, 1.0) * tolerance(dtype, reduction, depth, angle)
             kinks = reference.kink_allowance(tolerance(dtype, max(cfg.d_model, cfg.d_ff), depth // 2, angle))
             try:
-                gradients = runner.gradients(gradient, inputs)
-                result = compare_gradients(gradients, reference.gradients, reference.terms, relative, kinks)
-                if not result.passed and amplified.get(name, 1.0) > 1:  # as its cell: SPEC §13's c*
-                    conditioning = reference.conditioning_bound(backward_error(dtype, reduction))
-                    result = compare_gradients(gradients, reference.gradients, reference.terms, relative, kinks,
-                                               conditioning=conditioning)
+                width = backward_error(dtype, reduction) if amplified.get(name, 1.0) > 1 else None  # as its cell
+                result = reference.judge(runner.gradients(gradient, inputs), relative, kinks, conditioning_width=width)
                 ratio = result.ratio if math.isfinite(result.rel_err) else math.inf
-                if not result.judged:  # as its cell: a bound of every tensor's size judges nothing
-                    stages.append(Stage(name, gradient, None, None, f"  ({result.reason})"))
-                else:
-                    stages.append(Stage(name, gradient, ratio, None, "" if result.passed else f"  ({result.reason})"))
+                # as its cell: a stage whose every tensor's bound reaches its size is not judged
+                stages.append(Stage(name, gradient, ratio if result.judged else None, None,
+                                    "" if result.passed and result.judged else f"  ({result.reason})"))
             except NotSupported as reason:
                 stages.append(Stage(name, gradient, None, None, f"  (not supported: {reason})"))
                 return Localization(stages)
