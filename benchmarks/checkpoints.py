@@ -106,7 +106,7 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
            "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
-           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
 # norms by 1 + weight: 0 is the identity (a published Qwen3.5's vision tower takes it too: it is not imported)
 _NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0, "qwen3_next": 0.0}
 _PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is

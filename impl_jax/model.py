@@ -315,14 +315,18 @@ def _platform() -> str:
 
 
 class HeadNorm(nnx.Module):
-    """Qwen3's RMSNorm of each head's q or k over d_k. A module of its own so that its parameter's
-    path is the canonical ``q_norm.scale`` / ``k_norm.scale``."""
+    """Qwen3's RMSNorm of each head's q or k over d_k; OLMo 2's over all `heads` at once
+    (qk_norm_scope "projection"). A module of its own so that its parameter's path is the canonical
+    ``q_norm.scale`` / ``k_norm.scale``."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
-        self.scale = nnx.Param(jnp.ones(cfg.d_head, dtype))
+    def __init__(self, cfg: ModelConfig, heads: int, dtype):
+        self.whole = cfg.qk_norm_scope == "projection"
+        self.scale = nnx.Param(jnp.ones(heads * cfg.d_head if self.whole else cfg.d_head, dtype))
         self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.whole:  # RMSNorm(x W) [B, T, H·d_k], then the heads
+            return split_heads(rms_norm(merge_heads(x), self.scale[...], None, self.eps, self.plus_one), x.shape[1])
         return rms_norm(x, self.scale[...], None, self.eps, self.plus_one)
 
 
@@ -367,8 +371,8 @@ class MultiHeadAttention(nnx.Module):
         self.v = linear(d, keys, use_bias=cfg.qkv_bias)
         self.o = linear(queries, d, use_bias=cfg.bias)
         head_norms = cfg.qk_norm and self_attention
-        self.q_norm = HeadNorm(cfg, dtype) if head_norms else None
-        self.k_norm = HeadNorm(cfg, dtype) if head_norms else None
+        self.q_norm = HeadNorm(cfg, cfg.n_heads, dtype) if head_norms else None
+        self.k_norm = HeadNorm(cfg, cfg.kv_heads, dtype) if head_norms else None
         self.gate = linear(d, queries, use_bias=cfg.qkv_bias) if cfg.attention_output_gate and self_attention else None
 
     def head_norm(self, name: str, x: jax.Array) -> jax.Array:
@@ -651,9 +655,12 @@ def dropout(cfg: ModelConfig, x: jax.Array, keep: jax.Array | None) -> jax.Array
 def residual(cfg: ModelConfig, norm: Norm, x: jax.Array, sublayer: Callable[[jax.Array], jax.Array],
              dropout_mask: jax.Array | None = None, post_norm: Norm | None = None) -> jax.Array:
     """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)));
-    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))));  output: x + Dropout(Norm(Sublayer(x)))
+    (OLMo 2)."""
     if cfg.norm_position == "post":
         return norm(x + dropout(cfg, sublayer(x), dropout_mask))
+    if cfg.norm_position == "output":
+        return x + dropout(cfg, norm(sublayer(x)), dropout_mask)
     out = sublayer(norm(x))
     if post_norm is not None:
         out = post_norm(out)

@@ -394,10 +394,14 @@ def group_heads_vjp(d_grouped: np.ndarray, kv_heads: int) -> np.ndarray:
 
 
 def head_norm_vjp(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, d_y: np.ndarray) -> tuple[np.ndarray, Grads]:
-    """Qwen3's per-head RMSNorm of q or k, back (the identity without one). x [B, H, T, d_k] -> d_x, {name_norm.scale}"""
+    """Qwen3's per-head RMSNorm of q or k, back (the identity without one); OLMo 2's over the whole
+    projection, back with the heads merged. x [B, H, T, d_k] -> d_x, {name_norm.scale}"""
     scale = p.get(f"{name}_norm.scale")
     if scale is None:
         return d_y, {}
+    if cfg.qk_norm_scope == "projection":
+        d_x, d_scale, _ = rms_norm_vjp(merge_heads(x), norm_scale(cfg, scale), float(cfg.norm_eps), merge_heads(d_y))
+        return split_heads(d_x, x.shape[1]), {f"{name}_norm.scale": d_scale}
     d_x, d_scale, _ = rms_norm_vjp(x, norm_scale(cfg, scale), float(cfg.norm_eps), d_y)
     return d_x, {f"{name}_norm.scale": d_scale}
 
@@ -593,12 +597,17 @@ def residual_vjp(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Subl
                  post_norm_p: Params | None = None) -> tuple[np.ndarray, Grads, Grads, Grads]:
     """post: y = Norm(s), s = x + D(F(x)):  ∂s = Norm_vjp(∂y), ∂x = ∂s + F_vjp(x, D_vjp(∂s));
     pre:  y = x + D(F(Norm(x))):  ∂x = ∂y + Norm_vjp(x, F_vjp(Norm(x), D_vjp(∂y))), D the dropout;
-    with a post norm, y = x + D(PostNorm(F(Norm(x)))): PostNorm_vjp(F(Norm(x)), D_vjp(∂y)) goes to F_vjp.
+    with a post norm, y = x + D(PostNorm(F(Norm(x)))): PostNorm_vjp(F(Norm(x)), D_vjp(∂y)) goes to F_vjp;
+    output: y = x + D(Norm(F(x))):  ∂x = ∂y + F_vjp(x, Norm_vjp(F(x), D_vjp(∂y))).
     -> d_x, norm's grads, F's grads, the post norm's grads"""
     if cfg.norm_position == "post":
         d_sum, norm_grads = norm_vjp(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask), d_y)
         d_x, grads = sublayer_vjp(x, dropout_vjp(cfg, dropout_mask, d_sum))
         return d_sum + d_x, norm_grads, grads, {}
+    if cfg.norm_position == "output":
+        d_out, norm_grads = norm_vjp(cfg, norm_p, sublayer(x), dropout_vjp(cfg, dropout_mask, d_y))
+        d_x, grads = sublayer_vjp(x, d_out)
+        return d_y + d_x, norm_grads, grads, {}
     normed, d_out, post_grads = norm(cfg, norm_p, x), dropout_vjp(cfg, dropout_mask, d_y), {}
     if post_norm_p is not None:
         d_out, post_grads = norm_vjp(cfg, post_norm_p, sublayer(normed), d_out)

@@ -279,9 +279,14 @@ def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, ma
 
 
 def head_norm(cfg: ModelConfig, p: Params, name: str, x: np.ndarray) -> np.ndarray:
-    """Qwen3's RMSNorm of each head's q or k over d_k (p[name + "_norm.scale"]), when it has one."""
+    """Qwen3's RMSNorm of each head's q or k over d_k (p[name + "_norm.scale"]), when it has one;
+    OLMo 2's over all the heads at once (qk_norm_scope "projection"). x [B, H, T, d_k]"""
     scale = p.get(f"{name}_norm.scale")
-    return x if scale is None else rms_norm(x, norm_scale(cfg, scale), None, float(cfg.norm_eps))
+    if scale is None:
+        return x
+    if cfg.qk_norm_scope == "projection":  # RMSNorm(x W) [B, T, H·d_k], then the heads
+        return split_heads(rms_norm(merge_heads(x), norm_scale(cfg, scale), None, float(cfg.norm_eps)), x.shape[1])
+    return rms_norm(x, norm_scale(cfg, scale), None, float(cfg.norm_eps))
 
 
 def key_value_heads(cfg: ModelConfig, p: Params, context: np.ndarray,
@@ -392,9 +397,12 @@ def dropout(cfg: ModelConfig, x: np.ndarray, keep: np.ndarray | None) -> np.ndar
 def residual(cfg: ModelConfig, norm_p: Params, x: np.ndarray, sublayer: Callable[[np.ndarray], np.ndarray],
              dropout_mask: np.ndarray | None = None, post_norm_p: Params | None = None) -> np.ndarray:
     """post-LN: Norm(x + Dropout(Sublayer(x)))  (the paper);  pre-LN: x + Dropout(Sublayer(Norm(x)));
-    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))));  output: x + Dropout(Norm(Sublayer(x)))
+    (OLMo 2)."""
     if cfg.norm_position == "post":
         return norm(cfg, norm_p, x + dropout(cfg, sublayer(x), dropout_mask))
+    if cfg.norm_position == "output":
+        return x + dropout(cfg, norm(cfg, norm_p, sublayer(x)), dropout_mask)
     out = sublayer(norm(cfg, norm_p, x))
     if post_norm_p is not None:
         out = norm(cfg, post_norm_p, out)

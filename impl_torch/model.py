@@ -266,15 +266,19 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 class HeadNorm(nn.Module):
-    """Qwen3's RMSNorm of each head's q or k over d_k. A module of its own so that its parameter's
-    state_dict key is the canonical ``q_norm.scale`` / ``k_norm.scale``."""
+    """Qwen3's RMSNorm of each head's q or k over d_k; OLMo 2's over all `heads` at once
+    (qk_norm_scope "projection"). A module of its own so that its parameter's state_dict key is the
+    canonical ``q_norm.scale`` / ``k_norm.scale``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, heads: int):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(cfg.d_head))
+        self.whole = cfg.qk_norm_scope == "projection"
+        self.scale = nn.Parameter(torch.ones(heads * cfg.d_head if self.whole else cfg.d_head))
         self.eps, self.plus_one = float(cfg.norm_eps), cfg.norm_scale_plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole:  # RMSNorm(x W) [B, T, H·d_k], then the heads
+            return split_heads(rms_norm(merge_heads(x), self.scale, None, self.eps, self.plus_one), x.shape[1])
         return rms_norm(x, self.scale, None, self.eps, self.plus_one)
 
 
@@ -302,8 +306,8 @@ class MultiHeadAttention(nn.Module):
         self.v = nn.Linear(d, keys, bias=cfg.qkv_bias)
         self.o = nn.Linear(queries, d, bias=cfg.bias)
         if cfg.qk_norm and self_attention:
-            self.q_norm = HeadNorm(cfg)
-            self.k_norm = HeadNorm(cfg)
+            self.q_norm = HeadNorm(cfg, cfg.n_heads)
+            self.k_norm = HeadNorm(cfg, cfg.kv_heads)
         if cfg.attention_output_gate and self_attention:
             self.gate = nn.Linear(d, queries, bias=cfg.qkv_bias)
 
@@ -522,9 +526,12 @@ def dropout(cfg: ModelConfig, x: torch.Tensor, keep: torch.Tensor | None) -> tor
 def residual(cfg: ModelConfig, norm: Norm, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor],
              dropout_mask: torch.Tensor | None = None, post_norm: Norm | None = None) -> torch.Tensor:
     """post-LN: Norm(x + Dropout(Sublayer(x)));  pre-LN: x + Dropout(Sublayer(Norm(x)));
-    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))))."""
+    with post norms (Gemma): x + Dropout(PostNorm(Sublayer(Norm(x))));  output: x + Dropout(Norm(Sublayer(x)))
+    (OLMo 2)."""
     if cfg.norm_position == "post":
         return norm(x + dropout(cfg, sublayer(x), dropout_mask))
+    if cfg.norm_position == "output":
+        return x + dropout(cfg, norm(sublayer(x)), dropout_mask)
     out = sublayer(norm(x))
     if post_norm is not None:
         out = post_norm(out)

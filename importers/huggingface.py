@@ -98,6 +98,7 @@ FAMILIES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # the published checkpoints: its text decoder is imported
     "qwen3_next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -673,6 +674,18 @@ def _smollm3_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            kv_heads=kv_heads, qkv_bias=bias, bias=bias, nope_layers=nope, **kinds)
 
 
+def _olmo2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """Llama's sizes in OLMo 2's layer: a norm on each sublayer's output before the residual sum and none
+    before it (norm_position "output"), q and k each normed over the whole projection. Its attention_bias
+    gives q, k, v and o biases and its MLP has none, which the spec's bias fields cannot hold together."""
+    _refuse_if(hf, "attention_bias", bool, "q, k, v and o biases without the MLP's (Olmo2Attention's attention_bias) "
+               "are not in the spec: its bias field gives o and the FFN their biases together")
+    kv_heads = hf.get("num_key_value_heads") or _require(hf, "num_attention_heads", "olmo2")
+    cfg = _rotary_decoder({"rms_norm_eps": 1e-5, **hf}, "olmo2", notes, head_dim=_head_dim(hf, "olmo2"),
+                          kv_heads=kv_heads, qkv_bias=False, bias=False, qk_norm=True, qk_norm_scope="projection")
+    return cfg.replace(norm_position="output")
+
+
 def _qwen2_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     return _rotary_decoder(hf, "qwen2", notes, head_dim=_head_dim(hf, "qwen2"),
                            kv_heads=_require(hf, "num_key_value_heads", "qwen2"), qkv_bias=True, bias=False,
@@ -1099,7 +1112,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next")
 _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
-                    "qwen3_5", "smollm3")
+                    "qwen3_5", "smollm3", "olmo2")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -1117,7 +1130,8 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
     rules.append(Rule("model.embed_tokens.weight", (cfg.tgt_vocab_size, d), "tgt_embed.weight", "copy"))
     for i in range(cfg.n_decoder_layers):
         hf, ours = f"model.layers.{i}", f"decoder.layers.{i}"
-        rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
+        if cfg.norm_position != "output":  # OLMo 2's layer has no norm before a sublayer, only after
+            rules.append(Rule(f"{hf}.input_layernorm.weight", (d,), f"{ours}.self_attn_norm.scale", "copy"))
         if fused:
             _fused_linear(rules, f"{hf}.self_attn.qkv_proj",
                           {f"{ours}.self_attn.{projection}": width for projection, width in widths.items()}, d)
@@ -1126,11 +1140,16 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
                 _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d, width,
                         cfg.qkv_bias)
         _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, cfg.bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm:  # OLMo 2's over the whole projection, Qwen3's over a head
             for projection in "qk":
-                rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (d_k,),
+                width = widths[projection] if cfg.qk_norm_scope == "projection" else d_k
+                rules.append(Rule(f"{hf}.self_attn.{projection}_norm.weight", (width,),
                                   f"{ours}.self_attn.{projection}_norm.scale", "copy"))
-        if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention's post norm, not the FFN's
+        if cfg.norm_position == "output":  # OLMo 2: post_attention_layernorm norms the attention's output
+            for theirs, norm in (("post_attention_layernorm", "self_attn_norm"),
+                                 ("post_feedforward_layernorm", "ffn_norm")):
+                rules.append(Rule(f"{hf}.{theirs}.weight", (d,), f"{ours}.{norm}.scale", "copy"))
+        elif cfg.post_norms:  # Gemma: post_attention_layernorm is the attention's post norm, not the FFN's
             for theirs, norm in (("post_attention_layernorm", "self_attn_post_norm"),
                                  ("pre_feedforward_layernorm", "ffn_norm"),
                                  ("post_feedforward_layernorm", "ffn_post_norm")):
@@ -1481,7 +1500,8 @@ _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config
             "qwen2": _qwen2_config, "qwen3": _qwen3_config, "mistral": _mistral_config, "phi3": _phi3_config,
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
             "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config,
-            "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config, "smollm3": _smollm3_config}
+            "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config, "smollm3": _smollm3_config,
+            "olmo2": _olmo2_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1609,6 +1629,8 @@ def mapping_markdown(family: str) -> str:
     examples["qwen3_5"] = (lambda cfg: qwen3_5_mapping(cfg, _QWEN3_5_DECODER), hybrid)
     examples["qwen3_next"] = (qwen3_next_mapping, hybrid.replace(moe=dataclasses.replace(moe, shared_expert_d_ff=8)))
     examples["smollm3"] = (llama_mapping, rotary.replace(n_decoder_layers=2, tie_head=True, nope_layers=(1,)))
+    examples["olmo2"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True, qk_norm_scope="projection",
+                                                       norm_position="output"))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]

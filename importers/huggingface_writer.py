@@ -1,6 +1,6 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral, Phi-3, Gemma 2, Gemma 3, with a mixture of experts Mixtral and Qwen3-MoE, and the hybrids
-Qwen3.5 and Qwen3-Next): the importer's mapping run backwards, so that tools which read only
+Mistral, Phi-3, Gemma 2, Gemma 3, SmolLM3, OLMo 2, with a mixture of experts Mixtral, Qwen3-MoE and
+Qwen2-MoE, and the hybrids Qwen3.5 and Qwen3-Next): the importer's mapping run backwards, so that tools which read only
 Hugging Face directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers
 itself) can run the very weights the suite checks.
 
@@ -125,11 +125,22 @@ def _smollm3_family(cfg: ModelConfig) -> str:
     return "smollm3"
 
 
+def _olmo2_family(cfg: ModelConfig) -> str:
+    """OLMo 2: Llama's decoder with each sublayer's output normed before the residual sum, and q and k
+    each normed over its whole projection; no biases, every dimension rotating, no windows."""
+    for field, value in (("qk_norm", True), ("qk_norm_scope", "projection"), ("qkv_bias", False), ("bias", False),
+                         ("rope_fraction", 1.0), ("nope_layers", None), ("sliding_window", None), ("moe", None)):
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with norm_position 'output': OLMo 2, the family that "
+                              f"norms the sublayers' outputs, has {field} = {value!r}")
+    return "olmo2"
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The family whose class computes this config: Qwen3.5 or, with a mixture of experts, Qwen3-Next
     (linear layers), Gemma 3 or Gemma 2 ((1 + w) norms and post norms), with a mixture of experts
-    Qwen2-MoE (a shared expert), Qwen3-MoE (q/k norms) or Mixtral, Phi-3 (a partial rotary, no
-    biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
+    Qwen2-MoE (a shared expert), Qwen3-MoE (q/k norms) or Mixtral, OLMo 2 (norms on the sublayers'
+    outputs), SmolLM3 (NoPE layers), Phi-3 (a partial rotary, no biases, the plain rotary frequencies), Mistral (a sliding window, no biases), Qwen3 (q/k
     norms), Qwen2 (q/k/v biases only), else Llama (biases on all or none); a ConfigError naming a
     field none of them has."""
     check_computed_by(cfg, HUGGING_FACE_WRITER)
@@ -143,9 +154,16 @@ def family_of(cfg: ModelConfig) -> str:
         raise ConfigError(f"{gemma_only[0]} = {getattr(cfg, gemma_only[0])!r} without Gemma's norms: only Gemma's "
                           "classes have it")
     for field, value in _MODERN_DECODER.items():
+        if cfg.norm_position == "output" and field == "norm_position":
+            continue
         if getattr(cfg, field) != value:
             raise ConfigError(f"{field} = {getattr(cfg, field)!r}: Llama, Qwen2, Qwen3, Mistral and Phi-3 have "
                               f"{field} = {value!r}")
+    if cfg.norm_position == "output" or cfg.qk_norm_scope == "projection":
+        if cfg.norm_position != "output":
+            raise ConfigError(f"qk_norm_scope = 'projection' with norm_position = {cfg.norm_position!r}: OLMo 2, the "
+                              "family whose q/k norms span the whole projection, norms the sublayers' outputs")
+        return _olmo2_family(cfg)
     if cfg.moe is not None:
         return _moe_family(cfg)
     if cfg.nope_layers is not None:
@@ -201,6 +219,8 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
                    "linear_key_head_dim": mixer.key_head_dim, "linear_value_head_dim": mixer.value_head_dim,
                    "linear_conv_kernel_dim": mixer.conv_kernel}
         return config | _moe_config_json(cfg, family) if family == "qwen3_next" else config
+    if family == "olmo2":  # its attention_bias would give q, k, v and o biases (refused by the importer)
+        return config | {"attention_bias": False}
     if family in ("llama", "smollm3"):
         config |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
     if family == "smollm3":  # one flag per layer, 1 rotates (the interval is read only where the flags are absent)

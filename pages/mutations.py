@@ -378,6 +378,20 @@ def _post_norms_dropped(cfg, p, name, x, sublayer, dropout_mask=None):
     return _original("block")(cfg.replace(post_norms=False), p, name, x, sublayer, dropout_mask)  # Llama's block
 
 
+def _output_norms_placed_before(cfg, p, name, x, sublayer, dropout_mask=None):
+    return _original("block")(cfg.replace(norm_position="pre"), p, name, x, sublayer, dropout_mask)  # Llama's block
+
+
+def _projection_norm_per_head(cfg, p, name, x):
+    # OLMo 2's [H·d_k] scale viewed per head, as a port that splits first and then norms (Qwen3's order) takes it:
+    # each head divided by its own root mean square, not by the whole projection's
+    scale = p.get(f"{name}_norm.scale")
+    if scale is None or cfg.qk_norm_scope != "projection":
+        return _original("head_norm")(cfg, p, name, x)
+    per_head = model.norm_scale(cfg, scale).reshape(x.shape[1], 1, x.shape[-1])  # [H, 1, d_k]
+    return model.rms_norm(x, per_head, None, float(cfg.norm_eps))
+
+
 def _query_scalar_ignored(q, k, v, mask=None, scale=None, cap=None):
     return _original("scaled_dot_product_attention")(q, k, v, mask, None, cap)  # 1/√d_k, not 1/√query_pre_attn_scalar
 
@@ -631,6 +645,11 @@ MUTATIONS += [  # Gemma's (SPEC §5.13)
     Mutation("embedding_scale_two_decimals", "√d embedding scale rounded to two decimals (8.49 for √72 = 8.4853; a "
              "model builder's)", "token_embedding", _embedding_scale_two_decimals, "embedding", "tgt embedding",
              preset="gemma2-tiny"),
+    Mutation("output_norms_placed_before", "OLMo 2's norms placed before each sublayer (Llama's block), not on its "
+             "output", "block", _output_norms_placed_before, "ffn_block", "decoder.layers.0", preset="olmo2-tiny"),
+    Mutation("projection_norm_per_head", "OLMo 2's q/k norms taken per head (split, then normed: Qwen3's order) "
+             "instead of over the whole projection", "head_norm", _projection_norm_per_head, "mha",
+             "decoder.layers.0", preset="olmo2-tiny"),
     Mutation("local_layers_rescaled", "Gemma 3's linear rope scaling applied to the sliding layers too (their own θ "
              "is unrescaled)", "rope_frequencies", _global_scaling_on_local_layers, "mha", "decoder.layers.0",
              preset="gemma3-tiny"),

@@ -12,7 +12,8 @@ from typing import Any
 from spec.errors import ConfigError
 
 ARCHS = ("encoder-decoder", "decoder-only")
-NORM_POSITIONS = ("post", "pre")
+NORM_POSITIONS = ("post", "pre", "output")  # SPEC §5.7: Norm(x + F(x)), x + F(Norm(x)), x + Norm(F(x))
+QK_NORM_SCOPES = ("head", "projection")  # SPEC §5.11: over each head's d_k (Qwen3), over all heads (OLMo 2)
 NORMS = ("layernorm", "std", "rmsnorm")
 POSITIONALS = ("sinusoidal", "sinusoidal-concat", "learned", "rope")
 ACTIVATIONS = ("relu", "gelu", "gelu-tanh", "swish")
@@ -24,6 +25,7 @@ ROUTER_SOFTMAXES = ("float32", "activation")  # SPEC §5.14: the dtype of the ro
 _CHOICES = {
     "arch": ARCHS,
     "norm_position": NORM_POSITIONS,
+    "qk_norm_scope": QK_NORM_SCOPES,
     "norm": NORMS,
     "positional": POSITIONALS,
     "activation": ACTIVATIONS,
@@ -153,6 +155,7 @@ class ModelConfig:
     head_dim: int | None = None  # d_k; None: d_model / n_heads
     gated_ffn: bool = False  # FFN(x) = (act(x W1) ⊙ x W3) W2: SwiGLU with swish, GeGLU with gelu-tanh
     qk_norm: bool = False  # an RMSNorm of each head's q and k before the rotation (Qwen3)
+    qk_norm_scope: str = "head"  # "head": over each head's d_k (Qwen3); "projection": over all H·d_k at once (OLMo 2)
     sliding_window: int | None = None  # W: decoder self-attention sees the last W positions only (SPEC §6; Mistral)
     layer_types: tuple[str, ...] | None = None  # per decoder layer, "full" or "sliding" (W); None: all as sliding_window says
     local_rope_theta: float | None = None  # the sliding layers' own θ, unrescaled (Gemma 3); None: as the full layers
@@ -366,7 +369,8 @@ def check_computed_by(cfg: ModelConfig, who: str) -> None:
 
 
 _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at these values
-    "rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None, "nope_layers": None,
+    "rope_scaling": None, "qk_norm_scope": "head", "sliding_window": None, "layer_types": None,
+    "local_rope_theta": None, "nope_layers": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
     "query_pre_attention_scalar": None, "moe": None, "linear_attention": None, "attention_output_gate": False,
 }
@@ -470,7 +474,7 @@ def _validate(cfg: ModelConfig) -> None:
     if cfg.norm_scale_plus_one and cfg.norm != "rmsnorm":
         raise ConfigError(f"norm_scale_plus_one is Gemma's RMSNorm, γ = 1 + scale; it needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")
-    if cfg.post_norms and cfg.norm_position != "pre":
+    if cfg.post_norms and cfg.norm_position != "pre":  # with "output" they would be its norms again
         raise ConfigError("post_norms norm each sublayer's output before a pre-norm layer's residual sum "
                           f"(Gemma 2/3); it needs norm_position='pre', got {cfg.norm_position!r}")
     if cfg.post_norms and cfg.has_encoder:
@@ -481,6 +485,12 @@ def _validate(cfg: ModelConfig) -> None:
     if cfg.qk_norm and cfg.norm != "rmsnorm":
         raise ConfigError(f"qk_norm normalises each head's q and k with RMSNorm (Qwen3) and needs norm='rmsnorm', "
                           f"got norm={cfg.norm!r}")
+    if cfg.qk_norm_scope != "head" and not cfg.qk_norm:
+        raise ConfigError(f"qk_norm_scope {cfg.qk_norm_scope!r} says what the q/k norms normalise over, and qk_norm is "
+                          "false: there are none")
+    if cfg.norm_position == "output" and cfg.has_encoder:
+        raise ConfigError("norm_position='output' (a norm on each sublayer's output before the residual sum: OLMo 2) "
+                          "is defined for decoder-only models here; use arch='decoder-only'")
     if cfg.positional in ("sinusoidal", "sinusoidal-concat") and cfg.d_model % 2:
         raise ConfigError(
             f"d_model must be even for {cfg.positional} positions (sin/cos pairs), got {cfg.d_model}"

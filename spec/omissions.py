@@ -52,6 +52,8 @@ OMISSIONS: tuple[Omission, ...] = (
     Omission("NoPE layers placed by SmolLM3's default (every fourth from the fourth)", "nope_layers",
              lambda cfg: cfg.nope_layers is not None and cfg.nope_layers != _every_fourth(cfg),
              lambda cfg: {"nope_layers": _every_fourth(cfg)}),
+    Omission("norms placed before the sublayers (Llama's block), not on their outputs", "norm_position",
+             lambda cfg: cfg.norm_position == "output", lambda cfg: {"norm_position": "pre"}),
     Omission("sliding window ignored (every layer full)", "sliding_window",
              lambda cfg: cfg.sliding_window is not None, _all_full),
     Omission("sliding window one key wider (i − W ≤ j)", "sliding_window",

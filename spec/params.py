@@ -22,7 +22,7 @@ PLAIN_SCALES = ("linear_attn.norm.scale",)
 
 def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> dict[str, tuple[int, ...]]:
     """q [d, H·d_k], k and v [d, H_kv·d_k], o [H·d_k, d]; Qwen3's per-head q/k norms [d_k] in
-    self-attention."""
+    self-attention (OLMo 2's over the whole projection)."""
     d, queries, keys = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.kv_heads * cfg.d_head
     widths = {"q": queries, "k": keys, "v": keys}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -31,9 +31,10 @@ def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> di
         has_bias = cfg.bias if projection == "o" else cfg.qkv_bias
         if has_bias:
             shapes[f"{prefix}.{projection}.bias"] = (d,) if projection == "o" else (widths[projection],)
-    if cfg.qk_norm and self_attention:
-        shapes[f"{prefix}.q_norm.scale"] = (cfg.d_head,)
-        shapes[f"{prefix}.k_norm.scale"] = (cfg.d_head,)
+    if cfg.qk_norm and self_attention:  # OLMo 2's norm all of q's heads at once: [H·d_k], k's [H_kv·d_k]
+        whole = cfg.qk_norm_scope == "projection"
+        shapes[f"{prefix}.q_norm.scale"] = (queries if whole else cfg.d_head,)
+        shapes[f"{prefix}.k_norm.scale"] = (keys if whole else cfg.d_head,)
     if cfg.attention_output_gate and self_attention:  # SPEC §5.15: σ(x W_gate) [d, H·d_k] on the heads
         shapes[f"{prefix}.gate.weight"] = (d, queries)
         if cfg.qkv_bias:

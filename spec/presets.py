@@ -297,6 +297,19 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             gated_ffn=True, qkv_bias=False, bias=False, tie_head=True, nope_layers=(1, 3),
         ),
     ),
+    "olmo2-tiny": (
+        "An OLMo 2-family decoder at odd sizes: each sublayer's output normed before the residual sum and no "
+        "norm before it (norm_position 'output', SPEC §5.7), q and k each normed by one RMSNorm over the "
+        "whole projection, all heads at once (qk_norm_scope 'projection', SPEC §5.11), SwiGLU, no biases, "
+        "theta 500000, eps 1e-6 (OLMo 2 1B's; its config class defaults to 1e-5), untied: d 52, 4 heads of 16 "
+        "over 2 key/value heads (so q's norm is 64 wide and k's 32), d_ff 92, 3 layers, vocabulary 79.",
+        ModelConfig(
+            arch="decoder-only", d_model=52, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=92, n_decoder_layers=3,
+            tgt_vocab_size=79, max_len=4096, norm_position="output", norm="rmsnorm", norm_eps=1e-6,
+            final_norm=True, positional="rope", rope_theta=500000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=False, bias=False, qk_norm=True, qk_norm_scope="projection",
+        ),
+    ),
     "gemma2-small": (
         "A Gemma 2-family decoder of llama-small's size, for the CPU bench against onnxruntime-genai and "
         "CTranslate2: Gemma 2's layer (four (1 + scale) RMSNorms, GeGLU, the embeddings times sqrt(d) = 24 "

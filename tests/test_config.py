@@ -13,8 +13,8 @@ def test_presets_are_listed_in_a_stable_order():
     assert list_presets() == ["tiny", "paper-base", "paper-big", "torch-nn", "annotated", "learned-pos", "char-lm",
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
-                            "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "smollm3-tiny", "gemma2-small",
-                            "qwen35-small", "llama-small"]
+                            "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "smollm3-tiny", "olmo2-tiny",
+                            "gemma2-small", "qwen35-small", "llama-small"]
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -26,7 +26,7 @@ def test_json_round_trip(name):
     newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
              "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
              "query_pre_attention_scalar": None, "moe": None, "linear_attention": None,
-             "attention_output_gate": False, "nope_layers": None}
+             "attention_output_gate": False, "nope_layers": None, "qk_norm_scope": "head"}
     expected = {key: list(value) if key in ("layer_types", "nope_layers") and value else value
                 for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):

@@ -83,6 +83,7 @@ def _forward_explanation(preset, names, mask_case="pad_right"):
     ("stablelm-tiny", ("partial rotary ignored (every dimension rotates)",)),
     ("smollm3-tiny", ("NoPE layers rotated (every layer rotates)",)),
     ("smollm3-tiny", ("NoPE layers placed by SmolLM3's default (every fourth from the fourth)",)),
+    ("olmo2-tiny", ("norms placed before the sublayers (Llama's block), not on their outputs",)),
 ])
 def test_a_planted_omission_is_named_and_only_it(preset, planted):
     found = _forward_explanation(preset, planted)
