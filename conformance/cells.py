@@ -32,8 +32,9 @@ NO_SUCH_SUBLAYER = "sublayer"  # declared up front: the backend has no such subl
 PLANNED_OUT = "planned out"  # declared up front: the plan's budget left the cell out (conformance.plan.budget)
 TOO_LARGE = "memory"  # declared up front: the column's footprint is more than the memory the columns may take
 REFUSED = "refused"  # the backend refused the cell while loading or running it (NotSupported), or failed to load
-NOT_JUDGED = "not judged"  # nothing its rule could judge: a training run whose every step was skipped, or a
-#                          bound of the outputs' own size (SPEC §8: any output would pass)
+NOT_JUDGED = "not judged"  # nothing its rule could judge: a training run whose every step was skipped, a
+#                          bound of the outputs' own size (SPEC §8: any output would pass), or a backward
+#                          whose golden chain leaves the dtype's range (SPEC §13)
 
 
 def unavailable_kind(reason: str) -> str:
@@ -222,6 +223,8 @@ def run_cell(cfg, params, case: Case, name: str, dtype: str, device: str, refere
         return CellResult(**base, status=SKIP, reason=f"not judged: {why}", skip=NOT_JUDGED, seconds=seconds)
     if not result.judged:  # every part's bound reached its size: no output could have failed (SPEC §8)
         return CellResult(**base, status=SKIP, reason=result.reason, skip=NOT_JUDGED, seconds=seconds)
+    if not result.passed and is_gradient(case.sublayer) and (why := reference.beyond_range(dtype, output)):
+        return CellResult(**base, status=SKIP, reason=f"not judged: {why}", skip=NOT_JUDGED, seconds=seconds)
     if not result.passed and cfg.moe is not None and case.sublayer != "router":  # a router cell is the routing
         result = _routing_verdict(cfg, params, case, runners[key], dtype, judge, result)
     base["field"] = _field_metrics(case, output, reference, compared, dtype)

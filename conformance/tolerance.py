@@ -36,6 +36,9 @@ UNIT_ROUNDOFF = {
 # so is off by up to (s/2)·√N from its exact value, which compare_gradients allows as s·√N (SPEC §13)
 SUBNORMAL_SPACING = {"float64": 2.0**-1074, "float32": 2.0**-149, "tf32": 2.0**-149, "float16": 2.0**-24,
                      "bfloat16": 2.0**-133}
+# each dtype's largest finite value: a backward whose chain carries more overflows there (SPEC §13)
+LARGEST_FINITE = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38, "tf32": 3.4028234663852886e38,
+                  "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 ACCUMULATE = {"float64": "float64", "float32": "float32", "tf32": "float32", "float16": "float32",
               "bfloat16": "float32"}
 DTYPES = tuple(UNIT_ROUNDOFF)

@@ -87,6 +87,8 @@ def linear_vjp(x: np.ndarray, weight: np.ndarray, d_y: np.ndarray) -> tuple[np.n
     """y = x W + b:  ∂x = ∂y Wᵀ, ∂W = Σ xᵀ ∂y, ∂b = Σ ∂y (sums over every leading axis).
     x [.., in], W [in, out], d_y [.., out] -> d_x [.., in], d_weight [in, out], d_bias [out]"""
     rows_x, rows_d_y = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1])
+    if _LARGEST[0] is not None:
+        _LARGEST[0] = max(_LARGEST[0], float(np.abs(d_y).max(initial=0.0)))
     return d_y @ weight.T, rows_x.T @ rows_d_y, rows_d_y.sum(axis=0)
 
 
@@ -145,6 +147,21 @@ def softmax_vjp(p: np.ndarray, d_p: np.ndarray) -> np.ndarray:
 
 _CANCELLING = [True]  # without_cancellation() clears it
 _RELU_FLIPPED_WITHIN = [0.0]  # relu_kinks_flipped() sets it
+_LARGEST: list[float | None] = [None]  # largest_cotangent() keeps the largest |∂y| a linear layer meets here
+
+
+@contextlib.contextmanager
+def largest_cotangent():
+    """Yields a list whose one entry is, after the block, the largest |∂y| that any linear layer's
+    VJP met in it: the size a backward that runs the chain must hold (SPEC.md §13: beyond a dtype's
+    largest finite value, no backward at that dtype holds it)."""
+    outer, _LARGEST[0] = _LARGEST[0], 0.0
+    found = [0.0]
+    try:
+        yield found
+    finally:
+        found[0] = _LARGEST[0]
+        _LARGEST[0] = outer if outer is None else max(outer, found[0])
 
 
 @contextlib.contextmanager

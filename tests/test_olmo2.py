@@ -176,3 +176,28 @@ def test_neither_genai_nor_ctranslate2_builds_olmo2():
 
     assert "olmo2" not in FAMILIES and family_refusal("olmo2").startswith("olmo2: onnxruntime-genai's builder")
     assert "no OLMo 2 loader" in unsupported_reason(OLMO2)
+
+
+def test_a_gradient_beyond_float16s_range_in_the_golden_is_not_judged_at_float16():
+    """SPEC §13: OLMo 2's output norm meets a fully masked query row's zero attention output, whose
+    backward is 1/√ε = 1000 times its upstream: on grad-forward-pad_left the golden's chain carries
+    7.44e4 into layer 0's o, past float16's 65504. A float16 column's non-finite gradients there are
+    not judged, saying so; its finite ones are judged as ever, and a non-finite one where the chain
+    stays in range (float32 here, or llama-tiny at float16) still fails."""
+    from conformance.backends.numpy_backend import NumpyRunner, golden_output
+    from conformance.cases import build_case
+
+    params = conformance_params(OLMO2)
+    case = build_case(OLMO2, params, "grad-forward", "pad_left")
+    reference = golden_output(OLMO2, params, "grad-forward", case.inputs, NumpyRunner(OLMO2, params, "float64"))
+    assert 7.4e4 < reference.largest_cotangent < 7.5e4  # torch's float64 autograd: 74,401.8 at o's output
+    overflowed = {**reference.gradients, "decoder.layers.0.self_attn.o.weight": np.full((64, 52), np.nan)}
+    assert "cotangent of 7.44e+04" in reference.beyond_range("float16", overflowed)
+    assert reference.beyond_range("float16", reference.gradients) is None  # finite: judged
+    assert reference.beyond_range("float32", overflowed) is None  # in float32's range: the NaN fails
+    llama = get_preset("llama-tiny")
+    llama_params = conformance_params(llama)
+    llama_case = build_case(llama, llama_params, "grad-forward", "pad_left")
+    in_range = golden_output(llama, llama_params, "grad-forward", llama_case.inputs)
+    assert in_range.largest_cotangent < 100
+    assert in_range.beyond_range("float16", {"x": np.array([np.nan])}) is None

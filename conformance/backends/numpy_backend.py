@@ -15,7 +15,7 @@ import numpy as np
 
 import impl_numpy as golden
 from conformance.adapter import NotSupported
-from conformance.tolerance import Comparison, compare_gradients
+from conformance.tolerance import LARGEST_FINITE, Comparison, compare_gradients
 from conformance.cases import (ROUTER_OUTPUTS, DecoderPasses, decode_steps, forward_of, gradient_owner, is_gradient,
                                record_steps)
 from impl_numpy import backward
@@ -288,7 +288,9 @@ class GradientReference:
 
     def __init__(self, runner: NumpyRunner, sublayer: str, inputs: Mapping[str, Any]):
         self.runner, self.sublayer, self.inputs = runner, sublayer, inputs
-        self.gradients = runner.gradients(sublayer, inputs)
+        with backward.largest_cotangent() as largest:
+            self.gradients = runner.gradients(sublayer, inputs)
+        self.largest_cotangent = largest[0]  # the largest |∂y| a linear layer of the chain met (SPEC §13)
         with backward.without_cancellation():
             self.terms = runner.gradients(sublayer, inputs)
         self._allowances: dict[float, dict[str, float]] = {}
@@ -322,6 +324,17 @@ class GradientReference:
                     squares[name] += float(np.linalg.norm(moved[name] - golden)) ** 2 / CONDITIONING_DRAWS
             self._conditioning[width] = {name: square ** 0.5 for name, square in squares.items()}
         return self._conditioning[width]
+
+    def beyond_range(self, dtype: str, gradients: Mapping[str, np.ndarray]) -> str | None:
+        """Why these gradients are not judged, where they are not all finite and the golden's own chain
+        carries a cotangent beyond the dtype's largest finite value (SPEC §13): no backward at that dtype
+        that runs the chain holds it. None where they are finite or the chain stays in range."""
+        largest_finite = LARGEST_FINITE[dtype]
+        if self.largest_cotangent <= largest_finite or all(np.isfinite(g).all() for g in gradients.values()):
+            return None
+        return (f"the golden's backward carries a cotangent of {self.largest_cotangent:.3g} into a linear layer, "
+                f"beyond {dtype}'s largest finite value {largest_finite:.5g}: no {dtype} backward that runs the "
+                "chain holds it, and this column's gradients are not all finite (SPEC §13)")
 
     def judge(self, gradients: Mapping[str, np.ndarray], relative_tol: float, kink_allowance: Mapping[str, float],
               subnormal_spacing: float = 0.0, conditioning_width: float | None = None) -> Comparison:
