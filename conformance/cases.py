@@ -249,9 +249,10 @@ SUBLAYERS: dict[str, Sublayer] = {s.name: s for s in [
              (*_MODEL_CASES, "dropout"), lambda c: _layers_depth(c) + 1),
 ]}
 
-# The float inputs each differentiated sublayer's gradient case returns a cotangent for.
+# The float inputs each differentiated sublayer's gradient case returns a cotangent for (those it has:
+# an attention's sinks are an input where the config has them, SPEC §5.16).
 GRADIENT_INPUTS: dict[str, tuple[str, ...]] = {
-    "embedding": (), "attention": ("q", "k", "v"), "mha": ("x", "context"), "mha_cross": ("x", "context"),
+    "embedding": (), "attention": ("q", "k", "v", "sinks"), "mha": ("x", "context"), "mha_cross": ("x", "context"),
     "ffn": ("x",), "linear_attn": ("x",), "norm": ("x",), "ffn_block": ("x",), "encoder_layer": ("x",),
     "decoder_layer": ("y", "memory"),
     "encoder": (), "decoder": ("memory",), "logits": ("h",), "log_probs": ("h",), "forward": (), "loss": (),
@@ -589,10 +590,13 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         q_len, k_len = _lengths(mask_case)
         # the config's H_kv key/value heads: grouped- and multi-query attention meet each framework's own
         # grouping (SDPA's enable_gqa, jax.nn.dot_product_attention) at every mask case
-        return {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head),
-                "k": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
-                "v": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
-                "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}, max(cfg.d_head, k_len)
+        inputs = {"q": _normal(rng, BATCH, heads, q_len, cfg.d_head),
+                  "k": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
+                  "v": _normal(rng, BATCH, cfg.kv_heads, k_len, cfg.d_head),
+                  "mask": _explicit_mask(rng, mask_case, BATCH, heads, q_len, k_len)}
+        if cfg.attention_sinks:  # a logit per head beside the scores' own size, U(-1.5, 1.5) (SPEC §5.16)
+            inputs["sinks"] = (1.5 * (2.0 * rng.random(heads) - 1.0)).astype(np.float32)
+        return inputs, max(cfg.d_head, k_len)
     if sublayer in ("mha", "mha_cross"):
         q_len, k_len = _lengths(mask_case)
         x = _normal(rng, BATCH, q_len, d) * np.float32(activation_size(mask_case))

@@ -55,7 +55,8 @@ def register_group_query_attention_schema() -> None:
               parameter("past_value", "T", param_option=optional), parameter("seqlens_k", "M"),
               parameter("total_sequence_length", "M"), parameter("cos_cache", "T", param_option=optional),
               parameter("sin_cache", "T", param_option=optional), parameter("position_ids", "P", param_option=optional),
-              parameter("attention_bias", "T", param_option=optional)]
+              parameter("attention_bias", "T", param_option=optional),
+              parameter("head_sink", "T", param_option=optional)]
     outputs = [parameter("output", "T"), parameter("present_key", "T"), parameter("present_value", "T")]
     attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
                   OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "key/value heads"),
@@ -71,13 +72,13 @@ def register_group_query_attention_schema() -> None:
 @torch.library.custom_op("rosetta::cached_attention", mutates_args=())
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor,
                      past_values: torch.Tensor, keep: torch.Tensor, start: torch.Tensor,
-                     window: int | None = None, scale: float | None = None,
-                     cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     window: int | None = None, scale: float | None = None, cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The new queries' attention over the cache with the new keys and values written at start …
     start+n−1. q [B, n, H·d_k], k and v [B, n, H_kv·d_k], past [B, H_kv, C, p] with p ≥ d_k (the
     padded head size: zeros past d_k), keep [B, C] (the new positions' included), window: the
-    layer's sliding window, scale and cap: its scores' factor and softcap (SPEC §5.13)
-    -> (heads [B, n, H·d_k], present keys, present values)."""
+    layer's sliding window, scale and cap: its scores' factor and softcap (SPEC §5.13), sinks [H]:
+    its heads' sinks (SPEC §5.16) -> (heads [B, n, H·d_k], present keys, present values)."""
     heads_kv = past_keys.shape[1]
     head_size = k.shape[2] // heads_kv
     n, first = q.shape[1], int(start)
@@ -91,12 +92,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key
         causal = causal & (slots > positions[:, None] - window)
     mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, n, C]
     heads = scaled_dot_product_attention(split_heads(q, q.shape[2] // head_size), keys[..., :head_size],
-                                         values[..., :head_size], mask, scale=scale, cap=cap)
+                                         values[..., :head_size], mask, scale=scale, cap=cap, sinks=sinks)
     return merge_heads(heads), keys, values
 
 
 @cached_attention.register_fake
-def _(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None):
+def _(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None, sinks=None):
     return torch.empty_like(q), torch.empty_like(past_keys), torch.empty_like(past_values)
 
 
@@ -104,7 +105,7 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
     """cached_attention as ONNX: one GroupQueryAttention over the first start+n positions, with the
     keep-vector (and the sliding window, where there is one) as its additive bias and zeros for a
     query without a real key; heads of head_size padded with zeros to `padded` (the cache's head
-    size) around it."""
+    size) around it; a layer's sinks as GroupQueryAttention's head_sink."""
     register_group_query_attention_schema()
     microsoft = onnxscript.values.Opset(MICROSOFT, 1)
     extra = padded - head_size
@@ -120,7 +121,7 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
                         op.Constant(value_ints=[3]))
         return op.Reshape(kept, op.Constant(value_ints=[0, 0, n_heads * head_size]))
 
-    def translation(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None):
+    def translation(q, k, v, past_keys, past_values, keep, start, window=None, scale=None, cap=None, sinks=None):
         n = op.Shape(q, start=1, end=2)  # [1]
         total = op.Add(op.Reshape(start, op.Constant(value_ints=[1])), n)  # [1]: the length after the step
         batch = op.Shape(q, start=0, end=1)
@@ -145,7 +146,7 @@ def cached_attention_onnx(n_heads: int, kv_heads: int, head_size: int, padded: i
         # the softcap is GroupQueryAttention's own (applied before its attention bias: measured in
         # tests/test_in_place_step.py against the golden, which caps before the mask)
         heads, present_keys, present_values = microsoft.GroupQueryAttention(
-            q, k, v, past_keys, past_values, seqlens, total_length, None, None, None, bias,
+            q, k, v, past_keys, past_values, seqlens, total_length, None, None, None, bias, sinks,
             num_heads=n_heads, kv_num_heads=kv_heads, scale=head_size ** -0.5 if scale is None else scale,
             softcap=0.0 if cap is None else cap)
         if extra:
@@ -197,7 +198,7 @@ class InPlaceDecoderStepGraph(nn.Module):
                 heads, keys, values = cached_attention(merge_heads(q), merge_heads(k), merge_heads(v),
                                                        past[2 * i], past[2 * i + 1], keep, start,
                                                        layer_cfg.sliding_window, layer_cfg.score_scale,
-                                                       layer_cfg.attention_softcap)
+                                                       layer_cfg.attention_softcap, attention.sinks)
                 present.extend((keys, values))
                 return attention.o(heads)
 

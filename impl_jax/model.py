@@ -75,15 +75,20 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def softmax(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """softmax over the last axis keeping entries where mask is True; a row with nothing kept
-    is all zeros (SPEC.md §6). jax.nn.softmax(where=...) would give NaN there."""
+def softmax(x: jax.Array, mask: jax.Array | None = None, sink: jax.Array | None = None) -> jax.Array:
+    """softmax over the last axis keeping entries where mask is True, with a sink's exp(s − m) in
+    the denominator alone where given (gpt-oss); a row with nothing kept is all zeros (SPEC.md §6).
+    jax.nn.softmax(where=...) would give NaN there."""
     if mask is not None:
         x = jnp.where(mask, x, -jnp.inf)
     row_max = x.max(axis=-1, keepdims=True)
+    if sink is not None:
+        row_max = jnp.maximum(row_max, sink)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
     e = jnp.exp(x - row_max)
     total = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - row_max)
     return e / jnp.where(total > 0, total, 1)
 
 
@@ -248,22 +253,28 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def scaled_dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
                                  path: str = "sdpa", precision: str = "highest", scale: float | None = None,
-                                 cap: float | None = None) -> jax.Array:
+                                 cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given, query head h
-    reading key/value head h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a
-    boolean keep-mask broadcastable to [B, H, Q, K]."""
+    reading key/value head h // (H / H_kv), each head's sink in its denominator where given
+    (SPEC §5.16). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
+    broadcastable to [B, H, Q, K], sinks [H]."""
     # Decided before the jit, so both paths' calls that end up explicit share one program.
-    path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path, cap is not None)
-    return _attention(q, k, v, mask, path, precision, 1 / math.sqrt(q.shape[-1]) if scale is None else scale, cap)
+    path, _ = attention_path(q.dtype, _platform(), q.shape[-2], path, cap is not None, sinks is not None)
+    return _attention(q, k, v, mask, sinks, path, precision, 1 / math.sqrt(q.shape[-1]) if scale is None else scale,
+                      cap)
 
 
-def attention_path(dtype, platform: str, n_queries: int, path: str, capped: bool = False) -> tuple[str, str | None]:
+def attention_path(dtype, platform: str, n_queries: int, path: str, capped: bool = False,
+                   sinks: bool = False) -> tuple[str, str | None]:
     """The path attention asked for `path` takes ('sdpa' or 'math'), and why it is not the one
-    asked for (None when it is); `capped`: the scores are softcapped (SPEC §5.13)."""
+    asked for (None when it is); `capped`: the scores are softcapped (SPEC §5.13); `sinks`: the
+    softmax has sinks (SPEC §5.16)."""
     if path == "math":
         return "math", None
     if capped:
         return "math", "jax.nn.dot_product_attention has no softcap"
+    if sinks:
+        return "math", "jax.nn.dot_product_attention has no sink"
     # jax.nn.dot_product_attention always takes its softmax in float32 — for float64 inputs too,
     # which leaves float64 attention float32-accurate (errors ~1e-7)
     if jnp.dtype(dtype) == jnp.float64:
@@ -273,12 +284,15 @@ def attention_path(dtype, platform: str, n_queries: int, path: str, capped: bool
 
 
 @partial(jax.jit, static_argnames=("path", "precision", "scale", "cap"))
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, path: str,
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, sinks: jax.Array | None, path: str,
                precision: str, scale: float, cap: float | None) -> jax.Array:
     if path == "math":
         k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
         scores = softcap(jnp.matmul(q, k.swapaxes(-1, -2), precision=precision) * scale, cap)  # [B, H, Q, K]
-        weights = softmax(scores.astype(jnp.float32) if scores.dtype in _HALF else scores, mask).astype(v.dtype)
+        # Half-precision softmax loses the small weights; take it in float32 as the fused kernels do.
+        wide = scores.dtype in _HALF
+        sink = None if sinks is None else (sinks.astype(jnp.float32) if wide else sinks)[:, None, None]
+        weights = softmax(scores.astype(jnp.float32) if wide else scores, mask, sink).astype(v.dtype)
         return jnp.matmul(weights, v, precision=precision)
     # jax.nn.dot_product_attention wants [B, T, H, d_k] (heads after the sequence axis). Its mask
     # has the spec's polarity (True = attend), but it fills masked logits with a large finite
@@ -374,6 +388,7 @@ class MultiHeadAttention(nnx.Module):
         self.q_norm = HeadNorm(cfg, cfg.n_heads, dtype) if head_norms else None
         self.k_norm = HeadNorm(cfg, cfg.kv_heads, dtype) if head_norms else None
         self.gate = linear(d, queries, use_bias=cfg.qkv_bias) if cfg.attention_output_gate and self_attention else None
+        self.sinks = nnx.Param(jnp.zeros(cfg.n_heads, dtype)) if cfg.attention_sinks and self_attention else None
 
     def head_norm(self, name: str, x: jax.Array) -> jax.Array:
         """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
@@ -394,7 +409,8 @@ class MultiHeadAttention(nnx.Module):
         q = self.head_norm("q", split_heads(self.q(x), self.cfg.n_heads))
         q = q if positions is None else rotary(self.cfg, q, positions)
         heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.precision, self.cfg.score_scale,
-                                             self.cfg.attention_softcap)  # [B, H, Q, d_k]
+                                             self.cfg.attention_softcap,
+                                             None if self.sinks is None else self.sinks[...])  # [B, H, Q, d_k]
         return self.o(self.output_gate(x, merge_heads(heads)))
 
     def output_gate(self, x: jax.Array, heads: jax.Array) -> jax.Array:

@@ -188,17 +188,31 @@ def softcap_vjp(x: np.ndarray, cap: float | None, d_y: np.ndarray) -> np.ndarray
 
 
 def scaled_dot_product_attention_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                                     d_out: np.ndarray, scale: float | None = None,
-                                     cap: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                                     d_out: np.ndarray, scale: float | None = None, cap: float | None = None,
+                                     sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """out = P V, P = softmax(softcap(S), mask), S = Q Kᵀ s (s = 1/√d_k unless given):
     ∂V = Pᵀ ∂out, ∂P = ∂out Vᵀ, ∂S = softcap_vjp(S, softmax_vjp(P, ∂P)), ∂Q = ∂S K s, ∂K = ∂Sᵀ Q s.
-    q [B, H, Q, d_k], k and v [B, H, K, d_k], d_out [B, H, Q, d_k] -> d_q, d_k, d_v"""
+    A sink (SPEC §5.16) changes P only: the sink's own share has no ∂P, so softmax_vjp over the keys
+    is its chain rule still. q [B, H, Q, d_k], k and v [B, H, K, d_k], d_out [B, H, Q, d_k] -> d_q, d_k, d_v"""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale  # S [B, H, Q, K]
-    weights = softmax(softcap(scores, cap), mask)  # P [B, H, Q, K]
+    weights = softmax(softcap(scores, cap), mask, None if sinks is None else sinks[:, None, None])  # P [B, H, Q, K]
     d_v = np.swapaxes(weights, -1, -2) @ d_out  # [B, H, K, d_k]
     d_scores = softcap_vjp(scores, cap, softmax_vjp(weights, d_out @ np.swapaxes(v, -1, -2)))  # ∂S [B, H, Q, K]
     return d_scores @ k * scale, np.swapaxes(d_scores, -1, -2) @ q * scale, d_v
+
+
+def attention_sinks_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, d_out: np.ndarray,
+                        scale: float, cap: float | None, sinks: np.ndarray) -> np.ndarray:
+    """The sinks' gradient (SPEC §5.16): P_s = 1 − Σ_k P_k is the share the sink took, and
+    ∂s_h = −Σ_{b,q} P_s · Σ_k P_k ∂P_k over head h's rows (0 for a row with no key, all the sink's).
+    q [B, H, Q, d_k], k and v [B, H, K, d_k], d_out [B, H, Q, d_k], sinks [H] -> [H]"""
+    weights = softmax(softcap(q @ np.swapaxes(k, -1, -2) * scale, cap), mask, sinks[:, None, None])  # [B, H, Q, K]
+    d_weights = d_out @ np.swapaxes(v, -1, -2)  # ∂P
+    sink_share = 1.0 - weights.sum(axis=-1)  # [B, H, Q]
+    if not _CANCELLING[0]:  # the terms' size: Σ_k P_k ∂P_k's terms do not cancel each other's sign
+        return (sink_share * (weights * np.abs(d_weights)).sum(axis=-1)).sum(axis=(0, 2))
+    return -(sink_share * (weights * d_weights).sum(axis=-1)).sum(axis=(0, 2))
 
 
 # ---- feed-forward and norms -----------------------------------------------------------------
@@ -427,19 +441,25 @@ def attend_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.
                d_y: np.ndarray, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
     """y = Concat(heads) W^O + b, heads = Attention(rotary(norm(x W^Q + b)), K_g, V_g): back through
     W^O, the attention, the groups, the rotation, the head norm, then W^Q.
-    x [B, Q, d], k and v [B, H_kv, K, d_k] -> d_x, d_k, d_v, {q.*, q_norm.*, o.*}"""
+    x [B, Q, d], k and v [B, H_kv, K, d_k] -> d_x, d_k, d_v, {q.*, q_norm.*, o.*, sinks}"""
     before = split_heads(linear(x, p["q.weight"], p.get("q.bias")), cfg.n_heads)  # [B, H, Q, d_k]
     q = head_norm(cfg, p, "q", before)
     q = q if positions is None else rotary(cfg, q, positions)
     keys, values = group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads)  # [B, H, K, d_k]
-    merged = merge_heads(scaled_dot_product_attention(q, keys, values, mask, cfg.score_scale, cfg.attention_softcap))
+    sinks = p.get("sinks")
+    merged = merge_heads(scaled_dot_product_attention(q, keys, values, mask, cfg.score_scale, cfg.attention_softcap,
+                                                      sinks))
     d_gated, d_wo, d_bo = linear_vjp(output_gate(cfg, p, x, merged), p["o.weight"], d_y)
     d_merged, d_from_gate, gate_grads = output_gate_vjp(cfg, p, x, merged, d_gated)
-    d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, split_heads(d_merged, cfg.n_heads),
-                                                             cfg.score_scale, cfg.attention_softcap)
+    d_heads = split_heads(d_merged, cfg.n_heads)
+    d_q, d_keys, d_values = scaled_dot_product_attention_vjp(q, keys, values, mask, d_heads, cfg.score_scale,
+                                                             cfg.attention_softcap, sinks)
     d_before, norm_grads = head_norm_vjp(cfg, p, "q", before, rotary_vjp(cfg, positions, d_q))
     d_x, d_wq, d_bq = linear_vjp(x, p["q.weight"], merge_heads(d_before))
     grads = _present(p, {"q.weight": d_wq, "q.bias": d_bq, "o.weight": d_wo, "o.bias": d_bo})
+    if sinks is not None:
+        grads["sinks"] = attention_sinks_vjp(q, keys, values, mask, d_heads, cfg.score_scale, cfg.attention_softcap,
+                                             sinks)
     return (d_x + d_from_gate, group_heads_vjp(d_keys, cfg.kv_heads), group_heads_vjp(d_values, cfg.kv_heads),
             {**grads, **norm_grads, **gate_grads})
 

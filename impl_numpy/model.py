@@ -77,15 +77,18 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def softmax(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """softmax(x)_j = exp(x_j - max x) / Σ_k exp(x_k - max x) over the last axis, keeping only
-    entries where mask is True. A row with nothing kept is all zeros (SPEC.md §6), not NaN."""
+def softmax(x: np.ndarray, mask: np.ndarray | None = None, sink: np.ndarray | None = None) -> np.ndarray:
+    """softmax(x)_j = exp(x_j - m) / Σ_k exp(x_k - m) over the last axis, keeping only entries where
+    mask is True; with a sink s (gpt-oss's, broadcast to [.., 1]) the denominator alone takes
+    exp(s - m) too (m the largest of them). A row with nothing kept is all zeros (SPEC.md §6), not NaN."""
     if mask is not None:
         x = np.where(mask, x, -np.inf)
     row_max = x.max(axis=-1, keepdims=True)
+    if sink is not None:
+        row_max = np.maximum(row_max, sink)
     row_max = np.where(np.isfinite(row_max), row_max, 0)  # fully masked row: max is -inf
     e = np.exp(x - row_max)
-    total = e.sum(axis=-1, keepdims=True)
+    total = e.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - row_max))
     return e / np.where(total > 0, total, 1)
 
 
@@ -269,13 +272,15 @@ def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
 
 
 def scaled_dot_product_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
-                                 scale: float | None = None, cap: float | None = None) -> np.ndarray:
+                                 scale: float | None = None, cap: float | None = None,
+                                 sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given (Gemma's
-    1/√query_pre_attention_scalar), the cap taken before the mask (SPEC §5.13).
-    q [B, H, Q, d_k], k and v [B, H, K, d_k], mask keep [.., Q, K] -> [B, H, Q, d_k]"""
+    1/√query_pre_attention_scalar), the cap taken before the mask (SPEC §5.13); each head's sink
+    in its softmax's denominator where given (gpt-oss, SPEC §5.16).
+    q [B, H, Q, d_k], k and v [B, H, K, d_k], mask keep [.., Q, K], sinks [H] -> [B, H, Q, d_k]"""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = softcap(q @ np.swapaxes(k, -1, -2) * scale, cap)  # [B, H, Q, K]
-    return softmax(scores, mask) @ v
+    return softmax(scores, mask, None if sinks is None else sinks[:, None, None]) @ v
 
 
 def head_norm(cfg: ModelConfig, p: Params, name: str, x: np.ndarray) -> np.ndarray:
@@ -305,7 +310,7 @@ def attend(cfg: ModelConfig, p: Params, x: np.ndarray, k: np.ndarray, v: np.ndar
     q = head_norm(cfg, p, "q", split_heads(linear(x, p["q.weight"], p.get("q.bias")), cfg.n_heads))
     q = q if positions is None else rotary(cfg, q, positions)
     heads = scaled_dot_product_attention(q, group_heads(k, cfg.n_heads), group_heads(v, cfg.n_heads), mask,
-                                         cfg.score_scale, cfg.attention_softcap)
+                                         cfg.score_scale, cfg.attention_softcap, p.get("sinks"))
     return linear(output_gate(cfg, p, x, merge_heads(heads)), p["o.weight"], p.get("o.bias"))  # heads [B, H, Q, d_k]
 
 

@@ -59,15 +59,20 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def softmax(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over the last axis keeping entries where mask is True; a row with nothing kept
-    is all zeros (SPEC.md §6). torch.softmax of an all -inf row is NaN, hence the explicit max."""
+def softmax(x: torch.Tensor, mask: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the last axis keeping entries where mask is True, with a sink's exp(s − m) in
+    the denominator alone where given (gpt-oss); a row with nothing kept is all zeros (SPEC.md §6).
+    torch.softmax of an all -inf row is NaN, hence the explicit max."""
     if mask is not None:
         x = x.masked_fill(~mask, float("-inf"))
     row_max = x.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(x - row_max)
     total = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - row_max)
     return e / torch.where(total > 0, total, torch.ones_like(total))
 
 
@@ -234,19 +239,23 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                                 path: str = "sdpa", scale: float | None = None,
-                                 cap: float | None = None) -> torch.Tensor:
+                                 path: str = "sdpa", scale: float | None = None, cap: float | None = None,
+                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention(Q, K, V) = softmax(softcap(Q Kᵀ · s)) V, s = 1/√d_k unless given, query head h
-    reading key/value head h // (H / H_kv). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a
-    boolean keep-mask broadcastable to [B, H, Q, K]."""
+    reading key/value head h // (H / H_kv), each head's sink in its denominator where given
+    (SPEC §5.16). q [B, H, Q, d_k], k and v [B, H_kv, K, d_k], mask a boolean keep-mask
+    broadcastable to [B, H, Q, K], sinks [H]."""
     grouped = k.shape[1] != q.shape[1]
-    if path == "math" or cap is not None:  # SDPA has no softcap: a capped attention takes the math path
+    # SDPA has no softcap and no sink: a capped attention, or one with sinks, takes the math path
+    if path == "math" or cap is not None or sinks is not None:
         if grouped:
             k, v = group_heads(k, q.shape[1]), group_heads(v, q.shape[1])
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
         scores = softcap(q @ k.transpose(-1, -2) * scale, cap)  # [B, H, Q, K]
         # Half-precision softmax loses the small weights; take it in float32 as SDPA kernels do.
-        weights = softmax(scores.float() if scores.dtype in _HALF else scores, mask).to(v.dtype)
+        wide = scores.dtype in _HALF
+        sink = None if sinks is None else (sinks.float() if wide else sinks)[:, None, None]
+        weights = softmax(scores.float() if wide else scores, mask, sink).to(v.dtype)
         return weights @ v
     # SDPA's boolean attn_mask has the spec's polarity (True = attend; nn.MultiheadAttention's
     # key_padding_mask is the opposite). Whether a kernel returns NaN or zeros for a row with no
@@ -310,6 +319,7 @@ class MultiHeadAttention(nn.Module):
             self.k_norm = HeadNorm(cfg, cfg.kv_heads)
         if cfg.attention_output_gate and self_attention:
             self.gate = nn.Linear(d, queries, bias=cfg.qkv_bias)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks and self_attention else None
 
     def head_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The head norm of q or k, when this attention has one. x [B, H, T, d_k]"""
@@ -331,7 +341,7 @@ class MultiHeadAttention(nn.Module):
         q = q if positions is None else rotary(self.cfg, q, positions)
         # K and V go in as H_kv heads, not the golden's group_heads copies: SDPA groups them itself
         heads = scaled_dot_product_attention(q, k, v, mask, self.path, self.cfg.score_scale,
-                                             self.cfg.attention_softcap)  # [B, H, Q, d_k]
+                                             self.cfg.attention_softcap, self.sinks)  # [B, H, Q, d_k]
         return self.o(self.output_gate(x, merge_heads(heads)))
 
     def output_gate(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:

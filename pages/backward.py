@@ -36,6 +36,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "log_softmax_vjp": (None, None),
     "softmax_vjp": ("softmax", "softmax"),
     "scaled_dot_product_attention_vjp": ("scaled_dot_product_attention", "scaled_dot_product_attention"),
+    "attention_sinks_vjp": ("softmax", "softmax"),
     "feed_forward_vjp": ("FeedForward.forward", "FeedForward.__call__"),
     "mixture_of_experts_vjp": ("MixtureOfExperts.routed", "MixtureOfExperts.routed"),
     "experts_ffn_vjp": ("MixtureOfExperts.forward", "MixtureOfExperts.__call__"),

@@ -238,7 +238,7 @@ def _tied_table_one_use(cfg, params, ids, side, d_x, offset=0):
     return {**grads, table: np.zeros_like(grads[table])}  # the table's gradient from the head's use only
 
 
-def _finite_fill_vjp(q, k, v, mask, d_out, scale=None, cap=None):
+def _finite_fill_vjp(q, k, v, mask, d_out, scale=None, cap=None, sinks=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale
     if mask is not None:

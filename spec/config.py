@@ -171,6 +171,8 @@ class ModelConfig:
     # the hybrids (SPEC §5.15: Qwen3.5, Qwen3-Next)
     linear_attention: GatedDeltaNet | None = None  # the mixer of layer_types' "linear" layers
     attention_output_gate: bool = False  # self-attention's heads times σ(x W_gate) before W_o (the gated attention)
+    # gpt-oss's attention (SPEC §5.16)
+    attention_sinks: bool = False  # a learned logit per head in the self-attention softmax's denominator only
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -373,6 +375,7 @@ _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at
     "local_rope_theta": None, "nope_layers": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
     "query_pre_attention_scalar": None, "moe": None, "linear_attention": None, "attention_output_gate": False,
+    "attention_sinks": False,
 }
 
 
@@ -401,7 +404,7 @@ _INT_FIELDS = (
 )
 _BOOL_FIELDS = (
     "final_norm", "embed_scale", "embed_norm", "qkv_bias", "bias", "head_bias", "share_src_tgt_embed", "tie_head",
-    "gated_ffn", "qk_norm", "norm_scale_plus_one", "post_norms", "attention_output_gate",
+    "gated_ffn", "qk_norm", "norm_scale_plus_one", "post_norms", "attention_output_gate", "attention_sinks",
 )
 _OPTIONAL_INT_FIELDS = ("n_kv_heads", "head_dim", "sliding_window")
 
@@ -488,6 +491,8 @@ def _validate(cfg: ModelConfig) -> None:
     if cfg.qk_norm_scope != "head" and not cfg.qk_norm:
         raise ConfigError(f"qk_norm_scope {cfg.qk_norm_scope!r} says what the q/k norms normalise over, and qk_norm is "
                           "false: there are none")
+    if cfg.attention_sinks and cfg.has_encoder:
+        raise ConfigError("attention_sinks are a decoder-only model's self-attention's (gpt-oss); use arch='decoder-only'")
     if cfg.norm_position == "output" and cfg.has_encoder:
         raise ConfigError("norm_position='output' (a norm on each sublayer's output before the residual sum: OLMo 2) "
                           "is defined for decoder-only models here; use arch='decoder-only'")

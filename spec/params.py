@@ -35,6 +35,8 @@ def _attention_shapes(prefix: str, cfg: ModelConfig, self_attention: bool) -> di
         whole = cfg.qk_norm_scope == "projection"
         shapes[f"{prefix}.q_norm.scale"] = (queries if whole else cfg.d_head,)
         shapes[f"{prefix}.k_norm.scale"] = (keys if whole else cfg.d_head,)
+    if cfg.attention_sinks and self_attention:  # SPEC §5.16: one logit per query head
+        shapes[f"{prefix}.sinks"] = (cfg.n_heads,)
     if cfg.attention_output_gate and self_attention:  # SPEC §5.15: σ(x W_gate) [d, H·d_k] on the heads
         shapes[f"{prefix}.gate.weight"] = (d, queries)
         if cfg.qkv_bias:
@@ -189,7 +191,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             values = _uniform(stream, shape, shape[1] ** -0.5)
         elif name.endswith("decay.log_rate"):  # A = exp(log_rate) drawn from U(1, 16) (SPEC §5.15)
             values = np.log(1.0 + 15.0 * stream.random(shape))
-        elif name.endswith(".bias"):
+        elif name.endswith(".bias") or name.endswith(".sinks"):  # a sink of 0 adds exp(0) to the denominator
             values = np.zeros(shape)
         else:  # a [in, out] matrix
             fan_in, fan_out = shape
@@ -205,6 +207,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 # weights in which every tensor is drawn away from its trivial value (SPEC.md §4.1).
 CONFORMANCE_BIAS = 0.2  # biases (attention, FFN, head, norms): U(-0.2, 0.2)
 CONFORMANCE_SCALE = 0.2  # norm scales: U(1 - 0.2, 1 + 0.2)
+CONFORMANCE_SINK = 1.5  # attention sinks (SPEC §5.16): U(-1.5, 1.5), from a sink that takes little to one that takes most
 # Greedy decoding of a random Transformer repeats one token when what a step changes (its token,
 # its position) is small beside what every step shares (SPEC.md §4.1). Two things share it out:
 # - an attention of nearly uniform weights averages its values, one vector for every query: each
@@ -261,6 +264,8 @@ def conformance_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]
             pass  # init_params' rates, each its own already
         elif name.endswith(".bias"):
             value = _uniform(stream, value.shape, CONFORMANCE_BIAS)
+        elif name.endswith(".sinks"):
+            value = _uniform(stream, value.shape, CONFORMANCE_SINK)
         elif not (name.endswith("embed.weight") or name.endswith("pos.weight")):  # a [in, out] matrix
             value = _gain(name) * value.astype(np.float64)
             if _role(name).endswith(CENTRED_OVER_INPUTS):

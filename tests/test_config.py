@@ -26,7 +26,7 @@ def test_json_round_trip(name):
     newer = {"rope_scaling": None, "sliding_window": None, "layer_types": None, "local_rope_theta": None,
              "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
              "query_pre_attention_scalar": None, "moe": None, "linear_attention": None,
-             "attention_output_gate": False, "nope_layers": None, "qk_norm_scope": "head"}
+             "attention_output_gate": False, "nope_layers": None, "qk_norm_scope": "head", "attention_sinks": False}
     expected = {key: list(value) if key in ("layer_types", "nope_layers") and value else value
                 for key, value in dataclasses.asdict(cfg).items() if key not in newer or value != newer[key]}
     if expected.get("rope_scaling"):

@@ -90,14 +90,15 @@ class JaxRunner(ModuleRunner):
         program jax-math runs, where the native primitive cannot serve this dtype and device."""
         platform, queries = self.device.platform, attention_queries(sublayer, inputs)
         capped = self.cfg.attention_softcap is not None
-        taken = {attention_path(self.dtype, platform, n, self.attention, capped) for n in queries}
+        taken = {attention_path(self.dtype, platform, n, self.attention, capped, self.cfg.attention_sinks)
+                 for n in queries}
         names = [NATIVE_PATH if path == "sdpa" else EXPLICIT_PATH + (f" ({why})" if why else "") for path, why in taken]
         return " and ".join(sorted(names))
 
-    def _attention(self, q, k, v, mask):
+    def _attention(self, q, k, v, mask, sinks=None):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.precision, self.cfg.score_scale,
-                                            self.cfg.attention_softcap)
+                                            self.cfg.attention_softcap, sinks)
 
     def _training_loss(self, model, inputs):
         routed: list = []

@@ -34,7 +34,7 @@ class ModuleRunner:
     def _ids(self, x):
         raise NotImplementedError
 
-    def _attention(self, q, k, v, mask):
+    def _attention(self, q, k, v, mask, sinks=None):
         raise NotImplementedError
 
     def _concatenate(self, arrays: list):
@@ -85,7 +85,8 @@ class ModuleRunner:
         forward `run` takes, pulled back from the case's cotangent."""
         forward = forward_of(sublayer)
         with self._gradient_scope():  # (JAX's float64 exists only inside it)
-            floats = {name: self._float(inputs[name]) for name in GRADIENT_INPUTS[forward] if inputs[name] is not None}
+            floats = {name: self._float(inputs[name]) for name in GRADIENT_INPUTS[forward]
+                      if inputs.get(name) is not None}
             out, d_inputs, grads = self._vjp(lambda model, tensors: self._run(forward, {**inputs, **tensors}, model),
                                              floats, inputs["d_out"], gradient_owner(sublayer, inputs))
             loss = {"loss": self._to_numpy(out)} if forward == "loss" else {}
@@ -99,7 +100,7 @@ class ModuleRunner:
             return model.positional_encoding(inputs["side"], inputs["length"], inputs["offset"])
         if sublayer == "attention":
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
-            return self._attention(q, k, v, self._array(inputs["mask"]))
+            return self._attention(q, k, v, self._array(inputs["mask"]), self._float(inputs.get("sinks")))
         if sublayer in ("mha", "mha_cross"):
             # checked as given, before the cast to the run's dtype would hide an integer array
             check_activations(inputs["x"], "x", cfg.d_model)

@@ -96,7 +96,8 @@ class NumpyRunner:
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             heads = q.shape[1]
             return golden.scaled_dot_product_attention(q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask,
-                                                       cfg.score_scale, cfg.attention_softcap)
+                                                       cfg.score_scale, cfg.attention_softcap,
+                                                       self._float(inputs.get("sinks")))
         if sublayer in ("mha", "mha_cross"):
             # checked as given, before the cast to the run's dtype would hide an integer array
             check_activations(inputs["x"], "x", cfg.d_model)
@@ -191,10 +192,13 @@ class NumpyRunner:
             q, k, v = (self._float(inputs[name]) for name in ("q", "k", "v"))
             mask = normalize_mask(inputs["mask"], q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             heads = q.shape[1]
-            d_q, d_k, d_v = backward.scaled_dot_product_attention_vjp(
-                q, golden.group_heads(k, heads), golden.group_heads(v, heads), mask, d_out, cfg.score_scale,
-                cfg.attention_softcap)
-            return {"q": d_q, "k": backward.group_heads_vjp(d_k, k.shape[1]), "v": backward.group_heads_vjp(d_v, k.shape[1])}
+            sinks, keys, values = self._float(inputs.get("sinks")), golden.group_heads(k, heads), golden.group_heads(v, heads)
+            d_q, d_k, d_v = backward.scaled_dot_product_attention_vjp(q, keys, values, mask, d_out, cfg.score_scale,
+                                                                      cfg.attention_softcap, sinks)
+            d_sinks = {} if sinks is None else {"sinks": backward.attention_sinks_vjp(
+                q, keys, values, mask, d_out, cfg.score_scale, cfg.attention_softcap, sinks)}
+            return {"q": d_q, "k": backward.group_heads_vjp(d_k, k.shape[1]), "v": backward.group_heads_vjp(d_v, k.shape[1]),
+                    **d_sinks}
         if forward in ("mha", "mha_cross"):
             x, context = self._float(inputs["x"]), self._float(inputs["context"])
             d_x, d_context, grads = backward.multi_head_attention_vjp(

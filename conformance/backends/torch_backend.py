@@ -57,10 +57,10 @@ class TorchRunner(ModuleRunner):
         """The model's mixture-of-experts routing, logged, or the golden's replayed (SPEC §5.14)."""
         return self.model.routing_log(forced, forced_weights)
 
-    def _attention(self, q, k, v, mask):
+    def _attention(self, q, k, v, mask, sinks=None):
         mask = view_mask(mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return scaled_dot_product_attention(q, k, v, mask, self.attention, self.cfg.score_scale,
-                                            self.cfg.attention_softcap)
+                                            self.cfg.attention_softcap, sinks)
 
     def _training_loss(self, model, inputs):
         with recorded_routers() as routed:  # what a mixture of experts' load-balancing loss reads
