@@ -430,7 +430,8 @@ class MultiHeadAttention(nnx.Module):
 
 class FeedForward(nnx.Module):
     """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
-    SwiGLU with swish, GeGLU with gelu-tanh."""
+    SwiGLU with swish, GeGLU with gelu-tanh; gpt-oss's clamped SwiGLU as the gated unit where the
+    config has its limit (SPEC §5.16)."""
 
     def __init__(self, cfg: ModelConfig, precision: str, dtype, rngs: nnx.Rngs, d_ff: int | None = None):
         linear = partial(Linear, use_bias=cfg.bias, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs)
@@ -438,13 +439,24 @@ class FeedForward(nnx.Module):
         self.w1 = linear(cfg.d_model, d_ff)
         self.w3 = linear(cfg.d_model, d_ff) if cfg.gated_ffn else None
         self.w2 = linear(d_ff, cfg.d_model)
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.activation, self.clamp = ACTIVATIONS[cfg.activation], cfg.swiglu_clamp
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.clamp is not None:
+            return self.w2(clamped_swiglu(self.w1(x), self.w3(x), *self.clamp))
         hidden = self.activation(self.w1(x))  # [B, T, d_ff]
         if self.w3 is not None:
             hidden = hidden * self.w3(x)
         return self.w2(hidden)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's gated unit (SPEC §5.16): g = min(gate, L), u = clip(up, −L, L);  g·σ(α g) ⊙ (u + 1)"""
+    # the constants at the activations' dtype: jax2onnx writes a weak-typed Python float as a float32
+    # constant, which a float16 graph's Mul refuses
+    limit, alpha, one = (jnp.asarray(value, gate.dtype) for value in (limit, alpha, 1.0))
+    g, u = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return g * jax.nn.sigmoid(alpha * g) * (u + one)
 
 
 # nnx.jit traverses a module's attributes as its graph: the log rides a context variable instead

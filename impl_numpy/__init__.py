@@ -17,6 +17,7 @@ from impl_numpy.model import (
     experts_ffn,
     expert_shares,
     feed_forward,
+    clamped_swiglu,
     ffn,
     ffn_block,
     final_norm,

@@ -22,6 +22,7 @@ from impl_numpy.model import (
     Params,
     attention_positions,
     balanced_model_logits,
+    clamped_swiglu,
     block,
     decoder,
     decoder_layer,
@@ -217,12 +218,20 @@ def attention_sinks_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.nd
 
 # ---- feed-forward and norms -----------------------------------------------------------------
 
-def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
-                     d_y: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str, d_y: np.ndarray,
+                     clamp: tuple[float, float] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """y = a W2 + b2, a = act(x W1 + b1), gated: y = (a ⊙ u) W2 + b2, u = x W3 + b3:
     ∂a = ∂h ⊙ u, ∂u = ∂h ⊙ a, then back through the activation and W1 (and W3).
     x [B, T, d], d_y [B, T, d] -> d_x [B, T, d], {w1.*, w3.*, w2.*}"""
     before = x @ p["w1.weight"] + (p["w1.bias"] if "w1.bias" in p else 0.0)  # [B, T, d_ff]
+    if clamp is not None:  # gpt-oss's clamped SwiGLU (SPEC §5.16)
+        up = x @ p["w3.weight"] + (p["w3.bias"] if "w3.bias" in p else 0.0)
+        d_hidden, d_w2, d_b2 = linear_vjp(clamped_swiglu(before, up, *clamp), p["w2.weight"], d_y)
+        d_gate, d_up = clamped_swiglu_vjp(before, up, *clamp, d_hidden)
+        d_x, d_w1, d_b1 = linear_vjp(x, p["w1.weight"], d_gate)
+        d_from_w3, d_w3, d_b3 = linear_vjp(x, p["w3.weight"], d_up)
+        return d_x + d_from_w3, _present(p, {"w1.weight": d_w1, "w1.bias": d_b1, "w2.weight": d_w2, "w2.bias": d_b2,
+                                             "w3.weight": d_w3, "w3.bias": d_b3})
     activated = ACTIVATIONS[activation](before)
     if not _CANCELLING[0]:
         # a dead ReLU unit's zero, or a saturated GELU's, is a value that rounding may change: the term's size
@@ -238,8 +247,19 @@ def feed_forward_vjp(p: dict[str, np.ndarray], x: np.ndarray, activation: str,
     return d_x, _present(p, grads)
 
 
+def clamped_swiglu_vjp(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float,
+                       d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """y = g σ(α g) ⊙ (u + 1), g = min(gate, L), u = clip(up, −L, L):  ∂gate = ∂y (u + 1)(σ + α g σ (1 − σ))
+    where gate ≤ L, ∂up = ∂y g σ where −L ≤ up ≤ L (a clamped unit passes nothing, as torch's clamp)"""
+    g, u = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    s = sigmoid(alpha * g)
+    d_gate = _through(gate <= limit, d_y * (u + 1.0) * (s + alpha * g * s * (1.0 - s)))
+    return d_gate, _through((up >= -limit) & (up <= limit), d_y * g * s)
+
+
 def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict[str, np.ndarray]], k: int,
-                           renormalize: bool, activation: str, d_y: np.ndarray, d_probabilities: np.ndarray | None = None
+                           renormalize: bool, activation: str, d_y: np.ndarray, d_probabilities: np.ndarray | None = None,
+                           clamp: tuple[float, float] | None = None
                            ) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
     """y = Σ_j w_j FFN_top_j(x), the chosen experts constants (top-k is constant between ties):
     ∂w_j = ⟨∂y, FFN_top_j(x)⟩; renormalised, w = p_T / Σ p_T: ∂p_T = (∂w − Σ_j w_j ∂w_j) / Σ p_T;
@@ -256,8 +276,8 @@ def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict
         if not tokens.size:
             expert_grads.append({name: np.zeros_like(value) for name, value in p.items()})
             continue
-        d_weights[tokens, slot] = (d_y[tokens] * feed_forward(p, x[tokens], activation)).sum(axis=-1)
-        d_part, grads = feed_forward_vjp(p, x[tokens], activation, weights[tokens, slot, None] * d_y[tokens])
+        d_weights[tokens, slot] = (d_y[tokens] * feed_forward(p, x[tokens], activation, clamp)).sum(axis=-1)
+        d_part, grads = feed_forward_vjp(p, x[tokens], activation, weights[tokens, slot, None] * d_y[tokens], clamp)
         d_x[tokens] += d_part
         expert_grads.append(grads)
     d_chosen = d_weights
@@ -289,7 +309,7 @@ def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
     d_x, d_router, expert_grads = mixture_of_experts_vjp(
         x.reshape(-1, width), p["router.weight"], layer_experts(cfg, p), moe.experts_per_token, moe.renormalize,
         cfg.activation, d_y.reshape(-1, width),
-        None if d_probabilities is None else d_probabilities.reshape(-1, moe.n_experts))
+        None if d_probabilities is None else d_probabilities.reshape(-1, moe.n_experts), cfg.swiglu_clamp)
     grads = {"router.weight": d_router}
     for expert, expert_grad in enumerate(expert_grads):
         grads.update({f"experts.{expert}.{name}": value for name, value in expert_grad.items()})
@@ -306,10 +326,10 @@ def shared_expert_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarra
     then back through g and the FFN. x, d_y [.., d] -> d_x [.., d], {shared_expert_gate.weight,
     shared_expert.w1.weight, ...}"""
     gate, expert = p["shared_expert_gate.weight"], params_under(p, "shared_expert")
-    s, f = sigmoid(linear(x, gate)), feed_forward(expert, x, cfg.activation)
+    s, f = sigmoid(linear(x, gate)), feed_forward(expert, x, cfg.activation, cfg.swiglu_clamp)
     d_s = ((f if _CANCELLING[0] else np.abs(f)) * d_y).sum(axis=-1, keepdims=True)  # [.., 1]
     d_from_gate, d_gate, _ = linear_vjp(x, gate, _through(s * (1.0 - s), d_s))
-    d_from_expert, expert_grads = feed_forward_vjp(expert, x, cfg.activation, s * d_y)
+    d_from_expert, expert_grads = feed_forward_vjp(expert, x, cfg.activation, s * d_y, cfg.swiglu_clamp)
     return d_from_gate + d_from_expert, {"shared_expert_gate.weight": d_gate,
                                          **{f"shared_expert.{name}": value for name, value in expert_grads.items()}}
 
@@ -681,8 +701,9 @@ def ffn_block_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
     [B, T, E] a loss's gradient on its router's probabilities). p: the layer's parameters."""
     ffn_p = params_under(p, "ffn")
     if cfg.moe is None:
-        return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn_p, h, cfg.activation),
-                         lambda h, d_out: feed_forward_vjp(ffn_p, h, cfg.activation, d_out), d_y, dropout_mask)
+        return block_vjp(cfg, p, "ffn", x, lambda h: feed_forward(ffn_p, h, cfg.activation, cfg.swiglu_clamp),
+                         lambda h, d_out: feed_forward_vjp(ffn_p, h, cfg.activation, d_out, cfg.swiglu_clamp), d_y,
+                         dropout_mask)
     return block_vjp(cfg, p, "ffn", x, lambda h: experts_ffn(cfg, ffn_p, h),
                      lambda h, d_out: experts_ffn_vjp(cfg, ffn_p, h, d_out, d_probabilities), d_y, dropout_mask)
 

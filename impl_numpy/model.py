@@ -355,13 +355,24 @@ def multi_head_attention(cfg: ModelConfig, p: Params, x: np.ndarray, context: np
 
 # ---- feed-forward, norms, residual ----------------------------------------------------------
 
-def feed_forward(p: Params, x: np.ndarray, activation: str) -> np.ndarray:
+def feed_forward(p: Params, x: np.ndarray, activation: str, clamp: tuple[float, float] | None = None) -> np.ndarray:
     """FFN(x) = act(x W1 + b1) W2 + b2; gated (p has W3): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
-    SwiGLU with swish, GeGLU with gelu-tanh. [B, T, d] -> [B, T, d]"""
-    hidden = ACTIVATIONS[activation](linear(x, p["w1.weight"], p.get("w1.bias")))  # [B, T, d_ff]
-    if "w3.weight" in p:
-        hidden = hidden * linear(x, p["w3.weight"], p.get("w3.bias"))
+    SwiGLU with swish, GeGLU with gelu-tanh; with clamp (L, α), gpt-oss's clamped SwiGLU as the
+    gated unit. [B, T, d] -> [B, T, d]"""
+    gate = linear(x, p["w1.weight"], p.get("w1.bias"))  # [B, T, d_ff]
+    if clamp is not None:
+        hidden = clamped_swiglu(gate, linear(x, p["w3.weight"], p.get("w3.bias")), *clamp)
+    else:
+        hidden = ACTIVATIONS[activation](gate)
+        if "w3.weight" in p:
+            hidden = hidden * linear(x, p["w3.weight"], p.get("w3.bias"))
     return linear(hidden, p["w2.weight"], p.get("w2.bias"))
+
+
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's gated unit (SPEC §5.16): g = min(gate, L), u = clip(up, −L, L);  g·σ(α g) ⊙ (u + 1)"""
+    g, u = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return g * sigmoid(alpha * g) * (u + 1.0)
 
 
 def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
@@ -425,7 +436,7 @@ def block(cfg: ModelConfig, p: Params, name: str, x: np.ndarray, sublayer: Calla
 def ffn(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     """A layer's FFN: one FFN (§5.5), or the mixture of experts (§5.14). p: its "ffn" parameters.
     [B, T, d] -> [B, T, d]"""
-    return feed_forward(p, x, cfg.activation) if cfg.moe is None else experts_ffn(cfg, p, x)
+    return feed_forward(p, x, cfg.activation, cfg.swiglu_clamp) if cfg.moe is None else experts_ffn(cfg, p, x)
 
 
 def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarray | None = None) -> np.ndarray:
@@ -466,24 +477,25 @@ def routing_margins(probabilities: np.ndarray, k: int) -> np.ndarray:
 
 
 def mixture_of_experts(x: np.ndarray, router: np.ndarray, experts: Sequence[Params], k: int, renormalize: bool,
-                       activation: str) -> np.ndarray:
+                       activation: str, clamp: tuple[float, float] | None = None) -> np.ndarray:
     """MoE(x) = Σ_j w_j · FFN_top_j(x), each expert run on the tokens that chose it. [N, d] -> [N, d]"""
     if router.shape[-1] != len(experts):
         raise ValueError(f"the router scores {router.shape[-1]} experts; {len(experts)} are given")
     probabilities = router_probabilities(x, router)
     chosen = top_experts(probabilities, k)  # [N, k]
-    return weighted_experts(x, experts, chosen, routing_weights(probabilities, chosen, renormalize), activation)
+    return weighted_experts(x, experts, chosen, routing_weights(probabilities, chosen, renormalize), activation,
+                            clamp)
 
 
 def weighted_experts(x: np.ndarray, experts: Sequence[Params], chosen: np.ndarray, weights: np.ndarray,
-                     activation: str) -> np.ndarray:
+                     activation: str, clamp: tuple[float, float] | None = None) -> np.ndarray:
     """Σ_j w_j · FFN_chosen_j(x) for the given choices [N, k] and weights [N, k]; an expert no
     token chose computes nothing. [N, d] -> [N, d]"""
     out = np.zeros_like(x)
     for expert, p in enumerate(experts):
         tokens, slot = np.nonzero(chosen == expert)  # the tokens that chose it, and in which of their k places
         if tokens.size:
-            out[tokens] += weights[tokens, slot, None] * feed_forward(p, x[tokens], activation)
+            out[tokens] += weights[tokens, slot, None] * feed_forward(p, x[tokens], activation, clamp)
     return out
 
 
@@ -546,7 +558,7 @@ def shared_expert(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     """The expert every token takes beside its k, gated per token: σ(x g) · FFN_shared(x), g [d, 1]
     (Qwen2-MoE, Qwen3-Next). p: the layer's "ffn" parameters. [.., d] -> [.., d]"""
     return sigmoid(linear(x, p["shared_expert_gate.weight"])) * feed_forward(params_under(p, "shared_expert"), x,
-                                                                            cfg.activation)
+                                                                            cfg.activation, cfg.swiglu_clamp)
 
 
 def with_shared_expert(cfg: ModelConfig, p: Params, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
@@ -582,9 +594,10 @@ def routed_experts(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
         weights = routing_weights(probabilities, chosen, moe.renormalize)
         forced = log.weigh(layer, weights)
         weights = weights if forced is None else forced.astype(weights.dtype)
-        return weighted_experts(tokens, layer_experts(cfg, p), chosen, weights, cfg.activation).reshape(x.shape)
+        return weighted_experts(tokens, layer_experts(cfg, p), chosen, weights, cfg.activation,
+                                cfg.swiglu_clamp).reshape(x.shape)
     return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,
-                              moe.renormalize, cfg.activation).reshape(x.shape)
+                              moe.renormalize, cfg.activation, cfg.swiglu_clamp).reshape(x.shape)
 
 
 def expert_shares(chosen: Sequence[np.ndarray], keep: np.ndarray, n_experts: int) -> np.ndarray:

@@ -362,7 +362,8 @@ class MultiHeadAttention(nn.Module):
 
 class FeedForward(nn.Module):
     """FFN(x) = act(x W1 + b1) W2 + b2; gated (cfg.gated_ffn): (act(x W1 + b1) ⊙ (x W3 + b3)) W2 + b2,
-    SwiGLU with swish, GeGLU with gelu-tanh."""
+    SwiGLU with swish, GeGLU with gelu-tanh; gpt-oss's clamped SwiGLU as the gated unit where the
+    config has its limit (SPEC §5.16)."""
 
     def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
         super().__init__()
@@ -371,13 +372,21 @@ class FeedForward(nn.Module):
         if cfg.gated_ffn:
             self.w3 = nn.Linear(cfg.d_model, d_ff, bias=cfg.bias)
         self.w2 = nn.Linear(d_ff, cfg.d_model, bias=cfg.bias)
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.activation, self.clamp = ACTIVATIONS[cfg.activation], cfg.swiglu_clamp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clamp is not None:
+            return self.w2(clamped_swiglu(self.w1(x), self.w3(x), *self.clamp))
         hidden = self.activation(self.w1(x))  # [B, T, d_ff]
         if hasattr(self, "w3"):
             hidden = hidden * self.w3(x)
         return self.w2(hidden)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's gated unit (SPEC §5.16): g = min(gate, L), u = clip(up, −L, L);  g·σ(α g) ⊙ (u + 1)"""
+    g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1.0)
 
 
 # what the load-balancing loss reads: every MoE layer's (probabilities [N, E], chosen [N, k]) while a

@@ -38,6 +38,7 @@ FORWARDS: dict[str, tuple[str | None, str | None]] = {
     "scaled_dot_product_attention_vjp": ("scaled_dot_product_attention", "scaled_dot_product_attention"),
     "attention_sinks_vjp": ("softmax", "softmax"),
     "feed_forward_vjp": ("FeedForward.forward", "FeedForward.__call__"),
+    "clamped_swiglu_vjp": ("clamped_swiglu", "clamped_swiglu"),
     "mixture_of_experts_vjp": ("MixtureOfExperts.routed", "MixtureOfExperts.routed"),
     "experts_ffn_vjp": ("MixtureOfExperts.forward", "MixtureOfExperts.__call__"),
     "shared_expert_vjp": ("MixtureOfExperts.shared", "MixtureOfExperts.shared"),

@@ -173,6 +173,9 @@ class ModelConfig:
     attention_output_gate: bool = False  # self-attention's heads times σ(x W_gate) before W_o (the gated attention)
     # gpt-oss's attention (SPEC §5.16)
     attention_sinks: bool = False  # a learned logit per head in the self-attention softmax's denominator only
+    # its clamped SwiGLU: g = min(x W1 + b1, L), u = clip(x W3 + b3, −L, L), the unit g·σ(α g) ⊙ (u + 1)
+    swiglu_limit: float | None = None  # L (gpt-oss: 7)
+    swiglu_alpha: float | None = None  # α (gpt-oss: 1.702); given with swiglu_limit
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -210,6 +213,11 @@ class ModelConfig:
         if self.rotary_reads_length:
             return (self.rope_scaling.original_max_len,)
         return ()
+
+    @property
+    def swiglu_clamp(self) -> tuple[float, float] | None:
+        """gpt-oss's clamped SwiGLU as (L, α) (SPEC §5.16), or None: the plain gated unit."""
+        return None if self.swiglu_limit is None else (float(self.swiglu_limit), float(self.swiglu_alpha))
 
     @property
     def score_scale(self) -> float:
@@ -375,7 +383,7 @@ _ABSENT_WHEN = {  # fields newer than the first configs, left out of the JSON at
     "local_rope_theta": None, "nope_layers": None,
     "attention_softcap": None, "final_softcap": None, "norm_scale_plus_one": False, "post_norms": False,
     "query_pre_attention_scalar": None, "moe": None, "linear_attention": None, "attention_output_gate": False,
-    "attention_sinks": False,
+    "attention_sinks": False, "swiglu_limit": None, "swiglu_alpha": None,
 }
 
 
@@ -466,11 +474,16 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError("rope_theta, rope_fraction and rope_scaling apply to positional='rope' only, got "
                           f"positional={cfg.positional!r}")
     _validate_layer_kinds(cfg)
-    for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar"):
+    for name in ("attention_softcap", "final_softcap", "query_pre_attention_scalar", "swiglu_limit", "swiglu_alpha"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
             raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+    if (cfg.swiglu_limit is None) != (cfg.swiglu_alpha is None):
+        raise ConfigError("swiglu_limit and swiglu_alpha are gpt-oss's clamped SwiGLU together: give both or neither")
+    if cfg.swiglu_limit is not None and (not cfg.gated_ffn or cfg.activation != "swish"):
+        raise ConfigError(f"swiglu_limit clamps a SwiGLU's gate and linear unit: it needs gated_ffn=true and "
+                          f"activation='swish', got gated_ffn={cfg.gated_ffn}, activation={cfg.activation!r}")
     if cfg.moe is not None:
         _validate_moe(cfg)
     _validate_hybrid(cfg)
@@ -648,9 +661,9 @@ def _validate_moe(cfg: ModelConfig) -> None:
                           f"finite number >= 0, got {weight!r}")
     if cfg.has_encoder:
         raise ConfigError("moe is defined for decoder-only models here (Mixtral, Qwen3-MoE); use arch='decoder-only'")
-    if not cfg.gated_ffn or cfg.bias:
-        raise ConfigError("moe's experts are gated FFNs without biases (Mixtral's and Qwen3-MoE's): it needs "
-                          f"gated_ffn=true and bias=false, got gated_ffn={cfg.gated_ffn}, bias={cfg.bias}")
+    if not cfg.gated_ffn:
+        raise ConfigError("moe's experts are gated FFNs (Mixtral's, Qwen3-MoE's, gpt-oss's): it needs gated_ffn=true, "
+                          f"got gated_ffn={cfg.gated_ffn}")
 
 
 def _validate_rope_scaling(scaling: RopeScaling) -> None:

@@ -125,7 +125,8 @@ class NumpyRunner:
             block = params_under(p, inputs["module"])
             routed = golden.weighted_experts(x.reshape(-1, x.shape[-1]), golden.layer_experts(cfg, block),
                                              np.reshape(inputs["chosen"], (-1, k)),
-                                             self._float(inputs["weights"]).reshape(-1, k), cfg.activation)
+                                             self._float(inputs["weights"]).reshape(-1, k), cfg.activation,
+                                             cfg.swiglu_clamp)
             return golden.with_shared_expert(cfg, block, x, routed.reshape(x.shape))
         if sublayer == "norm":
             return golden.norm(cfg, params_under(p, inputs["module"]), self._float(inputs["x"]))
@@ -207,7 +208,7 @@ class NumpyRunner:
             return {"x": d_x, "context": d_context, **_every(under, grads)}
         if forward == "ffn":
             x = self._float(inputs["x"])
-            d_x, grads = (backward.feed_forward_vjp(under, x, cfg.activation, d_out) if cfg.moe is None
+            d_x, grads = (backward.feed_forward_vjp(under, x, cfg.activation, d_out, cfg.swiglu_clamp) if cfg.moe is None
                           else backward.experts_ffn_vjp(cfg, under, x, d_out))
         elif forward == "linear_attn":  # the model's config: a layer's own has no mixer (SPEC §5.15)
             d_x, grads = backward.gated_delta_net_vjp(self.cfg, under, self._float(inputs["x"]),
