@@ -96,6 +96,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                             max_position_embeddings=65536, rms_norm_eps=1e-6, rope_theta=5000000.0,
                                             tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128012,
                                             pad_token_id=128004)),
+    # two layers of OLMo 2 7B's shape (d 4096, 32 heads of 128, context 4096; d_ff 11008, θ 5e5, ε 1e-6): each
+    # sublayer's output normed before the sum, q and k normed over all 4096 of their projection; its vocabulary
+    # cut from 100,352 to 32,768 as the other layer shapes' are; untied
+    "olmo2-7b-2-layers": ("olmo2", dict(vocab_size=32768, hidden_size=4096, intermediate_size=11008,
+                                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
+                                        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
+                                        tie_word_embeddings=False, pad_token_id=1, bos_token_id=None,
+                                        eos_token_id=32767)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),

@@ -512,7 +512,8 @@ def _experts_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarra
     (float32-representable, as every input), or, leaving one out, the k most probable of the other
     experts, so the least probable expert overall is chosen by no token (it must add nothing)."""
     moe = cfg.moe
-    probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]).astype(np.float64), p["router.weight"])
+    probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]).astype(np.float64), p["router.weight"],
+                                                p.get("router.bias"))
     candidates = probabilities.copy()
     if leave_one_out:
         candidates[:, np.argmin(probabilities.sum(axis=0))] = -1.0
@@ -521,17 +522,21 @@ def _experts_routing(cfg: ModelConfig, p: Mapping[str, np.ndarray], x: np.ndarra
     return chosen.reshape(*x.shape[:-1], -1), weights.reshape(*x.shape[:-1], -1)
 
 
-def _at_routing_ties(cfg: ModelConfig, router: np.ndarray, x: np.ndarray, rounds: int = 4) -> np.ndarray:
+def _at_routing_ties(cfg: ModelConfig, router: np.ndarray, x: np.ndarray, rounds: int = 4,
+                     bias: np.ndarray | None = None) -> np.ndarray:
     """x [B, T, d] moved, token by token, onto the plane where its k-th and (k+1)-th router logits
-    are equal: x − (x·r / r·r) r, r = R[:, a] − R[:, b] the difference of the two experts' router
-    columns. The move changes the other logits a little, so the pair is taken again for a few
-    rounds; rounded to float32, each token's margin is left at float32's rounding of its logits."""
+    are equal: x − ((x·r + c) / r·r) r, r = R[:, a] − R[:, b] the difference of the two experts' router
+    columns, c = b_a − b_b their biases' (gpt-oss's router; 0 without). The move changes the other
+    logits a little, so the pair is taken again for a few rounds; rounded to float32, each token's
+    margin is left at float32's rounding of its logits."""
     k = cfg.moe.experts_per_token
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    bias = np.zeros(router.shape[-1]) if bias is None else np.asarray(bias, np.float64)
     for _ in range(rounds):
-        order = np.argsort(-golden.linear(rows, router), axis=-1, kind="stable")
+        order = np.argsort(-golden.linear(rows, router, bias), axis=-1, kind="stable")
         r = (router[:, order[:, k - 1]] - router[:, order[:, k]]).T  # [N, d]
-        rows = rows - (np.sum(rows * r, axis=-1) / np.sum(r * r, axis=-1))[:, None] * r
+        c = bias[order[:, k - 1]] - bias[order[:, k]]  # [N]
+        rows = rows - ((np.sum(rows * r, axis=-1) + c) / np.sum(r * r, axis=-1))[:, None] * r
     return rows.reshape(x.shape).astype(np.float32)
 
 
@@ -622,7 +627,8 @@ def _build(cfg: ModelConfig, golden_params: GoldenParams, sublayer: str, mask_ca
         key, module = ("module", f"{stack}.layers.0.ffn") if sublayer == "ffn" else ("layer", f"{stack}.layers.0")
         x = _normal(rng, BATCH, TGT_LEN, d)
         if mask_case == "near_tie":
-            x = _at_routing_ties(cfg, params_under(golden_params(), module)["router.weight"], x)
+            block = params_under(golden_params(), module)
+            x = _at_routing_ties(cfg, block["router.weight"], x, bias=block.get("router.bias"))
         return {key: module, "x": x}, max(d, d_ff)
     if sublayer == "linear_attn":
         length = min(chunk_case_length(cfg, mask_case) if mask_case in CHUNK_CASES else TGT_LEN, cfg.max_len)

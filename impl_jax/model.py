@@ -546,7 +546,7 @@ class MixtureOfExperts(nnx.Module):
     in the matrix: the sdpa column runs the batched form, the math column the loop."""
 
     def __init__(self, cfg: ModelConfig, batched: bool, precision: str, dtype, rngs: nnx.Rngs):
-        self.router = Linear(cfg.d_model, cfg.moe.n_experts, use_bias=False, dtype=dtype, param_dtype=dtype,
+        self.router = Linear(cfg.d_model, cfg.moe.n_experts, use_bias=cfg.moe.router_bias, dtype=dtype, param_dtype=dtype,
                              precision=precision, rngs=rngs)
         self.experts = nnx.List([FeedForward(cfg, precision, dtype, rngs) for _ in range(cfg.moe.n_experts)])
         shared = cfg.moe.shared_expert_d_ff

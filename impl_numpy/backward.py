@@ -259,15 +259,15 @@ def clamped_swiglu_vjp(gate: np.ndarray, up: np.ndarray, limit: float, alpha: fl
 
 def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict[str, np.ndarray]], k: int,
                            renormalize: bool, activation: str, d_y: np.ndarray, d_probabilities: np.ndarray | None = None,
-                           clamp: tuple[float, float] | None = None
-                           ) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
+                           clamp: tuple[float, float] | None = None, router_bias: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], list[dict[str, np.ndarray]]]:
     """y = Σ_j w_j FFN_top_j(x), the chosen experts constants (top-k is constant between ties):
     ∂w_j = ⟨∂y, FFN_top_j(x)⟩; renormalised, w = p_T / Σ p_T: ∂p_T = (∂w − Σ_j w_j ∂w_j) / Σ p_T;
     ∂z = softmax's VJP of ∂p (0 off the chosen), z = x R; ∂x = Σ_j w_j ∂x_FFN_j + ∂z Rᵀ.
     d_probabilities [N, E], where a loss reads the probabilities themselves (load balancing), adds
-    to ∂p. x [N, d], d_y [N, d] -> d_x [N, d], d_router [d, E], each expert's {w1.*, w3.*, w2.*}
-    (zeros for an expert no token chose)"""
-    probabilities = router_probabilities(x, router)  # [N, E]
+    to ∂p. x [N, d], d_y [N, d] -> d_x [N, d], (d_router [d, E], d_router_bias [E]), each expert's
+    {w1.*, w3.*, w2.*} (zeros for an expert no token chose)"""
+    probabilities = router_probabilities(x, router, router_bias)  # [N, E]
     chosen = top_experts(probabilities, k)  # [N, k]
     weights = routing_weights(probabilities, chosen, renormalize)  # [N, k]
     d_x, d_weights, expert_grads = np.zeros_like(x), np.zeros_like(weights), []
@@ -297,8 +297,8 @@ def mixture_of_experts_vjp(x: np.ndarray, router: np.ndarray, experts: list[dict
         # softmax's shared term −p_e Σ_j p_j ∂p_j: its size, kept where the cancelling form drops it
         d_logits = probabilities * (np.abs(d_probabilities) + np.abs(probabilities * d_probabilities).sum(
             axis=-1, keepdims=True))
-    d_from_router, d_router, _ = linear_vjp(x, router, d_logits)
-    return d_x + d_from_router, d_router, expert_grads
+    d_from_router, d_router, d_router_bias = linear_vjp(x, router, d_logits)
+    return d_x + d_from_router, (d_router, d_router_bias), expert_grads
 
 
 def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
@@ -306,11 +306,12 @@ def experts_ffn_vjp(cfg: ModelConfig, p: Params, x: np.ndarray, d_y: np.ndarray,
     """experts_ffn, back: d_x [B, T, d] and {router.weight, experts.{e}.w1.weight, ...};
     d_probabilities [B, T, E]: a loss's gradient on the router's probabilities themselves."""
     moe, width = cfg.moe, x.shape[-1]
-    d_x, d_router, expert_grads = mixture_of_experts_vjp(
+    d_x, (d_router, d_router_bias), expert_grads = mixture_of_experts_vjp(
         x.reshape(-1, width), p["router.weight"], layer_experts(cfg, p), moe.experts_per_token, moe.renormalize,
         cfg.activation, d_y.reshape(-1, width),
-        None if d_probabilities is None else d_probabilities.reshape(-1, moe.n_experts), cfg.swiglu_clamp)
-    grads = {"router.weight": d_router}
+        None if d_probabilities is None else d_probabilities.reshape(-1, moe.n_experts), cfg.swiglu_clamp,
+        p.get("router.bias"))
+    grads = _present(p, {"router.weight": d_router, "router.bias": d_router_bias})
     for expert, expert_grad in enumerate(expert_grads):
         grads.update({f"experts.{expert}.{name}": value for name, value in expert_grad.items()})
     d_x = d_x.reshape(x.shape)

@@ -452,9 +452,9 @@ def ffn_block(cfg: ModelConfig, p: Params, x: np.ndarray, dropout_mask: np.ndarr
 # An expert no token chose computes nothing. A token's routing margin, p_(k) − p_(k+1), is how far
 # its choice is from a tie that a backend's rounding could flip. x [N, d] (tokens flattened).
 
-def router_probabilities(x: np.ndarray, router: np.ndarray) -> np.ndarray:
-    """p = softmax(x R). [N, d] @ [d, E] -> [N, E]"""
-    return softmax(linear(x, router))
+def router_probabilities(x: np.ndarray, router: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """p = softmax(x R + b), b where the router has one (gpt-oss). [N, d] @ [d, E] -> [N, E]"""
+    return softmax(linear(x, router, bias))
 
 
 def top_experts(probabilities: np.ndarray, k: int) -> np.ndarray:
@@ -477,11 +477,12 @@ def routing_margins(probabilities: np.ndarray, k: int) -> np.ndarray:
 
 
 def mixture_of_experts(x: np.ndarray, router: np.ndarray, experts: Sequence[Params], k: int, renormalize: bool,
-                       activation: str, clamp: tuple[float, float] | None = None) -> np.ndarray:
+                       activation: str, clamp: tuple[float, float] | None = None,
+                       router_bias: np.ndarray | None = None) -> np.ndarray:
     """MoE(x) = Σ_j w_j · FFN_top_j(x), each expert run on the tokens that chose it. [N, d] -> [N, d]"""
     if router.shape[-1] != len(experts):
         raise ValueError(f"the router scores {router.shape[-1]} experts; {len(experts)} are given")
-    probabilities = router_probabilities(x, router)
+    probabilities = router_probabilities(x, router, router_bias)
     chosen = top_experts(probabilities, k)  # [N, k]
     return weighted_experts(x, experts, chosen, routing_weights(probabilities, chosen, renormalize), activation,
                             clamp)
@@ -577,17 +578,18 @@ def routed_experts(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
     moe = cfg.moe
     calls = _RECORDING.get()
     if calls is not None:
-        logits = linear(tokens, p["router.weight"])
+        logits = linear(tokens, p["router.weight"], p.get("router.bias"))
         probabilities = softmax(logits)
         chosen = top_experts(probabilities, moe.experts_per_token)
         calls.append(RoutedCall(chosen.reshape(*x.shape[:-1], -1),
                                 routing_weights(probabilities, chosen, moe.renormalize).reshape(*x.shape[:-1], -1),
                                 routing_margins(probabilities, moe.experts_per_token).reshape(x.shape[:-1]),
                                 logits.reshape(*x.shape[:-1], -1),
-                                linear(np.abs(tokens), np.abs(p["router.weight"])).reshape(*x.shape[:-1], -1),
+                                linear(np.abs(tokens), np.abs(p["router.weight"]), _absolute(p.get("router.bias")))
+                                .reshape(*x.shape[:-1], -1),
                                 probabilities.reshape(*x.shape[:-1], -1)))
     if (log := _REPLAY.get()) is not None:  # the choices and weights through the routing log
-        probabilities = router_probabilities(tokens, p["router.weight"])
+        probabilities = router_probabilities(tokens, p["router.weight"], p.get("router.bias"))
         layer = hashlib.sha256(np.ascontiguousarray(p["router.weight"]).tobytes()).hexdigest()
         chosen = log.choose(layer, x.shape[0], top_experts(probabilities, moe.experts_per_token)).astype(np.int64)
         log.see(layer, tokens)
@@ -597,7 +599,11 @@ def routed_experts(cfg: ModelConfig, p: Params, x: np.ndarray) -> np.ndarray:
         return weighted_experts(tokens, layer_experts(cfg, p), chosen, weights, cfg.activation,
                                 cfg.swiglu_clamp).reshape(x.shape)
     return mixture_of_experts(tokens, p["router.weight"], layer_experts(cfg, p), moe.experts_per_token,
-                              moe.renormalize, cfg.activation, cfg.swiglu_clamp).reshape(x.shape)
+                              moe.renormalize, cfg.activation, cfg.swiglu_clamp, p.get("router.bias")).reshape(x.shape)
+
+
+def _absolute(bias: np.ndarray | None) -> np.ndarray | None:
+    return None if bias is None else np.abs(bias)
 
 
 def expert_shares(chosen: Sequence[np.ndarray], keep: np.ndarray, n_experts: int) -> np.ndarray:

@@ -414,7 +414,7 @@ class MixtureOfExperts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, batched: bool = False):
         super().__init__()
-        self.router = nn.Linear(cfg.d_model, cfg.moe.n_experts, bias=False)
+        self.router = nn.Linear(cfg.d_model, cfg.moe.n_experts, bias=cfg.moe.router_bias)
         self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.moe.n_experts))
         if cfg.moe.shared_expert_d_ff:
             self.shared_expert = FeedForward(cfg, cfg.moe.shared_expert_d_ff)

@@ -37,7 +37,7 @@ from spec import ModelConfig, conformance_params, get_preset, param_shapes
 
 # ---- the mistakes -----------------------------------------------------------------------------
 
-def _scaled_by_d_model(q, k, v, mask=None, scale=None, cap=None):
+def _scaled_by_d_model(q, k, v, mask=None, scale=None, cap=None, sinks=None):
     scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1] * q.shape[1])  # √d_model, not √d_k
     return model.softmax(scores, mask) @ v
 
@@ -49,16 +49,16 @@ def _cos_exponent_off(positions, d_model, layout):
     return np.stack([np.sin(angles_sin), np.cos(angles_cos)], axis=-1).reshape(len(positions), d_model)
 
 
-def _inverted_mask(x, mask=None):
-    return _original("softmax")(x, None if mask is None else ~mask)  # True read as "masked out"
+def _inverted_mask(x, mask=None, sink=None):
+    return _original("softmax")(x, None if mask is None else ~mask, sink)  # True read as "masked out"
 
 
-def _mask_after_softmax(x, mask=None):
-    weights = _original("softmax")(x)
+def _mask_after_softmax(x, mask=None, sink=None):
+    weights = _original("softmax")(x, None, sink)
     return weights if mask is None else weights * mask  # zeroed after normalising: rows no longer sum to 1
 
 
-def _softmax_over_queries(x, mask=None):
+def _softmax_over_queries(x, mask=None, sink=None):
     if mask is not None:
         x = np.where(mask, x, -np.inf)
     with np.errstate(invalid="ignore"):
@@ -108,14 +108,14 @@ def _window_ignored_in_the_cached_step(cfg, p, cache, tgt_ids, tgt_keep=None):
     return _original("decode_step")(cfg.replace(sliding_window=None), p, cache, tgt_ids, tgt_keep)
 
 
-def _fill_minus_1e9(x, mask=None):
+def _fill_minus_1e9(x, mask=None, sink=None):
     if mask is not None:
         x = np.where(mask, x, -1e9)  # a finite fill: a row with no key averages V instead of giving 0
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _plain_softmax_after_inf_fill(x, mask=None):
+def _plain_softmax_after_inf_fill(x, mask=None, sink=None):
     if mask is not None:
         x = np.where(mask, x, -np.inf)
     with np.errstate(invalid="ignore"):
@@ -123,17 +123,17 @@ def _plain_softmax_after_inf_fill(x, mask=None):
         return e / e.sum(axis=-1, keepdims=True)
 
 
-def _dropout_at_inference(p, x, activation):
+def _dropout_at_inference(p, x, activation, clamp=None):
     hidden = model.ACTIVATIONS[activation](model.linear(x, p["w1.weight"], p.get("w1.bias")))
     keep = np.random.default_rng(0).random(hidden.shape) >= 0.1  # dropout p=0.1 left on
     return model.linear(hidden * keep / 0.9, p["w2.weight"], p.get("w2.bias"))
 
 
-def _cross_attention_ignores_padding(cfg, p, y, memory, self_mask, cross_mask):
-    return _original("decoder_layer")(cfg, p, y, memory, self_mask, None)  # source padding not masked
+def _cross_attention_ignores_padding(cfg, p, y, memory, self_mask, cross_mask, dropout_masks=None):
+    return _original("decoder_layer")(cfg, p, y, memory, self_mask, None, dropout_masks)  # source padding not masked
 
 
-def _ffn_first_bias_dropped(p, x, activation):
+def _ffn_first_bias_dropped(p, x, activation, clamp=None):
     hidden = model.ACTIVATIONS[activation](model.linear(x, p["w1.weight"]))  # w1's bias never added
     return model.linear(hidden, p["w2.weight"], p.get("w2.bias"))
 
@@ -232,8 +232,8 @@ def _decay_everything(shape):
     return True  # biases, norm scales and norm biases decay too
 
 
-def _tied_table_one_use(cfg, params, ids, side, d_x, offset=0):
-    grads = _original("embed_vjp")(cfg, params, ids, side, d_x, offset)
+def _tied_table_one_use(cfg, params, ids, side, d_x, offset=0, dropout_mask=None):
+    grads = _original("embed_vjp")(cfg, params, ids, side, d_x, offset, dropout_mask)
     table = "tgt_embed.weight" if side == "tgt" or cfg.share_src_tgt_embed else "src_embed.weight"
     return {**grads, table: np.zeros_like(grads[table])}  # the table's gradient from the head's use only
 
@@ -347,18 +347,18 @@ def _head_norm_with_qwen3s_eps(cfg, p, name, x):
     return _original("head_norm")(cfg.replace(norm_eps=1e-6), p, name, x)  # Qwen3's rms_norm_eps written in
 
 
-def _gate_and_up_swapped(p, x, activation):
+def _gate_and_up_swapped(p, x, activation, clamp=None):
     swapped = {**p, "w1.weight": p["w3.weight"], "w3.weight": p["w1.weight"]}  # silu(x W_up) ⊙ x W_gate
-    return _original("feed_forward")(swapped, x, activation)
+    return _original("feed_forward")(swapped, x, activation, clamp)
 
 
 # ---- Gemma's mistakes of record (run on gemma2-tiny and gemma3-tiny) ----
 
-def _attention_softcap_dropped(q, k, v, mask=None, scale=None, cap=None):
-    return _original("scaled_dot_product_attention")(q, k, v, mask, scale, None)  # Gemma 2 served without its cap
+def _attention_softcap_dropped(q, k, v, mask=None, scale=None, cap=None, sinks=None):
+    return _original("scaled_dot_product_attention")(q, k, v, mask, scale, None, sinks)  # Gemma 2 served without its cap
 
 
-def _softcap_after_the_mask_fill(q, k, v, mask=None, scale=None, cap=None):
+def _softcap_after_the_mask_fill(q, k, v, mask=None, scale=None, cap=None, sinks=None):
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ np.swapaxes(k, -1, -2) * scale
     if mask is not None:
@@ -392,8 +392,8 @@ def _projection_norm_per_head(cfg, p, name, x):
     return model.rms_norm(x, per_head, None, float(cfg.norm_eps))
 
 
-def _query_scalar_ignored(q, k, v, mask=None, scale=None, cap=None):
-    return _original("scaled_dot_product_attention")(q, k, v, mask, None, cap)  # 1/√d_k, not 1/√query_pre_attn_scalar
+def _query_scalar_ignored(q, k, v, mask=None, scale=None, cap=None, sinks=None):
+    return _original("scaled_dot_product_attention")(q, k, v, mask, None, cap, sinks)  # 1/√d_k, not 1/√query_pre_attn_scalar
 
 
 def _embedding_scale_two_decimals(ids, weight, scale):
@@ -424,8 +424,8 @@ def _top_k_over_the_tokens(probabilities, k):
     return np.broadcast_to(popular, (probabilities.shape[0], k)).copy()
 
 
-def _router_softmax_over_tokens(x, router):
-    return model.softmax(model.linear(x, router).T).T  # softmax(dim=0): each expert's distribution over the tokens
+def _router_softmax_over_tokens(x, router, bias=None):
+    return model.softmax(model.linear(x, router, bias).T).T  # softmax(dim=0): each expert's distribution over the tokens
 
 
 def _bfloat16(x):
@@ -433,13 +433,15 @@ def _bfloat16(x):
     return held_at(x, "bfloat16").astype(np.asarray(x).dtype)
 
 
-def _router_in_bfloat16(x, router):
-    return model.softmax(_bfloat16(model.linear(_bfloat16(x), _bfloat16(router))))  # the config says float32
+def _router_in_bfloat16(x, router, bias=None):
+    bias = None if bias is None else _bfloat16(bias)
+    return model.softmax(_bfloat16(model.linear(_bfloat16(x), _bfloat16(router), bias)))  # the config says float32
 
 
-def _one_experts_gate_and_up_swapped(x, router, experts, k, renormalize, activation):
+def _one_experts_gate_and_up_swapped(x, router, experts, k, renormalize, activation, clamp=None, router_bias=None):
     first = {**experts[0], "w1.weight": experts[0]["w3.weight"], "w3.weight": experts[0]["w1.weight"]}
-    return _original("mixture_of_experts")(x, router, [first, *experts[1:]], k, renormalize, activation)
+    return _original("mixture_of_experts")(x, router, [first, *experts[1:]], k, renormalize, activation, clamp,
+                                           router_bias)
 
 
 # ---- the hybrid's gated DeltaNet (SPEC §5.15; run on qwen35-tiny), its silent bugs of record ----
@@ -762,10 +764,13 @@ class Verdict:
     first_sublayer: str | None  # the smallest sublayer with a failing cell
     worst: str  # the first failing cell and its error / tolerance
     first_stage: str | None
+    # the first cell's error where the mutant raised: a mutant that breaks on being called (a signature the
+    # function no longer has) catches nothing, so such a verdict is never caught
+    broken: str | None = None
 
     @property
     def caught(self) -> bool:
-        return self.failed_cells > 0
+        return self.failed_cells > 0 and self.broken is None
 
     @property
     def localized(self) -> bool:
@@ -809,7 +814,8 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation, goldens: dict[str
             cfg, params, name, "float32", "cpu", mutation.localize_on)
     finally:
         unregister_backend(name)
-    failures = [r for r in results if r.status in (FAIL, ERROR)]
+    failures = [r for r in results if r.status == FAIL]
+    errors = [r for r in results if r.status == ERROR]
     order = list(SUBLAYERS)
     failures.sort(key=lambda r: order.index(r.sublayer))
     first = failures[0] if failures else None
@@ -818,7 +824,8 @@ def run_mutation(cfg: ModelConfig, params, mutation: Mutation, goldens: dict[str
     stage = localization.first_failure.name if localization.first_failure else None
     if stage is None and first is not None and is_training(first.sublayer):
         stage = failing_step(first.reason)
-    return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst, stage)
+    return Verdict(mutation, len(failures), len(results), first.sublayer if first else None, worst, stage,
+                   errors[0].reason.splitlines()[0] if errors else None)
 
 
 def run_gallery(cfg: ModelConfig, params, mutations: Sequence[Mutation] | None = None) -> list[Verdict]:
@@ -833,7 +840,8 @@ def gallery_table(verdicts: list[Verdict]) -> str:
     lines = ["| mutation | the mistake | cells failed | first failing sublayer | first failing cell | "
              "localized stage | verdict |", "|---|---|---:|---|---|---|---|"]
     for v in verdicts:
-        verdict = "caught, localized" if v.caught and v.localized else ("caught, NOT localized" if v.caught else "MISSED")
+        verdict = "caught, localized" if v.caught and v.localized else ("caught, NOT localized" if v.caught else
+                                                                         "BROKEN" if v.broken else "MISSED")
         lines.append(f"| `{v.mutation.name}` | {v.mutation.mistake} | {v.failed_cells}/{v.total_cells} | "
                      f"{v.first_sublayer or '-'} | {v.worst} | {v.first_stage or 'none alone'} | {verdict} |")
     return "\n".join(lines)

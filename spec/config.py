@@ -87,6 +87,7 @@ class MixtureOfExperts:
     # the width of a shared expert every token takes beside its k, gated by σ(x g) (Qwen2-MoE's and
     # Qwen3-Next's shared_expert_intermediate_size); 0, the default: none
     shared_expert_d_ff: int = 0
+    router_bias: bool = False  # the router's logits x R + b (gpt-oss, SPEC §5.16)
 
     @classmethod
     def from_dict(cls, data: Any) -> "MixtureOfExperts":
@@ -295,6 +296,8 @@ class ModelConfig:
                 del data["rope_scaling"][name]
         if data.get("moe") and not data["moe"]["shared_expert_d_ff"]:  # absent without a shared expert
             del data["moe"]["shared_expert_d_ff"]
+        if data.get("moe") and not data["moe"]["router_bias"]:  # and without a router bias
+            del data["moe"]["router_bias"]
         return data
 
     def to_json(self) -> str:
@@ -651,8 +654,9 @@ def _validate_moe(cfg: ModelConfig) -> None:
     if moe.experts_per_token > moe.n_experts:
         raise ConfigError(f"moe.experts_per_token ({moe.experts_per_token}) cannot exceed moe.n_experts "
                           f"({moe.n_experts})")
-    if not isinstance(moe.renormalize, bool):
-        raise ConfigError(f"moe.renormalize must be true or false, got {moe.renormalize!r}")
+    for name in ("renormalize", "router_bias"):
+        if not isinstance(getattr(moe, name), bool):
+            raise ConfigError(f"moe.{name} must be true or false, got {getattr(moe, name)!r}")
     if moe.router_softmax not in ROUTER_SOFTMAXES:
         raise ConfigError(f"moe.router_softmax must be one of {', '.join(ROUTER_SOFTMAXES)}; got {moe.router_softmax!r}")
     weight = moe.load_balancing

@@ -123,6 +123,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(_ffn_shapes(f"{layer}.ffn", cfg))
         else:  # §5.14: the router, then each expert's gated FFN, then the shared expert and its gate
             shapes[f"{layer}.ffn.router.weight"] = (d, cfg.moe.n_experts)
+            if cfg.moe.router_bias:  # gpt-oss's (SPEC §5.16)
+                shapes[f"{layer}.ffn.router.bias"] = (cfg.moe.n_experts,)
             for expert in range(cfg.moe.n_experts):
                 shapes.update(_ffn_shapes(f"{layer}.ffn.experts.{expert}", cfg))
             if cfg.moe.shared_expert_d_ff:

@@ -235,7 +235,7 @@ def test_a_jax_softmax_that_hides_nan_in_its_forward(monkeypatch):
 
     import impl_jax.model as jax_model
 
-    def nan_hiding_softmax(x, mask=None):
+    def nan_hiding_softmax(x, mask=None, sink=None):
         if mask is None:
             return jax.nn.softmax(x, axis=-1)
         weights = jax.nn.softmax(x + jnp.where(mask, 0.0, -jnp.inf), axis=-1)

@@ -133,3 +133,16 @@ def test_probe_runs_every_probe(capsys):
     assert observation(observed, "float16 attention, one query", "jax.jit(jax.nn.dot_product_attention)", "cpu") \
         .startswith("fails to compile")  # XLA:CPU, the reason impl_jax's explicit path exists
     assert main(["probe"]) == 0 and "| fully masked row | torch nn.MultiheadAttention | cpu | NaN |" in capsys.readouterr().out
+
+
+def test_a_mutant_that_raises_is_broken_not_caught():
+    """A mutant whose replacement no longer fits its function's signature errors in every cell it
+    reaches: that catches nothing (the gallery once counted 13 such as caught, after softmax took a
+    sink and feed_forward a clamp), so its verdict is BROKEN."""
+    from dataclasses import replace
+
+    scale = next(m for m in MUTATIONS if m.name == "scale_d_model")
+    stale = replace(scale, name="stale_signature", replacement=lambda q, k, v: q)  # three arguments, not seven
+    cfg = get_preset("tiny")
+    verdict = run_mutation(cfg, conformance_params(cfg), stale)
+    assert verdict.broken and not verdict.caught and "| BROKEN |" in gallery_table([verdict])

@@ -92,8 +92,8 @@ _attention, _rms_norm, _block = (torch_model.scaled_dot_product_attention, torch
                                  torch_model.block)
 
 
-def _attention_softcap_dropped(q, k, v, mask=None, path="sdpa", scale=None, cap=None):
-    return _attention(q, k, v, mask, path, scale, None)  # Gemma 2 served without its attention cap
+def _attention_softcap_dropped(q, k, v, mask=None, path="sdpa", scale=None, cap=None, sinks=None):
+    return _attention(q, k, v, mask, path, scale, None, sinks)  # Gemma 2 served without its attention cap
 
 
 def _norm_plus_one_read_as_w(x, scale, bias, eps, plus_one=False):
@@ -274,8 +274,9 @@ def _jax_plants():
     jax_model = pytest.importorskip("impl_jax.model")
     attention, rms_norm = jax_model.scaled_dot_product_attention, jax_model.rms_norm
 
-    def attention_softcap_dropped(q, k, v, mask=None, path="sdpa", precision="highest", scale=None, cap=None):
-        return attention(q, k, v, mask, path, precision, scale, None)  # Gemma 2 served without its attention cap
+    def attention_softcap_dropped(q, k, v, mask=None, path="sdpa", precision="highest", scale=None, cap=None,
+                                  sinks=None):
+        return attention(q, k, v, mask, path, precision, scale, None, sinks)  # Gemma 2 served without its attention cap
 
     def norm_plus_one_read_as_w(x, scale, bias, eps, plus_one=False):
         return rms_norm(x, scale, bias, eps)  # Gemma's stored w taken as γ, not 1 + w

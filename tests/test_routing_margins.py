@@ -32,7 +32,7 @@ def test_the_smallest_margin_and_the_near_ties_are_the_goldens_own(monkeypatch):
     case = build_case(cfg, params, "forward", "long")
     recorded, original = [], golden.model.router_probabilities
     monkeypatch.setattr(golden.model, "router_probabilities",
-                        lambda x, router: recorded.append(original(x, router)) or recorded[-1])
+                        lambda x, router, bias=None: recorded.append(original(x, router, bias)) or recorded[-1])
     golden.model_logits(cfg, {k: v.astype(np.float64) for k, v in params.items()}, None, case.inputs["tgt_ids"])
     monkeypatch.undo()
     margins = [margins_of(p, cfg.moe.experts_per_token) for p in recorded]

@@ -116,7 +116,8 @@ class NumpyRunner:
         if sublayer == "router":
             x = self._float(inputs["x"])
             router, k = p[f"{inputs['module']}.router.weight"], cfg.moe.experts_per_token
-            probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]), router)
+            probabilities = golden.router_probabilities(x.reshape(-1, x.shape[-1]), router,
+                                                        p.get(f"{inputs['module']}.router.bias"))
             chosen = golden.top_experts(probabilities, k)
             routed = (probabilities, chosen, golden.routing_weights(probabilities, chosen, cfg.moe.renormalize))
             return dict(zip(ROUTER_OUTPUTS, (value.reshape(*x.shape[:-1], -1) for value in routed)))

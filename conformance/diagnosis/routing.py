@@ -122,12 +122,15 @@ def routing_on(cfg: ModelConfig, params: Mapping[str, np.ndarray], layer: int, i
     from impl_numpy.model import routing_margins, routing_weights, softmax, top_experts
 
     router = held_at(params[f"decoder.layers.{layer}.ffn.router.weight"], dtype)
+    bias = params.get(f"decoder.layers.{layer}.ffn.router.bias")  # gpt-oss's router
+    bias = np.zeros(router.shape[-1]) if bias is None else held_at(bias, dtype)
     x = held_at(inputs, dtype)
-    logits = x @ router
+    logits = x @ router + bias
     probabilities = softmax(logits)
     chosen = top_experts(probabilities, cfg.moe.experts_per_token)
     return LayerRouting(layer, chosen, routing_weights(probabilities, chosen, cfg.moe.renormalize),
-                        routing_margins(probabilities, cfg.moe.experts_per_token), logits, np.abs(x) @ np.abs(router))
+                        routing_margins(probabilities, cfg.moe.experts_per_token), logits,
+                        np.abs(x) @ np.abs(router) + np.abs(bias))
 
 
 def compare_router(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case, output, dtype: str) -> Comparison:

@@ -1,7 +1,9 @@
 """gpt-oss's experts (SPEC §5.16): the clamped SwiGLU, g = min(x W1 + b1, L), u = clip(x W3 + b3, −L, L),
-g·σ(α g) ⊙ (u + 1), in experts that carry the model's biases. The golden's definition and backward, and
-every column on a mixture of experts with it (mixtral-tiny with biases, L = 1 so that a third of the
-units clamp, and attention sinks)."""
+g·σ(α g) ⊙ (u + 1), in experts that carry the model's biases, chosen by a router with a bias. The
+golden's definition and backward, and every column on a mixture of experts with them (mixtral-tiny
+with biases, L = 1 so that a third of the units clamp, a router bias and attention sinks)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ from conformance.harness import PASS, SKIP, plan_matrix, run_matrix
 from impl_numpy import backward
 from spec import ConfigError, conformance_params, get_preset, params_under
 
-CLAMPED = get_preset("mixtral-tiny").replace(bias=True, qkv_bias=True, swiglu_limit=1.0, swiglu_alpha=1.702,
-                                             attention_sinks=True)
+_MIXTRAL = get_preset("mixtral-tiny")
+CLAMPED = _MIXTRAL.replace(bias=True, qkv_bias=True, swiglu_limit=1.0, swiglu_alpha=1.702, attention_sinks=True,
+                           moe=dataclasses.replace(_MIXTRAL.moe, router_bias=True))
 
 
 def test_the_clamped_unit_is_gpt_osss():
@@ -71,10 +74,30 @@ def test_the_clamp_round_trips_and_is_absent_at_its_default():
 ])
 def test_every_column_computes_the_clamped_experts(backends, backward_cells):
     params = conformance_params(CLAMPED)
-    pattern = "ffn-*|experts-*|forward-pad_right|decode-incremental"
+    pattern = "ffn-*|experts-*|router-*|forward-pad_right|decode-incremental"
     if backward_cells:
         pattern = "grad-ffn-*|grad-forward-pad_right"
     results = run_matrix(CLAMPED, params, plan_matrix(CLAMPED, backends, ["float32"], ["cpu"]),
                          backward=backward_cells, pattern=pattern)
     ran = [r for r in results if r.status != SKIP]
     assert ran and all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+
+
+def test_the_router_bias_moves_the_choices_and_is_a_parameter():
+    """router.bias [E] is read (U(-0.2, 0.2) in the conformance weights): without it some tokens choose
+    other experts; its gradient is the logits' gradient summed, checked against finite differences."""
+    params = conformance_params(CLAMPED)
+    block = params_under(params, "decoder.layers.0.ffn")
+    assert block["router.bias"].shape == (5,) and np.abs(block["router.bias"]).max() > 0.05
+    x = np.random.default_rng(2).normal(size=(40, CLAMPED.d_model))
+    with_bias = golden.top_experts(golden.router_probabilities(x, block["router.weight"], block["router.bias"]), 2)
+    without = golden.top_experts(golden.router_probabilities(x, block["router.weight"]), 2)
+    assert (with_bias != without).any()
+    assert type(CLAMPED).from_json(CLAMPED.to_json()) == CLAMPED and "router_bias" not in _MIXTRAL.to_dict()["moe"]
+    d_y = np.random.default_rng(3).normal(size=(2, 4, CLAMPED.d_model))
+    tokens = np.random.default_rng(4).normal(size=(2, 4, CLAMPED.d_model))
+    _, grads = backward.experts_ffn_vjp(CLAMPED, block, tokens, d_y)
+    step, direction = 1e-6, np.random.default_rng(5).normal(size=5)
+    moved = [{**block, "router.bias": block["router.bias"] + sign * step * direction} for sign in (1, -1)]
+    outs = [np.sum(d_y * golden.experts_ffn(CLAMPED, m, tokens)) for m in moved]
+    assert np.isclose(np.sum(grads["router.bias"] * direction), (outs[0] - outs[1]) / (2 * step), rtol=1e-5)
