@@ -70,7 +70,7 @@ def test_the_clamp_round_trips_and_is_absent_at_its_default():
 @pytest.mark.parametrize("backends, backward_cells", [
     (["numpy-float32", "torch", "jax"], False),
     (["torch", "jax"], True),
-    (["onnx", "onnx-jax"], False),
+    (["onnx"], False),  # onnx-jax's export of the mixture costs a minute here: the unit is the same JAX code
 ])
 def test_every_column_computes_the_clamped_experts(backends, backward_cells):
     params = conformance_params(CLAMPED)
