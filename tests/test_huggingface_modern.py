@@ -407,12 +407,20 @@ def test_canonical_weights_written_as_a_directory_import_back_and_run_in_transfo
     """The importer's mapping run backwards (importers.huggingface_writer): the import of the
     written directory is the same config and tensors, and transformers' own model of it computes
     the golden's logits at float64."""
-    from importers.huggingface_writer import to_huggingface
-    from spec import conformance_params, get_preset, params_digest
+    from spec import get_preset
 
-    cfg = get_preset(preset)
+    written_round_trip(get_preset(preset), tmp_path / preset)
+
+
+def written_round_trip(cfg, directory) -> None:
+    """cfg's conformance weights written as a Hugging Face directory (importers.huggingface_writer):
+    the import gives back the same config and tensors, and transformers runs the directory to the
+    golden's logits at float64 on a padded batch."""
+    from importers.huggingface_writer import to_huggingface
+    from spec import conformance_params, params_digest
+
     params = conformance_params(cfg)
-    directory = to_huggingface(cfg, params, tmp_path / preset)
+    directory = to_huggingface(cfg, params, directory)
     imported = import_huggingface(directory)
     assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
     ids, keep = _padded_batch(cfg)

@@ -13,9 +13,10 @@ from conformance.harness import PASS, SKIP  # noqa: E402
 from conformance.tolerance import compare  # noqa: E402
 from importers import import_huggingface  # noqa: E402
 from importers.huggingface_writer import to_huggingface  # noqa: E402
-from spec import ConfigError, conformance_params, get_preset, params_digest  # noqa: E402
+from spec import ConfigError, conformance_params, get_preset  # noqa: E402
 from tests.test_huggingface import _matrix, _with_config  # noqa: E402
-from tests.test_huggingface_modern import _padded_batch, _tolerance, _transformers_logits  # noqa: E402
+from tests.test_huggingface_modern import (_padded_batch, _tolerance, _transformers_logits,  # noqa: E402
+                                           written_round_trip)
 
 SMOLLM3 = get_preset("smollm3-tiny")
 
@@ -93,14 +94,7 @@ def test_smollm3_tiny_written_imports_back_and_runs_in_transformers(tmp_path, wi
     """smollm3-tiny, and with windows of 3 keys on layers 0 and 3 (layer_types written: one slides that
     rotates, one that does not, apart from the class's default rule)."""
     cfg = SMOLLM3 if windows is None else SMOLLM3.replace(layer_types=windows, sliding_window=3)
-    params = conformance_params(cfg)
-    directory = to_huggingface(cfg, params, tmp_path / "smollm3-tiny")
-    imported = import_huggingface(directory)
-    assert imported.config == cfg and params_digest(imported.params) == params_digest(params)
-    ids, keep = _padded_batch(cfg)
-    result = compare(_transformers_logits(directory, cfg, ids, keep),
-                     golden.forward(cfg, params, None, ids, tgt_keep=keep), _tolerance(cfg, ids.shape[1]))
-    assert result.passed, result.reason
+    written_round_trip(cfg, tmp_path / "smollm3-tiny")
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -8,7 +8,7 @@ import pytest
 
 import impl_numpy as golden
 from impl_numpy import backward
-from spec import ConfigError, conformance_params, get_preset, params_digest, params_under
+from spec import ConfigError, conformance_params, get_preset, params_under
 
 OLMO2 = get_preset("olmo2-tiny")
 
@@ -94,7 +94,8 @@ from conformance.tolerance import compare  # noqa: E402
 from importers import import_huggingface  # noqa: E402
 from importers.huggingface_writer import to_huggingface  # noqa: E402
 from tests.test_huggingface import _matrix, _with_config  # noqa: E402
-from tests.test_huggingface_modern import _padded_batch, _tolerance, _transformers_logits  # noqa: E402
+from tests.test_huggingface_modern import (_padded_batch, _tolerance, _transformers_logits,  # noqa: E402
+                                           written_round_trip)
 
 
 def _olmo2(**fields):
@@ -130,14 +131,7 @@ def test_the_golden_equals_transformers_olmo2_at_float64(checkpoint):
 
 
 def test_olmo2_tiny_written_imports_back_and_runs_in_transformers(tmp_path):
-    params = conformance_params(OLMO2)
-    directory = to_huggingface(OLMO2, params, tmp_path / "olmo2-tiny")
-    imported = import_huggingface(directory)
-    assert imported.config == OLMO2 and params_digest(imported.params) == params_digest(params)
-    ids, keep = _padded_batch(OLMO2)
-    result = compare(_transformers_logits(directory, OLMO2, ids, keep),
-                     golden.forward(OLMO2, params, None, ids, tgt_keep=keep), _tolerance(OLMO2, ids.shape[1]))
-    assert result.passed, result.reason
+    written_round_trip(OLMO2, tmp_path / "olmo2-tiny")
 
 
 @pytest.mark.parametrize("changes, message", [
