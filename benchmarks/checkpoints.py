@@ -104,6 +104,21 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
                                         tie_word_embeddings=False, pad_token_id=1, bos_token_id=None,
                                         eos_token_id=32767)),
+    # one layer of gpt-oss-20b's shape (d 2880, 64 query heads and 8 key-value heads of 64, sinks, the first layer's
+    # window of 128; 32 experts of 2880 with biases, four per token, the clamped SwiGLU at 7 and 1.702; YaRN factor
+    # 32 over 4096 untruncated at θ 150000), its vocabulary cut from 201,088 to 32,768 as the other layer shapes'
+    # are; untied
+    "gpt-oss-20b-layer": ("gpt_oss", dict(vocab_size=32768, hidden_size=2880, intermediate_size=2880,
+                                          num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=128,
+                                          num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                          num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0,
+                                          swiglu_alpha=1.702, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                          rope_theta=150000.0,
+                                          rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                        "beta_slow": 1.0, "truncate": False,
+                                                        "original_max_position_embeddings": 4096},
+                                          tie_word_embeddings=False, pad_token_id=32767, bos_token_id=32766,
+                                          eos_token_id=32767)),
 }
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -114,7 +129,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config"
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
            "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
-           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
+           "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 # norms by 1 + weight: 0 is the identity (a published Qwen3.5's vision tower takes it too: it is not imported)
 _NORM_IDENTITY = {"gemma2": 0.0, "gemma3_text": 0.0, "qwen3_5_text": 0.0, "qwen3_5": 0.0, "qwen3_next": 0.0}
 _PLAIN_NORMS = ("linear_attn.norm.",)  # Qwen3.5's gated norm multiplies by its weight as it is
@@ -138,7 +154,7 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
     """A randomly initialised transformers model of the family saved to directory, every parameter
     drawn: matrices at 1/sqrt(their smaller side) (a stack of them, transformers 5's fused experts
     [E, out, in], at each one's; a shared expert's gate [1, d] at 1/sqrt(d)), norm scales about their identity (1, Gemma's 0; never it), biases
-    about 0 (not 0)."""
+    about 0 (not 0), gpt-oss's sinks about 0 at 1."""
     import torch
     import transformers
 
@@ -150,6 +166,8 @@ def random_checkpoint(family: str, config, directory: str | os.PathLike, seed: i
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             if name.endswith("shared_expert_gate.weight"):  # [1, d]: at 1/sqrt(d), so σ(x·g) stays off 0 and 1
                 tensor.copy_(noise * tensor.shape[-1] ** -0.5)
+            elif name.endswith(".sinks"):  # gpt-oss's logit per head: at 1, so that each sink takes a real share
+                tensor.copy_(noise)
             elif tensor.ndim >= 2:
                 tensor.copy_(noise * min(tensor.shape[-2:]) ** -0.5)
             elif "norm" in name:

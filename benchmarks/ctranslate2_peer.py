@@ -57,6 +57,9 @@ def _decoder_unsupported_reason(cfg: ModelConfig) -> str | None:
     if family == "olmo2":
         return ("OLMo 2's norms on the sublayers' outputs and its q/k norms over the whole projection are not mapped "
                 "to CTranslate2 here (its converter has no OLMo 2 loader)")
+    if family == "gpt_oss":
+        return ("gpt-oss's sinks, clamped SwiGLU experts and router bias are not mapped to CTranslate2 here (its "
+                "converter has no gpt-oss loader)")
     if family == "phi3":  # convert_decoder rotates every dimension of a head
         return f"a partial rotary (rope_fraction {cfg.rope_fraction}) is not mapped to CTranslate2 here"
     if cfg.sliding_window is not None:

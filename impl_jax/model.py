@@ -564,8 +564,11 @@ class MixtureOfExperts(nnx.Module):
         logits = self.router(tokens)
         widen = self.router_float32 and logits.dtype in _HALF
         probabilities = jax.nn.softmax(logits.astype(jnp.float32) if widen else logits, axis=-1)
-        # lax.top_k documents no order for ties; a stable sort of −p puts the lower index first
-        chosen = jnp.argsort(-probabilities, axis=-1, stable=True)[:, :self.k]
+        # lax.top_k documents no order for ties; a stable sort of −p puts the lower index first. Sorted in
+        # float32 at least: jax2onnx's export of a float16 argsort is mistyped ("Inferred elem type differs",
+        # float vs float16), and the widening is exact, so the order and its ties are the same
+        ranked = probabilities.astype(jnp.float32) if probabilities.dtype in _HALF else probabilities
+        chosen = jnp.argsort(-ranked, axis=-1, stable=True)[:, :self.k]
         graph = _GRAPH_ROUTING.get()
         if graph is not None:
             forced, forced_weights, replay, taken, weighed = graph

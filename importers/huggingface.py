@@ -55,6 +55,15 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   head's): the mapping takes each block of every group. Dense layers among the mixtures
   (mlp_only_layers, decoder_sparse_step) are refused; num_experts 0 (every FFN dense) imports as
   Qwen3.5's layout would.
+- ``gpt_oss`` (GptOssForCausalLM): Llama's names with biases on q, k, v and o, a sink per head
+  ``self_attn.sinks`` [H] (SPEC §5.16), layers alternating a window of sliding_window keys and full
+  attention (layer_types), YaRN untruncated (GptOssConfig's rope_parameters where the file has
+  none), and in every layer a mixture whose router ``mlp.router`` has a bias and whose experts are
+  stored as transformers' module holds them, [in, out] and fused: ``mlp.experts.gate_up_proj``
+  [E, d, 2·d_ff] with the gate in the even columns and up in the odd ones (interleaved), its bias
+  [E, 2·d_ff] likewise, ``down_proj`` [E, d_ff, d] and its bias [E, d]. The experts' clamped SwiGLU
+  (swiglu_limit, swiglu_alpha) is read; hidden_act, which the class does not apply, is not. The
+  published files' MXFP4 experts (quantization_config) are refused: dequantized files import.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -99,6 +108,7 @@ FAMILIES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Families we know the spec cannot express, and the config.json field that says why.
@@ -153,6 +163,8 @@ class Rule:
     target: str
     how: str  # "copy" | "transpose" | "columns a:b" | "slice a:b" (a vector) | "rows a:" | "row 0" | "transpose rows a:b"
     #           | "transpose expert e" | "transpose expert e rows a:b" (one expert's matrix of a fused [E, out, in])
+    #           | "expert e" | "expert e interleaved j of n" (one expert's slice of a fused [E, ...] as stored,
+    #             or every n-th entry of its last axis from j: gpt-oss's gate_up_proj, gate and up interleaved)
     #           | "channels a:b" (a depthwise nn.Conv1d's [C, 1, K] kernels of channels a … b − 1, as [b − a, K])
     #           | "transpose head half j of w" (of an nn.Linear whose outputs are, head by head, two blocks of w
     #             rows: block j of every head, transposed; Qwen3.5's q_proj, each head's query then its gate)
@@ -177,9 +189,17 @@ class Rule:
         start, stop = words[3].split(":")
         return int(start), int(stop), int(words[5])
 
+    def expert_entries(self) -> tuple[int, int, int]:
+        """e, j and n of "expert e interleaved j of n" (j 0, n 1 for "expert e": every entry)."""
+        words = self.how.split()
+        return (int(words[1]), int(words[3]), int(words[5])) if len(words) > 2 else (int(words[1]), 0, 1)
+
     def take(self, value: np.ndarray) -> np.ndarray:
         if self.how == "copy":
             return value
+        if self.how.startswith("expert "):  # gpt-oss's fused experts, stored [in, out]
+            expert, start, step = self.expert_entries()
+            return value[expert][..., start::step]
         if self.how == "transpose":  # nn.Linear stores [out, in]; the spec [in, out]
             return value.T
         if self.how.startswith("transpose expert "):  # one expert of a fused [E, out, in] (transformers 5's MoE)
@@ -470,7 +490,7 @@ def _rotary(hf: Mapping[str, Any], family: str) -> tuple[float, float, RopeScali
 _QWEN3_5_ROTARY_FRACTION = 0.25
 _HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_next")  # gated DeltaNet and gated attention (SPEC §5.15)
 # Gemma3TextConfig's global theta and MixtralConfig's; the others' is 10000
-_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0, "smollm3": 2_000_000.0}
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0, "smollm3": 2_000_000.0, "gpt_oss": 150_000.0}
 _GEMMA3_LOCAL_THETA = 10_000.0  # Gemma3TextConfig's theta of the sliding layers where the file gives none
 
 
@@ -912,6 +932,50 @@ def _qwen2_moe_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
                            qkv_bias=bool(hf.get("qkv_bias", True)), bias=False, moe=moe, **kinds)
 
 
+# GptOssConfig's defaults where config.json has no such key
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                     "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
+def _gpt_oss_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
+    """gpt-oss (SPEC §5.16): Llama's layer with biases on q, k, v and o and a sink per head; layers
+    sliding (a window of sliding_window keys) and full as layer_types says, else alternating from a
+    sliding one; in every layer a mixture of num_local_experts experts with biases, their clamped
+    SwiGLU (swiglu_limit, swiglu_alpha), num_experts_per_tok per token weighed by a softmax over their
+    logits alone (renormalised) in the logits' dtype, the router's logits with a bias. Where the file
+    has no rope_parameters, GptOssConfig's YaRN (factor 32 over 4096, untruncated) and θ 150000."""
+    family = "gpt_oss"
+    _refuse_if(hf, "attention_bias", lambda value: value is False, "q, k, v and o without biases while the experts "
+               "keep theirs: the spec's bias field gives o and the FFN their biases together")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ConfigError(f"quantization_config.quant_method = {json.dumps(method)}: the experts are stored quantized "
+                          "(MXFP4 blocks and scales, the published files' form), not as the weights the spec reads; "
+                          "import a dequantized copy (transformers' from_pretrained with "
+                          "Mxfp4Config(dequantize=True), then save_pretrained)")
+    hf = {**_GPT_OSS_DEFAULTS, **hf}
+    if not any(hf.get(name) for name in ("rope_scaling", "rope_parameters")):
+        hf["rope_parameters"] = _GPT_OSS_ROPE
+    if hf.get("hidden_act", "silu") != "silu":
+        notes.append(f"hidden_act = {json.dumps(hf['hidden_act'])} is not applied by GptOssForCausalLM: its experts' "
+                     "unit is the clamped SwiGLU whatever it says, and so is the import's")
+    moe = _mixture(hf, family, notes, renormalize=True)
+    moe = dataclasses.replace(moe, router_softmax="activation", router_bias=True)
+    window = _sliding_window(hf, None)
+    kinds = _layer_kinds(hf, family, window, lambda i: i % 2 == 0)
+    clamp = {name: hf[name] for name in ("swiglu_limit", "swiglu_alpha")}
+    for name, value in clamp.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{name} = {json.dumps(value)}: the clamped SwiGLU's limit and gain are positive numbers")
+    kv_heads = hf["num_key_value_heads"] or _require(hf, "num_attention_heads", family)
+    return _rotary_decoder({**hf, "hidden_act": "silu"}, family, notes, head_dim=_head_dim(hf, family),
+                           kv_heads=kv_heads, qkv_bias=True, bias=True, moe=moe, attention_sinks=True,
+                           **{name: float(value) for name, value in clamp.items()}, **kinds)
+
+
 # ---- hybrids: Qwen3.5, Qwen3-Next ------------------------------------------------------------------
 
 _HF_HYBRID_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
@@ -1112,7 +1176,7 @@ def seq2seq_mapping(cfg: ModelConfig, family: str) -> list[Rule]:
 
 _MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next")
 _ROTARY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *_GEMMA_FAMILIES, *_MOE_FAMILIES, "qwen3_5_text",
-                    "qwen3_5", "smollm3", "olmo2")
+                    "qwen3_5", "smollm3", "olmo2", "gpt_oss")
 _LLAMA_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))  # gate_proj is the activated one
 
 
@@ -1140,6 +1204,8 @@ def llama_mapping(cfg: ModelConfig, fused: bool = False, experts: str | None = N
                 _linear(rules, f"{hf}.self_attn.{projection}_proj", f"{ours}.self_attn.{projection}", d, width,
                         cfg.qkv_bias)
         _linear(rules, f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o", widths["q"], d, cfg.bias)
+        if cfg.attention_sinks:  # gpt-oss: one logit per head in the softmax's denominator
+            rules.append(Rule(f"{hf}.self_attn.sinks", (cfg.n_heads,), f"{ours}.self_attn.sinks", "copy"))
         if cfg.qk_norm:  # OLMo 2's over the whole projection, Qwen3's over a head
             for projection in "qk":
                 width = widths[projection] if cfg.qk_norm_scope == "projection" else d_k
@@ -1317,6 +1383,7 @@ _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                  "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                  "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 FUSED_EXPERTS = "fused"
+GPT_OSS_EXPERTS = "gpt_oss"  # transformers' GptOssExperts: fused, [in, out], gate and up interleaved, with biases
 
 
 def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig, layout: str | None) -> None:
@@ -1329,9 +1396,12 @@ def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig,
     expert's slice, transposed. A shared expert (moe.shared_expert_d_ff: Qwen2-MoE, Qwen3-Next) after
     them: mlp.shared_expert.{gate,up,down}_proj (W1, W3, W2) and its gate mlp.shared_expert_gate [1, d]."""
     d, d_ff, count = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
-    if layout not in (*_EXPERT_NAMES, FUSED_EXPERTS):
-        raise ValueError(f"a mixture of experts needs its layout ({', '.join(_EXPERT_NAMES)} or {FUSED_EXPERTS}), "
-                         f"got {layout!r}")
+    if layout not in (*_EXPERT_NAMES, FUSED_EXPERTS, GPT_OSS_EXPERTS):
+        raise ValueError(f"a mixture of experts needs its layout ({', '.join(_EXPERT_NAMES)}, {FUSED_EXPERTS} or "
+                         f"{GPT_OSS_EXPERTS}), got {layout!r}")
+    if layout == GPT_OSS_EXPERTS:
+        _gpt_oss_expert_rules(rules, f"{source}.mlp", target, cfg)
+        return
     block = "mlp" if layout == FUSED_EXPERTS else _EXPERT_NAMES[layout][0]
     rules.append(Rule(f"{source}.{block}.gate.weight", (count, d), f"{target}.router.weight", "transpose"))
     for expert in range(count):
@@ -1353,6 +1423,26 @@ def _expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig,
         _linear(rules, f"{source}.mlp.shared_expert_gate", f"{target}.shared_expert_gate", d, 1, bias=False)
 
 
+def _gpt_oss_expert_rules(rules: list[Rule], source: str, target: str, cfg: ModelConfig) -> None:
+    """gpt-oss's mixture as GptOssMLP holds it: the router ``router`` (an nn.Linear [E, d] with its
+    bias), and its E experts fused and stored [in, out]: ``experts.gate_up_proj`` [E, d, 2·d_ff] whose
+    column 2i is unit i's gate (W1, the activated one) and 2i + 1 its up (W3), ``gate_up_proj_bias``
+    [E, 2·d_ff] likewise, ``down_proj`` [E, d_ff, d] (W2) and ``down_proj_bias`` [E, d]: each expert's
+    slice, as stored."""
+    d, d_ff, count = cfg.d_model, cfg.d_ff, cfg.moe.n_experts
+    _linear(rules, f"{source}.router", f"{target}.router", d, count)
+    for expert in range(count):
+        ours = f"{target}.experts.{expert}"
+        for half, canonical in enumerate(("w1", "w3")):
+            interleaved = f"expert {expert} interleaved {half} of 2"
+            rules.append(Rule(f"{source}.experts.gate_up_proj", (count, d, 2 * d_ff), f"{ours}.{canonical}.weight",
+                              interleaved))
+            rules.append(Rule(f"{source}.experts.gate_up_proj_bias", (count, 2 * d_ff), f"{ours}.{canonical}.bias",
+                              interleaved))
+        rules.append(Rule(f"{source}.experts.down_proj", (count, d_ff, d), f"{ours}.w2.weight", f"expert {expert}"))
+        rules.append(Rule(f"{source}.experts.down_proj_bias", (count, d), f"{ours}.w2.bias", f"expert {expert}"))
+
+
 def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -> list[Rule]:
     """The mapping of a rotary family: Phi-3's fused one, else Llama's names; a mixture's experts
     by the family's names, or (fused_experts) as transformers 5's fused modules."""
@@ -1362,6 +1452,8 @@ def rotary_mapping(family: str, cfg: ModelConfig, fused_experts: bool = False) -
         return qwen3_5_mapping(cfg, _decoder_prefix(family))
     if family == "qwen3_next":  # num_experts 0: dense FFNs, no experts
         return qwen3_next_mapping(cfg, (FUSED_EXPERTS if fused_experts else family) if cfg.moe else None)
+    if family == "gpt_oss":  # its own fused layout, whichever way transformers saved it
+        return llama_mapping(cfg, experts=GPT_OSS_EXPERTS)
     experts = (FUSED_EXPERTS if fused_experts else family) if family in _MOE_FAMILIES else None
     return llama_mapping(cfg, experts=experts)
 
@@ -1501,7 +1593,7 @@ _CONFIGS = {"gpt2": _gpt2_config, "marian": _marian_config, "bart": _bart_config
             "gemma2": _gemma2_config, "gemma3_text": _gemma3_config, "mixtral": _mixtral_config,
             "qwen3_moe": _qwen3_moe_config, "qwen2_moe": _qwen2_moe_config, "qwen3_5_text": _qwen3_5_config,
             "qwen3_5": _qwen3_5_published_config, "qwen3_next": _qwen3_next_config, "smollm3": _smollm3_config,
-            "olmo2": _olmo2_config}
+            "olmo2": _olmo2_config, "gpt_oss": _gpt_oss_config}
 
 
 def import_huggingface(directory: str | os.PathLike) -> Imported:
@@ -1631,6 +1723,9 @@ def mapping_markdown(family: str) -> str:
     examples["smollm3"] = (llama_mapping, rotary.replace(n_decoder_layers=2, tie_head=True, nope_layers=(1,)))
     examples["olmo2"] = (llama_mapping, rotary.replace(head_dim=6, qk_norm=True, qk_norm_scope="projection",
                                                        norm_position="output"))
+    examples["gpt_oss"] = (lambda cfg: rotary_mapping("gpt_oss", cfg), rotary.replace(
+        head_dim=6, qkv_bias=True, bias=True, attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+        moe=dataclasses.replace(moe, router_bias=True, router_softmax="activation")))
     mapping, cfg = examples[family]
     hows = {"copy": "as is", "transpose": "transposed ([out, in] → [in, out])", "row 0": "its one row"}
     lines = ["| Hugging Face tensor | canonical parameter | taken |", "|---|---|---|"]
@@ -1648,6 +1743,11 @@ def mapping_markdown(family: str) -> str:
         elif rule.how.startswith("transpose head half"):
             how = (f"each head's {'first' if rule.head_half()[0] == 0 else 'second'} d_k rows of its 2·d_k "
                    f"({'the query' if rule.head_half()[0] == 0 else 'the output gate'}), transposed")
+        elif rule.how.startswith("expert "):  # gpt-oss's fused [E, ...], stored [in, out]
+            _, start, step = rule.expert_entries()
+            how = ("expert e's slice, as stored" if step == 1 else
+                   f"expert e's slice, its {'even' if start == 0 else 'odd'} entries of the last axis "
+                   f"({'the gate' if start == 0 else 'up'}: gate and up interleaved)")
         elif rule.how.startswith("transpose rows"):
             how = f"rows {_block_rows(rule)}, transposed"
         elif rule.how.startswith(("columns", "slice")):

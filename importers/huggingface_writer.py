@@ -1,8 +1,8 @@
 """Canonical weights -> a Hugging Face directory of the modern decoder (Llama, Qwen2, Qwen3,
-Mistral, Phi-3, Gemma 2, Gemma 3, SmolLM3, OLMo 2, with a mixture of experts Mixtral, Qwen3-MoE and
-Qwen2-MoE, and the hybrids Qwen3.5 and Qwen3-Next): the importer's mapping run backwards, so that tools which read only
-Hugging Face directories (onnxruntime-genai's model builder, CTranslate2's converter, transformers
-itself) can run the very weights the suite checks.
+Mistral, Phi-3, Gemma 2, Gemma 3, SmolLM3, OLMo 2, with a mixture of experts Mixtral, Qwen3-MoE,
+Qwen2-MoE and gpt-oss, and the hybrids Qwen3.5 and Qwen3-Next): the importer's mapping run
+backwards, so that tools which read only Hugging Face directories (onnxruntime-genai's model
+builder, CTranslate2's converter, transformers itself) can run the very weights the suite checks.
 
 There is one mapping per family, the importer's (``rotary_mapping``): each rule is inverted (a copy
 stays a copy, a transposed nn.Linear is transposed back, Phi-3's blocks are put back in their rows
@@ -136,6 +136,30 @@ def _olmo2_family(cfg: ModelConfig) -> str:
     return "olmo2"
 
 
+_GPT_OSS = (("qkv_bias", True), ("bias", True), ("attention_sinks", True), ("qk_norm", False), ("rope_fraction", 1.0),
+            ("nope_layers", None))
+
+
+def _gpt_oss_family(cfg: ModelConfig) -> str:
+    """gpt-oss: biases on q, k, v, o and the experts, a sink per head, every dimension rotating, a
+    mixture in every layer whose router has a bias and whose k weights are a softmax over the chosen
+    logits in their dtype, the experts' clamped SwiGLU; its windows where layer_types says."""
+    for field, value in _GPT_OSS:
+        if getattr(cfg, field) != value:
+            raise ConfigError(f"{field} = {getattr(cfg, field)!r} with gpt-oss's sinks, clamped SwiGLU or router bias: "
+                              f"gpt-oss, the family that has them, has {field} = {value!r}")
+    moe = cfg.moe
+    if moe is None or cfg.swiglu_clamp is None:
+        raise ConfigError(f"{'moe = None' if moe is None else 'swiglu_limit = None'} with gpt-oss's sinks: gpt-oss's "
+                          "every FFN is a mixture of experts with the clamped SwiGLU")
+    expected = {"router_bias": True, "renormalize": True, "router_softmax": "activation", "shared_expert_d_ff": 0}
+    for field, value in expected.items():
+        if getattr(moe, field) != value:
+            raise ConfigError(f"moe.{field} = {getattr(moe, field)!r}: gpt-oss's mixture has {field} = {value!r} (its "
+                              "router's bias, its softmax over the k chosen logits in their dtype, no shared expert)")
+    return "gpt_oss"
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The family whose class computes this config: Qwen3.5 or, with a mixture of experts, Qwen3-Next
     (linear layers), Gemma 3 or Gemma 2 ((1 + w) norms and post norms), with a mixture of experts
@@ -164,6 +188,8 @@ def family_of(cfg: ModelConfig) -> str:
             raise ConfigError(f"qk_norm_scope = 'projection' with norm_position = {cfg.norm_position!r}: OLMo 2, the "
                               "family whose q/k norms span the whole projection, norms the sublayers' outputs")
         return _olmo2_family(cfg)
+    if cfg.attention_sinks or cfg.swiglu_clamp is not None or (cfg.moe is not None and cfg.moe.router_bias):
+        return _gpt_oss_family(cfg)
     if cfg.moe is not None:
         return _moe_family(cfg)
     if cfg.nope_layers is not None:
@@ -212,6 +238,12 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
     }
     if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return config | _moe_config_json(cfg, family)
+    if family == "gpt_oss":
+        moe = cfg.moe
+        return config | {"num_local_experts": moe.n_experts, "num_experts_per_tok": moe.experts_per_token,
+                         "output_router_logits": bool(moe.load_balancing), "router_aux_loss_coef": moe.load_balancing,
+                         "attention_bias": True, "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,
+                         "sliding_window": cfg.sliding_window, "layer_types": _hf_layer_types(cfg)}
     if family in ("qwen3_5_text", "qwen3_next"):
         mixer = cfg.linear_attention
         config |= {"attention_bias": False, "layer_types": [f"{kind}_attention" for kind in cfg.layer_types],
@@ -320,6 +352,9 @@ def _source_tensors(rules: list[Rule], params: Mapping[str, np.ndarray]) -> dict
         elif rule.how.startswith("transpose rows "):
             start, stop = rule.span()
             tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop] = value.T
+        elif rule.how.startswith("expert "):  # back into gpt-oss's fused experts, interleaved where they were
+            expert, start, step = rule.expert_entries()
+            tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[expert][..., start::step] = value
         elif rule.how.startswith("channels "):  # a depthwise convolution's kernels back into [C, 1, K]
             start, stop = rule.span()
             tensors.setdefault(rule.source, np.zeros(rule.source_shape, np.float32))[start:stop, 0] = value

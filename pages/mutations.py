@@ -444,6 +444,28 @@ def _one_experts_gate_and_up_swapped(x, router, experts, k, renormalize, activat
                                            router_bias)
 
 
+# ---- gpt-oss's (SPEC §5.16; run on gpt-oss-tiny) ----
+
+def _sink_added_to_the_scores(x, mask=None, sink=None):
+    # the sink added to every score as well as taken in the denominator: exp(s) in each key's numerator
+    return _original("softmax")(x if sink is None else x + sink, mask, sink)
+
+
+def _sinks_dropped(x, mask=None, sink=None):
+    return _original("softmax")(x, mask, None)  # the sinks loaded and never used: a plain softmax
+
+
+def _clamp_on_the_wrong_branches(gate, up, limit, alpha):
+    # the gate clipped from both sides and up from above only: each branch given the other's clamp
+    g, u = np.clip(gate, -limit, limit), np.minimum(up, limit)
+    return g * model.sigmoid(alpha * g) * (u + 1.0)
+
+
+def _swiglu_without_the_plus_one(gate, up, limit, alpha):
+    g, u = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return g * model.sigmoid(alpha * g) * u  # SwiGLU's product, not gpt-oss's (u + 1)
+
+
 # ---- the hybrid's gated DeltaNet (SPEC §5.15; run on qwen35-tiny), its silent bugs of record ----
 
 def _pads_write_the_state(cfg, p, x, keep, state=None):
@@ -675,6 +697,20 @@ MUTATIONS += [  # the mixture of experts' (SPEC §5.14)
     Mutation("expert_gate_and_up_swapped", "one expert's gate and up projections swapped (a fused gate_up_proj split "
              "the wrong way round for expert 0)", "mixture_of_experts", _one_experts_gate_and_up_swapped, "ffn",
              "decoder.layers.0", preset="mixtral-tiny"),
+]
+
+MUTATIONS += [  # gpt-oss's (SPEC §5.16)
+    Mutation("sink_in_numerator", "the attention sink added to every score as well as to the denominator (exp(s) "
+             "in each key's numerator: gpt-oss's sink then weighs as a logit of 0)", "softmax", _sink_added_to_the_scores,
+             "attention", "decoder.layers.0", preset="gpt-oss-tiny"),
+    Mutation("sinks_dropped", "the attention sinks loaded and never used: a plain softmax over the keys (gpt-oss)", "softmax",
+             _sinks_dropped, "attention", "decoder.layers.0", preset="gpt-oss-tiny"),
+    Mutation("clamp_on_wrong_branches", "the clamped SwiGLU's clamps swapped between the branches: the gate clipped "
+             "from both sides, up from above only (gpt-oss)", "clamped_swiglu", _clamp_on_the_wrong_branches, "ffn", "decoder.layers.0",
+             preset="gpt-oss-tiny"),
+    Mutation("swiglu_plus_one_dropped", "the clamped SwiGLU without the + 1 on the up branch: g·σ(αg) ⊙ u (SwiGLU's "
+             "product, not gpt-oss's)", "clamped_swiglu", _swiglu_without_the_plus_one, "ffn", "decoder.layers.0",
+             preset="gpt-oss-tiny"),
 ]
 
 MUTATIONS += [  # the hybrid's gated DeltaNet (SPEC §5.15)

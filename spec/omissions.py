@@ -4,12 +4,14 @@ sublayer entry points) is explained by the smallest set of omissions under which
 computes what it computed (conformance/diagnosis/explain.py).
 
 Each omission changes the config only, never the weights: the golden of the changed config reads
-the same tensors. Omissions of one group exclude each other (a window cannot be both ignored and
-one key wider).
+the same tensors, those the changed config has (a sink or a router bias ignored is a tensor left
+unread). Omissions of one group exclude each other (a window cannot be both ignored and one key
+wider).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +38,10 @@ def _every_fourth(cfg: ModelConfig) -> tuple[int, ...] | None:
     return tuple(i for i in range(cfg.n_decoder_layers) if (i + 1) % 4 == 0) or None
 
 
+def _yarn_truncated(cfg: ModelConfig) -> dict:
+    return {"rope_scaling": dataclasses.replace(cfg.rope_scaling, truncate=True)}
+
+
 def _window(delta: int) -> Callable[[ModelConfig], dict]:
     return lambda cfg: {"sliding_window": cfg.sliding_window + delta}
 
@@ -43,6 +49,9 @@ def _window(delta: int) -> Callable[[ModelConfig], dict]:
 OMISSIONS: tuple[Omission, ...] = (
     Omission("rope scaling ignored (the plain rotary)", "rope_scaling",
              lambda cfg: cfg.rope_scaling is not None, lambda cfg: {"rope_scaling": None}),
+    Omission("YaRN's ramp truncated (its ends rounded to whole dimensions)", "rope_scaling",
+             lambda cfg: cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn"
+             and not cfg.rope_scaling.truncate, _yarn_truncated),
     Omission("partial rotary ignored (every dimension rotates)", "rope_fraction",
              lambda cfg: cfg.positional == "rope" and cfg.rope_fraction != 1.0, lambda cfg: {"rope_fraction": 1.0}),
     Omission("local_rope_theta ignored (sliding layers at the global θ and scaling)", "local_rope_theta",
@@ -60,6 +69,13 @@ OMISSIONS: tuple[Omission, ...] = (
              lambda cfg: cfg.sliding_window is not None, _window(+1)),
     Omission("sliding window one key narrower", "sliding_window",
              lambda cfg: cfg.sliding_window is not None and cfg.sliding_window > 1, _window(-1)),
+    Omission("sinks ignored (a plain softmax)", "attention_sinks",
+             lambda cfg: cfg.attention_sinks, lambda cfg: {"attention_sinks": False}),
+    Omission("clamped SwiGLU read as plain SwiGLU (no clamps, no + 1)", "swiglu_clamp",
+             lambda cfg: cfg.swiglu_clamp is not None, lambda cfg: {"swiglu_limit": None, "swiglu_alpha": None}),
+    Omission("router bias ignored", "router_bias",
+             lambda cfg: cfg.moe is not None and cfg.moe.router_bias,
+             lambda cfg: {"moe": dataclasses.replace(cfg.moe, router_bias=False)}),
     Omission("attention_softcap ignored", "attention_softcap",
              lambda cfg: cfg.attention_softcap is not None, lambda cfg: {"attention_softcap": None}),
     Omission("final_softcap ignored", "final_softcap",

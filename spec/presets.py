@@ -310,6 +310,25 @@ _PRESETS: dict[str, tuple[str, ModelConfig]] = {
             gated_ffn=True, qkv_bias=False, bias=False, qk_norm=True, qk_norm_scope="projection",
         ),
     ),
+    "gpt-oss-tiny": (
+        "A gpt-oss-family decoder at odd sizes (SPEC §5.16): biases on q, k, v and o, a learned sink per head in "
+        "the softmax's denominator, layers sliding (a window of 4 keys; gpt-oss's is 128) then full, YaRN "
+        "untruncated (factor 8 over an original context of 1024, theta 50000, so that the ramp's ends fall "
+        "between dimensions and truncating them moves a frequency), eps 1e-5; in every layer a mixture of 6 "
+        "experts with biases, 3 per token weighed by a softmax over their logits alone in the logits' dtype, "
+        "the router's logits with a bias, the experts' clamped SwiGLU with limit 3 and gain 1.5 (gpt-oss's 7 "
+        "and 1.702; at these weights 3 clamps 13-21% of the gates and 1% of the linear units), untied: d 44, "
+        "4 heads of 14 over 2 key/value heads, d_ff 20 per expert, 2 layers, vocabulary 73.",
+        ModelConfig(
+            arch="decoder-only", d_model=44, n_heads=4, n_kv_heads=2, head_dim=14, d_ff=20, n_decoder_layers=2,
+            tgt_vocab_size=73, max_len=8192, norm_position="pre", norm="rmsnorm", norm_eps=1e-5,
+            final_norm=True, positional="rope", rope_theta=50000.0, embed_scale=False, activation="swish",
+            gated_ffn=True, qkv_bias=True, bias=True, sliding_window=4, layer_types=("sliding", "full"),
+            rope_scaling=RopeScaling(kind="yarn", factor=8.0, original_max_len=1024, truncate=False),
+            attention_sinks=True, swiglu_limit=3.0, swiglu_alpha=1.5,
+            moe=MixtureOfExperts(n_experts=6, experts_per_token=3, router_softmax="activation", router_bias=True),
+        ),
+    ),
     "gemma2-small": (
         "A Gemma 2-family decoder of llama-small's size, for the CPU bench against onnxruntime-genai and "
         "CTranslate2: Gemma 2's layer (four (1 + scale) RMSNorms, GeGLU, the embeddings times sqrt(d) = 24 "

@@ -368,9 +368,13 @@ def test_the_checkpoint_shapes_are_the_published_ones_and_import_as_such():
                  # SmolLM3-3B's 36 layers cut to 4 (its embeddings and tied head whole)
                  "smollm3-3b-4-layers": (575_162_368, 4, 2048, None),
                  "qwen1.5-moe-a2.7b-layer": (704_780_288, 1, 2048, None),
-                 "olmo2-7b-2-layers": (673_222_656, 2, 4096, None)}
+                 "olmo2-7b-2-layers": (673_222_656, 2, 4096, None),
+                 # 796.5M in the 32 experts, 188.7M in the cut table and head
+                 "gpt-oss-20b-layer": (1_011_933_536, 1, 2880, RopeScaling(kind="yarn", factor=32.0,
+                                                                          original_max_len=4096, truncate=False))}
     untied = ("olmo2-7b-2-layers",)
     experts = {"tinymixtral-4x248m": (4, 2, True), "qwen3-30b-a3b-layer": (128, 8, True),
+               "gpt-oss-20b-layer": (32, 4, True),
                "qwen3-next-80b-a3b-layer": (128, 10, True), "qwen1.5-moe-a2.7b-layer": (60, 4, False)}
     for shape, (family, fields) in SHAPES.items():
         fields = dict(fields)

@@ -14,6 +14,7 @@ def test_presets_are_listed_in_a_stable_order():
                             "llama-tiny", "qwen2-tiny", "qwen3-tiny", "stablelm-tiny", "llama3-tiny", "qwen2-yarn-tiny",
                             "mistral-tiny", "phi3-tiny", "gemma2-tiny", "gemma3-tiny", "mixtral-tiny",
                             "qwen3-moe-tiny", "qwen35-tiny", "qwen3-next-tiny", "smollm3-tiny", "olmo2-tiny",
+                            "gpt-oss-tiny",
                             "gemma2-small", "qwen35-small", "llama-small"]
 
 

@@ -58,6 +58,10 @@ EXPECTED_COUNTS = {
     "smollm3-tiny": 107 * 56 + 4 * (2 * 56 * 56 + 2 * 56 * 28 + 3 * 56 * 96 + 2 * 56) + 56,  # 108,640
     # q, k, v, o, q_norm [H·d_k] and k_norm [H_kv·d_k], the two output norms, the FFN; untied
     "olmo2-tiny": 2 * 79 * 52 + 3 * (2 * 52 * 64 + 2 * 52 * 32 + 64 + 32 + 3 * 52 * 92 + 2 * 52) + 52,  # 81,876
+    # q, k, v and o with biases (4 heads of 14 over 2 key/value heads), 4 sinks, two norms, the router [44, 6] with
+    # its bias and 6 experts with biases on W1, W3 and W2; untied
+    "gpt-oss-tiny": 2 * 73 * 44 + 2 * (44 * 56 + 56 + 2 * (44 * 28 + 28) + 56 * 44 + 44 + 4 + 2 * 44 + 44 * 6 + 6
+                                       + 6 * (2 * (44 * 20 + 20) + 20 * 44 + 44)) + 44,  # 54,976
     # a tied 49152-row table at d 576; six linear layers (q, k [576, 3·64], v, z [576, 6·64], the convolutions
     # [768, 4], β and the decay [576, 6] with its bias and log rate, the output norm [64], o) and two gated attentions
     # (q and gate [576, 9·64], k and v [576, 3·64], o, q/k norms [64]), each with SwiGLU and two norms

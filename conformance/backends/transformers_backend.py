@@ -46,7 +46,9 @@ softmax sees every key again; at float64 the number is -inf in its float32 softm
 NaN); SDPA gives the spec's zeros. See docs/huggingface.md. Gemma 2 refuses SDPA (it has no softcap):
 its column runs "spec-eager", transformers' eager formula (scores · scaling, the softcap, the mask,
 a float32 softmax, float64 in a float64 run) with a boolean mask, and a row with no key gives zeros
-as the spec says.
+as the spec says. gpt-oss refuses SDPA too: its column runs gpt-oss's own eager attention, the only
+one that takes its sinks; a row with no key still has its sink there, which takes all of its
+weight, so the row is the spec's zeros (its softmax is in the scores' dtype, bfloat16 at bfloat16).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class TransformersRunner:
                        "bfloat16": torch.bfloat16}[dtype]
         loader = model_class(directory) or (AutoModelForSeq2SeqLM if cfg.has_encoder else AutoModelForCausalLM)
         attention = "sdpa" if cfg.attention_softcap is None else register_spec_eager()
+        if cfg.attention_sinks:  # gpt-oss refuses SDPA; its eager attention takes the sinks, whose row is never empty
+            attention = "eager"
         self.model = loader.from_pretrained(directory, dtype=torch_dtype, attn_implementation=attention)
         self.model = self.model.to(self.device).eval()
         self.model.generation_config = GenerationConfig()  # plain greedy: no bad words, forced or suppressed tokens
@@ -130,15 +134,17 @@ class TransformersRunner:
         import types
 
         log = RoutingLog(forced, forced_weights)
-        blocks = [module for module in self.model.modules() if hasattr(module, "gate")
-                  and type(module.gate).__name__.endswith("TopKRouter")]
+        # the router is the block's gate (Mixtral, the Qwens) or its router (gpt-oss)
+        blocks = [module for module in self.model.modules()
+                  if type(_router_of(module)).__name__.endswith("TopKRouter")]
         if not blocks:
             raise NotSupported("this model has no TopKRouter to replay routing through")
         hooks, routers = [], []
         for index, block in enumerate(blocks):
             # the router sees [B·T, d]: the block's input says how many rows a call has
             hooks.append(block.register_forward_pre_hook(lambda block, args: setattr(block, "_rows", args[0].shape[0])))
-            router, own = block.gate, block.gate.forward
+            router = _router_of(block)
+            own = router.forward
             router.forward = types.MethodType(functools.partial(_logged_router, own=own, log=log, index=index,
                                                                 block=block), router)
             routers.append((router, own))
@@ -308,7 +314,7 @@ def widened_to_float64(model, cfg: ModelConfig) -> None:
             module.forward = types.MethodType(_rms_norm_float64, module)
         elif kind.endswith("RMSNormGated"):
             module.forward = types.MethodType(_gated_rms_norm_float64, module)
-        elif kind.endswith("TopKRouter"):
+        elif kind.endswith("TopKRouter") and kind != "GptOssTopKRouter":  # gpt-oss's softmax is in float64 already
             module.forward = types.MethodType(_router_float64, module)
         elif kind.endswith("RotaryEmbedding"):
             rope_types = module.rope_type.values() if isinstance(module.rope_type, dict) else [module.rope_type]
@@ -316,6 +322,11 @@ def widened_to_float64(model, cfg: ModelConfig) -> None:
                 raise NotSupported(f"{kind} is {module.rope_type} RoPE; the spec's rescalings are "
                                    f"{', '.join(ROPE_SCALINGS)} (SPEC §5.12)")
             module.forward = types.MethodType(functools.partial(_rotary_float64, cfg=cfg), module)
+
+
+def _router_of(block):
+    """A mixture block's TopKRouter: its gate (Mixtral, the Qwens) or its router (gpt-oss); else None."""
+    return getattr(block, "gate", None) or getattr(block, "router", None)
 
 
 def _logged_router(module, hidden, *, own, log: RoutingLog, index: int, block):
@@ -437,7 +448,8 @@ def _rotary_float64(module, x, position_ids, layer_type=None, *, cfg):
     length = int(position_ids.max()) + 1 if cfg.rotary_reads_length else None
     inverse_frequency = torch.from_numpy(rope_frequencies(cfg, length)).to(x.device)
     angles = position_ids[..., None].to(torch.float64) * inverse_frequency
-    angles = torch.cat((angles, angles), dim=-1)
+    if type(module).__name__ != "GptOssRotaryEmbedding":  # gpt-oss's rotation takes one angle per pair, unrepeated
+        angles = torch.cat((angles, angles), dim=-1)
     factor = rope_attention_factor(cfg)
     return (factor * angles.cos()).to(x.dtype), (factor * angles.sin()).to(x.dtype)
 

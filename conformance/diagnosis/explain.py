@@ -26,7 +26,7 @@ from conformance.adapter import Partial
 from conformance.backends.numpy_backend import golden_output
 from conformance.cells import golden_runner_for
 from conformance.tolerance import compare
-from spec import ConfigError, ModelConfig
+from spec import ConfigError, ModelConfig, param_shapes
 from spec.omissions import Omission, applicable_omissions
 
 
@@ -114,6 +114,11 @@ def _omitted(cfg: ModelConfig, chosen: tuple[Omission, ...]) -> ModelConfig | No
     return cfg
 
 
+def read_by(changed: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors a config with omissions reads: its own names (an ignored sink or router bias is left unread)."""
+    return {name: params[name] for name in param_shapes(changed)}
+
+
 def explain(cfg: ModelConfig, params: Mapping[str, np.ndarray], case, dtype: str, output,
             largest: int = 4, seconds: float = 300.0) -> Explanation:
     """Explain a forward or decode case's `output` (the column's logits, or its Partial) by omissions."""
@@ -123,7 +128,8 @@ def explain(cfg: ModelConfig, params: Mapping[str, np.ndarray], case, dtype: str
     relative = case.tolerance(cfg, dtype)
 
     def ratio(changed: ModelConfig) -> float:
-        reference = golden_output(changed, params, case.sublayer, case.inputs, golden_runner_for(changed, params))
+        kept = read_by(changed, params)
+        reference = golden_output(changed, kept, case.sublayer, case.inputs, golden_runner_for(changed, kept))
         found = compare(output, reference, relative, case.floor, compared)
         return found.ratio
 

@@ -1,0 +1,157 @@
+"""gpt-oss (SPEC §5.16): the preset, the importer and the writer against transformers' own
+GptOssForCausalLM: a sink per head, layers alternating a window and full attention, YaRN
+untruncated, biases on q, k, v and o, and a mixture whose router has a bias and whose experts are
+stored fused, [in, out], gate and up interleaved, with the clamped SwiGLU. Each check is shown
+failing on the mistake it is there for (the sinks dropped, the ramp truncated, gate and up read as
+halves)."""
+
+import numpy as np
+import pytest
+
+import impl_numpy as golden
+from spec import ConfigError, conformance_params, get_preset
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from benchmarks.checkpoints import random_checkpoint  # noqa: E402
+from conformance.harness import PASS, SKIP  # noqa: E402
+from conformance.tolerance import compare  # noqa: E402
+from importers import import_huggingface  # noqa: E402
+from importers.huggingface_writer import family_of, to_huggingface  # noqa: E402
+from tests.test_huggingface import _matrix, _rewrite, _with_config  # noqa: E402
+from tests.test_huggingface_modern import (_padded_batch, _tolerance, _transformers_logits,  # noqa: E402
+                                           written_round_trip)
+
+GPT_OSS = get_preset("gpt-oss-tiny")
+
+
+def _gpt_oss(**fields):
+    """A random gpt-oss of 3 layers (sliding, full, sliding; a window of 3), 4 query heads of 16 over 2
+    key/value heads, d 48, 5 experts of 24, 2 per token, the clamp at 1.5 with gain 1.3 (so that these
+    weights' units are clamped), YaRN untruncated (factor 4 over 512, θ 30000), ε 3e-6."""
+    return transformers.GptOssConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=3, num_local_experts=5, num_experts_per_tok=2,
+        swiglu_limit=1.5, swiglu_alpha=1.3, max_position_embeddings=4096, rms_norm_eps=3e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 30000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return random_checkpoint("gpt_oss", _gpt_oss(), tmp_path_factory.mktemp("gpt_oss") / "hf")
+
+
+def _interleaving_read_as_halves(tensors):
+    """A port's mistake: gate_up_proj's first d_ff columns read as the gate and the rest as up. The
+    file rewritten so that a correct reader sees what that port computes."""
+    changed = dict(tensors)
+    for key in [key for key in tensors if key.endswith("gate_up_proj") or key.endswith("gate_up_proj_bias")]:
+        value = tensors[key]
+        half = value.shape[-1] // 2
+        halves = np.empty_like(value)
+        halves[..., 0::2], halves[..., 1::2] = value[..., :half], value[..., half:]
+        changed[key] = halves
+    return changed
+
+
+def test_the_golden_equals_transformers_gpt_oss_at_float64(checkpoint, tmp_path):
+    """A padded batch and a 300-token prompt (past the window, the sink taking its share from every
+    query): transformers' own gpt-oss gives the golden's logits. The golden without the sinks, with
+    YaRN's ramp truncated, or on experts whose gate and up were read as halves does not."""
+    imported = import_huggingface(checkpoint)
+    cfg = imported.config
+    assert imported.family == "gpt_oss" and cfg.attention_sinks and cfg.layer_types == ("sliding", "full", "sliding")
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.sliding_window, cfg.norm_eps) == (1.5, 1.3, 3, 3e-6)
+    assert cfg.moe.router_bias and cfg.moe.router_softmax == "activation" and cfg.moe.renormalize
+    assert cfg.rope_scaling.kind == "yarn" and not cfg.rope_scaling.truncate and cfg.rope_theta == 30000.0
+    ids, keep = _padded_batch(cfg)
+    long_ids = np.random.default_rng(2).integers(1, cfg.tgt_vocab_size, (1, 300))
+    sinkless = {name: value for name, value in imported.params.items() if not name.endswith(".sinks")}
+    truncated = cfg.replace(rope_scaling=cfg.rope_scaling.__class__(**{**cfg.rope_scaling.__dict__, "truncate": True}))
+    halves = import_huggingface(_rewrite(checkpoint, tmp_path / "halves", _interleaving_read_as_halves)).params
+    for tokens, real in ((ids, keep), (long_ids, np.ones_like(long_ids, bool))):
+        ours = golden.forward(cfg, imported.params, None, tokens, tgt_keep=real)
+        tolerance = _tolerance(cfg, tokens.shape[1])
+        result = compare(_transformers_logits(checkpoint, cfg, tokens, real), ours, tolerance)
+        assert result.passed, result.reason
+        # each check can fail
+        mistakes = {"sinks dropped": golden.forward(cfg.replace(attention_sinks=False), sinkless, None, tokens,
+                                                   tgt_keep=real),
+                    "gate and up as halves": golden.forward(cfg, halves, None, tokens, tgt_keep=real)}
+        if tokens.shape[1] == 300:  # YaRN's ramp moves a frequency; 9 positions turn it too little to see
+            mistakes["ramp truncated"] = golden.forward(truncated, imported.params, None, tokens, tgt_keep=real)
+        for mistake, logits in mistakes.items():
+            assert not compare(logits, ours, tolerance).passed, mistake
+
+
+def test_gpt_oss_tiny_written_imports_back_and_runs_in_transformers(tmp_path):
+    written_round_trip(GPT_OSS, tmp_path / "gpt-oss-tiny")
+
+
+def test_the_transformers_column_passes_gpt_oss_whole_model_cases(checkpoint):
+    results = _matrix(checkpoint, ["transformers"], ["float64", "float32"])
+    ran = [r for r in results if r.status != SKIP]
+    assert {r.sublayer for r in ran} == {"forward", "decode", "generate"}
+    assert all(r.status == PASS for r in ran), [(r.test_id, r.reason) for r in ran if r.status != PASS]
+
+
+def test_gpt_oss_config_classes_defaults_are_read_where_the_file_has_none(tmp_path, checkpoint):
+    """Without rope_parameters, layer_types, sliding_window and the clamp, GptOssConfig's own: YaRN
+    (factor 32 over 4096, untruncated) at θ 150000, layers alternating from a sliding one of 128 keys,
+    the clamp at 7 with gain 1.702."""
+    import json
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    for name in ("rope_parameters", "rope_theta", "layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha"):
+        config.pop(name, None)
+    directory = _with_config(tmp_path, checkpoint)
+    (directory / "config.json").write_text(json.dumps(config))
+    cfg = import_huggingface(directory).config
+    scaling = cfg.rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_len, scaling.truncate) == ("yarn", 32.0, 4096, False)
+    assert cfg.rope_theta == 150000.0 and cfg.layer_types == ("sliding", "full", "sliding")
+    assert (cfg.sliding_window, cfg.swiglu_limit, cfg.swiglu_alpha) == (128, 7.0, 1.702)
+    theirs = transformers.AutoConfig.from_pretrained(directory)
+    assert theirs.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert theirs.rope_parameters["truncate"] is False and theirs.rope_parameters["rope_theta"] == 150000.0
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(attention_bias=False), "attention_bias = false: q, k, v and o without biases while the experts keep"),
+    (dict(quantization_config={"quant_method": "mxfp4"}), 'quant_method = "mxfp4": the experts are stored quantized'),
+    (dict(swiglu_limit=0), "swiglu_limit = 0: the clamped SwiGLU's limit and gain are positive"),
+    (dict(sliding_window=None), "layer_types has sliding layers .* but sliding_window is null"),
+])
+def test_what_gpt_oss_cannot_hold_is_refused_by_field(tmp_path, checkpoint, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        import_huggingface(_with_config(tmp_path, checkpoint, **changes))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(qkv_bias=False), "qkv_bias = False with gpt-oss's sinks"),
+    (dict(moe=None), "moe = None with gpt-oss's sinks"),
+    (dict(attention_sinks=False), "attention_sinks = False with gpt-oss's sinks, clamped SwiGLU or router bias"),
+])
+def test_the_writer_refuses_what_gpt_oss_does_not_hold(tmp_path, changes, message):
+    cfg = GPT_OSS.replace(**changes)
+    with pytest.raises(ConfigError, match=message):
+        to_huggingface(cfg, conformance_params(cfg), tmp_path / "out")
+
+
+def test_the_writer_refuses_a_router_softmax_in_float32():
+    import dataclasses
+
+    cfg = GPT_OSS.replace(moe=dataclasses.replace(GPT_OSS.moe, router_softmax="float32"))
+    with pytest.raises(ConfigError, match="moe.router_softmax = 'float32': gpt-oss's mixture has"):
+        family_of(cfg)
+
+
+def test_neither_genai_nor_ctranslate2_builds_gpt_oss():
+    from benchmarks.ctranslate2_peer import unsupported_reason
+    from conformance.backends.genai_backend import FAMILIES, family_refusal
+
+    assert "gpt_oss" not in FAMILIES and family_refusal("gpt_oss").startswith("gpt_oss: onnxruntime-genai's builder")
+    assert "no gpt-oss loader" in unsupported_reason(GPT_OSS)
