@@ -155,3 +155,31 @@ def test_neither_genai_nor_ctranslate2_builds_gpt_oss():
 
     assert "gpt_oss" not in FAMILIES and family_refusal("gpt_oss").startswith("gpt_oss: onnxruntime-genai's builder")
     assert "no gpt-oss loader" in unsupported_reason(GPT_OSS)
+
+
+def test_a_router_probability_under_float16s_normals_may_round_to_zero_and_no_further():
+    """gpt-oss's router softmax is in the activations' dtype: at float16 a probability below 2⁻²⁴ is a
+    subnormal or 0, which a relative bound cannot cover (torch's float16 router gave 0 for a golden
+    2.3e-8 on gpt-oss-20b's layer shape). Half float16's smallest subnormal is added to the bound: a
+    0 there passes, a 2⁻²⁰ fails, and a router whose softmax is float32 keeps float32's floor."""
+    import dataclasses
+
+    from conformance.backends.numpy_backend import golden_output
+    from conformance.cases import build_case
+    from conformance.diagnosis.routing import compare_router, probability_underflow
+
+    params = conformance_params(GPT_OSS)
+    router = "decoder.layers.0.ffn.router.weight"
+    params[router] = params[router] * 12  # logits far apart: some probabilities far below float16's normals
+    case = build_case(GPT_OSS, params, "router", "none")
+    output = {name: np.asarray(value) for name, value in golden_output(GPT_OSS, params, "router",
+                                                                         case.inputs).items()}
+    tiny = np.argwhere(output["probabilities"] < 2.0 ** -24)[0]
+    for held, passes in ((0.0, True), (2.0 ** -20, False)):
+        probabilities = output["probabilities"].copy()
+        probabilities[tuple(tiny)] = held
+        found = compare_router(GPT_OSS, params, case, {**output, "probabilities": probabilities}, "float16")
+        assert found.passed == passes, found.reason
+    float32_router = GPT_OSS.replace(moe=dataclasses.replace(GPT_OSS.moe, router_softmax="float32"))
+    assert probability_underflow(GPT_OSS, "float16") == 2.0 ** -25
+    assert probability_underflow(float32_router, "float16") == 2.0 ** -150

@@ -133,6 +133,19 @@ def routing_on(cfg: ModelConfig, params: Mapping[str, np.ndarray], layer: int, i
                         np.abs(x) @ np.abs(router) + np.abs(bias))
 
 
+# half the smallest subnormal of each dtype: the most that rounding a value near 0 to it can move it
+_UNDERFLOW = {"float64": 2.0 ** -1075, "float32": 2.0 ** -150, "tf32": 2.0 ** -150, "float16": 2.0 ** -25,
+              "bfloat16": 2.0 ** -134}
+
+
+def probability_underflow(cfg: ModelConfig, dtype: str) -> float:
+    """The absolute rounding of a router probability held at dtype: a probability whose softmax is in the
+    activations' dtype (router_softmax "activation", gpt-oss) is a float16 at float16, where a p below
+    2⁻²⁴ (6e-8) rounds to a subnormal or to 0, which no relative bound covers; else at least float32."""
+    held = dtype if cfg.moe.router_softmax == "activation" or dtype in ("float64", "float32", "tf32") else "float32"
+    return _UNDERFLOW[held]
+
+
 def compare_router(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Case, output, dtype: str) -> Comparison:
     """A router cell (SPEC §5.14): the column's probabilities, choices and weights against the golden
     router's on the case's input and router weight as the column holds them (routing_on), each
@@ -153,7 +166,8 @@ def compare_router(cfg: ModelConfig, params: Mapping[str, np.ndarray], case: Cas
     beta, sigma = golden.rounding(cfg, dtype)
     expected = golden.probabilities
     relative = beta + (expected * beta).sum(axis=-1, keepdims=True) + sigma
-    checks = [("probability", probabilities.astype(np.float64), expected, expected * np.expm1(relative))]
+    limit = expected * np.expm1(relative) + probability_underflow(cfg, dtype)
+    checks = [("probability", probabilities.astype(np.float64), expected, limit)]
     chosen = chosen.astype(np.int64)
     flipped = golden.differs(chosen)
     margins, bound = golden.logit_margins, golden.bound(cfg, dtype)
