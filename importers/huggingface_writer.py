@@ -243,7 +243,9 @@ def _config_json(cfg: ModelConfig, family: str, bos_id: int, eos_id: int) -> dic
         return config | {"num_local_experts": moe.n_experts, "num_experts_per_tok": moe.experts_per_token,
                          "output_router_logits": bool(moe.load_balancing), "router_aux_loss_coef": moe.load_balancing,
                          "attention_bias": True, "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha,
-                         "sliding_window": cfg.sliding_window, "layer_types": _hf_layer_types(cfg)}
+                         # GptOssModel builds its sliding mask whatever its layers are (and refuses a null
+                         # window), so a model with no sliding layer gets a window none of them takes
+                         "sliding_window": cfg.sliding_window or cfg.max_len, "layer_types": _hf_layer_types(cfg)}
     if family in ("qwen3_5_text", "qwen3_next"):
         mixer = cfg.linear_attention
         config |= {"attention_bias": False, "layer_types": [f"{kind}_attention" for kind in cfg.layer_types],

@@ -87,8 +87,12 @@ def test_the_golden_equals_transformers_gpt_oss_at_float64(checkpoint, tmp_path)
             assert not compare(logits, ours, tolerance).passed, mistake
 
 
-def test_gpt_oss_tiny_written_imports_back_and_runs_in_transformers(tmp_path):
-    written_round_trip(GPT_OSS, tmp_path / "gpt-oss-tiny")
+@pytest.mark.parametrize("changes", [{}, {"layer_types": None}, {"layer_types": None, "sliding_window": None}],
+                         ids=["sliding-then-full", "every-layer-sliding", "no-window"])
+def test_gpt_oss_tiny_written_imports_back_and_runs_in_transformers(tmp_path, changes):
+    """Without a sliding layer the writer still gives a window (max_len, which no layer takes):
+    GptOssModel builds its sliding mask whatever its layers, and refuses a null window."""
+    written_round_trip(GPT_OSS.replace(**changes), tmp_path / "gpt-oss-tiny")
 
 
 def test_the_transformers_column_passes_gpt_oss_whole_model_cases(checkpoint):
