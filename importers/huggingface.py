@@ -63,7 +63,8 @@ what is done to it), every shape is checked, and a mismatch is refused with the 
   [E, d, 2·d_ff] with the gate in the even columns and up in the odd ones (interleaved), its bias
   [E, 2·d_ff] likewise, ``down_proj`` [E, d_ff, d] and its bias [E, d]. The experts' clamped SwiGLU
   (swiglu_limit, swiglu_alpha) is read; hidden_act, which the class does not apply, is not. The
-  published files' MXFP4 experts (quantization_config) are refused: dequantized files import.
+  published files' MXFP4 experts (``gate_up_proj_blocks`` and ``_scales``, uint8) are dequantized
+  exactly (``dequantize_mxfp4``); another quantization_config is refused.
 
 nn.Linear stores [out, in]: those weights are transposed. Anything a family needs that the spec
 cannot express is refused with a ConfigError naming the config.json field and its value.
@@ -294,10 +295,14 @@ def _read_tensors(files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
             if name == "__metadata__":
                 continue
             kind = entry.get("dtype")
-            if kind not in _FLOAT_TYPES:
+            packed = kind == "U8" and name.endswith(_MXFP4_PARTS)  # MXFP4's bytes, unpacked by _dequantized_mxfp4
+            if kind not in _FLOAT_TYPES and not packed:
                 raise WeightsError(f"{path.name}: tensor {name} has dtype {kind}; the importer reads "
-                                   f"{', '.join(_FLOAT_TYPES)} only")
+                                   f"{', '.join(_FLOAT_TYPES)} only (and U8 as MXFP4's blocks and scales)")
             begin, end = entry["data_offsets"]
+            if packed:
+                tensors[name] = np.frombuffer(data[start + begin:start + end], np.uint8).reshape(entry["shape"])
+                continue
             raw = np.frombuffer(data[start + begin:start + end], dtype=np.dtype(_FLOAT_TYPES[kind]).newbyteorder("<"))
             if kind == "BF16":  # bfloat16 is the top half of a float32
                 value = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -314,6 +319,47 @@ def _read_tensors(files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
         notes.append(f"{len(rounded)} float64 tensor(s) rounded to float32, the spec's weight dtype "
                      f"(first: {rounded[0]})")
     return tensors
+
+
+# ---- MXFP4: the published gpt-oss files' experts -----------------------------------------------------
+
+_MXFP4_PARTS = ("_blocks", "_scales")
+# FP4 (E2M1) by its 4-bit code: sign, two exponent bits, one mantissa bit
+_FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling) as gpt-oss stores its experts: each byte two FP4 values, the low nibble
+    first, each block of 32 times 2^(scale − 127). Exact in float32 (two significant bits times a power
+    of two). blocks [E, out, G, 16] uint8, scales [E, out, G] uint8 -> [E, 32·G, out]: [in, out], as
+    GptOssExperts holds it."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise WeightsError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales {list(scales.shape)} "
+                           f"({scales.dtype}): expected uint8 blocks [..., G, 16] and uint8 scales [..., G]")
+    values = np.empty(blocks.shape[:-1] + (32,), np.float32)
+    values[..., 0::2] = _FP4_E2M1[blocks & 0x0F]
+    values[..., 1::2] = _FP4_E2M1[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2)
+
+
+def _dequantized_mxfp4(tensors: dict[str, np.ndarray], notes: list[str]) -> dict[str, np.ndarray]:
+    """The checkpoint with each MXFP4 pair (name_blocks, name_scales) replaced by the tensor it stores
+    (name, dequantized exactly); a part without its pair is refused."""
+    stems = {key[:-len(part)] for key in tensors for part in _MXFP4_PARTS if key.endswith(part)}
+    if not stems:
+        return tensors
+    unpaired = sorted(stem + part for stem in stems for part in _MXFP4_PARTS if stem + part not in tensors)
+    if unpaired:
+        raise WeightsError(f"MXFP4 tensors without their pair: missing {', '.join(unpaired)}")
+    unpacked = {key: value for key, value in tensors.items() if not key.endswith(_MXFP4_PARTS)}
+    for stem in sorted(stems):
+        unpacked[stem] = dequantize_mxfp4(tensors[stem + "_blocks"], tensors[stem + "_scales"])
+    notes.append(f"{len(stems)} tensor(s) stored as MXFP4 (FP4 blocks of 32 with a power-of-two scale each) "
+                 f"dequantized exactly to float32: the weights the file stores (first: {min(stems)})")
+    return unpacked
 
 
 # ---- config.json -> ModelConfig ------------------------------------------------------------------
@@ -952,10 +998,11 @@ def _gpt_oss_config(hf: Mapping[str, Any], notes: list[str]) -> ModelConfig:
     quantization = hf.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ConfigError(f"quantization_config.quant_method = {json.dumps(method)}: the experts are stored quantized "
-                          "(MXFP4 blocks and scales, the published files' form), not as the weights the spec reads; "
-                          "import a dequantized copy (transformers' from_pretrained with "
-                          "Mxfp4Config(dequantize=True), then save_pretrained)")
+        if method != "mxfp4":
+            raise ConfigError(f"quantization_config.quant_method = {json.dumps(method)}: the importer reads gpt-oss's "
+                              "experts as stored, or as MXFP4 (the published files' form, dequantized exactly)")
+        notes.append("quantization_config.quant_method = mxfp4: the experts' MXFP4 blocks are dequantized, the "
+                     "weights the file stores; the spec's computation on them is float (no FP4 arithmetic)")
     hf = {**_GPT_OSS_DEFAULTS, **hf}
     if not any(hf.get(name) for name in ("rope_scaling", "rope_parameters")):
         hf["rope_parameters"] = _GPT_OSS_ROPE
@@ -1604,6 +1651,7 @@ def import_huggingface(directory: str | os.PathLike) -> Imported:
     notes: list[str] = []
     cfg = _CONFIGS[family](hf, notes)
     tensors = _read_tensors(_checkpoint_files(directory), notes)
+    tensors = _dequantized_mxfp4(tensors, notes)
     if family == "gpt2":
         prefix = "transformer." if any(key.startswith("transformer.") for key in tensors) else ""
         rules = gpt2_mapping(cfg, prefix)

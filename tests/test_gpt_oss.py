@@ -125,7 +125,6 @@ def test_gpt_oss_config_classes_defaults_are_read_where_the_file_has_none(tmp_pa
 
 @pytest.mark.parametrize("changes, message", [
     (dict(attention_bias=False), "attention_bias = false: q, k, v and o without biases while the experts keep"),
-    (dict(quantization_config={"quant_method": "mxfp4"}), 'quant_method = "mxfp4": the experts are stored quantized'),
     (dict(swiglu_limit=0), "swiglu_limit = 0: the clamped SwiGLU's limit and gain are positive"),
     (dict(sliding_window=None), "layer_types has sliding layers .* but sliding_window is null"),
 ])
@@ -187,3 +186,69 @@ def test_a_router_probability_under_float16s_normals_may_round_to_zero_and_no_fu
     float32_router = GPT_OSS.replace(moe=dataclasses.replace(GPT_OSS.moe, router_softmax="float32"))
     assert probability_underflow(GPT_OSS, "float16") == 2.0 ** -25
     assert probability_underflow(float32_router, "float16") == 2.0 ** -150
+
+
+# ---- the published files' MXFP4 experts ----
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """A random gpt-oss (d 64, experts of 32: whole blocks of 32 inputs) whose experts are stored as the
+    published files store them: MXFP4 blocks and scales (random bytes, scales 2⁻⁶ … 2⁻²)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    config = transformers.GptOssConfig(**{**_gpt_oss().to_dict(), "hidden_size": 64, "intermediate_size": 32,
+                                          "num_hidden_layers": 2, "layer_types": None})
+    directory = random_checkpoint("gpt_oss", config, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "hf")
+    quantized = shutil.copytree(directory, directory.parent / "mxfp4")
+    tensors, rng = load_file(quantized / "model.safetensors"), np.random.default_rng(0)
+    for key in [key for key in tensors if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors.pop(key).shape
+        tensors[f"{key}_blocks"] = rng.integers(0, 256, (experts, n_out, n_in // 32, 16), dtype=np.uint8)
+        tensors[f"{key}_scales"] = rng.integers(121, 126, (experts, n_out, n_in // 32), dtype=np.uint8)
+    save_file(tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    written = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**written, "quantization_config": {"quant_method": "mxfp4"}}))
+    return quantized
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_dequantizes_them(mxfp4_checkpoint, tmp_path):
+    """The import of the MXFP4 file is bit for bit the import of the same file dequantized by
+    transformers' own convert_moe_packed_tensors (its loader's, which needs accelerate here)."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from spec import params_digest
+
+    imported = import_huggingface(mxfp4_checkpoint)
+    assert any("MXFP4" in note and "dequantized exactly" in note for note in imported.notes)
+
+    def dequantized_by_transformers(tensors):
+        plain = {key: value for key, value in tensors.items() if not key.endswith(("_blocks", "_scales"))}
+        for key in [key for key in tensors if key.endswith("_blocks")]:
+            stem = key.removesuffix("_blocks")
+            plain[stem] = convert_moe_packed_tensors(torch.from_numpy(tensors[key]), torch.from_numpy(
+                tensors[f"{stem}_scales"]), dtype=torch.float32).numpy()
+        return plain
+
+    plain = _rewrite(mxfp4_checkpoint, tmp_path / "plain", dequantized_by_transformers)
+    assert params_digest(import_huggingface(plain).params) == params_digest(imported.params)
+    # and not as halves of a byte read the other way round (the high nibble first)
+    swapped = _rewrite(mxfp4_checkpoint, tmp_path / "swapped", lambda tensors: {
+        key: ((value << 4) | (value >> 4)).astype(np.uint8) if key.endswith("_blocks") else value
+        for key, value in tensors.items()})
+    assert params_digest(import_huggingface(swapped).params) != params_digest(imported.params)
+
+
+def test_an_mxfp4_part_without_its_pair_or_another_quantization_is_refused(mxfp4_checkpoint, tmp_path):
+    from spec import WeightsError
+
+    lonely = _rewrite(mxfp4_checkpoint, tmp_path / "lonely", lambda tensors: {
+        key: value for key, value in tensors.items() if key != "model.layers.0.mlp.experts.down_proj_scales"})
+    with pytest.raises(WeightsError, match="MXFP4 tensors without their pair: missing "
+                                           "model.layers.0.mlp.experts.down_proj_scales"):
+        import_huggingface(lonely)
+    with pytest.raises(ConfigError, match='quant_method = "bitsandbytes": the importer reads'):
+        import_huggingface(_with_config(tmp_path, mxfp4_checkpoint, quantization_config={"quant_method": "bitsandbytes"}))
