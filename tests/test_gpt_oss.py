@@ -217,7 +217,6 @@ def mxfp4_checkpoint(tmp_path_factory):
 def test_mxfp4_experts_are_dequantized_as_transformers_dequantizes_them(mxfp4_checkpoint, tmp_path):
     """The import of the MXFP4 file is bit for bit the import of the same file dequantized by
     transformers' own convert_moe_packed_tensors (its loader's, which needs accelerate here)."""
-    from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from spec import params_digest
