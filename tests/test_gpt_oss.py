@@ -5,6 +5,8 @@ stored fused, [in, out], gate and up interleaved, with the clamped SwiGLU. Each 
 failing on the mistake it is there for (the sinks dropped, the ramp truncated, gate and up read as
 halves)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -29,14 +31,15 @@ GPT_OSS = get_preset("gpt-oss-tiny")
 def _gpt_oss(**fields):
     """A random gpt-oss of 3 layers (sliding, full, sliding; a window of 3), 4 query heads of 16 over 2
     key/value heads, d 48, 5 experts of 24, 2 per token, the clamp at 1.5 with gain 1.3 (so that these
-    weights' units are clamped), YaRN untruncated (factor 4 over 512, θ 30000), ε 3e-6."""
-    return transformers.GptOssConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=3, num_local_experts=5, num_experts_per_tok=2,
-        swiglu_limit=1.5, swiglu_alpha=1.3, max_position_embeddings=4096, rms_norm_eps=3e-6,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 30000.0, "factor": 4.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512},
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+    weights' units are clamped), YaRN untruncated (factor 4 over 512, θ 30000), ε 3e-6; fields replace these."""
+    return transformers.GptOssConfig(**{
+        "vocab_size": 97, "hidden_size": 48, "intermediate_size": 24, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 3,
+        "num_local_experts": 5, "num_experts_per_tok": 2, "swiglu_limit": 1.5, "swiglu_alpha": 1.3,
+        "max_position_embeddings": 4096, "rms_norm_eps": 3e-6,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 30000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 512},
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **fields})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def test_the_golden_equals_transformers_gpt_oss_at_float64(checkpoint, tmp_path)
     ids, keep = _padded_batch(cfg)
     long_ids = np.random.default_rng(2).integers(1, cfg.tgt_vocab_size, (1, 300))
     sinkless = {name: value for name, value in imported.params.items() if not name.endswith(".sinks")}
-    truncated = cfg.replace(rope_scaling=cfg.rope_scaling.__class__(**{**cfg.rope_scaling.__dict__, "truncate": True}))
+    truncated = cfg.replace(rope_scaling=dataclasses.replace(cfg.rope_scaling, truncate=True))
     halves = import_huggingface(_rewrite(checkpoint, tmp_path / "halves", _interleaving_read_as_halves)).params
     for tokens, real in ((ids, keep), (long_ids, np.ones_like(long_ids, bool))):
         ours = golden.forward(cfg, imported.params, None, tokens, tgt_keep=real)
@@ -145,8 +148,6 @@ def test_the_writer_refuses_what_gpt_oss_does_not_hold(tmp_path, changes, messag
 
 
 def test_the_writer_refuses_a_router_softmax_in_float32():
-    import dataclasses
-
     cfg = GPT_OSS.replace(moe=dataclasses.replace(GPT_OSS.moe, router_softmax="float32"))
     with pytest.raises(ConfigError, match="moe.router_softmax = 'float32': gpt-oss's mixture has"):
         family_of(cfg)
@@ -165,8 +166,6 @@ def test_a_router_probability_under_float16s_normals_may_round_to_zero_and_no_fu
     subnormal or 0, which a relative bound cannot cover (torch's float16 router gave 0 for a golden
     2.3e-8 on gpt-oss-20b's layer shape). Half float16's smallest subnormal is added to the bound: a
     0 there passes, a 2⁻²⁰ fails, and a router whose softmax is float32 keeps float32's floor."""
-    import dataclasses
-
     from conformance.backends.numpy_backend import golden_output
     from conformance.cases import build_case
     from conformance.diagnosis.routing import compare_router, probability_underflow
@@ -199,8 +198,7 @@ def mxfp4_checkpoint(tmp_path_factory):
 
     from safetensors.numpy import load_file, save_file
 
-    config = transformers.GptOssConfig(**{**_gpt_oss().to_dict(), "hidden_size": 64, "intermediate_size": 32,
-                                          "num_hidden_layers": 2, "layer_types": None})
+    config = _gpt_oss(hidden_size=64, intermediate_size=32, num_hidden_layers=2)
     directory = random_checkpoint("gpt_oss", config, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "hf")
     quantized = shutil.copytree(directory, directory.parent / "mxfp4")
     tensors, rng = load_file(quantized / "model.safetensors"), np.random.default_rng(0)
