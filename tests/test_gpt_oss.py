@@ -248,4 +248,5 @@ def test_an_mxfp4_part_without_its_pair_or_another_quantization_is_refused(mxfp4
                                            "model.layers.0.mlp.experts.down_proj_scales"):
         import_huggingface(lonely)
     with pytest.raises(ConfigError, match='quant_method = "bitsandbytes": the importer reads'):
-        import_huggingface(_with_config(tmp_path, mxfp4_checkpoint, quantization_config={"quant_method": "bitsandbytes"}))
+        import_huggingface(_with_config(tmp_path, mxfp4_checkpoint,
+                                        quantization_config={"quant_method": "bitsandbytes"}))
